@@ -1,0 +1,109 @@
+"""`ostinato` command line: one subcommand per job, each a thin wrapper over the package."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ostinato.config import ConfigError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory or synth:PRESET[?seed=S&layers=N]")
+    p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if present)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--max-context", type=int, help="KV cache size in tokens")
+
+
+def _runner_settings(a):
+    from ostinato.engine.runner import RunnerSettings
+
+    return RunnerSettings(device=a.device, dtype=a.dtype, max_context=a.max_context)
+
+
+def cmd_synth(a) -> int:
+    from ostinato.synth.build import write_checkpoint
+
+    t0 = time.perf_counter()
+    from ostinato.synth.weights import DEFAULT_SKEW
+
+    skew = DEFAULT_SKEW if a.skew is None else a.skew
+    out = write_checkpoint(a.preset, a.out, seed=a.seed, layers=a.layers, skew=skew,
+                           progress=lambda i, n: print(f"  shard {i}/{n}", file=sys.stderr))
+    print(f"wrote {a.preset} to {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.sampling import SamplingParams
+    from ostinato.engine.session import GenerationStats
+
+    t0 = time.perf_counter()
+    loaded = load_engine(a.model, _runner_settings(a))
+    load_s = time.perf_counter() - t0
+    tok = loaded.tokenizer
+    prompt = tok.encode(a.prompt) if a.raw else tok.render_ids([{"role": "user", "content": a.prompt}])
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    stats = GenerationStats()
+    dec = tok.stream_decoder()
+    ids = []
+    for t in loaded.engine.generate(prompt, params, stats=stats):
+        ids.append(t)
+        if not a.json:
+            print(dec.feed(t), end="", flush=True)
+    if a.json:
+        print(json.dumps({
+            "model": a.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype),
+            "prompt_tokens": stats.prompt_tokens, "output_ids": ids, "text": tok.decode(ids),
+            "finish_reason": stats.finish_reason, "load_s": round(load_s, 3),
+            "prefill_ms": round(1000 * stats.prefill_s, 3), "tpot_ms": round(stats.decode_ms_per_token, 3),
+        }))
+    else:
+        print(dec.flush())
+        print(f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} generated; prefill "
+              f"{1000 * stats.prefill_s:.1f} ms, {stats.decode_ms_per_token:.2f} ms/token]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ostinato", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("synth", help="write a synthetic checkpoint in the Hugging Face format")
+    p.add_argument("--preset", required=True, choices=["tiny", "qwen3-30b-a3b"])
+    p.add_argument("--layers", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=None, help="router bias scale (default: the calibrated one)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
+    p.set_defaults(func=cmd_generate)
+
+    from ostinato.planner.cli import add_planner_commands
+
+    add_planner_commands(sub, _add_model_args)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"ostinato: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The model runner: the only owner of devices, memory and the experts placement.
+
+It materialises the dense model on the compute device, plugs an experts backend into
+the model's MoE blocks (all on one device by default; hybrid or a baseline policy when
+given one), owns the KV cache and runs forward passes, chunked for long prompts.
+
+Legend: T tokens of a pass, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.engine.kv_cache import KVCache
+from ostinato.layers.moe.reference import ReferenceExperts
+from ostinato.loader.build import build_model, load_all_experts
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    device: str | None = None  # default: cuda if present, else cpu
+    dtype: str | None = None  # default: the checkpoint's (bf16 on GPU, fp32 on CPU)
+    max_context: int | None = None  # default: min(16384, max_position_embeddings)
+    prefill_chunk: int = 2048
+
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device) if self.device else default_device()
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        if self.dtype:
+            return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                    "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[self.dtype]
+        # CPUs compute bf16 matmuls slowly and less exactly in torch's portable path
+        return checkpoint_dtype if self.torch_device().type == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, source, settings: RunnerSettings = RunnerSettings(), experts=None):
+        self.settings = settings
+        self.config = source.config
+        self.device = settings.torch_device()
+        self.dtype = settings.torch_dtype(self.config.torch_dtype)
+        self.experts = experts if experts is not None else ReferenceExperts(
+            load_all_experts(source, device=self.device, dtype=self.dtype))
+        self.model = build_model(source, self.device, self.dtype)
+        self.model.set_experts(self.experts)
+        max_context = settings.max_context or min(16384, self.config.max_position_embeddings)
+        self.kv = KVCache(self.config, max_context, self.device, self.dtype)
+
+    @property
+    def max_context(self) -> int:
+        return self.kv.max_tokens
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions [start, start + T), in chunks; logits of the last token [V]
+        (or of every token [T, V] with all_logits)."""
+        if start + len(tokens) > self.max_context:
+            raise ValueError(f"{start + len(tokens)} tokens exceed the context of {self.max_context}")
+        outs = []
+        chunk = self.settings.prefill_chunk
+        for s in range(0, len(tokens), chunk):
+            ids = torch.tensor(tokens[s:s + chunk], dtype=torch.long, device=self.device)
+            pos = torch.arange(start + s, start + s + ids.shape[0], device=self.device)
+            hidden = self.model(ids, pos, self.kv.layers, start + s)
+            outs.append(self.model.logits(hidden if all_logits else hidden[-1:]))
+        logits = torch.cat(outs) if all_logits else outs[-1][0]
+        return logits

@@ -1,0 +1,37 @@
+"""Typed hand-offs between the MoE seams: router -> dispatch -> experts -> combine.
+
+Legend: T tokens, K experts per token (top-k), E experts per layer, D hidden size,
+F expert FFN size (moe_intermediate_size), S hot slots in a pool.
+
+Expert weights of one layer are stacked, in the checkpoint's own row-major layout:
+  w13[E, 2F, D]  gate_proj rows [0, F) then up_proj rows [F, 2F)
+  w2 [E, D, F]   down_proj
+One expert computes  y = w2 @ (silu(w13[:F] @ x) * (w13[F:] @ x)).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class TopKOutput(NamedTuple):
+    """Routing of T tokens in one MoE layer."""
+
+    ids: torch.Tensor  # [T, K] int64 expert ids, in the router's top-k order
+    weights: torch.Tensor  # [T, K] float32 routing weights (renormalised if norm_topk_prob)
+
+
+class ExpertWeights(NamedTuple):
+    """The routed experts of one MoE layer, stacked."""
+
+    w13: torch.Tensor  # [E, 2F, D]
+    w2: torch.Tensor  # [E, D, F]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def expert_bytes(self) -> int:
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()

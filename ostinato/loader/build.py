@@ -1,0 +1,52 @@
+"""A weight source -> the dense model on a device, and the routed experts stacked per layer.
+
+The dense part (attention, norms, routers, embeddings, dense MLPs) is built on the meta
+device and materialised once where the runner says; each parameter is loaded by its
+Hugging Face name with a shape check. Experts are loaded separately, because where
+they live (GPU, page-locked host memory, a pool) is the runner's decision, not the
+model's.
+"""
+from __future__ import annotations
+
+import torch
+
+from ostinato.config import ConfigError, ModelConfig
+from ostinato.layers.moe.types import ExpertWeights
+from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
+
+
+def build_model(source, device: torch.device | str, dtype: torch.dtype | None = None) -> Qwen3MoeForCausalLM:
+    cfg: ModelConfig = source.config
+    dtype = dtype or cfg.torch_dtype
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    known = set(source.names())
+    for name, p in model.named_parameters():
+        if name not in known:
+            raise ConfigError(f"the checkpoint lacks tensor {name!r} that config.json implies")
+        with torch.no_grad():
+            source.load_(name, p.data)
+    return model.eval().requires_grad_(False)
+
+
+def alloc_experts(cfg: ModelConfig, device, dtype: torch.dtype, pin: bool = False) -> ExpertWeights:
+    E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    w13 = torch.empty((E, 2 * F, D), dtype=dtype, device=device, pin_memory=pin)
+    w2 = torch.empty((E, D, F), dtype=dtype, device=device, pin_memory=pin)
+    return ExpertWeights(w13, w2)
+
+
+def load_experts(source, layer: int, device="cpu", dtype=None, pin: bool = False) -> ExpertWeights:
+    """One layer's experts, stacked, in memory allocated once (page-locked if `pin`)."""
+    cfg = source.config
+    w = alloc_experts(cfg, device, dtype or cfg.torch_dtype, pin)
+    with torch.no_grad():
+        source.load_experts_(layer, w.w13, w.w2)
+    return w
+
+
+def load_all_experts(source, device="cpu", dtype=None, pin: bool = False) -> dict[int, ExpertWeights]:
+    return {i: load_experts(source, i, device, dtype, pin) for i in source.config.moe_layers}

@@ -1,0 +1,138 @@
+"""Where weights come from: a Hugging Face checkpoint directory, or a synthetic model.
+
+Both give the same interface: a `ModelConfig`, tensor names and shapes, and `load_`
+that writes a named tensor into memory the caller allocated (so experts land straight
+in their stacked, possibly page-locked, per-layer buffers, with no second copy).
+
+A model argument is a directory, or `synth:PRESET[?seed=S&layers=N&skew=X]`: a
+synthetic model generated into memory with deterministic per-tensor seeds; the same
+values `ostinato synth` writes to disk.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from urllib.parse import parse_qsl
+
+import torch
+from safetensors import safe_open
+
+from ostinato.config import ConfigError, ModelConfig
+
+
+class CheckpointSource:
+    """A Hugging Face checkpoint directory (config.json, *.safetensors [+ index])."""
+
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+        if not self.dir.is_dir():
+            raise ConfigError(f"{self.dir}: no such model directory (give a checkpoint folder or synth:PRESET)")
+        self.config = ModelConfig.from_file(self.dir / "config.json")
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {n: self.dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            shards = sorted(self.dir.glob("*.safetensors"))
+            if not shards:
+                raise ConfigError(f"{self.dir}: no *.safetensors files (and no model.safetensors.index.json)")
+            self.files = {}
+            for f in shards:
+                with safe_open(f, framework="pt") as h:
+                    self.files |= {n: f for n in h.keys()}
+        missing = {f for f in self.files.values() if not f.is_file()}
+        if missing:
+            raise ConfigError(f"{self.dir}: the index names missing shard(s) {sorted(p.name for p in missing)}")
+        self._handles: dict[Path, object] = {}
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.dir
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def _handle(self, f: Path):
+        if f not in self._handles:
+            self._handles[f] = safe_open(f, framework="pt")  # memory-mapped
+        return self._handles[f]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._file(name)).get_slice(name).get_shape())
+
+    def _file(self, name: str) -> Path:
+        if name not in self.files:
+            raise ConfigError(f"{self.dir}: the checkpoint has no tensor {name!r}")
+        return self.files[name]
+
+    def load_(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        shape = self.shape(name)
+        if shape != tuple(out.shape):
+            raise ConfigError(
+                f"{self.dir}: tensor {name!r} has shape {list(shape)}, but config.json implies {list(out.shape)}"
+            )
+        return out.copy_(self._handle(self.files[name]).get_tensor(name))
+
+    def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        F = w2.shape[-1]
+        p = f"model.layers.{layer}.mlp.experts."
+        for e in range(w13.shape[0]):
+            self.load_(f"{p}{e}.gate_proj.weight", w13[e, :F])
+            self.load_(f"{p}{e}.up_proj.weight", w13[e, F:])
+            self.load_(f"{p}{e}.down_proj.weight", w2[e])
+
+
+class SynthSource:
+    """A synthetic model generated on demand (see ostinato.synth)."""
+
+    def __init__(self, spec, tokenizer_dir: Path, config: dict):
+        self.spec = spec
+        self.tokenizer_dir = tokenizer_dir
+        self.config = ModelConfig.from_dict(config)
+        self.generate_on = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def names(self) -> list[str]:
+        return list(self.spec.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.spec.shapes[name]
+
+    def load_(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        if out.device.type == self.generate_on:
+            return self.spec.fill_(name, out)
+        return out.copy_(self.spec.tensor(name, device=self.generate_on, dtype=out.dtype))
+
+    def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        if w13.device.type == self.generate_on:
+            return self.spec.fill_experts_(layer, w13, w2)
+        # generate on the GPU a few experts at a time, copy to host memory
+        step = 8
+        for e in range(0, w13.shape[0], step):
+            a = torch.empty_like(w13[e:e + step], device=self.generate_on)
+            b = torch.empty_like(w2[e:e + step], device=self.generate_on)
+            self.spec.fill_experts_(layer, a, b, first=e)
+            w13[e:e + step].copy_(a)
+            w2[e:e + step].copy_(b)
+
+
+def parse_synth(text: str) -> tuple[str, dict]:
+    """'synth:tiny?seed=1&layers=2' -> ('tiny', {'seed': 1, 'layers': 2})."""
+    body = text[len("synth:"):]
+    preset, _, query = body.partition("?")
+    kinds = {"seed": int, "layers": int, "skew": float}
+    opts = {}
+    for k, v in parse_qsl(query, strict_parsing=bool(query)):
+        if k not in kinds:
+            raise ConfigError(f"unknown synth option {k!r} in {text!r} (known: {', '.join(kinds)})")
+        opts[k] = kinds[k](v)
+    return preset, opts
+
+
+def open_source(model: str | Path):
+    """A model argument -> a weight source."""
+    text = str(model)
+    if text.startswith("synth:"):
+        from ostinato.synth.build import synth_source
+
+        preset, opts = parse_synth(text)
+        return synth_source(preset, **opts)
+    return CheckpointSource(text)

@@ -1,0 +1,120 @@
+"""Rotary position embeddings and the `rope_scaling` variants a Qwen3 config may carry.
+
+Each variant only changes the inverse frequencies (and, for yarn, a scale on cos/sin),
+so the model asks `RotaryEmbedding` for (cos, sin) of the positions of a pass and
+applies them the same way whatever the variant.
+
+Legend: T tokens, H heads, Hd head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ostinato.config import ConfigError, ModelConfig
+
+SUPPORTED = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _yarn(base: float, dim: int, sc: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    orig = sc.get("original_max_position_embeddings") or max_pos
+    factor = sc.get("factor") or max_pos / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = sc.get("attention_factor")
+    if attn is None:
+        m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(sc.get("beta_fast") or 32), correction_dim(sc.get("beta_slow") or 1)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attn)
+
+
+def _llama3(inv: torch.Tensor, sc: dict) -> torch.Tensor:
+    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old_len = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Computes (cos, sin) for positions; holds no parameters, so models stay pure."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.dim = cfg.head_dim
+        self.base = cfg.rope_theta
+        self.max_pos = cfg.max_position_embeddings
+        sc = dict(cfg.rope_scaling or {})
+        self.kind = sc.get("rope_type", sc.get("type", "default"))
+        if self.kind not in SUPPORTED:
+            raise ConfigError(f"rope_scaling type {self.kind!r} is not supported (supported: {SUPPORTED})")
+        self.scaling = sc
+        self.attention_scale = 1.0
+        with torch.device("cpu"):  # even when the model is built on the meta device
+            self.inv_freq = self._init_inv_freq(sc)
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def _init_inv_freq(self, sc: dict) -> torch.Tensor:
+        inv = _base_inv_freq(self.base, self.dim)
+        if self.kind == "linear":
+            inv = inv / sc["factor"]
+        elif self.kind == "yarn":
+            inv, self.attention_scale = _yarn(self.base, self.dim, sc, self.max_pos)
+        elif self.kind == "llama3":
+            inv = _llama3(inv, sc)
+        return inv
+
+    def _inv_freq_for(self, seq_len: int) -> torch.Tensor:
+        if self.kind != "dynamic":
+            return self.inv_freq
+        with torch.device("cpu"):
+            return self._dynamic_inv_freq(seq_len)
+
+    def _dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
+        orig = self.scaling.get("original_max_position_embeddings") or self.max_pos
+        if seq_len <= orig:
+            return self.inv_freq
+        factor = self.scaling["factor"]
+        base = self.base * ((factor * seq_len / orig) - (factor - 1)) ** (self.dim / (self.dim - 2))
+        return _base_inv_freq(base, self.dim)
+
+    def __call__(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype):
+        """positions [T] -> cos, sin [T, Hd] in `dtype` (computed in fp32)."""
+        inv = self._inv_freq_for(seq_len)
+        if inv is self.inv_freq:  # cached per device: no copy in the hot path
+            inv = self._on_device.setdefault(positions.device, inv.to(positions.device))
+        else:
+            inv = inv.to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scale).to(dtype), (emb.sin() * self.attention_scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, Hd]; cos/sin [T, Hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,31 @@
+"""Run sessions through the engine and count routes (the `profile` step of planning)."""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ostinato.planner.profile import CountingExperts, RouteCounts, session_stream
+
+
+def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profile") -> RouteCounts:
+    runner, tok, cfg = loaded.runner, loaded.tokenizer, loaded.runner.config
+    counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
+    counter = CountingExperts(runner.experts, counts)
+    runner.model.set_experts(counter)
+    chunk = runner.settings.prefill_chunk
+    try:
+        for s in tqdm(sessions, desc=desc, disable=not progress, unit="session"):
+            st = session_stream(s, tok, max_tokens=runner.max_context)
+            for i in range(0, len(st.ids), chunk):
+                part = st.is_output[i:i + chunk]
+                counter.is_output = torch.tensor(part, dtype=torch.bool, device=runner.device)
+                runner.forward(st.ids[i:i + chunk], i)
+            n_out = sum(st.is_output)
+            counts.tokens["decode"] += n_out
+            counts.tokens["prefill"] += len(st.ids) - n_out
+            counts.sessions += 1
+    finally:
+        runner.model.set_experts(runner.experts)
+    counts.prefill = {l: c.cpu() for l, c in counts.prefill.items()}
+    counts.decode = {l: c.cpu() for l, c in counts.decode.items()}
+    return counts

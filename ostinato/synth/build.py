@@ -1,0 +1,146 @@
+"""Synthetic checkpoints: tokenizer + config + weights, on disk or in memory.
+
+`write_checkpoint` writes exactly the Hugging Face layout of Qwen3-30B-A3B (config.json,
+sharded safetensors with an index, tokenizer.json, tokenizer_config.json with the chat
+template, generation_config.json). `synth_source` gives the same model without the
+disk: the tokenizer is trained once and cached, the weights are generated on demand.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ostinato.synth.presets import TOKENIZER_VOCAB
+from ostinato.synth.weights import DEFAULT_SKEW, SynthSpec
+
+SHARD_BYTES = 4 * 2**30
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OSTINATO_CACHE", Path.home() / ".cache" / "ostinato"))
+
+
+def find_workloads() -> Path | None:
+    """The recorded sessions, if this checkout sits beside them (../shared/workloads)."""
+    env = os.environ.get("OSTINATO_WORKLOADS")
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve()
+    candidates += [p / "shared" / "workloads" for p in (Path.cwd().parent, *here.parents)]
+    return next((p for p in candidates if p.is_dir()), None)
+
+
+def training_texts(max_chars: int = 24_000_000) -> tuple[list[str], str]:
+    """Agent-like text for the tokenizer: the recorded workloads, else generated sessions."""
+    from ostinato.bench.sessions import load_sessions
+    from ostinato.bench.text import session_texts
+
+    workloads = find_workloads()
+    sessions = load_sessions(str(workloads) if workloads else "embedded")
+    texts, total = [], 0
+    for t in session_texts(sessions):
+        texts.append(t)
+        total += len(t)
+        if total >= max_chars:
+            break
+    return texts, text_origin()
+
+
+def text_origin() -> str:
+    workloads = find_workloads()
+    return f"workloads:{workloads.resolve()}" if workloads else "embedded"
+
+
+def train_for(preset: str, out_dir: Path):
+    from ostinato.synth.tokenizer import train_tokenizer
+
+    texts, _ = training_texts()
+    return train_tokenizer(texts, TOKENIZER_VOCAB[preset], out_dir)
+
+
+def cached_tokenizer(preset: str) -> Path:
+    """Train the preset's tokenizer once per text origin; later calls reuse it."""
+    here = Path(__file__).parent
+    trainer = (here / "tokenizer.py").read_bytes() + (here / "chat_template.py").read_bytes()
+    key = hashlib.sha1(f"{preset}:{TOKENIZER_VOCAB[preset]}:{text_origin()}".encode() + trainer).hexdigest()[:12]
+    d = cache_dir() / "tokenizers" / f"{preset}-{key}"
+    if not (d / "tokenizer.json").is_file():
+        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        train_for(preset, tmp)
+        tmp.rename(d) if not d.exists() else None
+    return d
+
+
+def model_config(spec: SynthSpec, tok_dir: Path) -> dict:
+    tc = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    vocab = json.loads((tok_dir / "tokenizer.json").read_text())
+    specials = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    cfg = dict(spec.config)
+    cfg["bos_token_id"] = specials["<|endoftext|>"]
+    cfg["eos_token_id"] = specials[tc.get("eos_token", "<|im_end|>")]
+    return cfg
+
+
+def tokenizer_vocab_size(tok_dir: Path) -> int:
+    vocab = json.loads((tok_dir / "tokenizer.json").read_text())
+    ids = list(vocab["model"]["vocab"].values()) + [t["id"] for t in vocab["added_tokens"]]
+    return max(ids) + 1
+
+
+def synth_source(preset: str, seed: int = 0, layers: int | None = None, skew: float = DEFAULT_SKEW):
+    from ostinato.loader.source import SynthSource
+
+    tok = cached_tokenizer(preset)
+    spec = SynthSpec(preset, layers, seed, skew, active_vocab=tokenizer_vocab_size(tok))
+    return SynthSource(spec, tok, model_config(spec, tok))
+
+
+def generation_config(cfg: dict) -> dict:
+    return {"bos_token_id": cfg["bos_token_id"], "eos_token_id": [cfg["eos_token_id"], cfg["bos_token_id"]],
+            "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+            "transformers_version": cfg["transformers_version"]}
+
+
+def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None = None,
+                     skew: float = DEFAULT_SKEW, progress=None) -> Path:
+    """Write a synthetic checkpoint directory; returns it."""
+    import shutil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = cached_tokenizer(preset)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / f, out / f)
+    spec = SynthSpec(preset, layers, seed, skew, active_vocab=tokenizer_vocab_size(tok))
+    cfg = model_config(spec, tok)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shards, cur, size = [], [], 0
+    for name, shape in spec.shapes.items():
+        nbytes = 2 * int(torch.Size(shape).numel())
+        if cur and size + nbytes > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += nbytes
+    shards.append(cur)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: spec.tensor(n, device=device).cpu() for n in names}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, out / fname, metadata={"format": "pt"})
+        weight_map |= {n: fname for n in names}
+        if progress:
+            progress(i + 1, len(shards))
+    index = {"metadata": {"total_size": total, "ostinato_synth": {"preset": preset, "seed": seed,
+                                                                  "layers": layers, "skew": skew}},
+             "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out

@@ -1,0 +1,76 @@
+"""Synthetic model presets: config.json contents with the real Qwen3-30B-A3B keys.
+
+`tiny` is the CI model (CPU, every test run); `qwen3-30b-a3b` has the real shapes.
+A preset can be cut to fewer layers (`--layers`) for file-based runs on small disks.
+"""
+from __future__ import annotations
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+TINY = {
+    **QWEN3_30B_A3B,
+    "head_dim": 32,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "max_position_embeddings": 8192,
+    "max_window_layers": 4,
+    "moe_intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 8192,
+}
+
+PRESETS = {"tiny": TINY, "qwen3-30b-a3b": QWEN3_30B_A3B}
+
+# Tokenizer vocabulary trained for each preset; the embedding keeps the preset's size.
+TOKENIZER_VOCAB = {"tiny": 4096, "qwen3-30b-a3b": 32768}
+
+
+def preset_config(name: str, layers: int | None = None) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    cfg = dict(PRESETS[name])
+    if layers is not None:
+        if not 1 <= layers <= cfg["num_hidden_layers"]:
+            raise ValueError(f"--layers must be in 1..{cfg['num_hidden_layers']} for {name}")
+        cfg["num_hidden_layers"] = layers
+        cfg["max_window_layers"] = layers
+    return cfg

@@ -1,0 +1,30 @@
+"""Shared fixtures: a tiny synthetic checkpoint written once per test session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Keep the tokenizer cache inside the test run unless the caller chose one."""
+    if "OSTINATO_CACHE" not in os.environ:
+        os.environ["OSTINATO_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, _isolated_cache):
+    from ostinato.synth.build import write_checkpoint
+
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny"))

@@ -1,0 +1,111 @@
+"""Whole-model oracle: Ostinato's Qwen3-MoE against transformers on the same checkpoint."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ostinato.config import ConfigError
+from ostinato.engine.runner import ModelRunner, RunnerSettings
+from ostinato.loader.source import CheckpointSource
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _ours(path, chunk=2048):
+    return ModelRunner(CheckpointSource(path), RunnerSettings(device="cpu", dtype="fp32", max_context=256,
+                                                              prefill_chunk=chunk))
+
+
+def _variant(tiny_dir, tmp_path, **changes):
+    """A copy of tiny with config changes that keep the tensor set (rope variants, norm_topk_prob)."""
+    d = tmp_path / "variant"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text()) | changes
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _prompt(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 4000, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"norm_topk_prob": False},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}},
+    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 48},
+], ids=["default", "no-norm-topk", "yarn", "linear", "llama3", "dynamic"])
+def test_logits_and_greedy_match_transformers(tiny_dir, tmp_path, changes):
+    path = _variant(tiny_dir, tmp_path, **changes) if changes else tiny_dir
+    # chunked prefill must not change anything, except under dynamic NTK, whose frequencies
+    # depend on the length of the pass (transformers' own cached generation behaves alike)
+    dynamic = "dynamic" in json.dumps(changes)
+    hf, ours = _hf(path), _ours(path, chunk=2048 if dynamic else 24)
+    ids = _prompt()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    got = ours.forward(ids, 0, all_logits=True)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-3
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(ids):].tolist()
+    seq, logits = list(ids), ours.forward(ids, 0)
+    mine = []
+    for _ in range(32):
+        t = int(logits.argmax())
+        mine.append(t)
+        logits = ours.forward([t], len(seq))
+        seq.append(t)
+    assert mine == want
+
+
+def test_dense_layers_and_tied_head(tmp_path):
+    """mlp_only_layers, decoder_sparse_step and tied embeddings, on a checkpoint with those tensors."""
+    from safetensors.torch import save_file
+
+    from ostinato.synth import presets
+    from ostinato.synth.weights import SynthSpec
+
+    cfg = dict(presets.TINY, mlp_only_layers=[1], decoder_sparse_step=2, tie_word_embeddings=True,
+               bos_token_id=0, eos_token_id=1)
+    presets.PRESETS["_test_dense"] = cfg
+    try:
+        spec = SynthSpec("_test_dense")
+        save_file({n: spec.tensor(n) for n in spec.shapes}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    finally:
+        del presets.PRESETS["_test_dense"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ours = _ours(tmp_path)
+    assert ours.config.moe_layers == [3]
+    ids = _prompt(40, seed=1)
+    with torch.no_grad():
+        ref = _hf(tmp_path)(torch.tensor([ids])).logits[0]
+    got = ours.forward(ids, 0, all_logits=True)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-3
+
+
+def test_clear_errors(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match="no such model directory"):
+        CheckpointSource(tmp_path / "nope")
+    bad = _variant(tiny_dir, tmp_path, architectures=["LlamaForCausalLM"])
+    with pytest.raises(ConfigError, match="unsupported architecture"):
+        CheckpointSource(bad)
+    shutil.rmtree(bad)
+    wrong = _variant(tiny_dir, tmp_path, hidden_size=96)
+    with pytest.raises(ConfigError, match="has shape"):
+        _ours(wrong)
+    shutil.rmtree(wrong)
+    missing = _variant(tiny_dir, tmp_path)
+    (missing / "config.json").unlink()
+    with pytest.raises(ConfigError, match="config.json"):
+        CheckpointSource(missing)
