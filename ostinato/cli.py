@@ -14,6 +14,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if present)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--max-context", type=int, help="KV cache size in tokens")
+    p.add_argument("--residency", help="residency file from `ostinato plan`: hybrid CPU-GPU experts")
+    p.add_argument("--gpu-memory", help="GPU memory cap, e.g. 32GiB (the engine never allocates past it)")
+    p.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
+    p.add_argument("--upload-threshold", type=int, help="Np: passes of at least this many tokens upload "
+                   "cold experts (default: the calibrated value in the residency file)")
 
 
 def _runner_settings(a):
@@ -22,14 +27,20 @@ def _runner_settings(a):
     return RunnerSettings(device=a.device, dtype=a.dtype, max_context=a.max_context)
 
 
+def _placement(a):
+    from ostinato.config import parse_bytes
+    from ostinato.engine.placement import PlacementSettings
+
+    cap = parse_bytes(a.gpu_memory) if getattr(a, "gpu_memory", None) else None
+    return PlacementSettings(residency=a.residency, gpu_memory=cap, cpu_threads=a.cpu_threads,
+                             upload_threshold=a.upload_threshold)
+
+
 def cmd_synth(a) -> int:
     from ostinato.synth.build import write_checkpoint
 
     t0 = time.perf_counter()
-    from ostinato.synth.weights import DEFAULT_SKEW
-
-    skew = DEFAULT_SKEW if a.skew is None else a.skew
-    out = write_checkpoint(a.preset, a.out, seed=a.seed, layers=a.layers, skew=skew,
+    out = write_checkpoint(a.preset, a.out, seed=a.seed, layers=a.layers, skew=a.skew,
                            progress=lambda i, n: print(f"  shard {i}/{n}", file=sys.stderr))
     print(f"wrote {a.preset} to {out} in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -41,7 +52,7 @@ def cmd_generate(a) -> int:
     from ostinato.engine.session import GenerationStats
 
     t0 = time.perf_counter()
-    loaded = load_engine(a.model, _runner_settings(a))
+    loaded = load_engine(a.model, _runner_settings(a), _placement(a))
     load_s = time.perf_counter() - t0
     tok = loaded.tokenizer
     prompt = tok.encode(a.prompt) if a.raw else tok.render_ids([{"role": "user", "content": a.prompt}])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ostinato.engine.placement import PlacementSettings, hybrid_factory
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
 from ostinato.loader.source import open_source
@@ -22,8 +23,12 @@ class Loaded:
         return self.engine.runner
 
 
-def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), experts_factory=None) -> Loaded:
-    """experts_factory(source, runner_settings) -> experts backend (default: all on one device)."""
+def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placement: PlacementSettings | None = None,
+                experts_factory=None) -> Loaded:
+    """The placement comes from `placement` (a residency: hybrid CPU-GPU) or an explicit
+    experts_factory(source, runner_settings); with neither, every expert on one device."""
+    if experts_factory is None and placement is not None:
+        experts_factory = hybrid_factory(placement)
     source = open_source(model)
     tok = ChatTokenizer.from_dir(source.tokenizer_dir)
     experts = experts_factory(source, settings) if experts_factory else None

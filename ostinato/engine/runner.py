@@ -71,3 +71,9 @@ class ModelRunner:
             outs.append(self.model.logits(hidden if all_logits else hidden[-1:]))
         logits = torch.cat(outs) if all_logits else outs[-1][0]
         return logits
+
+    def placement_stats(self) -> dict[str, float]:
+        """Cumulative counters of the experts placement (routes, cold routes, CPU experts, bytes
+        uploaded, pool hits), for /metrics and reports; empty for the all-on-one-device backend."""
+        stats = getattr(self.experts, "stats", None)
+        return dict(stats()) if callable(stats) else {}

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from ostinato.synth.presets import TOKENIZER_VOCAB
-from ostinato.synth.weights import DEFAULT_SKEW, SynthSpec
+from ostinato.synth.weights import SynthSpec
 
 SHARD_BYTES = 4 * 2**30
 
@@ -92,7 +92,7 @@ def tokenizer_vocab_size(tok_dir: Path) -> int:
     return max(ids) + 1
 
 
-def synth_source(preset: str, seed: int = 0, layers: int | None = None, skew: float = DEFAULT_SKEW):
+def synth_source(preset: str, seed: int = 0, layers: int | None = None, skew: float | None = None):
     from ostinato.loader.source import SynthSource
 
     tok = cached_tokenizer(preset)
@@ -107,7 +107,7 @@ def generation_config(cfg: dict) -> dict:
 
 
 def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None = None,
-                     skew: float = DEFAULT_SKEW, progress=None) -> Path:
+                     skew: float | None = None, progress=None) -> Path:
     """Write a synthetic checkpoint directory; returns it."""
     import shutil
 

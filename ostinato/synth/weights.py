@@ -27,13 +27,10 @@ from functools import cached_property
 import torch
 
 from ostinato.synth.hashrand import fill_uniform_, normal_vector, tensor_key, uniform_bits
-from ostinato.synth.presets import preset_config
+from ostinato.synth.presets import DEFAULT_SKEW, preset_config
 
 BIAS_CHANNEL = 0
 BIAS_VALUE = 1.0
-# Router bias scale of the default model; chosen with `ostinato skew` so that the 40-45%
-# of experts most routed in development sessions get 80-85% of held-out routes.
-DEFAULT_SKEW = 0.75
 
 
 @dataclass(frozen=True)
@@ -41,7 +38,7 @@ class SynthSpec:
     preset: str
     layers: int | None = None
     seed: int = 0
-    skew: float = DEFAULT_SKEW
+    skew: float | None = None  # router bias scale; None: the preset's default
     active_vocab: int | None = None  # ids below this are real tokens
 
     @cached_property
@@ -83,7 +80,8 @@ class SynthSpec:
 
     def layer_skew(self, layer: int) -> float:
         u = uniform_bits(tensor_key(self.seed, f"skew.{layer}"), 0, 1, "cpu").item()
-        return self.skew * (0.75 + 0.5 * u)
+        skew = DEFAULT_SKEW[self.preset] if self.skew is None else self.skew
+        return skew * (0.75 + 0.5 * u)
 
     def router_bias(self, layer: int) -> torch.Tensor:
         """Per-expert router logit bias of one layer, [E] fp32."""

@@ -1,0 +1,79 @@
+"""Builds the hybrid placement from a residency file, under a GPU memory cap.
+
+Order matters: the cap is set first, then the expert pool and its flex slots are
+allocated before the dense model, the KV cache or any activation, so a prefill never
+competes with them; the cold experts are loaded once into page-locked host memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ostinato.config import ConfigError
+from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.layers.moe.pool import ExpertPool, HostExperts
+from ostinato.loader.build import load_experts
+from ostinato.planner.residency import Residency
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    residency: str | None = None
+    gpu_memory: int | None = None  # bytes; the engine never allocates past it
+    cpu_threads: int | None = None  # default: the CPU experts' own default (physical cores)
+    upload_threshold: int | None = None  # Np; default: the residency's calibrated one, else 512
+    cpu_backend: str = "auto"
+
+
+DEFAULT_UPLOAD_THRESHOLD = 512  # used only until `ostinato calibrate` has measured Np
+
+
+def apply_memory_cap(device: torch.device, cap: int | None) -> None:
+    if cap is None or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if cap > total:
+        raise ConfigError(f"--gpu-memory {cap / 2**30:.1f} GiB exceeds the device's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+
+
+def build_hybrid(source, residency: Residency, place: PlacementSettings, device: torch.device,
+                 dtype: torch.dtype, max_tokens: int) -> HybridExperts:
+    from ostinato.layers.moe.cpu_experts import CpuExperts
+
+    cfg = source.config
+    residency.check(source)
+    apply_memory_cap(device, place.gpu_memory)
+    F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    hot = {l: residency.hot.get(l, []) for l in cfg.moe_layers}
+    cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
+    flex = max(len(v) for v in cold.values())
+    try:
+        pool = ExpertPool(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok, flex, (2 * F, D), (D, F),
+                          device, dtype)
+    except torch.OutOfMemoryError:
+        raise ConfigError(f"the expert pool ({sum(map(len, hot.values())) + flex} slots) does not fit the GPU "
+                          "memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
+    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
+    for layer in cfg.moe_layers:
+        experts = load_experts(source, layer, device="cpu", dtype=dtype)
+        pool.fill_layer(layer, experts)
+        host.fill_layer(layer, experts)
+    cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)
+    np_ = place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
+    return HybridExperts(pool, host, cpu, int(np_), max_tokens)
+
+
+def hybrid_factory(place: PlacementSettings):
+    """An experts factory for load_engine (None when no residency is given)."""
+    if not place.residency:
+        return None
+    residency = Residency.load(place.residency)
+
+    def make(source, runner_settings):
+        device = runner_settings.torch_device()
+        dtype = runner_settings.torch_dtype(source.config.torch_dtype)
+        return build_hybrid(source, residency, place, device, dtype, runner_settings.prefill_chunk)
+
+    return make

@@ -1,0 +1,100 @@
+"""The residency set: which experts of which layer live in a GPU's expert pool.
+
+A residency file is written once by `ostinato plan` and read at every start. It is
+JSON a person can read and edit (hot experts per layer), carries the fingerprint of the
+model it was planned for (config shapes and router weights: the routers decide where
+tokens go, so a plan made for other routers is worthless), the memory budget, the
+profile it came from, and the calibrated cost-model constants once `calibrate` ran.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ostinato.config import ConfigError, ModelConfig
+
+FORMAT = "ostinato.residency"
+VERSION = 1
+
+
+def model_fingerprint(source) -> str:
+    """sha256 over the architecture's shapes and every router's weights (checkpoint dtype)."""
+    cfg: ModelConfig = source.config
+    h = hashlib.sha256()
+    keys = ("hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+            "norm_topk_prob", "vocab_size")
+    h.update(json.dumps({k: getattr(cfg, k) for k in keys}, sort_keys=True).encode())
+    for layer in cfg.moe_layers:
+        name = f"model.layers.{layer}.mlp.gate.weight"
+        t = torch.empty(source.shape(name), dtype=cfg.torch_dtype)
+        source.load_(name, t)
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass
+class Residency:
+    fingerprint: str
+    num_experts: int
+    hot: dict[int, list[int]]  # layer -> sorted expert ids resident on the GPU
+    devices: dict[str, list[int]] = field(default_factory=dict)  # device -> its layers
+    gpu_memory: int | None = None  # the budget the plan was made for (bytes), per device
+    profile: dict = field(default_factory=dict)  # where the counts came from
+    calibration: dict = field(default_factory=dict)  # cost-model constants, Np (from calibrate)
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def hot_count(self) -> int:
+        return sum(len(v) for v in self.hot.values())
+
+    def is_hot(self, layer: int) -> torch.Tensor:
+        m = torch.zeros(self.num_experts, dtype=torch.bool)
+        m[self.hot.get(layer, [])] = True
+        return m
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
+                "num_experts": self.num_experts, "gpu_memory": self.gpu_memory, "devices": self.devices,
+                "hot_experts": self.hot_count, "profile": self.profile, "calibration": self.calibration,
+                "notes": self.notes, "hot": {str(l): sorted(v) for l, v in sorted(self.hot.items())}}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Residency":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such residency file (make one with `ostinato plan`)")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not a residency file ({e})") from None
+        if d.get("format") != FORMAT:
+            raise ConfigError(f"{path}: not a residency file (format {d.get('format')!r})")
+        if d.get("version") != VERSION:
+            raise ConfigError(f"{path}: residency version {d.get('version')} is not supported (want {VERSION}); "
+                              "plan again with this version of ostinato")
+        return cls(d["fingerprint"], d["num_experts"], {int(l): list(v) for l, v in d["hot"].items()},
+                   d.get("devices") or {}, d.get("gpu_memory"), d.get("profile") or {},
+                   d.get("calibration") or {}, d.get("notes") or {})
+
+    def check(self, source, fingerprint: str | None = None) -> None:
+        """Fail with a clear message if this plan was made for another model."""
+        cfg = source.config
+        fp = fingerprint or model_fingerprint(source)
+        if fp != self.fingerprint:
+            raise ConfigError("the residency file was planned for another model (fingerprint "
+                              f"{self.fingerprint[:19]}..., this model {fp[:19]}...): run `ostinato plan` for it")
+        bad = [l for l in self.hot if l not in cfg.moe_layers]
+        if bad or any(e < 0 or e >= cfg.num_experts for v in self.hot.values() for e in v):
+            raise ConfigError("the residency file names layers or experts this model does not have")
+
+
+def residency_from_mask(fingerprint: str, masks: dict[int, torch.Tensor], **kw) -> Residency:
+    num_experts = next(iter(masks.values())).numel()
+    return Residency(fingerprint, num_experts, {l: m.nonzero().flatten().tolist() for l, m in masks.items()}, **kw)

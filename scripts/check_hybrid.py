@@ -1,0 +1,107 @@
+"""Whole-model check of a placement against all experts on the GPU (GPU machine).
+
+Each phase runs in its own process (memory caps and pinned host memory do not mix
+between placements). Phase `all` (every expert in the pool) writes the reference:
+logits of a split-path prompt, an upload-path prompt and N greedy decode steps. Other
+phases load a residency under a memory cap, feed the same tokens and compare logits
+(relative error of the max |difference|) and time decode steps. One JSON line per phase.
+
+    python scripts/check_hybrid.py --model synth:qwen3-30b-a3b --residency R --name hybrid \
+        --gpu-memory 32GiB --ref /tmp/ref.pt
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from ostinato.config import parse_bytes
+from ostinato.engine.factory import load_engine
+from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.runner import RunnerSettings
+
+
+def prompt_ids(tok, n: int) -> list[int]:
+    from ostinato.bench.sessions import load_sessions
+    from ostinato.planner.profile import session_stream
+
+    sessions = load_sessions("embedded:4")
+    ids = []
+    for s in sessions:
+        ids += session_stream(s, tok).ids
+    return ids[:n]
+
+
+def timed_forward(runner, ids, pos, all_logits=False):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = runner.forward(ids, pos, all_logits=all_logits)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--residency", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--ref", required=True, help="reference file: written by --name all, read by others")
+    ap.add_argument("--gpu-memory")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--split-tokens", type=int, default=256)
+    ap.add_argument("--upload-tokens", type=int, default=1024)
+    ap.add_argument("--upload-threshold", type=int, default=512)
+    a = ap.parse_args()
+    cap = parse_bytes(a.gpu_memory) if a.gpu_memory else None
+    t0 = time.perf_counter()
+    loaded = load_engine(a.model, RunnerSettings(max_context=4096, prefill_chunk=2048),
+                         PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold))
+    load_s = time.perf_counter() - t0
+    runner, tok = loaded.runner, loaded.tokenizer
+    ids = prompt_ids(tok, a.upload_tokens)
+    res = {"name": a.name, "load_s": round(load_s, 1)}
+    with torch.inference_mode():
+        # split path: a pass of split_tokens (< Np); upload path: upload_tokens (>= Np)
+        split_logits, res["split_prefill_s"] = timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)
+        up_logits, res["upload_prefill_s"] = timed_forward(runner, ids, 0, all_logits=True)
+        logits = up_logits[-1]
+        if a.name == "all":
+            forced = []
+        else:
+            ref = torch.load(a.ref)
+            forced = ref["tokens"]
+        steps, dec_logits, tokens = [], [], []
+        pos = len(ids)
+        for i in range(a.steps):
+            t = int(logits.argmax()) if not forced else forced[i]
+            tokens.append(t)
+            logits, dt = timed_forward(runner, [t], pos)
+            pos += 1
+            steps.append(dt)
+            dec_logits.append(logits.float().cpu())
+    dec = torch.stack(dec_logits)
+    res["tpot_ms_median"] = round(1000 * statistics.median(steps[2:]), 3)
+    res["tpot_ms_p90"] = round(1000 * sorted(steps[2:])[int(0.9 * (len(steps) - 2))], 3)
+    res["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    res["placement_stats"] = runner.placement_stats()
+    if a.name == "all":
+        torch.save({"tokens": tokens, "split": split_logits[-64:].float().cpu(), "upload": up_logits[-64:].float().cpu(),
+                    "decode": dec}, a.ref)
+    else:
+        def rel(x, y):
+            return round(float((x - y).abs().max() / y.abs().max()), 5)
+
+        res["rel_err_split"] = rel(split_logits[-64:].float().cpu(), ref["split"])
+        res["rel_err_upload"] = rel(up_logits[-64:].float().cpu(), ref["upload"])
+        res["rel_err_decode"] = rel(dec, ref["decode"])
+        res["greedy_agree"] = float((dec.argmax(-1) == ref["decode"].argmax(-1)).float().mean())
+    if cap:
+        res["gpu_memory_cap_gib"] = round(cap / 2**30, 2)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

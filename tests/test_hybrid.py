@@ -1,0 +1,126 @@
+"""Hybrid experts (pool + index tables + zero slots + CPU branch + upload) against the
+plain-PyTorch reference MoE, on every path; and a whole model under a residency."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ostinato.config import ConfigError
+from ostinato.layers.moe.cpu_experts import CpuExperts
+from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.layers.moe.pool import ExpertPool, HostExperts
+from ostinato.layers.moe.reference import moe_forward
+from ostinato.layers.moe.router import route
+from ostinato.layers.moe.types import ExpertWeights
+from ostinato.planner.residency import Residency, model_fingerprint
+
+E, K, D, F = 16, 4, 64, 32
+LAYERS = [0, 2]
+
+
+def _experts(seed):
+    g = torch.Generator().manual_seed(seed)
+    return ExpertWeights(torch.randn(E, 2 * F, D, generator=g) / D ** 0.5, torch.randn(E, D, F, generator=g) / F ** 0.5)
+
+
+def _hybrid(hot_fraction, upload_threshold, backend="torch"):
+    weights = {l: _experts(l) for l in LAYERS}
+    n_hot = round(hot_fraction * E)
+    g = torch.Generator().manual_seed(7)
+    hot = {l: torch.randperm(E, generator=g)[:n_hot].tolist() for l in LAYERS}
+    cold = {l: sorted(set(range(E)) - set(hot[l])) for l in LAYERS}
+    pool = ExpertPool(hot, 3, E, K, max(len(c) for c in cold.values()), (2 * F, D), (D, F), "cpu", torch.float32)
+    host = HostExperts(cold, E, (2 * F, D), (D, F), torch.float32)
+    for l in LAYERS:
+        pool.fill_layer(l, weights[l])
+        host.fill_layer(l, weights[l])
+    cpu = CpuExperts(host.layers, num_threads=1, backend=backend)
+    return HybridExperts(pool, host, cpu, upload_threshold, max_tokens=512), weights
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 512])
+@pytest.mark.parametrize("hot_fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("path", ["split", "upload"])
+def test_hybrid_matches_reference(tokens, hot_fraction, path):
+    hybrid, weights = _hybrid(hot_fraction, upload_threshold=1 if path == "upload" else 10**9)
+    g = torch.Generator().manual_seed(tokens)
+    for layer in LAYERS:
+        x = torch.randn(tokens, D, generator=g)
+        topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
+        got = hybrid(layer, x, topk)
+        want = moe_forward(x, topk, weights[layer])
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    stats = hybrid.stats()
+    assert stats["routes"] == 2 * tokens * K
+    if hot_fraction == 1.0:
+        assert stats.get("cold_routes", 0) == 0 and stats.get("bytes_uploaded", 0) == 0
+    if hot_fraction == 0.0:
+        assert stats["cold_routes"] == 2 * tokens * K
+        assert (stats.get("bytes_uploaded", 0) > 0) == (path == "upload")
+
+
+def test_zero_slots_and_table():
+    hybrid, _ = _hybrid(0.5, upload_threshold=10**9)
+    pool = hybrid.pool
+    assert pool.w13[pool.zero_lo:pool.zero_hi].abs().sum() == 0
+    ids = torch.arange(E).view(-1, K)
+    slots = pool.slots_for(0, ids)
+    hot = pool.table_host[0] >= 0
+    for t in range(ids.shape[0]):
+        for j in range(K):
+            e = int(ids[t, j])
+            assert int(slots[t, j]) == (int(pool.table_host[0, e]) if hot[e] else pool.zero_lo + j)
+    assert pool.num_hot == hot.sum() + (pool.table_host[2] >= 0).sum()
+
+
+def _residency_for(source, fraction, seed=0):
+    cfg = source.config
+    g = torch.Generator().manual_seed(seed)
+    n = round(fraction * cfg.num_experts)
+    hot = {l: torch.randperm(cfg.num_experts, generator=g)[:n].tolist() for l in cfg.moe_layers}
+    return Residency(model_fingerprint(source), cfg.num_experts, hot)
+
+
+@pytest.mark.parametrize("threshold", [10**9, 16])
+def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold):
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.placement import PlacementSettings
+    from ostinato.engine.runner import RunnerSettings
+
+    settings = RunnerSettings(device="cpu", dtype="fp32", max_context=256, prefill_chunk=64)
+    ref = load_engine(str(tiny_dir), settings)
+    res = _residency_for(ref.source, 0.5)
+    res.save(tmp_path / "r.json")
+    hyb = load_engine(str(tiny_dir), settings, PlacementSettings(residency=str(tmp_path / "r.json"),
+                                                                 upload_threshold=threshold, cpu_threads=1))
+    ids = list(range(5, 5 + 100))
+    a = ref.runner.forward(ids, 0, all_logits=True)
+    b = hyb.runner.forward(ids, 0, all_logits=True)
+    assert ((a - b).abs().max() / a.abs().max()) < 1e-4
+    stats = hyb.runner.placement_stats()
+    assert stats["cold_routes"] > 0
+    assert (stats.get("bytes_uploaded", 0) > 0) == (threshold == 16)
+
+
+def test_residency_file_checks(tiny_dir, tmp_path):
+    from ostinato.loader.source import CheckpointSource
+
+    src = CheckpointSource(tiny_dir)
+    res = _residency_for(src, 0.25)
+    res.save(tmp_path / "r.json")
+    back = Residency.load(tmp_path / "r.json")
+    assert back.hot == {l: sorted(v) for l, v in res.hot.items()}
+    back.check(src)
+    d = json.loads((tmp_path / "r.json").read_text())
+    d["fingerprint"] = "sha256:" + "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="another model"):
+        Residency.load(tmp_path / "other.json").check(src)
+    d["version"] = 99
+    (tmp_path / "v.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="version"):
+        Residency.load(tmp_path / "v.json")
+    with pytest.raises(ConfigError, match="no such residency"):
+        Residency.load(tmp_path / "missing.json")
