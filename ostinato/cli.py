@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ostinato.planner.cli import add_planner_commands
 
     add_planner_commands(sub, _add_model_args)
+    from ostinato.server.cli import add_server_commands
+
+    add_server_commands(sub, _add_model_args)
     return ap
 
 

@@ -35,11 +35,16 @@ def prompt_ids(tok, n: int) -> list[int]:
     return ids[:n]
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed_forward(runner, ids, pos, all_logits=False):
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     out = runner.forward(ids, pos, all_logits=all_logits)
-    torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - t0
 
 
@@ -85,7 +90,8 @@ def main() -> None:
     dec = torch.stack(dec_logits)
     res["tpot_ms_median"] = round(1000 * statistics.median(steps[2:]), 3)
     res["tpot_ms_p90"] = round(1000 * sorted(steps[2:])[int(0.9 * (len(steps) - 2))], 3)
-    res["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if torch.cuda.is_available():
+        res["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     res["placement_stats"] = runner.placement_stats()
     if a.name == "all":
         torch.save({"tokens": tokens, "split": split_logits[-64:].float().cpu(), "upload": up_logits[-64:].float().cpu(),

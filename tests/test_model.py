@@ -80,7 +80,7 @@ def test_dense_layers_and_tied_head(tmp_path):
                bos_token_id=0, eos_token_id=1)
     presets.PRESETS["_test_dense"] = cfg
     try:
-        spec = SynthSpec("_test_dense")
+        spec = SynthSpec("_test_dense", skew=1.0)
         save_file({n: spec.tensor(n) for n in spec.shapes}, tmp_path / "model.safetensors", metadata={"format": "pt"})
     finally:
         del presets.PRESETS["_test_dense"]

@@ -35,7 +35,8 @@ def apply_memory_cap(device: torch.device, cap: int | None) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     if cap > total:
         raise ConfigError(f"--gpu-memory {cap / 2**30:.1f} GiB exceeds the device's {total / 2**30:.1f} GiB")
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(cap / total, index)
 
 
 def build_hybrid(source, residency: Residency, place: PlacementSettings, device: torch.device,
@@ -56,8 +57,10 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
         raise ConfigError(f"the expert pool ({sum(map(len, hot.values())) + flex} slots) does not fit the GPU "
                           "memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
     host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
+    # a synthetic source generates on the GPU: stage each layer there instead of in host memory
+    staging = device if getattr(source, "generate_on", None) == device.type else "cpu"
     for layer in cfg.moe_layers:
-        experts = load_experts(source, layer, device="cpu", dtype=dtype)
+        experts = load_experts(source, layer, device=staging, dtype=dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
     cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)

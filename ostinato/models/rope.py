@@ -105,7 +105,9 @@ class RotaryEmbedding:
         """positions [T] -> cos, sin [T, Hd] in `dtype` (computed in fp32)."""
         inv = self._inv_freq_for(seq_len)
         if inv is self.inv_freq:  # cached per device: no copy in the hot path
-            inv = self._on_device.setdefault(positions.device, inv.to(positions.device))
+            if positions.device not in self._on_device:
+                self._on_device[positions.device] = inv.to(positions.device)
+            inv = self._on_device[positions.device]
         else:
             inv = inv.to(positions.device)
         freqs = positions.float()[:, None] * inv[None, :]

@@ -59,8 +59,8 @@ class ExpertPool:
         if ids.numel():
             slots = row[ids].long().to(self.device)
             src = ids.to(experts.w13.device)
-            self.w13[slots] = experts.w13[src].to(self.device)
-            self.w2[slots] = experts.w2[src].to(self.device)
+            self.w13[slots] = experts.w13[src].to(self.device, non_blocking=True)
+            self.w2[slots] = experts.w2[src].to(self.device, non_blocking=True)
 
     def slots_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] -> slots [T, K] int32: hot experts' slots, cold ones the zero slot of
@@ -111,5 +111,5 @@ class HostExperts:
         if ids.numel():
             dst = self.layers[layer]
             src = ids.to(experts.w13.device)
-            dst.w13.copy_(experts.w13[src].cpu())
-            dst.w2.copy_(experts.w2[src].cpu())
+            dst.w13.copy_(experts.w13[src])  # straight into page-locked memory, from any device
+            dst.w2.copy_(experts.w2[src])

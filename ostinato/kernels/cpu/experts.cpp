@@ -1,0 +1,392 @@
+// Cold experts on the CPU: CPU feature detection, planning a call, and running its phases
+// on the resident pool (see kernels.h for the phases and experts.h for the contract).
+//
+// Planning runs on the submitting thread and costs O(R + E + T + S log S): routes are
+// counting-sorted by expert (stable, so duplicates keep their order), each active expert is
+// sent to the AMX tiles or to the vector kernels, and the task lists of the phases are
+// written. Tasks never depend on the number of threads, so neither does any output bit.
+// After a warm-up call of the largest size (or reserve()), planning allocates nothing.
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+#include "experts.h"
+#include "kernels.h"
+#include "threadpool.h"
+
+namespace ostinato {
+namespace {
+
+uint64_t read_xcr0() {
+  uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (uint64_t(edx) << 32) | eax;
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = c & (1u << 27), fma = c & (1u << 12);
+  if (!osxsave || !fma || __get_cpuid_max(0, nullptr) < 7) return f;
+  const uint64_t xcr0 = read_xcr0();
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) &&
+                      (b & (1u << 31)) && (b & (1u << 8));  // F, DQ, BW, VL, BMI2
+  const bool amx_cpu = (d & (1u << 22)) && (d & (1u << 24));  // AMX-BF16, AMX-TILE
+  f.avx512 = avx512 && (xcr0 & 0xe6) == 0xe6;  // SSE, AVX, opmask, ZMM state enabled
+  if (!f.avx512) return f;
+  unsigned a1, b1, c1, d1;
+  __cpuid_count(7, 1, a1, b1, c1, d1);
+  f.avx512_bf16 = a1 & (1u << 5);
+  if (amx_cpu && f.avx512_bf16 && (xcr0 & (3ull << 17)) == (3ull << 17)) {
+    // Linux hands out the 8 KiB tile state only on request (once per process).
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    f.amx = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }
+  return f;
+}
+
+template <class T>
+class AlignedBuffer {
+ public:
+  ~AlignedBuffer() { std::free(ptr_); }
+  T* ensure(size_t n) {
+    if (n > cap_) {
+      std::free(ptr_);
+      size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+      ptr_ = static_cast<T*>(std::aligned_alloc(64, bytes));
+      if (!ptr_) throw std::bad_alloc();
+      cap_ = n;
+    }
+    return ptr_;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t cap_ = 0;
+};
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAmx: return "amx";
+    default: return "auto";
+  }
+}
+
+Isa best_isa(const CpuFeatures& f) {
+  return f.amx ? Isa::kAmx : f.avx512_bf16 ? Isa::kAvx512Bf16 : Isa::kAvx512;
+}
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("cold_experts: " + what);
+}
+
+void validate(const ColdArgs& a) {
+  const CpuFeatures& f = cpu_features();
+  if (!f.avx512) throw std::runtime_error("cold_experts: this CPU lacks AVX-512 (F, BW, VL)");
+  check(a.E > 0 && a.D > 0 && a.F > 0, "E, D and F must be positive");
+  check(a.T >= 0 && a.R >= 0, "T and R must be >= 0");
+  check(int(a.w_dtype) == 0 || int(a.w_dtype) == 1, "w_dtype must be float32 or bfloat16");
+  check(int(a.x_dtype) == 0 || int(a.x_dtype) == 1, "x_dtype must be float32 or bfloat16");
+  check(int(a.isa) >= 0 && int(a.isa) <= 3, "unknown isa");
+  check(a.down_mode >= 0 && a.down_mode <= 2, "down_mode must be 0, 1 or 2");
+  if (a.isa != Isa::kAuto && int(a.isa) > int(best_isa(f)))
+    throw std::invalid_argument(std::string("cold_experts: this CPU does not support isa '") +
+                                isa_name(a.isa) + "' (best: " + isa_name(best_isa(f)) + ")");
+  check(a.T == 0 || (a.out && a.out_stride >= a.D), "out must be non-null with out_stride >= D");
+  if (a.R == 0) return;
+  check(a.w13 && a.w2 && a.x && a.token_idx && a.expert_ids && a.weights, "null pointer");
+  check(a.x_stride >= a.D, "x_stride must be >= D");
+  for (int64_t r = 0; r < a.R; ++r) {
+    if (a.token_idx[r] < 0 || a.token_idx[r] >= a.T)
+      throw std::invalid_argument("cold_experts: token_idx[" + std::to_string(r) + "] = " +
+                                  std::to_string(a.token_idx[r]) + " is outside [0, T)");
+    if (a.expert_ids[r] < 0 || a.expert_ids[r] >= a.E)
+      throw std::invalid_argument("cold_experts: expert_ids[" + std::to_string(r) + "] = " +
+                                  std::to_string(a.expert_ids[r]) + " is outside [0, E)");
+  }
+}
+
+}  // namespace
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = detect();
+  return features;
+}
+
+struct ColdExperts::Impl final : PhasedJob {
+  Impl(const std::vector<int>& cpus, int64_t spin_us) : pool(cpus, spin_us) {}
+
+  void plan_call(const ColdArgs& args);
+  void task(int phase, int64_t i) override;
+
+  ThreadPool pool;
+  Plan plan;
+  AlignedBuffer<float> h, u, xconv, y;
+  AlignedBuffer<uint16_t> xpack, hhi, hlo;
+  std::vector<int32_t> counts, slots_by_size;
+  std::vector<uint8_t> token_used;
+  std::vector<int64_t> phase_sizes;
+  int phases[PhasedJob::kMaxPhases] = {};  // job phase -> 0 prepare, 1 gate/up, 2 down, 3 reduce
+  bool pending = false, launched = false;
+  ColdStats stats;
+};
+
+void ColdExperts::Impl::plan_call(const ColdArgs& args) {
+  Plan& p = plan;
+  p.a = args;
+  const ColdArgs& a = p.a;
+  const Isa avail = best_isa(cpu_features());
+  p.isa = a.isa == Isa::kAuto ? avail : a.isa;
+  const bool bf16_w = a.w_dtype == DType::kBFloat16, bf16_x = a.x_dtype == DType::kBFloat16;
+  p.kind = !bf16_w ? VecKind::kF32
+                   : (bf16_x && p.isa >= Isa::kAvx512Bf16 ? VecKind::kDpBf16 : VecKind::kSplit);
+  p.D32 = round_up(a.D, 32);
+  p.F32 = round_up(a.F, 32);
+
+  // Counting sort of the routes by expert.
+  counts.assign(size_t(a.E) + 1, 0);
+  for (int64_t r = 0; r < a.R; ++r) ++counts[a.expert_ids[r] + 1];
+  p.exp_id.clear();
+  p.start.clear();
+  for (int64_t e = 0; e < a.E; ++e) {
+    if (counts[e + 1] > 0) {
+      p.exp_id.push_back(int32_t(e));
+      p.start.push_back(counts[e]);
+    }
+    counts[e + 1] += counts[e];
+  }
+  p.start.push_back(int32_t(a.R));
+  p.order.resize(size_t(a.R));
+  for (int64_t r = 0; r < a.R; ++r) p.order[counts[a.expert_ids[r]]++] = int32_t(r);
+  const int32_t S = int32_t(p.exp_id.size());
+
+  // AMX for experts with enough routes; packed buffers laid out slot after slot.
+  const bool amx_ok = p.isa == Isa::kAmx && bf16_w && bf16_x && a.D % 32 == 0 && a.F % 32 == 0;
+  p.amx.assign(size_t(S), 0);
+  p.xpack_off.assign(size_t(S), 0);
+  p.hpack_off.assign(size_t(S), 0);
+  int64_t xpack_len = 0, hpack_len = 0, amx_slots = 0;
+  bool any_vec = false;
+  for (int32_t s = 0; s < S; ++s) {
+    const int64_t n = p.start[s + 1] - p.start[s];
+    p.amx[s] = amx_ok && n >= std::max<int64_t>(1, a.amx_min_tokens);
+    if (!p.amx[s]) {
+      any_vec = true;
+      continue;
+    }
+    ++amx_slots;
+    const int64_t padded = round_up(n, 16);
+    p.xpack_off[s] = xpack_len;
+    p.hpack_off[s] = hpack_len;
+    xpack_len += padded * a.D;
+    hpack_len += padded * a.F;
+  }
+  const bool convert = any_vec && (p.kind == VecKind::kSplit ||
+                                   (p.kind == VecKind::kF32 && a.x_dtype == DType::kBFloat16));
+  p.h = any_vec ? h.ensure(size_t(a.R * p.F32)) : nullptr;
+  p.u = any_vec ? u.ensure(size_t(a.R * p.F32)) : nullptr;
+  p.xconv = convert ? xconv.ensure(size_t(a.T * p.D32)) : nullptr;
+  p.xpack = amx_slots ? xpack.ensure(size_t(xpack_len)) : nullptr;
+  p.hhi = amx_slots ? hhi.ensure(size_t(hpack_len)) : nullptr;
+  p.hlo = amx_slots ? hlo.ensure(size_t(hpack_len)) : nullptr;
+
+  // Phase 0: convert the x rows the vector slots read; pack x for the AMX slots.
+  p.t0.clear();
+  if (convert) {
+    token_used.assign(size_t(a.T), 0);
+    for (int32_t s = 0; s < S; ++s)
+      if (!p.amx[s])
+        for (int32_t q = p.start[s]; q < p.start[s + 1]; ++q) token_used[p.route_token(q)] = 1;
+    for (int64_t t = 0; t < a.T; ++t)
+      if (token_used[t]) p.t0.push_back({0, 0, t, 0});
+  }
+  for (int32_t s = 0; s < S; ++s)
+    if (p.amx[s])
+      for (int64_t b = 0; b < (p.start[s + 1] - p.start[s] + 15) / 16; ++b)
+        p.t0.push_back({1, s, b, 0});
+
+  // Phase 1: (slot, f block) tasks, the busiest experts first so the tail is short.
+  slots_by_size.resize(size_t(S));
+  for (int32_t s = 0; s < S; ++s) slots_by_size[s] = s;
+  std::sort(slots_by_size.begin(), slots_by_size.end(), [&](int32_t x, int32_t y) {
+    const int32_t nx = p.start[x + 1] - p.start[x], ny = p.start[y + 1] - p.start[y];
+    return nx != ny ? nx > ny : x < y;  // std::sort: no temporary buffer, unlike stable_sort
+  });
+  p.t1.clear();
+  for (int32_t s : slots_by_size) {
+    const int64_t step = p.amx[s] ? kUpRowsAmx : kUpRowsVec;
+    for (int64_t f = 0; f < a.F; f += step)
+      p.t1.push_back({s, p.amx[s], f, std::min(a.F, f + step)});
+  }
+
+  // Phase 2 (and 3): direct while h is small, else scatter through y.
+  p.scatter = a.down_mode == 0 ? a.R * p.F32 * int64_t(sizeof(float)) > kDirectMaxHBytes
+                                : a.down_mode == 2;
+  p.t2.clear();
+  if (p.scatter) {
+    p.y = y.ensure(size_t(a.R * a.D));
+    p.tok_start.assign(size_t(a.T) + 1, 0);
+    for (int64_t r = 0; r < a.R; ++r) ++p.tok_start[a.token_idx[r] + 1];
+    for (int64_t t = 0; t < a.T; ++t) p.tok_start[t + 1] += p.tok_start[t];
+    counts.assign(p.tok_start.begin(), p.tok_start.end());
+    p.tok_pos.resize(size_t(a.R));
+    for (int64_t q = 0; q < a.R; ++q) p.tok_pos[counts[p.route_token(q)]++] = int32_t(q);
+    for (int32_t s : slots_by_size)
+      for (int64_t d = 0; d < a.D; d += kDownRowsScatter)
+        p.t2.push_back({s, p.amx[s], d, std::min(a.D, d + kDownRowsScatter)});
+    p.n2 = int64_t(p.t2.size());
+  } else {
+    p.n2 = (a.D + kDownRows - 1) / kDownRows;
+  }
+
+  stats.experts = S;
+  stats.amx_experts = amx_slots;
+  stats.routes = a.R;
+  stats.scatter = p.scatter;
+  stats.isa = amx_slots ? Isa::kAmx
+              : p.kind == VecKind::kDpBf16 ? Isa::kAvx512Bf16 : Isa::kAvx512;
+}
+
+void ColdExperts::Impl::task(int phase, int64_t i) {
+  const Plan& p = plan;
+  const ColdArgs& a = p.a;
+  switch (phases[phase]) {
+    case 0: {
+      const Plan::Task& t = p.t0[i];
+      if (t.kind_or_slot == 0)
+        vec_convert_x(p, t.lo);
+      else
+        amx_pack_x(p, t.i, t.lo);
+      break;
+    }
+    case 1: {
+      const Plan::Task& t = p.t1[i];
+      if (t.i)
+        amx_gate_up(p, t.kind_or_slot, t.lo);
+      else
+        vec_gate_up(p, t.kind_or_slot, t.lo, t.hi);
+      break;
+    }
+    case 2: {
+      if (p.scatter) {
+        const Plan::Task& t = p.t2[i];
+        if (!t.i) {
+          vec_down(p, t.kind_or_slot, t.lo, t.hi);
+          break;
+        }
+        const uint16_t* w2 = static_cast<const uint16_t*>(a.w2) + int64_t(p.exp_id[t.kind_or_slot]) * a.D * a.F;
+        for (int64_t d = t.lo; d < t.hi; d += kDownRows)
+          amx_down(p, t.kind_or_slot, d, d + kDownRows < t.hi ? w2 + (d + kDownRows) * a.F : nullptr);
+        break;
+      }
+      const int64_t d0 = i * kDownRows, d1 = std::min(a.D, d0 + kDownRows);
+      for (int64_t t = 0; t < a.T; ++t)
+        std::memset(a.out + t * a.out_stride + d0, 0, size_t(d1 - d0) * sizeof(float));
+      const int32_t S = int32_t(p.exp_id.size());
+      for (int32_t s = 0; s < S; ++s) {  // ascending expert: the sum order
+        if (!p.amx[s]) {
+          vec_down(p, s, d0, d1);
+          continue;
+        }
+        const uint16_t* next = nullptr;  // the next AMX slot's rows, prefetched meanwhile
+        if (s + 1 < S && p.amx[s + 1])
+          next = static_cast<const uint16_t*>(a.w2) + (int64_t(p.exp_id[s + 1]) * a.D + d0) * a.F;
+        amx_down(p, s, d0, next);
+      }
+      break;
+    }
+    default:
+      reduce_token(p, i);
+  }
+}
+
+ColdExperts::ColdExperts(const std::vector<int>& cpus, int64_t spin_us)
+    : impl_(std::make_unique<Impl>(cpus, spin_us)) {}
+
+ColdExperts::~ColdExperts() { wait(); }
+
+void ColdExperts::submit(const ColdArgs& args) {
+  Impl& m = *impl_;
+  if (m.pending) throw std::logic_error("cold_experts: submit() before wait() of the previous call");
+  validate(args);
+  m.pool.drain();
+  m.plan_call(args);
+  m.pending = true;
+  m.launched = args.R > 0;
+  if (!m.launched) {
+    for (int64_t t = 0; t < args.T; ++t)
+      std::memset(args.out + t * args.out_stride, 0, size_t(args.D) * sizeof(float));
+    return;
+  }
+  const Plan& p = m.plan;
+  const int64_t sizes[4] = {int64_t(p.t0.size()), int64_t(p.t1.size()), p.n2, p.scatter ? p.a.T : 0};
+  m.phase_sizes.clear();
+  for (int k = 0; k < 4; ++k) {
+    if (sizes[k] == 0) continue;
+    m.phases[m.phase_sizes.size()] = k;
+    m.phase_sizes.push_back(sizes[k]);
+  }
+  m.reset(m.phase_sizes);
+  m.pool.launch(&m);
+}
+
+void ColdExperts::wait() {
+  Impl& m = *impl_;
+  if (!m.pending) return;
+  if (m.launched) m.pool.wait();
+  m.pending = m.launched = false;
+}
+
+bool ColdExperts::ready() const { return !impl_->launched || impl_->pool.finished(); }
+
+void ColdExperts::reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, int64_t F) {
+  Impl& m = *impl_;
+  if (m.pending) throw std::logic_error("cold_experts: reserve() while a call is pending");
+  m.pool.drain();
+  const int64_t D32 = round_up(D, 32), F32 = round_up(F, 32);
+  const int64_t padded = routes + 16 * std::min(E, routes);  // AMX pads each expert to 16
+  m.h.ensure(size_t(routes * F32));
+  m.u.ensure(size_t(routes * F32));
+  m.xconv.ensure(size_t(tokens * D32));
+  m.xpack.ensure(size_t(padded * D));
+  m.hhi.ensure(size_t(padded * F));
+  m.hlo.ensure(size_t(padded * F));
+  m.y.ensure(size_t(routes * D));
+  m.plan.tok_pos.reserve(size_t(routes));
+  m.plan.tok_start.reserve(size_t(tokens + 1));
+  m.plan.t2.reserve(size_t(std::min<int64_t>(routes, 1024) * ((D + kDownRowsScatter - 1) / kDownRowsScatter)));
+  m.plan.order.reserve(size_t(routes));
+  m.plan.t0.reserve(size_t(tokens + padded / 16));
+  m.plan.t1.reserve(size_t(std::min<int64_t>(routes, 1024) * ((F + kUpRowsVec - 1) / kUpRowsVec)));
+  m.token_used.reserve(size_t(tokens));
+}
+
+int ColdExperts::num_threads() const { return impl_->pool.size(); }
+void ColdExperts::set_spin_us(int64_t spin_us) { impl_->pool.set_spin_us(spin_us); }
+ColdStats ColdExperts::last_stats() const {
+  const Impl& m = *impl_;
+  ColdStats s = m.stats;
+  if (m.stats.routes > 0 && !m.pending)
+    for (size_t j = 0; j < m.phase_sizes.size(); ++j)
+      s.phase_end_us[m.phases[j]] = double(m.phase_end_ns(int(j))) / 1e3;
+  return s;
+}
+
+void cold_experts_forward(const ColdArgs& args, ColdExperts& runner) {
+  runner.submit(args);
+  runner.wait();
+}
+
+}  // namespace ostinato

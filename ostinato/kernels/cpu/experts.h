@@ -1,0 +1,111 @@
+// Cold experts of one MoE layer on the CPU: public C++ interface.
+//
+// Legend: T tokens, R routes, E experts, D hidden size, F expert FFN size.
+//
+//   out[t, :] = sum over routes r with token_idx[r] == t, in ascending expert order, of
+//               weights[r] * w2[e] @ (silu(w13[e][:F] @ x[t]) * (w13[e][F:] @ x[t]))
+//
+// with e = expert_ids[r]; rows of out[:T] without a route are zero. Intermediates are fp32.
+// The result depends only on the inputs and the chosen ISA path, never on the number of
+// threads or on scheduling: every output element is produced by one task in a fixed order.
+//
+// A later native polling worker (the decode CUDA graph's CPU side) calls
+// cold_experts_forward() directly, without Python.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace ostinato {
+
+enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+// Instruction-set paths, in increasing order. kAuto picks the best the CPU supports.
+//   kAvx512:     weights widened to fp32 (AVX-512F/BW), fp32 FMA.
+//   kAvx512Bf16: as kAvx512, but bf16 x bf16 gate/up products with VDPBF16PS.
+//   kAmx:        as kAvx512Bf16, plus AMX tiles for experts with >= amx_min_tokens routes.
+enum class Isa : int32_t { kAuto = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmx = 3 };
+
+struct CpuFeatures {
+  bool avx512 = false;       // AVX-512 F+BW+VL usable (CPU and OS)
+  bool avx512_bf16 = false;  // AVX512_BF16
+  bool amx = false;          // AMX-TILE + AMX-BF16, and the OS granted XTILEDATA
+};
+
+// Detected once (cpuid, xgetbv, arch_prctl for AMX).
+const CpuFeatures& cpu_features();
+
+struct ColdArgs {
+  // Expert weights of one layer, row-major: w13[E, 2F, D] (gate rows then up rows), w2[E, D, F].
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+  DType w_dtype = DType::kBFloat16;
+  int64_t E = 0, D = 0, F = 0;
+  // Activations x[T, D], row stride x_stride (elements).
+  const void* x = nullptr;
+  DType x_dtype = DType::kBFloat16;
+  int64_t T = 0, x_stride = 0;
+  // Routes.
+  const int32_t* token_idx = nullptr;  // [R], in [0, T)
+  const int32_t* expert_ids = nullptr;  // [R], in [0, E)
+  const float* weights = nullptr;  // [R]
+  int64_t R = 0;
+  // Output out[T, D] fp32, row stride out_stride (elements); rows [0, T) are overwritten.
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  // Path: the highest allowed ISA (throws if the CPU lacks an explicitly requested one), and
+  // the fewest routes of one expert that send that expert to the AMX tiles.
+  Isa isa = Isa::kAuto;
+  int64_t amx_min_tokens = 4;
+  // Down projection: 0 picks by size, 1 "direct", 2 "scatter" (kernels.h); same bits.
+  int32_t down_mode = 0;
+  // Software prefetch of the weight rows computed next (a tuning switch; same results).
+  bool prefetch = true;
+};
+
+// What the last submit() did (for tests and benchmarks).
+struct ColdStats {
+  Isa isa = Isa::kAuto;  // the path actually used
+  int64_t experts = 0;  // distinct experts with cold routes
+  int64_t amx_experts = 0;  // of which computed on AMX tiles
+  int64_t routes = 0;
+  bool scatter = false;  // the down projection went through the per-route buffer
+  // Microseconds from submit to the end of phase k (0 prepare, 1 gate/up, 2 down,
+  // 3 reduce; -1 if the call had no such phase). Complete once the call was waited for.
+  double phase_end_us[4] = {-1, -1, -1, -1};
+};
+
+// A resident pinned thread pool plus the workspace of one call. Not thread-safe: one
+// submitter; submit() requires the previous call to have been waited for.
+class ColdExperts {
+ public:
+  // cpus: the logical CPU each worker is pinned to (-1: unpinned); one worker per entry.
+  // spin_us: how long idle workers and wait() spin before sleeping on a futex.
+  ColdExperts(const std::vector<int>& cpus, int64_t spin_us);
+  ~ColdExperts();
+  ColdExperts(const ColdExperts&) = delete;
+  ColdExperts& operator=(const ColdExperts&) = delete;
+
+  // Validates (std::invalid_argument), plans, and hands the work to the pool; returns at
+  // once. Every buffer in args must stay valid and unchanged until wait() returns.
+  void submit(const ColdArgs& args);
+  void wait();
+  bool ready() const;  // the last submitted call has finished (wait() still required)
+
+  // Pre-sizes the workspace so that calls up to these sizes allocate nothing.
+  void reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, int64_t F);
+  int num_threads() const;
+  void set_spin_us(int64_t spin_us);
+  ColdStats last_stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Synchronous: submit(args) then wait().
+void cold_experts_forward(const ColdArgs& args, ColdExperts& runner);
+
+}  // namespace ostinato

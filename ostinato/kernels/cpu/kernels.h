@@ -1,0 +1,114 @@
+// Internal: the plan of one call and the ISA-specific task functions that execute it.
+//
+// Legend: T tokens, R routes, D hidden, F expert FFN, P positions of the routes sorted by
+// expert (p -> route order[p]), s an active expert's slot (ascending expert id).
+//
+// A call runs in up to four phases; a phase starts when the previous one has finished:
+//   0  prepare activations: convert x rows to fp32 (vector path) / pack them into AMX tiles;
+//   1  gate/up: h[p, f] = silu(w13[e][f] . x[t]) * (w13[e][F+f] . x[t]), tasks (s, f-block);
+//   2  down, "direct" (few routes, h fits in L2): one task per d-block covering every
+//      expert, out[t, d] = fma(weight, w2[e][d] . h[p], out[t, d]) over s ascending;
+//      down, "scatter" (many routes): tasks (s, d-block) write y[p, d] = w2[e][d] . h[p];
+//   3  (scatter only) one task per token: out[t, d] = fma(weight, y[p, d], out[t, d]) over
+//      its positions p ascending, i.e. the same expert order and operations as direct, so
+//      both modes give the same bits.
+// Every output element has exactly one writer and a fixed order of operations.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "experts.h"
+
+namespace ostinato {
+
+// How the vector (non-AMX) path reads operands.
+enum class VecKind : int32_t {
+  kDpBf16 = 0,  // bf16 w13 . bf16 x with VDPBF16PS; w2 widened, h split layout
+  kSplit = 1,  // bf16 weights widened by shift/mask; x and h in split fp32 layout
+  kF32 = 2,  // fp32 weights; x and h fp32 in natural layout
+};
+
+// "Split" layout of an fp32 vector used against bf16 weights: each chunk of 32 elements
+// stores its even elements then its odd ones, so that one 512-bit load of 32 bf16 weights
+// widens into (even, odd) fp32 halves with one shift and one mask. Length padded to 32.
+inline int64_t split_index(int64_t k) { return (k & ~int64_t(31)) + ((k & 1) << 4) + ((k & 31) >> 1); }
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+struct Plan {
+  ColdArgs a;
+  Isa isa = Isa::kAvx512;
+  VecKind kind = VecKind::kSplit;
+  int64_t D32 = 0, F32 = 0;  // D, F rounded up to 32 (row strides of xconv and h)
+
+  // Routes sorted by expert: slot s covers positions [start[s], start[s+1]).
+  std::vector<int32_t> order;  // [R] route index of position p
+  std::vector<int32_t> exp_id;  // [S] expert id of slot s, ascending
+  std::vector<int32_t> start;  // [S+1]
+  std::vector<uint8_t> amx;  // [S] slot computed on AMX tiles
+  std::vector<int64_t> xpack_off;  // [S] AMX: offset of the slot's packed x (uint16 units)
+  std::vector<int64_t> hpack_off;  // [S] AMX: offset of the slot's packed h (uint16 units)
+  std::vector<int32_t> tok_start;  // [T+1] scatter: token t owns tok_pos[tok_start[t]..]
+  std::vector<int32_t> tok_pos;  // [R] positions grouped by token, ascending within a token
+
+  // Workspace (owned by the runner).
+  bool scatter = false;  // down-projection mode (see above)
+  float* h = nullptr;  // [R, F32] by position p (vector slots); gate values until silu
+  float* u = nullptr;  // [R, F32] up values, read by the gate/up task's epilogue
+  float* y = nullptr;  // [R, D] by position p (scatter mode)
+  float* xconv = nullptr;  // [T, D32] converted x (kSplit, or kF32 from bf16 x)
+  uint16_t* xpack = nullptr;  // AMX B tiles of x
+  uint16_t* hhi = nullptr;  // AMX B tiles of bf16(h)
+  uint16_t* hlo = nullptr;  // AMX B tiles of bf16(h - bf16(h))
+
+  // Task lists: phase 0 (kind 0: convert token t; kind 1: pack slot s token-block b),
+  // phase 1 (slot, AMX or not, first f row, end f row), phase 2 scatter (slot, AMX or not,
+  // first d row, end d row); direct phase 2 has ceil(D / kDownRows) tasks, phase 3 T.
+  struct Task {
+    int32_t kind_or_slot;
+    int32_t i;
+    int64_t lo, hi;
+  };
+  std::vector<Task> t0, t1, t2;
+  int64_t n2 = 0;
+
+  int32_t route_token(int64_t p) const { return a.token_idx[order[p]]; }
+  float route_weight(int64_t p) const { return a.weights[order[p]]; }
+};
+
+constexpr int64_t kUpRowsVec = 32;  // f rows per vector gate/up task (one 32-chunk of h)
+constexpr int64_t kUpRowsAmx = 32;  // f rows per AMX gate/up task (one K block of h)
+constexpr int64_t kDownRows = 16;  // d rows per direct down task (one AMX tile of rows)
+constexpr int64_t kDownRowsScatter = 128;  // d rows per scatter down task (8 AMX tiles)
+constexpr int64_t kDirectMaxHBytes = 192 << 10;  // direct down while all of h fits in L2
+
+// Vector path (AVX-512), kernels_avx512.cpp.
+void vec_convert_x(const Plan& p, int64_t t);
+void vec_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);
+void vec_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // direct or scatter
+void reduce_token(const Plan& p, int64_t t);  // phase 3
+
+// AMX path, kernels_amx.cpp (requires D % 32 == 0, F % 32 == 0, bf16 weights and x).
+void amx_pack_x(const Plan& p, int32_t s, int64_t block);
+void amx_gate_up(const Plan& p, int32_t s, int64_t f0);
+// 16 rows from d0, direct or scatter; next_rows (or null): the 16 w2 rows computed next,
+// prefetched into L2 meanwhile.
+void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows);
+
+}  // namespace ostinato

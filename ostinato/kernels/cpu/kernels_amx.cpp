@@ -1,0 +1,214 @@
+// AMX path: experts with many routes (prefill) as bf16 tile GEMMs, fp32 accumulation.
+//
+// Weights are the A operand, read straight from the checkpoint layout (16 rows x 32 bf16
+// per tile, row stride = the matrix row), so they are never repacked; each weight tile is
+// loaded once per 32 tokens. Activations are the B operand, packed once per call into
+// VNNI tiles ([16 pairs of k][16 tokens][2]), token blocks padded with zeros.
+//
+// Precision: x is bf16 (as the model's activations are). The intermediate h is fp32 and
+// enters the down projection as two bf16 tiles, hi = bf16(h) and lo = bf16(h - hi), whose
+// sum carries about 16 significant bits (relative error <= 2^-17), so rounding h to bf16
+// (2^-9) does not show in the output. Products are exact; sums are fp32 in tile order.
+// (VCVTNEPS2BF16 rounds to nearest even and flushes denormals, as the tile unit does.)
+//
+// Weight rows are separate 4 KiB pages for the hardware prefetcher, so the first pass
+// over a tile row block prefetches its lines kPrefetchSteps K steps ahead.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+#include "vecmath.h"
+
+namespace ostinato {
+namespace {
+
+constexpr int64_t kTile = 512;  // uint16 elements in one 1 KiB tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile is 16 rows x 64 bytes; tmm0-3 accumulators, tmm4-7 operands.
+class TileScope {
+ public:
+  TileScope() {
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) {
+      cfg.colsb[i] = 64;
+      cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  ~TileScope() { _tile_release(); }
+};
+
+constexpr int64_t kPrefetchSteps = 8;  // weight lines fetched this many K steps ahead
+
+// 16 rows of a weight tile, the 64-byte line of K step kb: ask for it ahead of the load.
+template <_mm_hint kHint = _MM_HINT_T0>
+inline void prefetch_tile_rows(const uint16_t* rows, int64_t stride, int64_t kb) {
+  for (int i = 0; i < 16; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(rows + i * stride + kb * 32), kHint);
+}
+
+inline __m512 bf16x16_to_f32(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// Two rows (f even, f + 1) x 16 tokens of bf16 values -> one VNNI tile row of pairs.
+inline __m512i pair_rows(__m256i even, __m256i odd) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(even), _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16));
+}
+
+inline int32_t num_blocks(const Plan& p, int32_t s) { return (p.start[s + 1] - p.start[s] + 15) / 16; }
+
+}  // namespace
+
+void amx_pack_x(const Plan& p, int32_t s, int64_t b) {
+  const ColdArgs& a = p.a;
+  const int64_t KB = a.D / 32;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(p.xpack + p.xpack_off[s] + b * KB * kTile);
+  // Pair kk of a token's 32-element K step goes to tile row kk, column n: a 16-way scatter.
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+  for (int n = 0; n < 16; ++n) {
+    const int64_t q = p.start[s] + b * 16 + n;
+    const uint16_t* src = nullptr;
+    if (q < p.start[s + 1]) src = static_cast<const uint16_t*>(a.x) + p.route_token(q) * a.x_stride;
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const __m512i v = src ? _mm512_loadu_si512(src + kb * 32) : _mm512_setzero_si512();
+      _mm512_i32scatter_epi32(dst + kb * (kTile / 2) + n, rows, v, 4);
+    }
+  }
+}
+
+void amx_gate_up(const Plan& p, int32_t s, int64_t f0) {
+  const ColdArgs& a = p.a;
+  const int64_t D = a.D, F = a.F, KB = D / 32, KBF = F / 32;
+  const uint16_t* w13 = static_cast<const uint16_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * F * D;
+  const uint16_t* xp = p.xpack + p.xpack_off[s];
+  const int32_t nb = num_blocks(p, s);
+  alignas(64) float c[4][256];
+  TileScope tiles;
+  for (int32_t b = 0; b < nb; b += 2) {
+    const bool two = b + 1 < nb;
+    const uint16_t* xb0 = xp + int64_t(b) * KB * kTile;
+    const uint16_t* xb1 = xb0 + KB * kTile;
+    for (int half = 0; half < 2; ++half) {
+      const int64_t r0 = f0 + 16 * half;
+      const uint16_t* ag = w13 + r0 * D;
+      const uint16_t* au = w13 + (F + r0) * D;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        if (a.prefetch && b == 0) {  // later token blocks find the rows in cache
+          if (kb + kPrefetchSteps < KB) {
+            prefetch_tile_rows(ag, D, kb + kPrefetchSteps);
+            prefetch_tile_rows(au, D, kb + kPrefetchSteps);
+          }
+          if (half == 0) {  // the next 16 rows, into L2, so that their first steps hit
+            prefetch_tile_rows<_MM_HINT_T1>(ag + 16 * D, D, kb);
+            prefetch_tile_rows<_MM_HINT_T1>(au + 16 * D, D, kb);
+          }
+        }
+        _tile_loadd(4, ag + kb * 32, D * 2);
+        _tile_loadd(5, au + kb * 32, D * 2);
+        _tile_loadd(6, xb0 + kb * kTile, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, xb1 + kb * kTile, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int bb = 0; bb < (two ? 2 : 1); ++bb) {
+        const int64_t off = p.hpack_off[s] + (int64_t(b + bb) * KBF + f0 / 32) * kTile;
+        const float* cg = c[2 * bb];
+        const float* cu = c[2 * bb + 1];
+        for (int i = 0; i < 16; i += 2) {  // rows r0 + i (even f) and r0 + i + 1
+          __m256i hi[2], lo[2];
+          for (int j = 0; j < 2; ++j) {
+            const __m512 h = silu_mul512(_mm512_loadu_ps(cg + (i + j) * 16), _mm512_loadu_ps(cu + (i + j) * 16));
+            hi[j] = (__m256i)_mm512_cvtneps_pbh(h);
+            lo[j] = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(h, bf16x16_to_f32(hi[j])));
+          }
+          const int64_t kk = ((r0 + i) % 32) / 2;
+          _mm512_storeu_si512(p.hhi + off + kk * 32, pair_rows(hi[0], hi[1]));
+          _mm512_storeu_si512(p.hlo + off + kk * 32, pair_rows(lo[0], lo[1]));
+        }
+      }
+    }
+  }
+}
+
+void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
+  const ColdArgs& a = p.a;
+  const int64_t D = a.D, F = a.F, KBF = F / 32;
+  const uint16_t* w2 = static_cast<const uint16_t*>(a.w2) + (int64_t(p.exp_id[s]) * D + d0) * F;
+  const uint16_t* hhi = p.hhi + p.hpack_off[s];
+  const uint16_t* hlo = p.hlo + p.hpack_off[s];
+  const int32_t nb = num_blocks(p, s);
+  alignas(64) float c[2][256];
+  TileScope tiles;
+  for (int32_t b = 0; b < nb; b += 2) {
+    const bool two = b + 1 < nb;
+    const int64_t o0 = int64_t(b) * KBF * kTile, o1 = o0 + KBF * kTile;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t kb = 0; kb < KBF; ++kb) {
+      if (a.prefetch && b == 0) {
+        if (kb + kPrefetchSteps < KBF) prefetch_tile_rows(w2, F, kb + kPrefetchSteps);
+        if (next_rows) prefetch_tile_rows<_MM_HINT_T1>(next_rows, F, kb);
+      }
+      _tile_loadd(4, w2 + kb * 32, F * 2);
+      _tile_loadd(5, hhi + o0 + kb * kTile, 64);
+      _tile_loadd(6, hlo + o0 + kb * kTile, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two) {
+        _tile_loadd(7, hhi + o1 + kb * kTile, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(7, hlo + o1 + kb * kTile, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    for (int bb = 0; bb < (two ? 2 : 1); ++bb) {
+      const int32_t q0 = p.start[s] + (b + bb) * 16;
+      const int32_t nq = std::min(16, p.start[s + 1] - q0);
+      for (int n = 0; n < nq; ++n) {
+        if (p.scatter) {
+          float* y = p.y + int64_t(q0 + n) * D + d0;
+          for (int i = 0; i < 16; ++i) y[i] = c[bb][i * 16 + n];
+        } else {
+          float* o = a.out + int64_t(p.route_token(q0 + n)) * a.out_stride + d0;
+          const float wt = p.route_weight(q0 + n);
+          for (int i = 0; i < 16; ++i) o[i] = std::fma(wt, c[bb][i * 16 + n], o[i]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ostinato
+
+#pragma GCC pop_options

@@ -1,0 +1,298 @@
+"""The CPU branch of a hybrid MoE layer: the cold routes, computed from host memory.
+
+Legend: T tokens, R cold routes, E experts, D hidden size, F expert FFN size.
+
+    out[t] = sum over routes r with token_idx[r] == t of
+             weights[r] * w2[e] @ (silu(w13[e][:F] @ x[t]) * (w13[e][F:] @ x[t])),  e = expert_ids[r]
+
+written into out[:T] (fp32; rows without a route are zero). CpuExperts owns the host
+expert weights of its layers (used in place, never copied: the engine pins them) and a
+resident native thread pool; `submit` hands a layer's cold routes to the pool and returns
+at once with the GIL released, `wait` works on the remaining tasks and returns when out
+is ready. Every tensor passed to submit must stay alive and unchanged until wait
+(CpuExperts keeps references).
+
+Precision of the native kernels (see ostinato/kernels/cpu/): products of bf16 values are
+exact, every sum is fp32, the intermediate h = silu(gate) * up stays fp32 (AMX rounds it to
+a bf16 hi + lo pair, ~16 significant bits); routes of a token are summed in ascending
+expert order. The output is bitwise reproducible and independent of the thread count; it
+can differ in the last bits between ISA paths (avx512 / avx512_bf16 / amx). The torch
+backend (no compiler, no AVX-512, or asked for) runs `torch_reference` on a worker thread.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as nnf
+
+from ostinato.layers.moe.types import ExpertWeights
+
+ISAS = {"auto": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def torch_reference(
+    w13: torch.Tensor,  # [E, 2F, D]
+    w2: torch.Tensor,  # [E, D, F]
+    x: torch.Tensor,  # [T, D]
+    token_idx: torch.Tensor,  # [R]
+    expert_ids: torch.Tensor,  # [R]
+    weights: torch.Tensor,  # [R]
+    out: torch.Tensor | None = None,  # [>= T, D] fp32
+) -> torch.Tensor:
+    """The oracle in plain torch: fp32 math on the given (bf16 or fp32) weights."""
+    T, D = x.shape
+    F = w2.shape[2]
+    if out is None:
+        out = torch.empty(T, D, dtype=torch.float32)
+    res = out[:T]
+    res.zero_()
+    tok, eid, wts = token_idx.long(), expert_ids.long(), weights.float()
+    for e in torch.unique(eid).tolist():  # ascending: the native summation order
+        sel = (eid == e).nonzero().squeeze(1)
+        t = tok[sel]
+        gu = x[t].float() @ w13[e].float().T  # [n, 2F]
+        h = nnf.silu(gu[:, :F]) * gu[:, F:]  # [n, F]
+        y = h @ w2[e].float().T  # [n, D]
+        res.index_add_(0, t, y * wts[sel, None])
+    return out
+
+
+def physical_cpus() -> tuple[list[int], list[int]]:
+    """Allowed logical CPUs: one per physical core, then their SMT siblings."""
+    firsts: list[int] = []
+    siblings: list[int] = []
+    seen: set[tuple[str, str]] = set()
+    for cpu in sorted(os.sched_getaffinity(0)):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
+        except OSError:
+            key = ("cpu", str(cpu))
+        (siblings if key in seen else firsts).append(cpu)
+        seen.add(key)
+    return firsts, siblings
+
+
+class CpuExperts:
+    """Cold experts of several MoE layers on a resident CPU thread pool.
+
+    layers: {layer index: ExpertWeights} or a list (index = position); bf16 or fp32,
+    contiguous, on the CPU. num_threads: pool workers, each pinned to its own physical
+    core; the default leaves one core free (physical cores - 1) because the thread that
+    calls wait() takes tasks as the last worker (a spinning waiter beside a worker on
+    every core oversubscribes the CPU and stalls phases for a scheduler tick).
+    backend: "native" (the C++ kernels; raises if unavailable), "torch", or "auto".
+    isa: cap on the native path ("auto" = best available). spin_us: how long idle workers
+    spin before sleeping (microseconds). amx_min_tokens: fewest routes of one expert that
+    send it to the AMX tiles (4 was the fastest of 4, 8, 16 for 128-token prefills on the
+    16-core GPU host; scripts/bench_cpu_experts.py --amx-min-tokens measures it).
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[int, ExpertWeights] | Sequence[ExpertWeights],
+        num_threads: int | None = None,
+        backend: str = "auto",
+        *,
+        isa: str = "auto",
+        spin_us: int = 2000,
+        amx_min_tokens: int = 4,
+    ):
+        items = layers.items() if isinstance(layers, Mapping) else enumerate(layers)
+        self.layers = {int(i): _checked(i, ExpertWeights(*w)) for i, w in items}
+        if backend not in ("auto", "native", "torch"):
+            raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
+        if isa not in ISAS:
+            raise ValueError(f"isa must be one of {sorted(ISAS)}, not {isa!r}")
+        firsts, siblings = physical_cpus()
+        self.num_threads = int(num_threads or max(1, len(firsts) - 1))
+        self.fallback_reason: str | None = None
+        self._native = None
+        if backend != "torch":
+            self.fallback_reason = _native_unavailable(isa)
+            if self.fallback_reason and backend == "native":
+                raise RuntimeError(f"native CPU experts unavailable: {self.fallback_reason}")
+        self.backend = "torch" if backend == "torch" or self.fallback_reason else "native"
+        if self.backend == "native":
+            ext = _extension()
+            cpus = (firsts[1:] + firsts[:1] + siblings)[: self.num_threads]  # first core: the caller
+            cpus += [-1] * (self.num_threads - len(cpus))  # more workers than CPUs: unpinned
+            self._native = ext.ColdExperts(cpus, int(spin_us))
+            self._args = {i: _layer_args(ext, w, isa, amx_min_tokens) for i, w in self.layers.items()}
+        else:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
+        self._pending: tuple | None = None
+        self._future: Future | None = None
+
+    def submit(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [T, D] bf16 or fp32, rows contiguous
+        token_idx: torch.Tensor,  # [R] int32
+        expert_ids: torch.Tensor,  # [R] int32
+        weights: torch.Tensor,  # [R] fp32
+        out: torch.Tensor,  # [>= T, D] fp32, rows contiguous; out[:T] is overwritten
+    ) -> None:
+        """Starts one layer's cold routes and returns at once; call wait() before reuse."""
+        if self._pending is not None:
+            raise RuntimeError("CpuExperts.submit() called before wait() of the previous call")
+        w = self.layers[layer]
+        token_idx, expert_ids, weights = _routes(token_idx, expert_ids, weights)
+        _check_io(w, x, out)
+        self._pending = (x, token_idx, expert_ids, weights, out)
+        if self._native is None:
+            self._future = self._executor.submit(torch_reference, w.w13, w.w2, x, token_idx, expert_ids, weights, out)
+            return
+        try:
+            self._native.submit(self._fill_args(layer, x, token_idx, expert_ids, weights, out))
+        except BaseException:
+            self._pending = None
+            raise
+
+    def _fill_args(self, layer, x, token_idx, expert_ids, weights, out):
+        """The layer's native ColdArgs pointed at these (already checked) tensors."""
+        a = self._args[layer]
+        a.x, a.x_dtype, a.T, a.x_stride = x.data_ptr(), _DTYPES[x.dtype], x.shape[0], x.stride(0)
+        a.token_idx, a.expert_ids = token_idx.data_ptr(), expert_ids.data_ptr()
+        a.weights, a.R = weights.data_ptr(), token_idx.shape[0]
+        a.out, a.out_stride = out.data_ptr(), out.stride(0)
+        return a
+
+    def wait(self) -> torch.Tensor | None:
+        """Blocks until the submitted call is done; returns its out (None if none pending)."""
+        if self._pending is None:
+            return None
+        out = self._pending[-1]
+        try:
+            if self._native is not None:
+                self._native.wait()
+            else:
+                self._future.result()
+        finally:
+            self._pending, self._future = None, None
+        return out
+
+    def forward(self, layer, x, token_idx, expert_ids, weights, out=None) -> torch.Tensor:
+        """Synchronous submit + wait; allocates out [T, D] fp32 if not given."""
+        if out is None:
+            out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
+        self.submit(layer, x, token_idx, expert_ids, weights, out)
+        self.wait()
+        return out
+
+    def ready(self) -> bool:
+        """The submitted call has finished (wait() is still required)."""
+        if self._pending is None:
+            return True
+        return self._native.ready() if self._native is not None else self._future.done()
+
+    def set_isa(self, isa: str) -> None:
+        """Caps the native path of later calls: "auto", "avx512", "avx512_bf16" or "amx"."""
+        if isa not in ISAS:
+            raise ValueError(f"isa must be one of {sorted(ISAS)}, not {isa!r}")
+        if self._native is not None:
+            reason = _native_unavailable(isa)
+            if reason:
+                raise RuntimeError(reason)
+            for a in self._args.values():
+                a.isa = ISAS[isa]
+
+    @property
+    def cpu_features(self) -> dict:
+        """What the native kernels can use on this CPU ({} for the torch backend)."""
+        return _extension().cpu_features() if self._native is not None else {}
+
+    def reserve(self, max_routes: int, max_tokens: int) -> None:
+        """Sizes the native workspace so that calls up to these sizes allocate nothing."""
+        if self._native is not None:
+            E = max(w.w13.shape[0] for w in self.layers.values())
+            D = max(w.w13.shape[2] for w in self.layers.values())
+            F = max(w.w2.shape[2] for w in self.layers.values())
+            self._native.reserve(max_routes, max_tokens, E, D, F)
+
+    def last_stats(self) -> dict:
+        """Native: which ISA path the last call used and how many experts went to AMX."""
+        return self._native.last_stats() if self._native is not None else {"isa": "torch"}
+
+    def close(self) -> None:
+        self.wait()
+        self._native = None
+        if self.backend == "torch":
+            self._executor.shutdown()
+
+
+def _checked(i, w: ExpertWeights) -> ExpertWeights:
+    E, F2, D = w.w13.shape
+    if w.w2.shape != (E, D, F2 // 2) or F2 % 2:
+        raise ValueError(f"layer {i}: w13 {tuple(w.w13.shape)} and w2 {tuple(w.w2.shape)} "
+                         "are not [E, 2F, D] and [E, D, F]")
+    for name, t in (("w13", w.w13), ("w2", w.w2)):
+        if t.dtype not in _DTYPES or t.dtype != w.w13.dtype or t.device.type != "cpu":
+            raise ValueError(f"layer {i}: {name} must be bf16 or fp32 on the CPU, like w13 ({t.dtype}, {t.device})")
+        if not t.is_contiguous():
+            raise ValueError(f"layer {i}: {name} is not contiguous; make it contiguous once at load time")
+    return w
+
+
+def _check_io(w: ExpertWeights, x: torch.Tensor, out: torch.Tensor) -> None:
+    D = w.w13.shape[2]
+    xs, os_ = x.stride(), out.stride()
+    if len(xs) != 2 or x.shape[1] != D or xs[1] != 1 or x.dtype not in _DTYPES or x.device.type != "cpu":
+        raise ValueError(f"x must be [T, {D}] bf16/fp32 on the CPU with contiguous rows, "
+                         f"got {tuple(x.shape)} {x.dtype} {x.device} strides {xs}")
+    if (len(os_) != 2 or out.shape[1] != D or os_[1] != 1 or out.shape[0] < x.shape[0]
+            or out.dtype != torch.float32 or out.device.type != "cpu"):
+        raise ValueError(f"out must be [>= {x.shape[0]}, {D}] fp32 on the CPU with contiguous rows, "
+                         f"got {tuple(out.shape)} {out.dtype} {out.device} strides {os_}")
+
+
+def _is_vector(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.dim() == 1 and t.is_contiguous() and t.device.type == "cpu"
+
+
+def _routes(token_idx, expert_ids, weights):
+    """The routes as 1-D contiguous int32, int32, fp32 CPU tensors (copies only if needed)."""
+    if not (_is_vector(token_idx, torch.int32) and _is_vector(expert_ids, torch.int32)
+            and _is_vector(weights, torch.float32)):
+        if not (token_idx.device.type == expert_ids.device.type == weights.device.type == "cpu"):
+            raise ValueError("routes must be CPU tensors")
+        token_idx = token_idx.reshape(-1).to(torch.int32).contiguous()
+        expert_ids = expert_ids.reshape(-1).to(torch.int32).contiguous()
+        weights = weights.reshape(-1).to(torch.float32).contiguous()
+    if not token_idx.shape[0] == expert_ids.shape[0] == weights.shape[0]:
+        raise ValueError(f"token_idx, expert_ids and weights must have one length, got "
+                         f"{token_idx.shape[0]}, {expert_ids.shape[0]}, {weights.shape[0]}")
+    return token_idx, expert_ids, weights
+
+
+def _extension():
+    from ostinato.kernels.cpu.build import load_cpu_extension
+
+    return load_cpu_extension()
+
+
+def _native_unavailable(isa: str) -> str | None:
+    from ostinato.kernels.cpu.build import load_error
+
+    ext = _extension()
+    if ext is None:
+        return load_error()
+    feats = ext.cpu_features()
+    if not feats["avx512"]:
+        return "this CPU lacks AVX-512 (F, BW, VL)"
+    if isa != "auto" and not feats[isa]:
+        return f"this CPU does not support isa {isa!r} ({feats})"
+    return None
+
+
+def _layer_args(ext, w: ExpertWeights, isa: str, amx_min_tokens: int):
+    a = ext.ColdArgs()
+    a.w13, a.w2, a.w_dtype = w.w13.data_ptr(), w.w2.data_ptr(), _DTYPES[w.w13.dtype]
+    a.E, a.D, a.F = w.w13.shape[0], w.w13.shape[2], w.w2.shape[2]
+    a.isa, a.amx_min_tokens = ISAS[isa], amx_min_tokens
+    return a

@@ -1,0 +1,33 @@
+"""Wiring: model argument and settings -> the FastAPI app with its engine thread.
+
+Shared by `ostinato serve` and the tests, which run the same app under uvicorn in a
+thread. Nothing is loaded here: the engine thread loads the model once the server
+starts, so /health answers from the first moment. The experts placement (a residency:
+hybrid CPU-GPU) goes to `load_engine` as it is, like `ostinato generate` does.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.runner import RunnerSettings
+from ostinato.server.routes import create_app
+from ostinato.server.worker import EngineWorker
+
+
+def served_name(model: str) -> str:
+    """What responses report as `model`: a directory's name, or the synth spec."""
+    return model if model.startswith("synth:") else Path(model).name or model
+
+
+def build_app(model: str, settings: RunnerSettings = RunnerSettings(), placement: PlacementSettings | None = None,
+              api_key: str | None = None, name: str | None = None, warmup: bool = True) -> FastAPI:
+    def load(progress):
+        from ostinato.engine.factory import load_engine
+
+        progress("loading weights")
+        return load_engine(model, settings, placement)
+
+    return create_app(EngineWorker(load, warmup=warmup), name or served_name(str(model)), api_key)

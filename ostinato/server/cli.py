@@ -1,0 +1,45 @@
+"""`ostinato serve`: the OpenAI-compatible server over one session slot.
+
+The model and placement flags (--model, --device, --dtype, --max-context, --residency,
+--gpu-memory, ...) are the shared ones of `ostinato generate`; this adds the network side.
+"""
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def cmd_serve(a) -> int:
+    import uvicorn
+
+    from ostinato.cli import _placement, _runner_settings
+    from ostinato.server.app import build_app
+
+    placement = _placement(a)  # a bad --gpu-memory fails here, before the port is bound
+    if placement.residency and not Path(placement.residency).is_file():
+        raise FileNotFoundError(f"--residency {placement.residency}: no such file (write one with `ostinato plan`)")
+    app = build_app(a.model, _runner_settings(a), placement, a.api_key, a.served_model_name)
+    if not _is_loopback(a.host) and not a.api_key:
+        print(f"ostinato: warning: serving on {a.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def add_server_commands(sub, add_model_args) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (one session slot)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", help="require this key ('Authorization: Bearer KEY') on the /v1 routes")
+    p.add_argument("--served-model-name", help="model name reported in responses (default: the model's)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,265 @@
+"""Request bodies of the OpenAI-compatible API as pydantic models.
+
+Validation happens here, once, in strict mode (no "5" -> 5 coercion), so a bad request
+becomes a 400 that names the field before anything reaches the engine queue. Only what
+Ostinato uses is modelled: unknown fields are ignored (clients send many optional ones),
+features it cannot honour (n > 1, logprobs, echo) are rejected rather than silently
+dropped. Defaults are OpenAI's (temperature 1, top_p 1); max_tokens defaults to, and is
+capped at, the room the prompt leaves in the context.
+
+tool_choice: "none" renders the prompt without the tools and returns the output as plain
+content; "auto" (the default with tools) parses `<tool_call>` blocks into `tool_calls`;
+"required" and a named function are validated (tools given, the name among them) and
+then behave like "auto": decoding is not constrained, the output is reported as written.
+
+Extensions, all optional:
+
+- `ostinato_forced_output` (chat): an assistant message ({content, tool_calls,
+  reasoning_content}); the engine emits the tokens of its rendering by the chat template
+  (through the end-of-turn token) instead of sampling. A replay of a recorded session
+  sends the recorded turn this way so that every placement runs the same tokens.
+- `ostinato_forced_ids` (chat and completions): the same, as token ids. A forced output
+  is emitted whole (neither end-of-turn tokens nor stop sequences cut it; max_tokens and
+  the context do) and reported like sampled output: text, tool calls, usage.
+- `ostinato_return_ids`: the response carries `ostinato_prompt_ids` and, per choice,
+  `ostinato_output_ids` (in a stream: on the chunk with the finish reason).
+- `ignore_eos` (vLLM's name): do not end the turn at end-of-turn tokens; max_tokens does.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ostinato.server.errors import APIError
+
+_FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Message":
+        if self.role == "assistant":
+            if self.content is None and not self.tool_calls:
+                raise ValueError("an assistant message needs content or tool_calls")
+        elif self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        elif self.tool_calls:
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role}")
+        return self
+
+    def for_template(self) -> dict:
+        """The dict the chat template reads ('developer' is OpenAI's newer name for 'system')."""
+        out = self.model_dump(exclude_none=True)
+        if out["role"] == "developer":
+            out["role"] = "system"
+        return out
+
+
+class AssistantOutput(_Body):
+    """`ostinato_forced_output`: the assistant message to emit."""
+    role: Literal["assistant"] = "assistant"
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "FunctionDef":
+        p = self.parameters
+        if p is not None:
+            if p.get("type", "object") != "object":
+                raise ValueError("parameters must be a JSON schema with \"type\": \"object\"")
+            if not isinstance(p.get("properties", {}), dict):
+                raise ValueError("parameters.properties must be an object")
+            if not isinstance(p.get("required", []), list):
+                raise ValueError("parameters.required must be a list of property names")
+        return self
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    """Fields shared by chat and text completions."""
+    model: str | None = None  # any name is accepted: this server serves one model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+    response_format: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    ostinato_forced_ids: list[int] | None = None
+    ostinato_return_ids: bool = False
+
+    @model_validator(mode="after")
+    def _check_common(self) -> "_Generation":
+        if self.n != 1:
+            raise ValueError(f"n must be 1: this server keeps one session slot and returns one choice (got {self.n})")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported "
+                             "(no constrained decoding): ask for the format in the prompt")
+        stops = self.stop_list()
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        if len(stops) > 16:
+            raise ValueError(f"at most 16 stop sequences (got {len(stops)})")
+        if self.ostinato_forced_ids is not None and not self.ostinato_forced_ids:
+            raise ValueError("ostinato_forced_ids must hold at least one token id")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    parallel_tool_calls: bool | None = None
+    ostinato_forced_output: AssistantOutput | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise ValueError("tool_choice is 'required' but no tools were given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            known = ", ".join(names) or "none"
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, "
+                             f"which is not among the tools (known: {known})")
+        if self.ostinato_forced_output is not None and self.ostinato_forced_ids is not None:
+            raise ValueError("give ostinato_forced_output or ostinato_forced_ids, not both")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_tools(self) -> list[dict] | None:
+        """Tools as the chat template sees them: none at all with tool_choice 'none'.
+        'required' and a named function are validated but do not constrain decoding."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if isinstance(self.prompt, list) and (not self.prompt or isinstance(self.prompt[0], str)) \
+                and len(self.prompt) != 1:
+            raise ValueError("prompt: give one string (a batch of prompts is not supported)")
+        if self.echo or self.suffix or self.best_of not in (None, 1):
+            raise ValueError("echo, suffix and best_of are not supported")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+
+def _field_names(cls: type[BaseModel]) -> set[str]:
+    names = set(cls.model_fields)
+    for sub in cls.__subclasses__():
+        names |= _field_names(sub)
+    return names
+
+
+def _where(loc: tuple, fields: set[str]) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content': union-branch tags such as
+    'str' or 'list[TextPart]' are not fields and are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in fields:
+            out += f".{part}" if out else part
+    return out
+
+
+def parse_body(model: type[_Body], raw: bytes) -> _Body:
+    """Bytes of a request body -> a validated request, or a 400 that names the field."""
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        raise APIError(400, f"the request body is not valid JSON ({first['msg']})", code="invalid_json")
+    fields = _field_names(_Body)
+    where = _where(tuple(first["loc"]), fields)
+    # The branches of a union fail together; say what each would have accepted.
+    same = [err for err in errors if _where(tuple(err["loc"]), fields) == where]
+    message = "; or ".join(dict.fromkeys(err["msg"].removeprefix("Value error, ") for err in same))
+    more = len({_where(tuple(err["loc"]), fields) for err in errors}) - 1
+    message += f" (and problems in {more} more fields)" if more else ""
+    raise APIError(400, f"{where}: {message}" if where else message, param=where or None, code="invalid_value")

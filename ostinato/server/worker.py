@@ -1,0 +1,156 @@
+"""The engine thread: it owns the model and the one session slot.
+
+It loads the model first (in the background, so that /health can say "loading" while
+the weights come in), then serves jobs from a FIFO queue, one at a time: two requests
+never interleave in the KV cache, and each sees the cache the previous one left. A job
+reports through its `emit` callback (the bridge makes that thread-safe); a client that
+goes away sets the job's cancel event, which the engine checks after every token, and
+a job cancelled while still queued is skipped.
+
+Errors stay inside the job: an engine exception fails that request only, and the slot's
+cache stays consistent because the Engine records its tokens only after each forward.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ostinato.engine.sampling import SamplingParams
+from ostinato.engine.session import GenerationStats
+from ostinato.server.textstream import TextStream
+
+log = logging.getLogger("ostinato.server")
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    forced: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    emit: Callable[[object], None] = lambda event: None
+
+
+@dataclass
+class Token:
+    id: int
+    text: str  # may be empty: held back, or a silent end-of-turn token
+
+
+@dataclass
+class Finished:
+    ids: list[int]
+    text: str
+    stats: GenerationStats
+    finish_reason: str  # stop | length | cancelled
+    tail: str = ""  # text held back until the end (a partial character or stop sequence)
+
+
+@dataclass
+class Failed:
+    error: Exception
+
+
+class EngineWorker:
+    """`load(progress)` -> a `Loaded` (ostinato.engine.factory), called on the engine thread."""
+
+    def __init__(self, load: Callable[[Callable[[str], None]], object], warmup: bool = True):
+        self._load = load
+        self.on_finished: Callable[[GenerationStats], None] = lambda stats: None  # metrics hook
+        self._warmup = warmup
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="ostinato-engine", daemon=True)
+        self.loaded = None
+        self.state = "loading"  # loading | ok | error
+        self.phase = "starting"
+        self.error: str | None = None
+        self.started_at = time.monotonic()
+        self.started_at_wall = time.time()
+        self.placement: dict[str, float] = {}  # last runner.placement_stats(), read by /metrics
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    @property
+    def queued(self) -> int:
+        return self._jobs.qsize()
+
+    def progress(self) -> dict:
+        return {"phase": self.phase, "elapsed_s": round(time.monotonic() - self.started_at, 1)}
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def _run(self) -> None:
+        try:
+            loaded = self._load(self._set_phase)
+            if self._warmup:
+                self._set_phase("warming up")
+                self._warm(loaded)
+            self.placement = loaded.runner.placement_stats()
+            self.loaded, self.state, self.phase = loaded, "ok", "ready"
+        except Exception as e:  # shown by /health and every request; the process stays up
+            log.exception("loading the model failed")
+            self.error, self.state, self.phase = f"{type(e).__name__}: {e}", "error", "failed"
+        while (job := self._jobs.get()) is not None:
+            self._serve(job)
+
+    @staticmethod
+    def _warm(loaded) -> None:
+        """One short generation, so the first request's TTFT is not lazy initialisation."""
+        prompt = loaded.tokenizer.encode("Hello, world")
+        for _ in loaded.engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0)):
+            pass
+        loaded.engine.reset()
+
+    def _serve(self, job: Job) -> None:
+        if job.cancel.is_set() or self.loaded is None:  # the client left while queued
+            job.emit(Finished([], "", GenerationStats(finish_reason="cancelled"), "cancelled"))
+            return
+        tok = self.loaded.tokenizer
+        text = TextStream(tok, [] if job.forced is not None else job.stop, tok.eos_ids)
+        stats, ids = GenerationStats(), []
+        try:
+            for token in self.loaded.engine.generate(job.prompt, job.params, job.forced, job.cancel, stats):
+                ids.append(token)
+                delta = text.feed(token)
+                if text.stopped:
+                    job.cancel.set()  # the engine stops before another forward
+                job.emit(Token(token, delta))
+            tail = text.flush()
+        except Exception as e:
+            log.exception("generation failed")
+            job.emit(Failed(e))
+            return
+        finally:
+            self._after(stats)
+        job.emit(Finished(ids, text.text, stats, self._reason(job, stats, text), tail))
+
+    @staticmethod
+    def _reason(job: Job, stats: GenerationStats, text: TextStream) -> str:
+        if text.stopped:
+            return "stop"
+        if job.forced is not None and stats.finish_reason == "stop" and stats.output_tokens < len(job.forced):
+            return "length"  # the forced output was cut by max_tokens or the context
+        return stats.finish_reason
+
+    def _after(self, stats: GenerationStats) -> None:
+        try:
+            self.placement = self.loaded.runner.placement_stats()
+            self.on_finished(stats)
+        except Exception:
+            log.exception("recording metrics failed")
