@@ -27,6 +27,7 @@ class RunnerSettings:
     dtype: str | None = None  # default: the checkpoint's (bf16 on GPU, fp32 on CPU)
     max_context: int | None = None  # default: min(16384, max_position_embeddings)
     prefill_chunk: int = 2048
+    cuda_graph: bool = True  # decode as one captured graph, when the experts backend allows it
 
     def torch_device(self) -> torch.device:
         return torch.device(self.device) if self.device else default_device()
@@ -51,6 +52,15 @@ class ModelRunner:
         self.model.set_experts(self.experts)
         max_context = settings.max_context or min(16384, self.config.max_position_embeddings)
         self.kv = KVCache(self.config, max_context, self.device, self.dtype)
+        self.graphs = None
+        if settings.cuda_graph and self.device.type == "cuda" and getattr(self.experts, "capturable", False):
+            self.enable_graphs()
+
+    def enable_graphs(self) -> None:
+        from ostinato.engine.graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, before_step=getattr(self.experts, "before_step", None))
+        self.graphs.capture()
 
     @property
     def max_context(self) -> int:
@@ -62,6 +72,8 @@ class ModelRunner:
         (or of every token [T, V] with all_logits)."""
         if start + len(tokens) > self.max_context:
             raise ValueError(f"{start + len(tokens)} tokens exceed the context of {self.max_context}")
+        if self.graphs is not None and len(tokens) == 1 and not all_logits:
+            return self.graphs.replay(tokens[0], start).clone()
         outs = []
         chunk = self.settings.prefill_chunk
         for s in range(0, len(tokens), chunk):
@@ -71,6 +83,19 @@ class ModelRunner:
             outs.append(self.model.logits(hidden if all_logits else hidden[-1:]))
         logits = torch.cat(outs) if all_logits else outs[-1][0]
         return logits
+
+    @torch.inference_mode()
+    def decode_windowed(self, token: int, position: int) -> torch.Tensor:
+        """The captured step's computation run eagerly (same attention window, same kernels):
+        the synchronous reference the graph must equal bit for bit."""
+        from ostinato.engine.graph import window_sizes
+        from ostinato.models.qwen3_moe import DecodeWindow
+
+        size = next(s for s in window_sizes(self.max_context) if position < s)
+        pos = torch.tensor([position], device=self.device)
+        hidden = self.model(torch.tensor([token], device=self.device), pos, self.kv.layers, 0,
+                            DecodeWindow(pos, size))
+        return self.model.logits(hidden)[0]
 
     def placement_stats(self) -> dict[str, float]:
         """Cumulative counters of the experts placement (routes, cold routes, CPU experts, bytes

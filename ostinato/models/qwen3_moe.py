@@ -61,11 +61,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv: LayerKV, start: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv: LayerKV, start: int, window=None) -> torch.Tensor:
         T = x.shape[0]
         q = apply_rotary(self.q_norm(self.q_proj(x).view(T, self.h, self.hd)), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.hkv, self.hd)), cos, sin)
         v = self.v_proj(x).view(T, self.hkv, self.hd)
+        if window is not None:
+            return self._decode_window(q, k, v, kv, window)
         end = start + T
         kv.k[start:end] = k
         kv.v[start:end] = v
@@ -81,6 +83,31 @@ class Attention(nn.Module):
             mask = torch.arange(end, device=x.device)[None, :] <= rows  # [T, L]
             o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, enable_gqa=True)
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.hd))
+
+    def _decode_window(self, q, k, v, kv: LayerKV, window: "DecodeWindow") -> torch.Tensor:
+        """One token whose position lives on the device: write its KV there and attend over a
+        fixed window of the cache, masking what lies beyond it. No host value depends on the
+        position, so a captured graph replays it for every token within the window."""
+        kv.k.index_copy_(0, window.position, k)
+        kv.v.index_copy_(0, window.position, v)
+        k_ = kv.k[:window.size].transpose(0, 1)  # [Hkv, W, Hd]
+        v_ = kv.v[:window.size].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k_, v_, attn_mask=window.mask, enable_gqa=True)
+        return self.o_proj(o.transpose(0, 1).reshape(1, self.h * self.hd))
+
+
+class DecodeWindow:
+    """A decode step's position as a device tensor and the cache window it attends over."""
+
+    def __init__(self, position: torch.Tensor, size: int):
+        self.position = position  # [1] int64, on the model's device
+        self.size = size
+        self._cols = torch.arange(size, device=position.device)[None, :]
+        self.mask = None
+
+    def refresh(self) -> None:
+        """Recompute the mask from the device position: once per pass, inside any capture."""
+        self.mask = self._cols <= self.position  # [1, W] bool
 
 
 class DenseMLP(nn.Module):
@@ -117,8 +144,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv: LayerKV, start: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start)
+    def forward(self, x, cos, sin, kv: LayerKV, start: int, window=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,12 +172,19 @@ class Qwen3MoeForCausalLM(nn.Module):
             if isinstance(layer.mlp, SparseMoeBlock):
                 layer.mlp.experts = backend
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[LayerKV], start: int):
-        """input_ids, positions [T] -> final hidden states [T, D] (after the last norm)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[LayerKV], start: int,
+                window: DecodeWindow | None = None):
+        """input_ids, positions [T] -> final hidden states [T, D] (after the last norm).
+
+        With a DecodeWindow (one token), the position is read from the device only, so the
+        pass can be captured once and replayed (see engine/graph.py)."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, start + input_ids.shape[0], x.dtype)
+        if window is not None:
+            window.refresh()
+        seq_len = window.size if window is not None else start + input_ids.shape[0]
+        cos, sin = self.rotary(positions, seq_len, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv[i], start)
+            x = layer(x, cos, sin, kv[i], start, window)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ostinato.synth.presets import TOKENIZER_VOCAB
+from ostinato.synth.presets import TOKENIZER_VOCAB, preset_config
 from ostinato.synth.weights import SynthSpec
 
 SHARD_BYTES = 4 * 2**30
@@ -95,6 +95,7 @@ def tokenizer_vocab_size(tok_dir: Path) -> int:
 def synth_source(preset: str, seed: int = 0, layers: int | None = None, skew: float | None = None):
     from ostinato.loader.source import SynthSource
 
+    preset_config(preset, layers)  # a clear error for an unknown preset or layer count, before training
     tok = cached_tokenizer(preset)
     spec = SynthSpec(preset, layers, seed, skew, active_vocab=tokenizer_vocab_size(tok))
     return SynthSource(spec, tok, model_config(spec, tok))
@@ -111,6 +112,7 @@ def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None =
     """Write a synthetic checkpoint directory; returns it."""
     import shutil
 
+    preset_config(preset, layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = cached_tokenizer(preset)

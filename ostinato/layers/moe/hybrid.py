@@ -40,6 +40,12 @@ class HybridExperts:
         self.counters: Counter = Counter()
         self.has_cold = {l: bool((c >= 0).any()) for l, c in host.compact.items()}
 
+    @property
+    def capturable(self) -> bool:
+        """A decode step can be captured as a graph when no layer needs the CPU (all experts
+        resident); with cold experts the graph needs the handshake backend (graph_hybrid)."""
+        return not any(self.has_cold.values())
+
     def stats(self) -> dict[str, float]:
         return dict(self.counters)
 

@@ -1,0 +1,90 @@
+"""GPU half of the decode-graph handshake with the native CPU worker (layers/moe/graph_worker.py).
+
+Inside the captured decode step, per MoE layer:
+  post      one program: copy the token's routing (ids, weights) and activations into
+            page-locked, device-mapped host memory, write has_cold (does any routed expert
+            map to "cold" in the device index table?), then publish post_flag = seq with
+            release semantics at system scope, so the worker sees the data before the flag;
+  (the GPU branch runs here, concurrently with the CPU worker)
+  wait_add  if has_cold: spin until done_flag == seq (acquire, system scope), then add the
+            worker's fp32 partial to the GPU branch's fp32 partial and round once to the
+            activation dtype; else only round. Every program spins on its own, so no
+            inter-program synchronisation is needed.
+A step starts with `bump`, which increments the device-side sequence number; nothing on the
+host changes between replays.
+
+Host-memory tensors are passed to Triton through `HostPointer` (UVA: the device address of
+page-locked memory equals its host address).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+class HostPointer:
+    """A page-locked host tensor presented to Triton as a device pointer (same address under UVA)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.dtype = t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+@triton.jit
+def _bump(seq_ptr):
+    tl.store(seq_ptr, tl.load(seq_ptr) + 1)
+
+
+@triton.jit
+def _post(ids_ptr, w_ptr, x_ptr, table_ptr, seq_ptr,
+          h_ids, h_w, h_x, h_has_cold, h_post,
+          K: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    k = tl.arange(0, K)
+    ids = tl.load(ids_ptr + k)
+    tl.store(h_ids + k, ids.to(tl.int32))
+    tl.store(h_w + k, tl.load(w_ptr + k))
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        tl.store(h_x + d, tl.load(x_ptr + d, mask=d < D), mask=d < D)
+    slot = tl.load(table_ptr + ids)
+    has_cold = tl.max((slot < 0).to(tl.int32), axis=0)
+    tl.store(h_has_cold, has_cold)
+    tl.debug_barrier()  # every thread's stores are done before the flag goes out
+    tl.atomic_xchg(h_post, tl.load(seq_ptr), sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_add(gpu_ptr, h_out, h_has_cold, h_done, seq_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = d < D
+    acc = tl.load(gpu_ptr + d, mask=m, other=0.0)
+    if tl.load(h_has_cold, volatile=True) != 0:
+        seq = tl.load(seq_ptr)
+        while tl.atomic_add(h_done, 0, sem="acquire", scope="sys") != seq:
+            pass
+        acc += tl.load(h_out + d, mask=m, other=0.0, volatile=True)
+    tl.store(y_ptr + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def bump(seq: torch.Tensor) -> None:
+    _bump[(1,)](seq)
+
+
+def post(ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post) -> None:
+    """ids [1, K] int64, weights [1, K] fp32, x [1, D], table_row [E] int32 (device);
+    the h_* are this layer's HostPointer views of the shared buffers."""
+    K, D = ids.shape[1], x.shape[1]
+    _post[(1,)](ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post,
+                K=K, D=D, BLOCK_D=1024, num_warps=4)
+
+
+def wait_add(gpu_out, h_out, h_has_cold, h_done, seq, y) -> None:
+    """gpu_out [1, D] fp32 (device), h_out [D] fp32 (host), y [1, D] (device, the layer output)."""
+    D = gpu_out.shape[1]
+    BLOCK_D = 256
+    _wait_add[(triton.cdiv(D, BLOCK_D),)](gpu_out, h_out, h_has_cold, h_done, seq, y, D=D, BLOCK_D=BLOCK_D,
+                                          num_warps=2)
