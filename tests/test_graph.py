@@ -61,3 +61,33 @@ def test_graph_replay_bitwise_equals_eager_all_gpu(tiny_dir, tmp_path):
         b = eager.runner.decode_windowed(token, pos)
         assert torch.equal(a, b)
         token, pos = int(a.argmax()), pos + 1
+
+
+@pytest.mark.gpu
+def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_path):
+    """Half the experts cold: the graph step (mapped-memory handshake with the native worker)
+    equals the host-driven synchronous path under the same placement, over 256 steps."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.placement import PlacementSettings
+    from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+    from ostinato.loader.source import CheckpointSource
+    from tests.test_hybrid import _residency_for
+
+    _residency_for(CheckpointSource(tiny_dir), 0.5).save(tmp_path / "half.json")
+    place = PlacementSettings(residency=str(tmp_path / "half.json"), cpu_threads=2)
+    graphed = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048), place)
+    sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
+                                                     cuda_graph=False), place)
+    assert isinstance(graphed.runner.experts, GraphHybridExperts) and graphed.runner.graphs is not None
+    prompt = list(range(5, 105))
+    graphed.runner.forward(prompt, 0)
+    sync.runner.forward(prompt, 0)
+    token, pos = 7, len(prompt)
+    for _ in range(256):
+        a = graphed.runner.forward([token], pos)
+        b = sync.runner.decode_windowed(token, pos)
+        assert torch.equal(a, b)
+        token, pos = int(a.argmax()), pos + 1
+    stats = graphed.runner.placement_stats()
+    assert stats["graph_cold_routes"] > 0
+    graphed.runner.experts.close()

@@ -2,6 +2,7 @@
 source, runner, placement and session slot together (generate, serve, replay, bench)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ostinato.engine.placement import PlacementSettings, hybrid_factory
@@ -9,6 +10,7 @@ from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
 from ostinato.loader.source import open_source
 from ostinato.loader.tokenizer import ChatTokenizer
+from ostinato.planner.residency import Residency
 
 
 @dataclass
@@ -29,6 +31,12 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
     experts_factory(source, runner_settings); with neither, every expert on one device."""
     if experts_factory is None and placement is not None:
         experts_factory = hybrid_factory(placement)
+        if placement.residency and settings.max_context is None:
+            # the plan sized the pool next to a KV cache of this many tokens: a larger cache
+            # could push the engine past the memory cap
+            kv_tokens = Residency.load(placement.residency).capacity.get("kv_tokens")
+            if kv_tokens:
+                settings = dataclasses.replace(settings, max_context=int(kv_tokens))
     source = open_source(model)
     tok = ChatTokenizer.from_dir(source.tokenizer_dir)
     experts = experts_factory(source, settings) if experts_factory else None

@@ -28,13 +28,14 @@ def window_sizes(max_context: int, smallest: int = 1024) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, before_step=None, smallest_window: int = 1024):
-        """before_step(): launched first in every step (e.g. the handshake's sequence bump)."""
+    def __init__(self, runner, before_step=None, after_step=None, smallest_window: int = 1024):
+        """before_step(): launched first in every step (e.g. the handshake's sequence bump);
+        after_step(): called once the step's kernels are recorded or run."""
         self.runner = runner
         dev = runner.device
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
-        self.before_step = before_step
+        self.before_step, self.after_step = before_step, after_step
         self.sizes = window_sizes(runner.max_context, smallest_window)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -42,8 +43,12 @@ class DecodeGraphs:
         if self.before_step is not None:
             self.before_step()
         model = self.runner.model
-        hidden = model(self.token, self.position, self.runner.kv.layers, 0, window)
-        return model.logits(hidden)[0]  # [V] fp32
+        try:
+            hidden = model(self.token, self.position, self.runner.kv.layers, 0, window)
+            return model.logits(hidden)[0]  # [V] fp32
+        finally:
+            if self.after_step is not None:
+                self.after_step()
 
     @torch.inference_mode()
     def capture(self) -> None:

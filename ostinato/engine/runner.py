@@ -53,13 +53,27 @@ class ModelRunner:
         max_context = settings.max_context or min(16384, self.config.max_position_embeddings)
         self.kv = KVCache(self.config, max_context, self.device, self.dtype)
         self.graphs = None
-        if settings.cuda_graph and self.device.type == "cuda" and getattr(self.experts, "capturable", False):
+        if settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()
 
     def enable_graphs(self) -> None:
+        """Capture decode steps when the placement allows it: every expert resident, or the
+        hybrid placement through the mapped-memory handshake with the native CPU worker."""
         from ostinato.engine.graph import DecodeGraphs
+        from ostinato.layers.moe.hybrid import HybridExperts
 
-        self.graphs = DecodeGraphs(self, before_step=getattr(self.experts, "before_step", None))
+        experts = self.experts
+        if isinstance(experts, HybridExperts) and not experts.capturable and experts.cpu.backend == "native":
+            from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+
+            experts = GraphHybridExperts(experts, self.config.moe_layers, self.config.num_experts_per_tok,
+                                         self.config.hidden_size)
+            self.experts = experts
+            self.model.set_experts(experts)
+        if not getattr(experts, "capturable", False):
+            return
+        self.graphs = DecodeGraphs(self, before_step=getattr(experts, "before_step", None),
+                                   after_step=getattr(experts, "after_step", None))
         self.graphs.capture()
 
     @property
@@ -95,7 +109,7 @@ class ModelRunner:
         pos = torch.tensor([position], device=self.device)
         hidden = self.model(torch.tensor([token], device=self.device), pos, self.kv.layers, 0,
                             DecodeWindow(pos, size))
-        return self.model.logits(hidden)[0]
+        return self.model.logits(hidden)[0]  # experts by the synchronous path (host-driven)
 
     def placement_stats(self) -> dict[str, float]:
         """Cumulative counters of the experts placement (routes, cold routes, CPU experts, bytes

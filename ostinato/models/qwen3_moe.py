@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route
@@ -79,9 +80,14 @@ class Attention(nn.Module):
         elif start == 0:
             o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)
         else:
-            rows = torch.arange(T, device=x.device)[:, None] + start
-            mask = torch.arange(end, device=x.device)[None, :] <= rows  # [T, L]
-            o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, enable_gqa=True)
+            # a chunk after cached tokens: query i sees keys [0, start + i]. The lower-right
+            # causal bias lets torch pick a fused kernel; an explicit [T, L] mask would force
+            # the math kernel and a T x L x H fp32 score matrix (~13 GiB at 2048 x 16k).
+            # KV heads are repeated (exact) because the fused kernels take GQA only in some builds.
+            rep = self.h // self.hkv
+            k_, v_ = k_.repeat_interleave(rep, dim=0), v_.repeat_interleave(rep, dim=0)
+            bias = causal_lower_right(T, end)
+            o = F.scaled_dot_product_attention(q_[None], k_[None], v_[None], attn_mask=bias)[0]
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.hd))
 
     def _decode_window(self, q, k, v, kv: LayerKV, window: "DecodeWindow") -> torch.Tensor:

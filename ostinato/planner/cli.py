@@ -1,9 +1,12 @@
-"""Planner subcommands: profile (count routes), skew (the hot-share figure)."""
+"""Planner subcommands: profile (count routes), skew (the hot-share figure), plan (capacity
+test + fill -> residency file), calibrate (cost-model constants measured in the engine)."""
 from __future__ import annotations
 
 import json
 
 import torch
+
+from ostinato.config import ConfigError
 
 
 def _sessions(spec: str | None, limit: int | None):
@@ -29,8 +32,21 @@ def cmd_profile(a) -> int:
     counts = profile_sessions(loaded, _sessions(a.sessions, a.max_sessions))
     counts.save(a.output)
     print(f"profiled {counts.sessions} sessions: {counts.tokens['prefill']} prompt and "
-          f"{counts.tokens['decode']} output tokens -> {a.output}")
+          f"{counts.tokens['decode']} output tokens, longest {counts.max_tokens} -> {a.output}")
+    print(skew_summary(counts))
     return 0
+
+
+def skew_summary(counts) -> str:
+    """Share of each layer's routes on its own top 10% / 40% experts: min / median / max over layers."""
+    parts = []
+    for frac in (0.10, 0.40):
+        v = sorted(counts.layer_top_shares(frac).values())
+        if v:
+            parts.append(f"top {100 * frac:.0f}%: {100 * v[0]:.1f}% / {100 * v[len(v) // 2]:.1f}% / "
+                         f"{100 * v[-1]:.1f}%")
+    return (f"skew per layer (share of a layer's routes on its own top experts, min / median / max over "
+            f"{len(counts.prefill)} layers): " + "; ".join(parts))
 
 
 def cmd_skew(a) -> int:
@@ -65,50 +81,234 @@ def cmd_skew(a) -> int:
     return 0
 
 
+def _plan_profile(a, cfg):
+    """The development profile: from --profile, profiled now from --sessions, or none."""
+    from ostinato.planner.profile import RouteCounts
+
+    if a.profile:
+        return RouteCounts.load(a.profile), a.profile
+    if a.sessions:
+        from ostinato.engine.factory import load_engine
+        from ostinato.engine.runner import RunnerSettings
+        from ostinato.planner.run_profile import profile_sessions
+
+        loaded = load_engine(a.model, RunnerSettings(device=a.device, dtype=a.dtype))
+        prof = profile_sessions(loaded, _sessions(a.sessions, None))
+        path = f"{a.output}.profile.json"
+        prof.save(path)
+        del loaded
+        return prof, path
+    if a.hot_fraction in (0.0, 1.0) and not a.gpu_memory:
+        return None, None
+    raise ValueError("give a development profile (--profile, from `ostinato profile`) or --sessions to profile")
+
+
+def _device(a) -> str | None:
+    if not a.devices:
+        return a.device
+    devices = [d for d in a.devices.split(",") if d]
+    if len(devices) > 1:
+        raise ConfigError(f"--devices {a.devices}: planning over several GPUs comes with multi-GPU support "
+                          "(issue [G]); give one device")
+    return devices[0]
+
+
+def _route_report(name: str, prof, hot: dict[int, list[int]], num_layers: int, top_k: int) -> dict:
+    """Hot share of a profile's routes and expected cold routes per decode token and layer."""
+    from ostinato.planner.fill import cold_routes
+
+    cold, total = cold_routes(prof.total("all"), hot)
+    cold_d, total_d = cold_routes(prof.decode, hot)
+    share, share_d = 1 - cold / max(total, 1), 1 - cold_d / max(total_d, 1)
+    per_token = cold_d / max(1, prof.tokens["decode"]) / num_layers  # = sum over cold experts of p_e, per layer
+    print(f"{name} routes on the GPU: {100 * share:.1f}% (decode {100 * share_d:.1f}%); "
+          f"expected cold routes per decode token and layer: {per_token:.2f} of {top_k}")
+    return {"hot_share": round(share, 4), "decode_hot_share": round(share_d, 4),
+            "cold_routes_per_token_layer": round(per_token, 4)}
+
+
+def _plan_capacity(a, cfg, counts, prof, device, slots):
+    from ostinato.config import parse_bytes
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.planner.capacity import CapacitySettings, fmt_bytes, plan_capacity
+
+    dtype = RunnerSettings(device=device, dtype=a.dtype).torch_dtype(cfg.torch_dtype)
+    kv_tokens = a.max_context or (prof.max_tokens if prof else 0)
+    settings = CapacitySettings(margin_bytes=parse_bytes(a.margin), margin_fraction=a.margin_fraction,
+                                prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores)
+    cap = plan_capacity(cfg, counts, parse_bytes(a.gpu_memory), kv_tokens, dtype, settings, slots)
+    print(f"capacity test, --gpu-memory {fmt_bytes(cap.budget)} ({cap.dtype}, one expert "
+          f"{fmt_bytes(cap.expert_bytes)}; the budget holds {cap.max_hot_slots} hot experts):")
+    for what, n in cap.table():
+        print(f"  {what:<44} {fmt_bytes(n):>11}")
+    print(f"  serve with --max-context {cap.kv_tokens} (the KV cache this plan holds)")
+    return cap
+
+
+def _verify(a, res, cap, device) -> None:
+    from ostinato.planner.capacity import fmt_bytes, verify_capacity
+
+    v = verify_capacity(a.model, a.output, cap, a.cpu_threads, device, a.dtype)
+    res.capacity["verified"] = v
+    res.save(a.output)
+    if "skipped" in v:
+        print(f"verification skipped: {v['skipped']}")
+    elif not v["ok"]:
+        raise ConfigError(f"verification failed: the longest request ({v['tokens']} tokens) "
+                          f"{v['error'] or 'peaked at ' + fmt_bytes(v['peak_allocated'])} under the "
+                          f"{fmt_bytes(cap.budget)} cap; plan with a larger --margin")
+    else:
+        print(f"verified: the largest pass of a {v['tokens']}-token request peaked at "
+              f"{fmt_bytes(v['peak_allocated'])} allocated ({fmt_bytes(v['peak_reserved'])} reserved; the plan "
+              f"expected at most {fmt_bytes(v['planned'])}) under the {fmt_bytes(cap.budget)} cap")
+
+
 def cmd_plan(a) -> int:
     from ostinato.loader.source import open_source
-    from ostinato.planner.fill import cold_routes, fill
+    from ostinato.planner.fill import fill
     from ostinato.planner.profile import RouteCounts
     from ostinato.planner.residency import Residency, model_fingerprint
 
+    if a.gpu_memory is None and a.hot_fraction is None:
+        raise ValueError("give --gpu-memory (size the pool by the capacity test) or --hot-fraction")
+    if a.hot_fraction is not None and not 0.0 <= a.hot_fraction <= 1.0:
+        raise ValueError(f"--hot-fraction must be in [0, 1], got {a.hot_fraction}")
+    device = _device(a)
     source = open_source(a.model)
     cfg = source.config
-    if a.profile:
-        prof = RouteCounts.load(a.profile)
-        counts = prof.total("all")
-    elif a.hot_fraction in (0.0, 1.0):
-        prof, counts = None, {l: torch.zeros(cfg.num_experts) for l in cfg.moe_layers}
-    else:
-        raise ValueError("--profile is needed unless --hot-fraction is 0 or 1")
-    if a.hot_fraction is None:
-        raise ValueError("give --hot-fraction (sizing by --gpu-memory comes with the capacity test)")
-    slots = round(a.hot_fraction * len(cfg.moe_layers) * cfg.num_experts)
-    hot = fill(counts, slots)
-    res = Residency(model_fingerprint(source), cfg.num_experts, hot,
-                    profile={"path": a.profile, "sessions": prof.sessions if prof else 0},
-                    notes={"hot_fraction": a.hot_fraction})
-    res.save(a.output)
-    print(f"{res.hot_count} hot experts of {len(cfg.moe_layers) * cfg.num_experts} "
-          f"({100 * res.hot_count / (len(cfg.moe_layers) * cfg.num_experts):.1f}%) -> {a.output}")
+    L, E, K = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
+    prof, prof_path = _plan_profile(a, cfg)
+    counts = prof.total("all") if prof else {l: torch.zeros(E) for l in cfg.moe_layers}
+    slots = round(a.hot_fraction * L * E) if a.hot_fraction is not None else None
+    cap = _plan_capacity(a, cfg, counts, prof, device, slots) if a.gpu_memory else None
+    hot = fill(counts, cap.hot_slots if cap else slots)
+    res = Residency(model_fingerprint(source), E, hot, devices={device: cfg.moe_layers} if device else {},
+                    gpu_memory=cap.budget if cap else None,
+                    profile={"path": prof_path, "sessions": prof.sessions if prof else 0,
+                             "tokens": prof.tokens if prof else {}, "max_tokens": prof.max_tokens if prof else 0},
+                    capacity=cap.to_json() if cap else {},
+                    notes={"hot_fraction": a.hot_fraction} if a.hot_fraction is not None else {})
+    print(f"{res.hot_count} hot experts of {L * E} ({100 * res.hot_count / (L * E):.1f}%) -> {a.output}")
+    report = {"hot_experts": res.hot_count}
     if prof is not None:
-        cold, total = cold_routes(counts, hot)
-        print(f"development routes on the GPU: {100 * (1 - cold / max(total, 1)):.1f}%; cold routes per token "
-              f"and layer: {cold / max(1, sum(prof.tokens.values())) / len(cfg.moe_layers):.2f}")
-    if a.held_out:
-        held = RouteCounts.load(a.held_out)
-        cold, total = cold_routes(held.total("all"), hot)
-        print(f"held-out routes on the GPU: {100 * (1 - cold / max(total, 1)):.1f}%")
+        report["development"] = _route_report("development", prof, hot, L, K)
+        if a.held_out:
+            report["held-out"] = _route_report("held-out", RouteCounts.load(a.held_out), hot, L, K)
+    res.notes["report"] = report
+    res.save(a.output)
+    if cap and not a.no_verify:
+        _verify(a, res, cap, device)
     return 0
 
 
+def cmd_calibrate(a) -> int:
+    import dataclasses
+
+    from ostinato.cli import _placement
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
+    from ostinato.planner.profile import RouteCounts
+    from ostinato.planner.residency import Residency
+
+    if not a.residency:
+        raise ValueError("give --residency (a plan from `ostinato plan`)")
+    res = Residency.load(a.residency)
+    place = _placement(a)
+    if place.gpu_memory is None and res.gpu_memory:
+        place = dataclasses.replace(place, gpu_memory=res.gpu_memory)  # the cap it was planned for
+    place = dataclasses.replace(place, cpu_backend=a.cpu_backend)
+    kv = a.max_context or res.capacity.get("kv_tokens") or None
+    settings = RunnerSettings(device=a.device, dtype=a.dtype, max_context=kv)
+    loaded = load_engine(a.model, settings, place)
+    sizes = tuple(int(x) for x in a.sizes.split(",")) if a.sizes else CalibrateSettings.sizes
+    cs = CalibrateSettings(reps=a.reps, sizes=sizes, pass_layers=a.pass_layers, sessions=a.sessions or "embedded:4")
+    cal = calibrate(loaded, cs)
+    prof_path = a.profile or (res.profile or {}).get("path")
+    if prof_path:
+        try:
+            cal["model"] = {"profile": prof_path, **model_checks(cal, RouteCounts.load(prof_path), res.hot,
+                                                                 loaded.runner.config)}
+        except FileNotFoundError:
+            print(f"note: profile {prof_path} not found; no model predictions")
+    res.calibration = cal
+    out = a.output or a.residency
+    res.save(out)
+    print_calibration(cal)
+    print(f"calibration -> {out}")
+    return 0
+
+
+def print_calibration(cal: dict) -> None:
+    g = cal["global"]
+    layers = list(cal["layers"].values())
+    if not any(d["cold"] for d in layers):
+        print("note: this residency keeps every expert hot, so C(r), alpha, beta and Np were not measured; "
+              "calibrate with a residency that leaves experts cold")
+    Gs = sorted(d["G_ms"] for d in layers)
+    print(f"calibrated on {cal['device']}, {cal['cpu_threads']} CPU threads ({cal['cpu_backend']}), "
+          f"{cal['dtype']}, torch {cal['torch']}, in {cal['seconds']} s")
+    print(f"  decode, per MoE layer: G {Gs[0]:.3f} / {Gs[len(Gs) // 2]:.3f} / {Gs[-1]:.3f} ms (min / median / max); "
+          f"C(r): gamma0 {g['gamma0_ms']:.3f} ms, alpha {g['alpha_ms']:.3f} ms + beta {g['beta_ms']:.3f} ms per route")
+    print(f"  dense part of a decode step {cal['dense_step_ms']:.2f} ms (+{cal['dense_ms_per_1k_context']:.3f} ms "
+          f"per 1k tokens of context); upload {cal['upload_gbps']:.1f} GB/s")
+    fs = cal["forced_steps"]
+    print("  decode steps forced to r cold routes per layer, measured / model ms: " + ", ".join(
+        f"r={r}: {m:.2f} / {p:.2f}" for r, m, p in zip(fs["r"], fs["measured_ms"], fs["model_ms"])))
+    p = cal.get("passes") or {}
+    m = cal.get("model") or {}
+    if p:
+        print("  n-token pass, per layer (ms):     n    split   upload  cheaper" +
+              ("   model split  model upload" if "split_ms" in m else ""))
+        for i, n in enumerate(p["sizes"]):
+            extra = f"   {m['split_ms'][i]:10.3f}  {m['upload_ms'][i]:12.3f}" if "split_ms" in m else ""
+            print(f"  {'':32}{n:5d} {p['split_ms'][i]:8.3f} {p['upload_ms'][i]:8.3f}  "
+                  f"{'upload' if p['upload_ms'][i] < p['split_ms'][i] else 'split':>7}{extra}")
+    note = f" ({p.get('crossings')} crossings: the last one)" if p.get("crossings", 0) > 1 else ""
+    print(f"  Np (upload_threshold) measured: {cal['upload_threshold']}{note}"
+          + (f"; model: {m.get('upload_threshold')} (on the measured sizes {m.get('upload_threshold_on_sizes')})"
+             if "upload_threshold" in m else ""))
+    if m:
+        print(f"  predicted decode step {m['decode_step_ms']:.2f} ms ({m['decode_moe_ms']:.2f} ms in MoE layers, "
+              f"{m['cold_routes_per_token_layer']:.2f} cold routes per token and layer; profile {m['profile']})")
+
+
 def add_planner_commands(sub, add_model_args) -> None:
-    p = sub.add_parser("plan", help="choose the resident experts from a routing profile")
+    p = sub.add_parser("plan", help="choose the resident experts: capacity test under a GPU memory cap, then fill")
     p.add_argument("--model", required=True)
     p.add_argument("--profile", help="development profile from `ostinato profile`")
+    p.add_argument("--sessions", help="profile these development sessions now (instead of --profile)")
     p.add_argument("--held-out", help="held-out profile, to report the hot share it gets")
-    p.add_argument("--hot-fraction", type=float, help="pool size as a share of all experts")
+    p.add_argument("--gpu-memory", help="GPU memory cap, e.g. 32GiB: the pool gets what the capacity test leaves")
+    p.add_argument("--hot-fraction", type=float, help="pool size as a share of all experts (checked against "
+                   "--gpu-memory when both are given)")
+    p.add_argument("--max-context", type=int, help="KV cache tokens to plan for (default: the profile's longest "
+                   "request)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="the runner's largest forward pass")
+    p.add_argument("--margin", default="1GiB", help="fixed memory margin (default 1GiB)")
+    p.add_argument("--margin-fraction", type=float, default=0.05, help="plus this share of the budget")
+    p.add_argument("--attention-scores", type=float, default=1.0, help="share of a pass's attention scores "
+                   "materialised at once (default 1: torch's math kernel for masked grouped-query attention, as "
+                   "the engine runs today; 0 for a fused kernel)")
+    p.add_argument("--device", help="the GPU (default: cuda if present)")
+    p.add_argument("--devices", help="comma-separated GPUs (one for now)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: the engine's)")
+    p.add_argument("--cpu-threads", type=int, help="CPU expert threads for the verification run")
+    p.add_argument("--no-verify", action="store_true", help="skip running the longest request under the cap")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("calibrate", help="measure the cost model's constants and Np in the engine; "
+                       "stored in the residency file")
+    add_model_args(p)
+    p.add_argument("--profile", help="profile for the model's predictions (default: the plan's)")
+    p.add_argument("--sessions", help="prompts whose routing the n-token passes use (default embedded:4)")
+    p.add_argument("--sizes", help="pass sizes, comma-separated (default 64,128,256,512,1024,2048)")
+    p.add_argument("--pass-layers", type=int, default=4, help="layers whose passes are timed")
+    p.add_argument("--reps", type=int, default=15, help="one-token measurements per layer and r")
+    p.add_argument("--cpu-backend", choices=["auto", "native", "torch"], default="auto")
+    p.add_argument("-o", "--output", help="write here (default: update --residency in place)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("profile", help="count routes per (layer, expert) over development sessions")
     add_model_args(p)

@@ -60,6 +60,7 @@ class RouteCounts:
     decode: dict[int, torch.Tensor]
     tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     sessions: int = 0
+    max_tokens: int = 0  # the longest session stream (= longest request: prompt + output), in tokens
 
     @classmethod
     def zeros(cls, layers: list[int], num_experts: int, device="cpu") -> "RouteCounts":
@@ -72,14 +73,23 @@ class RouteCounts:
         return getattr(self, phase)
 
     def to_json(self) -> dict:
-        return {"version": 1, "sessions": self.sessions, "tokens": self.tokens,
+        return {"version": 1, "sessions": self.sessions, "tokens": self.tokens, "max_tokens": self.max_tokens,
                 "prefill": {str(l): c.tolist() for l, c in self.prefill.items()},
                 "decode": {str(l): c.tolist() for l, c in self.decode.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "RouteCounts":
         t = lambda m: {int(l): torch.tensor(c, dtype=torch.int64) for l, c in m.items()}  # noqa: E731
-        return cls(t(d["prefill"]), t(d["decode"]), dict(d["tokens"]), d.get("sessions", 0))
+        return cls(t(d["prefill"]), t(d["decode"]), dict(d["tokens"]), d.get("sessions", 0), d.get("max_tokens", 0))
+
+    def layer_top_shares(self, fraction: float, phase: str = "all") -> dict[int, float]:
+        """Per layer: the share of its routes on its own top `fraction` of experts (skew figure)."""
+        out = {}
+        for l, c in self.total(phase).items():
+            c = torch.sort(c.double(), descending=True).values
+            n = max(1, round(fraction * c.numel()))
+            out[l] = float(c[:n].sum() / c.sum()) if c.sum() > 0 else 0.0
+        return out
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()) + "\n")

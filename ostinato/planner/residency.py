@@ -46,6 +46,7 @@ class Residency:
     profile: dict = field(default_factory=dict)  # where the counts came from
     calibration: dict = field(default_factory=dict)  # cost-model constants, Np (from calibrate)
     notes: dict = field(default_factory=dict)
+    capacity: dict = field(default_factory=dict)  # the capacity test's breakdown (bytes), verification
 
     @property
     def hot_count(self) -> int:
@@ -60,7 +61,8 @@ class Residency:
         return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
                 "num_experts": self.num_experts, "gpu_memory": self.gpu_memory, "devices": self.devices,
                 "hot_experts": self.hot_count, "profile": self.profile, "calibration": self.calibration,
-                "notes": self.notes, "hot": {str(l): sorted(v) for l, v in sorted(self.hot.items())}}
+                "capacity": self.capacity, "notes": self.notes,
+                "hot": {str(l): sorted(v) for l, v in sorted(self.hot.items())}}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -81,7 +83,7 @@ class Residency:
                               "plan again with this version of ostinato")
         return cls(d["fingerprint"], d["num_experts"], {int(l): list(v) for l, v in d["hot"].items()},
                    d.get("devices") or {}, d.get("gpu_memory"), d.get("profile") or {},
-                   d.get("calibration") or {}, d.get("notes") or {})
+                   d.get("calibration") or {}, d.get("notes") or {}, d.get("capacity") or {})
 
     def check(self, source, fingerprint: str | None = None) -> None:
         """Fail with a clear message if this plan was made for another model."""

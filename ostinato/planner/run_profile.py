@@ -14,8 +14,10 @@ def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profi
     runner.model.set_experts(counter)
     chunk = runner.settings.prefill_chunk
     try:
-        for s in tqdm(sessions, desc=desc, disable=not progress, unit="session"):
+        bar = tqdm(sessions, desc=desc, disable=not progress, unit="session")
+        for s in bar:
             st = session_stream(s, tok, max_tokens=runner.max_context)
+            counts.max_tokens = max(counts.max_tokens, len(st.ids))
             for i in range(0, len(st.ids), chunk):
                 part = st.is_output[i:i + chunk]
                 counter.is_output = torch.tensor(part, dtype=torch.bool, device=runner.device)
@@ -24,6 +26,7 @@ def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profi
             counts.tokens["decode"] += n_out
             counts.tokens["prefill"] += len(st.ids) - n_out
             counts.sessions += 1
+            bar.set_postfix(tokens=sum(counts.tokens.values()), longest=counts.max_tokens)
     finally:
         runner.model.set_experts(runner.experts)
     counts.prefill = {l: c.cpu() for l, c in counts.prefill.items()}

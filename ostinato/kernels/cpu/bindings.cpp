@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "experts.h"
+#include "graph_worker.h"
 
 namespace py = pybind11;
 using namespace ostinato;
@@ -28,6 +29,82 @@ const char* isa_str(Isa isa) {
     case Isa::kAmx: return "amx";
     default: return "auto";
   }
+}
+
+template <class C, class T>
+void def_addr(py::class_<C>& c, const char* name, T C::*field) {
+  c.def_property(
+      name, [field](const C& a) { return reinterpret_cast<uintptr_t>(a.*field); },
+      [field](C& a, uintptr_t v) { a.*field = reinterpret_cast<T>(v); });
+}
+
+// The decode graph's CPU worker (graph_worker.h); ostinato/layers/moe/graph_worker.py owns
+// the buffers and keeps them alive while the worker runs.
+void bind_graph_worker(py::module_& m) {
+  py::class_<GraphShared> sh(m, "GraphShared");
+  sh.def(py::init<>());
+  def_addr(sh, "post_flag", &GraphShared::post_flag);
+  def_addr(sh, "has_cold", &GraphShared::has_cold);
+  def_addr(sh, "done_flag", &GraphShared::done_flag);
+  def_addr(sh, "ids", &GraphShared::ids);
+  def_addr(sh, "weights", &GraphShared::weights);
+  def_addr(sh, "x", &GraphShared::x);
+  def_addr(sh, "out", &GraphShared::out);
+  sh.def_property(
+      "x_dtype", [](const GraphShared& a) { return int(a.x_dtype); },
+      [](GraphShared& a, int v) { a.x_dtype = DType(v); });
+  sh.def_readwrite("flag_stride", &GraphShared::flag_stride)
+      .def_readwrite("L", &GraphShared::L)
+      .def_readwrite("K", &GraphShared::K)
+      .def_readwrite("D", &GraphShared::D);
+
+  py::class_<GraphWorkerOptions>(m, "GraphWorkerOptions")
+      .def(py::init<>())
+      .def_readwrite("cpu", &GraphWorkerOptions::cpu)
+      .def_readwrite("spin_us", &GraphWorkerOptions::spin_us)
+      .def_readwrite("sleep_us", &GraphWorkerOptions::sleep_us)
+      .def_readwrite("idle_sleep_us", &GraphWorkerOptions::idle_sleep_us);
+
+  py::class_<GraphWorker>(m, "GraphWorker")
+      .def(py::init<ColdExperts&, const GraphShared&, std::vector<ColdArgs>, int64_t, const GraphWorkerOptions&>(),
+           py::arg("runner"), py::arg("shared"), py::arg("layers"), py::arg("num_experts"), py::arg("options"),
+           py::keep_alive<1, 2>())
+      .def(
+          "set_compact",
+          [](GraphWorker& self, int64_t i, uintptr_t table, int32_t at_seq) {
+            self.set_compact(i, reinterpret_cast<const int32_t*>(table), at_seq);
+          },
+          py::arg("i"), py::arg("table"), py::arg("at_seq"))
+      .def("start", &GraphWorker::start, py::call_guard<py::gil_scoped_release>())
+      .def("stop", &GraphWorker::stop, py::call_guard<py::gil_scoped_release>())
+      .def("reset", &GraphWorker::reset, py::call_guard<py::gil_scoped_release>())
+      .def("running", &GraphWorker::running)
+      .def("last_error", &GraphWorker::last_error)
+      .def("active_table", &GraphWorker::active_table)
+      .def("stats", [](const GraphWorker& self) {
+        const GraphWorkerStats s = self.stats();
+        py::dict d;
+        d["steps"] = s.steps;
+        d["layers_served"] = s.layers_served;
+        d["layers_skipped"] = s.layers_skipped;
+        d["cold_routes"] = s.cold_routes;
+        d["desync"] = s.desync;
+        d["bad_ids"] = s.bad_ids;
+        d["resyncs"] = s.resyncs;
+        d["errors"] = s.errors;
+        d["wait_ns"] = s.wait_ns;
+        d["idle_ns"] = s.idle_ns;
+        d["compute_ns"] = s.compute_ns;
+        d["last_seq"] = s.last_seq;
+        d["last_wait_ns"] = s.last_wait_ns;
+        d["last_compute_ns"] = s.last_compute_ns;
+        d["last_layers"] = s.last_layers;
+        d["last_routes"] = s.last_routes;
+        d["seq"] = s.seq;
+        d["layer"] = s.layer;
+        d["running"] = s.running;
+        return d;
+      });
 }
 
 }  // namespace
@@ -104,4 +181,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                            s.phase_end_us[3]);
         return d;
       });
+
+  bind_graph_worker(m);
 }

@@ -31,8 +31,8 @@ from types import ModuleType
 import torch
 
 NAME = "ostinato_cpu_experts"
-SOURCES = ("experts.cpp", "kernels_avx512.cpp", "kernels_amx.cpp", "bindings.cpp")
-HEADERS = ("experts.h", "kernels.h", "threadpool.h")
+SOURCES = ("experts.cpp", "kernels_avx512.cpp", "kernels_amx.cpp", "graph_worker.cpp", "bindings.cpp")
+HEADERS = ("experts.h", "kernels.h", "threadpool.h", "graph_worker.h")
 CFLAGS = ("-O3", "-Wall", "-Wno-maybe-uninitialized")
 
 _error: str | None = None

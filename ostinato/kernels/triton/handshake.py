@@ -51,10 +51,11 @@ def _post(ids_ptr, w_ptr, x_ptr, table_ptr, seq_ptr,
         d = d0 + tl.arange(0, BLOCK_D)
         tl.store(h_x + d, tl.load(x_ptr + d, mask=d < D), mask=d < D)
     slot = tl.load(table_ptr + ids)
+    seq = tl.load(seq_ptr)
     has_cold = tl.max((slot < 0).to(tl.int32), axis=0)
-    tl.store(h_has_cold, has_cold)
+    tl.store(h_has_cold, has_cold * seq)  # 0, or the step: lets the worker see it fell behind
     tl.debug_barrier()  # every thread's stores are done before the flag goes out
-    tl.atomic_xchg(h_post, tl.load(seq_ptr), sem="release", scope="sys")
+    tl.atomic_xchg(h_post, seq, sem="release", scope="sys")
 
 
 @triton.jit
@@ -76,7 +77,7 @@ def bump(seq: torch.Tensor) -> None:
 
 def post(ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post) -> None:
     """ids [1, K] int64, weights [1, K] fp32, x [1, D], table_row [E] int32 (device);
-    the h_* are this layer's HostPointer views of the shared buffers."""
+    the h_* are this layer's HostPointer views of the shared buffers (GraphHandshake)."""
     K, D = ids.shape[1], x.shape[1]
     _post[(1,)](ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post,
                 K=K, D=D, BLOCK_D=1024, num_warps=4)

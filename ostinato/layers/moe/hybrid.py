@@ -55,15 +55,15 @@ class HybridExperts:
         if not self.has_cold[layer]:
             return self._gpu_only(layer, x, topk)
         if T >= self.upload_threshold:
-            return self._upload(layer, x, topk)
-        return self._split(layer, x, topk)
+            return self.upload_path(layer, x, topk)
+        return self.split_path(layer, x, topk)
 
     def _gpu_only(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         slots = self.pool.slots_for(layer, topk.ids)
         return slot_experts_forward(x, slots, topk.weights, self.pool.w13, self.pool.w2, self.pool.zero_lo,
                                     self.pool.zero_hi, out_dtype=torch.float32).to(x.dtype)
 
-    def _split(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+    def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Decode and split path: GPU branch || CPU branch, then combine."""
         T = x.shape[0]
         compact = self.host.compact[layer]
@@ -92,7 +92,7 @@ class HybridExperts:
         self.cpu.wait()
         return (gpu + out_h.to(self.device, non_blocking=self.on_cuda)).to(x.dtype)
 
-    def _upload(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+    def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Upload path: each distinct cold expert once into a flex slot, all on the GPU."""
         pool = self.pool
         table = pool.table[layer]

@@ -1,0 +1,75 @@
+"""The hybrid backend inside a captured decode step: the CPU branch joined through mapped
+memory instead of a host sync, so the whole step replays as one CUDA graph.
+
+Per MoE layer of a graph step: `post` (routing and activations to the shared buffers, flag
+up), the GPU branch from the pool (the same slot kernel as the synchronous path), then
+`wait_add` (wait for the native worker's done flag if the layer has cold routes; add its
+fp32 partial; round once). The native worker (layers/moe/graph_worker.py) computes the cold
+routes with the same CPU kernel as the synchronous path, so a graph step equals the same
+step run with HybridExperts.split_path bit for bit. Passes of more than one token (prefill)
+and decode steps outside a graph step go to the wrapped HybridExperts unchanged.
+
+Legend: K top-k, D hidden.
+"""
+from __future__ import annotations
+
+import atexit
+
+import torch
+
+from ostinato.layers.moe.gpu_experts import slot_experts_forward
+from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
+from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.layers.moe.types import TopKOutput
+
+
+class GraphHybridExperts:
+    capturable = True
+
+    def __init__(self, hybrid: HybridExperts, layers: list[int], top_k: int, hidden: int):
+        from ostinato.kernels.triton import handshake as hs
+
+        self.hybrid, self.hs = hybrid, hs
+        self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
+        self.shared = GraphHandshake(len(layers), top_k, hidden, x_dtype=hybrid.pool.w13.dtype)
+        self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers)
+        self.seq = torch.zeros(1, dtype=torch.int32, device=hybrid.device)
+        P = hs.HostPointer
+        sh, S = self.shared, 16  # flag stride (int32 elements)
+        self.views = {i: (P(sh.ids[i]), P(sh.weights[i]), P(sh.x[i]), P(sh.has_cold[i, :1]),
+                          P(sh.post_flag[i, :1]), P(sh.out[i]), P(sh.done_flag[i, :1])) for i in range(len(layers))}
+        assert sh.post_flag.stride(0) == S
+        self.in_step = False
+        self.worker.start(1)
+        atexit.register(self.close)
+
+    def before_step(self) -> None:
+        """First thing of a graph step: the device-side step number moves on."""
+        self.hs.bump(self.seq)
+        self.in_step = True
+
+    def after_step(self) -> None:
+        self.in_step = False
+
+    def close(self) -> None:
+        if self.worker.running:
+            torch.cuda.synchronize()  # no replay may be left waiting on the worker
+            self.worker.stop()
+
+    def stats(self) -> dict[str, float]:
+        out = dict(self.hybrid.stats())
+        out |= {f"graph_{k}": v for k, v in self.worker.stats().items() if isinstance(v, (int, float))}
+        return out
+
+    def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        if not (self.in_step and x.shape[0] == 1 and self.hybrid.has_cold[layer]):
+            return self.hybrid(layer, x, topk)
+        pool = self.hybrid.pool
+        h_ids, h_w, h_x, h_has, h_post, h_out, h_done = self.views[self.index[layer]]
+        self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post)
+        slots = pool.slots_for(layer, topk.ids)
+        gpu = slot_experts_forward(x, slots, topk.weights, pool.w13, pool.w2, pool.zero_lo, pool.zero_hi,
+                                   out_dtype=torch.float32)
+        y = torch.empty_like(x)
+        self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
+        return y

@@ -1,0 +1,266 @@
+"""Capacity test: how many hot experts a GPU memory budget holds (DESIGN.md, "Offline").
+
+    hot slots = (budget - dense - kv - activations - margin) / expert_bytes - K - flex
+
+* dense: every non-expert tensor of the model in the compute dtype (attention, norms,
+  routers, embeddings, head, dense MLPs), counted on a meta-device build of the model;
+* kv: the KV cache of the longest development request (the engine preallocates it);
+* activations: a conservative bound on the live buffers of the largest forward pass
+  (see `activation_bytes`; T tokens of a pass attending to N cached tokens);
+* margin: a fixed part plus a share of the budget (allocator rounding, CUDA workspaces);
+* K zero slots (cold routes read them) and the flex slots of the upload path: the
+  engine allocates max over layers of the layer's cold experts, so flex depends on the
+  fill. Since fill(s + 1) adds one expert to fill(s), s + flex(s) never decreases with
+  s, and the largest s with s + K + flex(s) <= slots is found by bisection (the fixed
+  point of "fill, count flex, refill").
+
+Everything here is a pure function of the config, the counts and the settings; the
+verification (`verify_capacity`) runs the largest pass of the longest request in the
+engine under the cap and reads torch.cuda.max_memory_allocated.
+
+Legend: T tokens of a pass, N KV tokens, D hidden, H / Hkv query / KV heads, Hd head dim,
+E experts per layer, K top-k, F expert FFN, I dense FFN, V vocabulary, L MoE layers.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ostinato.config import ConfigError, ModelConfig
+from ostinato.planner.fill import fill
+
+GiB = 2**30
+
+
+class CapacityError(ConfigError):
+    """The budget cannot hold what the engine needs besides the expert pool."""
+
+
+@dataclass(frozen=True)
+class CapacitySettings:
+    margin_bytes: int = 1 * GiB  # fixed part of the margin
+    margin_fraction: float = 0.05  # plus this share of the budget
+    prefill_chunk: int = 2048  # the runner's chunk: the largest forward pass
+    attention_score_share: float = 1.0  # share of a pass's H x T x N attention scores materialised at once
+
+
+@dataclass(frozen=True)
+class Capacity:
+    budget: int
+    dense_weights: int
+    kv_cache: int
+    kv_tokens: int
+    activations: int
+    pass_tokens: int
+    margin: int
+    expert_bytes: int
+    zero_slots: int
+    flex_slots: int
+    hot_slots: int
+    max_hot_slots: int  # what the budget allows; hot_slots is smaller when a hot fraction chose it
+    dtype: str
+    activation_parts: dict = field(default_factory=dict)
+
+    @property
+    def fixed(self) -> int:
+        return self.dense_weights + self.kv_cache + self.activations + self.margin
+
+    @property
+    def pool_bytes(self) -> int:
+        return (self.hot_slots + self.zero_slots + self.flex_slots) * self.expert_bytes
+
+    @property
+    def unused(self) -> int:
+        return self.budget - self.fixed - self.pool_bytes
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "pool_bytes": self.pool_bytes, "unused": self.unused}
+
+    def table(self) -> list[tuple[str, int]]:
+        """(what, bytes) rows for a printed breakdown."""
+        rows = [("dense weights", self.dense_weights), (f"KV cache ({self.kv_tokens} tokens)", self.kv_cache),
+                (f"activations ({self.pass_tokens}-token pass)", self.activations), ("margin", self.margin),
+                (f"hot slots ({self.hot_slots})", self.hot_slots * self.expert_bytes),
+                (f"zero + flex slots ({self.zero_slots} + {self.flex_slots})",
+                 (self.zero_slots + self.flex_slots) * self.expert_bytes), ("unused", self.unused)]
+        return rows
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Every parameter of the model (experts are not parameters) in the compute dtype."""
+    from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    return sum(p.numel() for p in model.parameters()) * itemsize(dtype)
+
+
+def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One pool slot: w13 [2F, D] and w2 [D, F] in the compute dtype."""
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize(dtype)
+
+
+def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
+    from ostinato.engine.kv_cache import KVCache
+
+    return KVCache.bytes_needed(cfg, tokens, dtype)
+
+
+def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score_share: float = 1.0) -> dict:
+    """A conservative bound on the buffers of one forward pass of T tokens attending to N.
+
+    b = the compute dtype's size; every term counts buffers that can be alive together:
+      hidden     6 T D b + 2 T D 4        residual, norm output, branch outputs, sums; fp32 RMSNorm
+      qkv        3 T (H + 2 Hkv) Hd b     projections, q/k norm, rotary (rotate-half copy)
+      attention  13 s H T N + T N (1 + b) + (3 H + 2 Hkv) N Hd 4 + T H Hd (12 + b)
+                 A pass after the first chunk carries a mask, and torch's SDPA then runs
+                 grouped-query attention in its math kernel (aten _scaled_dot_product_
+                 attention_math), in fp32: the scores [H, T, N] and, inside _safe_softmax,
+                 the softmax, the -inf test (bool) and the where() result coexist: 13 bytes
+                 per score. s = the share of the H x T x N scores materialised at once (1
+                 today; less if the engine chunks heads or rows; 0 for a fused kernel).
+                 Then the mask (bool and in the compute dtype), K/V in fp32, expanded to H
+                 heads, K scaled; q in fp32, scaled, the fp32 output and its cast.
+      rope       2 T Hd (4 + b)           cos/sin
+      router     T E (b + 8) + T K 12     logits, fp32 softmax, top-k ids (int64) and weights
+      experts    T K (2F 4 + D 4 + 8) + T D (4 + b)
+                                          per route gate/up (fp32), per-route outputs (fp32),
+                                          sorted route ids; the fp32 layer sum and its cast
+      dense mlp  3 T I b                  only if the model has dense MLP layers
+      logits     V (b + 4)                the last token's logits, then fp32
+    """
+    D, H, Hkv, Hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, K, F, I, V = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.intermediate_size, \
+        cfg.vocab_size
+    b = itemsize(dtype)
+    parts = {
+        "hidden": 6 * T * D * b + 2 * T * D * 4,
+        "qkv": 3 * T * (H + 2 * Hkv) * Hd * b,
+        "attention": int(13 * score_share * H * T * N) + T * N * (1 + b) + (3 * H + 2 * Hkv) * N * Hd * 4
+        + T * H * Hd * (12 + b),
+        "rope": 2 * T * Hd * (4 + b),
+        "router": T * E * (b + 8) + T * K * 12,
+        "experts": T * K * (2 * F * 4 + D * 4 + 8) + T * D * (4 + b),
+        "dense_mlp": 3 * T * I * b if len(cfg.moe_layers) < cfg.num_hidden_layers else 0,
+        "logits": V * (b + 4),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def flex_slots(counts: dict[int, torch.Tensor], slots: int, num_experts: int) -> int:
+    """The upload path's staging slots under fill(counts, slots): the most cold experts of a layer."""
+    hot = fill(counts, slots)
+    return max((num_experts - len(v) for v in hot.values()), default=0)
+
+
+def max_hot_slots(counts: dict[int, torch.Tensor], slots: int, top_k: int, num_experts: int) -> int:
+    """The largest s with s + K + flex(s) <= slots (-1 if not even s = 0 fits)."""
+    total = len(counts) * num_experts
+    need = lambda s: s + top_k + flex_slots(counts, s, num_experts)  # noqa: E731  non-decreasing in s
+    if need(0) > slots:
+        return -1
+    lo, hi = 0, total  # need(lo) <= slots
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if need(mid) <= slots:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def fmt_bytes(x: float) -> str:
+    """3.1 GiB, 512.0 MiB, 96.0 KiB."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size:
+            return f"{x / size:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+_gib = fmt_bytes
+
+
+def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
+                  dtype: torch.dtype, settings: CapacitySettings = CapacitySettings(),
+                  slots: int | None = None) -> Capacity:
+    """The capacity test. `slots`: a pool size chosen elsewhere (a hot fraction), checked to fit."""
+    if kv_tokens < 1:
+        raise CapacityError("the KV cache needs at least one token: give --max-context or a profile "
+                            "with max_tokens (profile again with this version of ostinato)")
+    counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in cfg.moe_layers}
+    T = min(settings.prefill_chunk, kv_tokens)
+    dense = dense_weight_bytes(cfg, dtype)
+    kv = kv_bytes(cfg, kv_tokens, dtype)
+    act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share)
+    margin = int(settings.margin_bytes + settings.margin_fraction * budget)
+    eb = expert_bytes(cfg, dtype)
+    K, E = cfg.num_experts_per_tok, cfg.num_experts
+    fixed = dense + kv + act["total"] + margin
+    n = (budget - fixed) // eb if budget > fixed else -1
+    best = max_hot_slots(counts, n, K, E) if n >= 0 else -1
+    if best < 0:
+        pool0 = (K + flex_slots(counts, 0, E)) * eb
+        raise CapacityError(
+            f"--gpu-memory {_gib(budget)} cannot hold the dense weights ({_gib(dense)}) and the KV cache of "
+            f"{kv_tokens} tokens ({_gib(kv)}), with activations of a {T}-token pass ({_gib(act['total'])}), "
+            f"the margin ({_gib(margin)}) and the pool's zero and flex slots ({_gib(pool0)}): need at least "
+            f"{_gib(fixed + pool0)} plus {eb / 2**20:.1f} MiB per hot expert; give a larger --gpu-memory or "
+            "a smaller --max-context")
+    if slots is not None:
+        slots = max(0, min(slots, len(counts) * E))
+        if slots > best:
+            raise CapacityError(f"{slots} hot experts do not fit --gpu-memory {_gib(budget)}: it holds at most "
+                                f"{best} (with {_gib(fixed)} for dense weights, KV cache, activations and margin)")
+    hot = best if slots is None else slots
+    return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, K, flex_slots(counts, hot, E), hot,
+                    best, str(dtype).removeprefix("torch."), act)
+
+
+def verify_capacity(model: str, residency_path: str, cap: Capacity, cpu_threads: int | None = None,
+                    device: str | None = None, dtype: str | None = None) -> dict:
+    """Run the largest pass of the longest request (the last full chunk, attending to all
+    kv_tokens) and one decode step in the engine under the cap; report the peak allocation.
+
+    Earlier chunks of the request attend to fewer tokens and need less, so the synthetic
+    pass (random token ids, KV cache of zeros) bounds the request's peak.
+    """
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.placement import PlacementSettings
+    from ostinato.engine.runner import RunnerSettings
+
+    settings = RunnerSettings(device=device, dtype=dtype, max_context=cap.kv_tokens, prefill_chunk=cap.pass_tokens)
+    if settings.torch_device().type != "cuda":
+        return {"skipped": "no CUDA device here (or the plan is for the CPU): the plan was not run under the cap"}
+    try:
+        loaded = load_engine(model, settings,
+                             PlacementSettings(residency=residency_path, gpu_memory=cap.budget, cpu_threads=cpu_threads))
+    except (torch.OutOfMemoryError, ConfigError) as e:
+        return {"ok": False, "tokens": cap.kv_tokens, "error": f"failed to load: {str(e).splitlines()[0]}",
+                "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+    runner = loaded.runner
+    n = cap.kv_tokens
+    T = min(cap.pass_tokens, max(n - 2, 0))  # start >= 1: a masked pass, as a later turn's prefill
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, runner.config.vocab_size, (n,), generator=g).tolist()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    result = {"device": torch.cuda.get_device_name(), "tokens": n, "pass_tokens": T, "budget": cap.budget,
+              "planned": cap.fixed - cap.margin + cap.pool_bytes}  # what the plan expects to allocate at most
+    try:
+        if T > 0:
+            runner.forward(ids[n - 1 - T:n - 1], n - 1 - T)
+        runner.forward(ids[n - 1:], n - 1)
+        torch.cuda.synchronize()
+        result["error"] = None
+    except torch.OutOfMemoryError as e:
+        result["error"] = f"out of memory: {str(e).splitlines()[0]}"
+    result["peak_allocated"] = torch.cuda.max_memory_allocated()
+    result["peak_reserved"] = torch.cuda.max_memory_reserved()
+    result["ok"] = result["error"] is None and result["peak_allocated"] <= cap.budget
+    return result

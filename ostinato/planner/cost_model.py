@@ -1,0 +1,341 @@
+"""The cost model: a decode step and the two prefill paths, predicted from a routing
+profile, a residency and the constants `ostinato calibrate` measured (DESIGN.md, "Cost
+model, calibrated inside the engine"). Pure functions; times in milliseconds.
+
+Decode. In MoE layer l a token's GPU branch takes G_l (zero slots fix the shapes), its
+CPU branch C_l(r) = gamma0_l for r = 0 cold routes and alpha_l + beta_l * r otherwise
+(the host's time in the layer: the GPU branch launched, the handshake, the cold experts
+computed; gamma0 is the handshake and bookkeeping of a layer without cold routes); the
+branches overlap (on a machine without a GPU both run on the CPU, one after the
+other, and a layer costs C + G instead), so
+
+    step = dense + sum_l E[max(C_l(r_l), G_l)]      (a layer without cold experts: G_l)
+
+with the expectation taken exactly over r_l = 0..K. `dense` is the rest of a step
+(attention, norms, routers, head, launches), measured by calibrate.
+
+The law of r_l, an approximation: the profile's decode counts give every expert e of
+the layer a per-token route probability p_e = routes_e / tokens (sum_e p_e = K). A
+token's K experts are modelled as a conditional Poisson draw, P(set) ∝ prod_{e in set}
+w_e over sets of exactly K, with working weights w fitted so that every expert's
+inclusion probability is its p_e (the maximum-entropy law over K-sets with those
+marginals; `route_law`). Then E[r_l] = sum_{e cold} p_e exactly, as in the profile, and
+
+    P(r) ∝ e_r(w_cold) * e_{K-r}(w_hot)
+
+with e_j the elementary symmetric polynomials (computed exactly over r = 0..K). It keeps
+the per-expert skew and the top-k constraint (r <= K, r <= #cold, K - r <= #hot) and
+ignores correlations between experts beyond "exactly K". `method="binomial"` (each route
+cold with the layer's cold share, independently) is the cruder option.
+
+Prefill of n tokens, per layer (a pass costs the sum over layers):
+
+    R(n)      = n * sum_{e cold} p_e                  expected cold routes
+    X(n)      = sum_{e cold} 1 - (1 - p_e)^n           expected distinct cold experts
+                                                      (tokens independent: saturates)
+    split(n)  = max(alpha + beta_expert X(n) + beta_route R(n), G_hot(n))
+                CPU time of the cold routes, in parallel with the GPU branch
+    upload(n) = X(n) * expert_bytes / upload_bandwidth + G_all(n)
+
+alpha + beta * R(n) alone (beta_expert = 0) would charge every cold route a whole expert
+read, which overstates long passes, where one read serves all the routes of a pass to
+that expert; calibrate fits alpha, beta_expert, beta_route (non-negative least squares)
+to the host time of the split path in real passes and to the one-token points (X = R = r). G_hot / G_all are the GPU time of an n-token pass with the hot routes /
+all routes, measured at a few n and interpolated linearly. Np is the one-switch rule
+(`one_switch`) applied to the two curves.
+
+Legend: L MoE layers, E experts per layer, K top-k, r cold routes of a token in a layer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+def route_probs(counts: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """Per-token route probability of every expert [E] (uniform K/E without counts)."""
+    c = counts.double()
+    E = c.numel()
+    if tokens <= 0 or float(c.sum()) <= 0:
+        return torch.full((E,), min(1.0, top_k / E), dtype=torch.float64)
+    return (c / tokens).clamp(0.0, 1.0)
+
+
+def esp(w: np.ndarray, upto: int) -> np.ndarray:
+    """Elementary symmetric polynomials e_0..e_upto of w (all non-negative: no cancellation)."""
+    e = np.zeros(upto + 1)
+    e[0] = 1.0
+    for wi in w:
+        e[1:] = e[1:] + wi * e[:-1]
+    return e
+
+
+def _prefix_esp(w: np.ndarray, upto: int) -> np.ndarray:
+    """[E + 1, upto + 1]: row i = esp of w[:i]."""
+    out = np.zeros((w.size + 1, upto + 1))
+    out[0, 0] = 1.0
+    for i, wi in enumerate(w):
+        out[i + 1] = out[i]
+        out[i + 1, 1:] += wi * out[i, :-1]
+    return out
+
+
+def inclusion(w: np.ndarray, k: int) -> np.ndarray:
+    """P(e selected) when k experts are drawn with P(set) ∝ prod_{e in set} w_e."""
+    pre, suf = _prefix_esp(w, k), _prefix_esp(w[::-1], k)[::-1]  # suf row i = esp of w[i:]
+    # e_{k-1} of everything but e = sum_j pre[e, j] * suf[e + 1, k - 1 - j]
+    loo = np.einsum("ej,ej->e", pre[:-1, :k], suf[1:, :k][:, ::-1])
+    return w * loo / pre[-1, k]
+
+
+@dataclass(frozen=True)
+class RouteLaw:
+    """Conditional Poisson law of a layer's k selected experts: P(set) ∝ prod w_e over |set| = k
+    (the maximum-entropy law over k-sets with the profile's per-expert route probabilities)."""
+
+    w: np.ndarray  # [E] working weights (0 for never-routed and for always-routed experts)
+    always: np.ndarray  # [E] bool: experts every token routes to
+    k: int  # experts drawn besides the always-routed ones
+
+
+def route_law(p: torch.Tensor, top_k: int, tol: float = 1e-9, max_iter: int = 1000) -> RouteLaw:
+    """Working weights whose conditional-Poisson inclusion probabilities equal p (fixed point
+    w <- w * p / inclusion(w), which converges for feasible p: 0 <= p <= 1, sum p = K)."""
+    p = p.double().numpy().copy()
+    always = p >= 1.0 - 1e-12
+    w = np.zeros_like(p)
+    while True:
+        k = top_k - int(always.sum())
+        free = (p > 0) & ~always
+        if k <= 0 or free.sum() < k:
+            return RouteLaw(w, always, max(k, 0))
+        q = p[free] * (k / p[free].sum())  # exact sum k (profiles cut at a context limit may miss a little)
+        if (q < 1.0 - 1e-12).all():
+            break
+        always[np.flatnonzero(free)[q >= 1.0 - 1e-12]] = True  # rescaled to >= 1: always selected
+    wf = q / (1.0 - q)
+    for _ in range(max_iter):
+        inc = inclusion(wf, k)
+        if np.abs(inc - q).max() < tol:
+            break
+        wf = wf * q / np.maximum(inc, 1e-300)
+    w[free] = wf
+    return RouteLaw(w, always, k)
+
+
+def binomial(n: int, q: float) -> torch.Tensor:
+    return torch.tensor([math.comb(n, r) * q**r * (1 - q) ** (n - r) for r in range(n + 1)], dtype=torch.float64)
+
+
+def cold_route_distribution(p: torch.Tensor, hot: torch.Tensor, top_k: int, method: str = "conditional",
+                            law: RouteLaw | None = None) -> torch.Tensor:
+    """Law of the number of cold routes of one token in a layer, [K + 1].
+
+    p [E]: per-token route probabilities; hot [E] bool: resident experts; law: route_law(p, K)
+    when already computed (it does not depend on the residency).
+    """
+    cold = ~hot
+    if method == "binomial":
+        q = float(p[cold].sum() / p.sum()) if float(p.sum()) > 0 else float(cold.double().mean())
+        return binomial(top_k, min(max(q, 0.0), 1.0))
+    if method != "conditional":
+        raise ValueError(f"method must be 'conditional' or 'binomial', not {method!r}")
+    law = law or route_law(p, top_k)
+    c = cold.numpy()
+    shift = int((law.always & c).sum())  # always-routed cold experts: r is at least this
+    joint = esp(law.w[c], law.k) * esp(law.w[~c], law.k)[::-1]  # r cold and k - r hot among the rest
+    dist = torch.zeros(top_k + 1, dtype=torch.float64)
+    if joint.sum() <= 0:  # no k-set possible (fewer routed experts than k): the binomial
+        return cold_route_distribution(p, hot, top_k, "binomial")
+    dist[shift:shift + law.k + 1] = torch.from_numpy(joint / joint.sum())
+    return dist
+
+
+def expected_cold_routes(dist: torch.Tensor) -> float:
+    return float((dist * torch.arange(dist.numel(), dtype=torch.float64)).sum())
+
+
+def dense_ms(calibration: dict, context: float) -> float:
+    """The non-MoE part of a decode step at a context of this many tokens."""
+    c = calibration
+    return c.get("dense_step_ms", 0.0) + c.get("dense_ms_per_1k_context", 0.0) * max(
+        0.0, context - c.get("dense_context", 0)) / 1e3
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Calibrated decode costs of one MoE layer, ms."""
+
+    G: float
+    gamma0: float
+    alpha: float
+    beta: float
+    overlapped: bool = True  # the branches run concurrently (a GPU); else one after the other
+
+    def cpu(self, r: int) -> float:
+        return self.gamma0 if r == 0 else self.alpha + self.beta * r
+
+    def layer(self, r: int) -> float:
+        return max(self.cpu(r), self.G) if self.overlapped else self.cpu(r) + self.G
+
+
+def expected_layer_time(dist: torch.Tensor, cost: LayerCost, has_cold: bool = True) -> float:
+    """E[max(C(r), G)] exactly over r = 0..K (a layer without cold experts runs the GPU only)."""
+    if not has_cold:
+        return cost.G
+    return sum(float(dist[r]) * cost.layer(r) for r in range(dist.numel()))
+
+
+def layer_costs(calibration: dict, layers: list[int]) -> dict[int, LayerCost]:
+    """LayerCost of every layer from a residency's calibration (global values where a layer lacks its own)."""
+    glob = calibration.get("global") or {}
+    per = calibration.get("layers") or {}
+    out, overlapped = {}, calibration.get("overlapped", True)
+    for l in layers:
+        d = {**glob, **(per.get(str(l)) or per.get(l) or {})}
+        try:
+            out[l] = LayerCost(d["G_ms"], d["gamma0_ms"], d["alpha_ms"], d["beta_ms"], overlapped)
+        except KeyError as e:
+            raise ValueError(f"the calibration lacks {e.args[0]!r} for layer {l}: run `ostinato calibrate`") from None
+    return out
+
+
+@dataclass
+class StepPrediction:
+    total_ms: float
+    dense_ms: float
+    layer_ms: dict[int, float] = field(default_factory=dict)
+    cold_routes: dict[int, float] = field(default_factory=dict)  # E[r_l] per token
+
+    @property
+    def moe_ms(self) -> float:
+        return sum(self.layer_ms.values())
+
+    @property
+    def cold_routes_per_layer(self) -> float:
+        return sum(self.cold_routes.values()) / max(1, len(self.cold_routes))
+
+
+def route_laws(counts: dict[int, torch.Tensor], tokens: int, top_k: int) -> dict[int, tuple[torch.Tensor, RouteLaw]]:
+    """(p, law) of every layer: computed once per profile, shared by the residencies compared."""
+    out = {}
+    for l, c in counts.items():
+        p = route_probs(c, tokens, top_k)
+        out[l] = (p, route_law(p, top_k))
+    return out
+
+
+def predict_decode_step(counts: dict[int, torch.Tensor], tokens: int, hot: dict[int, list[int]],
+                        costs: dict[int, LayerCost], top_k: int, dense_ms: float = 0.0,
+                        method: str = "conditional", laws: dict | None = None) -> StepPrediction:
+    """Expected decode-step time of a residency, from decode route counts over `tokens` tokens."""
+    laws = laws or route_laws({l: counts[l] for l in costs}, tokens, top_k)
+    pred = StepPrediction(dense_ms, dense_ms)
+    for l, cost in costs.items():
+        p, law = laws[l]
+        mask = torch.zeros(p.numel(), dtype=torch.bool)
+        mask[hot.get(l, [])] = True
+        dist = cold_route_distribution(p, mask, top_k, method, law)
+        pred.layer_ms[l] = expected_layer_time(dist, cost, has_cold=not bool(mask.all()))
+        pred.cold_routes[l] = expected_cold_routes(dist)
+    pred.total_ms = dense_ms + pred.moe_ms
+    return pred
+
+
+def pool_saving(counts, tokens, hot_small, hot_big, costs, top_k, dense_ms=0.0, method="conditional"):
+    """Predicted ms per step saved by the bigger pool: (saving, small, big)."""
+    laws = route_laws({l: counts[l] for l in costs}, tokens, top_k)
+    small = predict_decode_step(counts, tokens, hot_small, costs, top_k, dense_ms, method, laws)
+    big = predict_decode_step(counts, tokens, hot_big, costs, top_k, dense_ms, method, laws)
+    return small.total_ms - big.total_ms, small, big
+
+
+def expected_distinct(p_cold: torch.Tensor, n: float) -> float:
+    """Expected distinct experts among n independent tokens: sum_e 1 - (1 - p_e)^n."""
+    return float((1.0 - (1.0 - p_cold.double()) ** n).sum())
+
+
+def interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly beyond both ends."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Calibrated constants of n-token passes, per layer, ms."""
+
+    alpha: float
+    beta_expert: float
+    beta_route: float
+    upload_gbps: float
+    expert_bytes: int
+    sizes: tuple[int, ...]
+    gpu_hot_ms: tuple[float, ...]
+    gpu_all_ms: tuple[float, ...]
+    overlapped: bool = True
+
+    @classmethod
+    def from_calibration(cls, cal: dict) -> "PassCosts":
+        cp, ps = cal["cpu_pass"], cal["passes"]
+        return cls(cp["alpha_ms"], cp["beta_expert_ms"], cp["beta_route_ms"], cal["upload_gbps"], cal["expert_bytes"],
+                   tuple(ps["sizes"]), tuple(ps["gpu_hot_ms"]), tuple(ps["gpu_all_ms"]), cal.get("overlapped", True))
+
+    def split(self, n: float, routes: float, distinct: float) -> float:
+        cpu = self.alpha + self.beta_expert * distinct + self.beta_route * routes if routes > 0 else 0.0
+        gpu = interp(n, list(self.sizes), list(self.gpu_hot_ms))
+        return max(cpu, gpu) if self.overlapped else cpu + gpu
+
+    def upload(self, n: float, distinct: float) -> float:
+        copy = distinct * self.expert_bytes / (self.upload_gbps * 1e9) * 1e3
+        return copy + interp(n, list(self.sizes), list(self.gpu_all_ms))
+
+
+def pass_costs(n: int, probs: dict[int, torch.Tensor], hot: dict[int, list[int]], pc: PassCosts) -> tuple[float, float]:
+    """(split, upload) ms of an n-token pass, averaged over the layers of `probs` (per-token p_e)."""
+    split = upload = 0.0
+    for l, p in probs.items():
+        cold = torch.ones(p.numel(), dtype=torch.bool)
+        cold[hot.get(l, [])] = False
+        pc_ = p[cold]
+        routes, distinct = n * float(pc_.sum()), expected_distinct(pc_, n)
+        split += pc.split(n, routes, distinct)
+        upload += pc.upload(n, distinct)
+    k = max(1, len(probs))
+    return split / k, upload / k
+
+
+def one_switch(sizes: list[int], split: list[float], upload: list[float]) -> tuple[int | None, int]:
+    """Np by the one-switch rule: the smallest measured n from which upload is cheaper at
+    every larger measured n. -> (Np, number of times the cheaper path changes along n).
+
+    Monotone curves cross once (split grows with cold routes, upload with distinct cold
+    experts, which saturate), so the paths switch once, at Np. On noisy curves that
+    cross several times this is the last crossing; the count says so. Np is None when
+    upload is not cheaper at the largest n.
+    """
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    cheaper = [upload[i] < split[i] for i in order]
+    crossings = sum(a != b for a, b in zip(cheaper, cheaper[1:]))
+    if not cheaper or not cheaper[-1]:
+        return None, crossings
+    i = len(cheaper) - 1
+    while i > 0 and cheaper[i - 1]:
+        i -= 1
+    return sizes[order[i]], crossings
+
+
+def model_threshold(probs: dict[int, torch.Tensor], hot: dict[int, list[int]], pc: PassCosts,
+                    sizes: list[int]) -> tuple[int | None, int, list[tuple[int, float, float]]]:
+    """Np of the model on `sizes`: (Np, crossings, [(n, split, upload)])."""
+    curve = [(n, *pass_costs(n, probs, hot, pc)) for n in sizes]
+    np_, crossings = one_switch([c[0] for c in curve], [c[1] for c in curve], [c[2] for c in curve])
+    return np_, crossings, curve

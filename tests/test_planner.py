@@ -1,0 +1,322 @@
+"""Residency planning: fill, capacity test, cost model, one-switch Np; plan / calibrate CLI on tiny."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from ostinato.config import ModelConfig
+from ostinato.planner import cost_model as cm
+from ostinato.planner.capacity import (CapacityError, CapacitySettings, activation_bytes, dense_weight_bytes,
+                                       flex_slots, plan_capacity)
+from ostinato.planner.fill import cold_routes, fill
+from ostinato.synth.presets import preset_config
+
+FAST = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def route_counts(draw, max_layers=3, max_experts=4):
+    L = draw(st.integers(1, max_layers))
+    E = draw(st.integers(1, max_experts))
+    layers = sorted(draw(st.sets(st.integers(0, 9), min_size=L, max_size=L)))
+    vals = draw(st.lists(st.integers(0, 50), min_size=L * E, max_size=L * E))
+    return {l: torch.tensor(vals[i * E:(i + 1) * E]) for i, l in enumerate(layers)}
+
+
+def _cold(counts, chosen: set[tuple[int, int]]) -> float:
+    hot = {l: [e for (ll, e) in chosen if ll == l] for l in counts}
+    return cold_routes(counts, hot)[0]
+
+
+@FAST
+@given(route_counts(), st.data())
+def test_fill_minimises_cold_routes_brute_force(counts, data):
+    items = [(l, e) for l, c in counts.items() for e in range(c.numel())]
+    slots = data.draw(st.integers(0, len(items)))
+    got = cold_routes(counts, fill(counts, slots))[0]
+    best = min(_cold(counts, set(s)) for s in itertools.combinations(items, slots))
+    assert got == best
+    assert sum(map(len, fill(counts, slots).values())) == slots
+
+
+@FAST
+@given(route_counts(max_layers=4, max_experts=16), st.data())
+def test_fill_beats_any_alternative_of_the_same_size(counts, data):
+    items = [(l, e) for l, c in counts.items() for e in range(c.numel())]
+    slots = data.draw(st.integers(0, len(items)))
+    other = data.draw(st.permutations(items))[:slots]
+    assert cold_routes(counts, fill(counts, slots))[0] <= _cold(counts, set(other))
+
+
+@FAST
+@given(route_counts(max_layers=4, max_experts=16), st.data())
+def test_bigger_capacity_never_adds_cold_routes(counts, data):
+    n = sum(c.numel() for c in counts.values())
+    a = data.draw(st.integers(0, n))
+    b = data.draw(st.integers(a, n))
+    small, big = fill(counts, a), fill(counts, b)
+    assert cold_routes(counts, big)[0] <= cold_routes(counts, small)[0]
+    assert all(set(small[l]) <= set(big[l]) for l in counts)  # nested: the flex fixed point relies on it
+
+
+def _tiny_cfg(**over) -> ModelConfig:
+    return ModelConfig.from_dict({**preset_config("tiny"), **over})
+
+
+def test_dense_weights_and_activations_are_counted_from_the_config():
+    cfg = _tiny_cfg()
+    D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    attn = D * cfg.num_attention_heads * cfg.head_dim * 2 + D * cfg.num_key_value_heads * cfg.head_dim * 2
+    norms = 2 * cfg.head_dim + 2 * D
+    params = 2 * V * D + L * (attn + norms + cfg.num_experts * D) + D
+    assert dense_weight_bytes(cfg, torch.bfloat16) == 2 * params
+    a = activation_bytes(cfg, 64, 1000, torch.bfloat16)
+    assert a["total"] == sum(v for k, v in a.items() if k != "total")
+    assert activation_bytes(cfg, 64, 2000, torch.bfloat16)["attention"] > a["attention"]
+    fused = activation_bytes(cfg, 64, 1000, torch.bfloat16, score_share=0.0)  # a kernel without a score matrix
+    assert a["attention"] - fused["attention"] == 13 * cfg.num_attention_heads * 64 * 1000
+
+
+@FAST
+@given(st.integers(0, 200), st.integers(16, 4096))
+def test_capacity_is_the_flex_fixed_point(extra_slots, kv_tokens):
+    cfg = _tiny_cfg()
+    g = torch.Generator().manual_seed(extra_slots)
+    counts = {l: torch.randint(0, 100, (cfg.num_experts,), generator=g) for l in cfg.moe_layers}
+    s = CapacitySettings(margin_bytes=0, margin_fraction=0.0, prefill_chunk=512)
+    probe = plan_capacity(cfg, counts, 2**40, kv_tokens, torch.float32, s)
+    budget = probe.fixed + (cfg.num_experts_per_tok + cfg.num_experts + extra_slots) * probe.expert_bytes
+    cap = plan_capacity(cfg, counts, budget, kv_tokens, torch.float32, s)
+    slots = (budget - cap.fixed) // cap.expert_bytes
+    K, E, total = cfg.num_experts_per_tok, cfg.num_experts, len(cfg.moe_layers) * cfg.num_experts
+    assert cap.flex_slots == flex_slots(counts, cap.hot_slots, E)
+    assert cap.hot_slots + K + cap.flex_slots <= slots and cap.unused >= 0
+    if cap.hot_slots < total:  # one more hot expert does not fit
+        assert cap.hot_slots + 1 + K + flex_slots(counts, cap.hot_slots + 1, E) > slots
+    bigger = plan_capacity(cfg, counts, budget + 7 * cap.expert_bytes, kv_tokens, torch.float32, s)
+    assert bigger.hot_slots >= cap.hot_slots
+
+
+def test_capacity_fails_clearly_when_dense_and_kv_do_not_fit():
+    cfg = ModelConfig.from_dict(preset_config("qwen3-30b-a3b"))
+    counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
+    with pytest.raises(CapacityError) as e:
+        plan_capacity(cfg, counts, 4 * 2**30, 16384, torch.bfloat16)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("--gpu-memory 4.0 GiB cannot hold the dense weights (")
+    assert "KV cache of 16384 tokens (1.5 GiB)" in msg and "need at least" in msg
+    with pytest.raises(CapacityError, match="do not fit"):
+        plan_capacity(cfg, counts, 32 * 2**30, 16384, torch.bfloat16, slots=len(counts) * cfg.num_experts)
+    cap = plan_capacity(cfg, counts, 32 * 2**30, 4096, torch.bfloat16)
+    assert 0.35 < cap.hot_slots / (len(counts) * cfg.num_experts) < 0.5  # BENCHMARK.md: about 40% fit
+
+
+@st.composite
+def monotone_curves(draw):
+    n = draw(st.integers(1, 8))
+    sizes = sorted(draw(st.sets(st.integers(1, 4096), min_size=n, max_size=n)))
+    inc = draw(st.lists(st.floats(0.01, 10), min_size=n, max_size=n))
+    dec = draw(st.lists(st.floats(0.01, 10), min_size=n, max_size=n))
+    start = draw(st.floats(-20, 40))
+    split = list(itertools.accumulate(inc))  # grows with cold routes
+    diff = [start - x for x in itertools.accumulate(dec)]  # upload - split: strictly decreasing
+    return sizes, split, [s + d for s, d in zip(split, diff)]
+
+
+@FAST
+@given(monotone_curves())
+def test_np_switches_once_on_monotone_curves(curves):
+    sizes, split, upload = curves
+    np_, crossings = cm.one_switch(sizes, split, upload)
+    cheaper = [u < s for s, u in zip(split, upload)]
+    assert crossings <= 1
+    if np_ is None:
+        assert not cheaper[-1]
+    else:
+        assert cheaper == [n >= np_ for n in sizes]  # split below Np, upload from Np on: one switch
+
+
+@FAST
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 10)), min_size=1, max_size=10))
+def test_np_on_noisy_curves_is_the_last_crossing(points):
+    sizes = [64 * (i + 1) for i in range(len(points))]
+    split, upload = [p[0] for p in points], [p[1] for p in points]
+    np_, crossings = cm.one_switch(sizes, split, upload)
+    cheaper = [u < s for s, u in points]
+    assert crossings == sum(a != b for a, b in zip(cheaper, cheaper[1:]))
+    if np_ is None:
+        assert not cheaper[-1]
+        return
+    i = sizes.index(np_)
+    assert all(cheaper[i:]) and (i == 0 or not cheaper[i - 1])
+
+
+def test_np_noisy_example():
+    sizes = [64, 128, 256, 512, 1024, 2048]
+    split = [1, 2, 3, 4, 5, 6]
+    upload = [3, 1.5, 3.5, 3, 4, 5]  # cheaper at 128, not at 256, cheaper from 512 on
+    assert cm.one_switch(sizes, split, upload) == (512, 3)
+    assert cm.one_switch(sizes, split, [9] * 6) == (None, 0)
+    assert cm.one_switch(sizes, split, [0] * 6) == (64, 0)
+
+
+@st.composite
+def layer_case(draw):
+    E = draw(st.integers(2, 10))
+    K = draw(st.integers(1, min(4, E)))
+    w = torch.tensor(draw(st.lists(st.floats(0.05, 1.0), min_size=E, max_size=E)), dtype=torch.float64)
+    p = (K * w / w.sum()).clamp(max=0.97)
+    hot = torch.tensor(draw(st.lists(st.booleans(), min_size=E, max_size=E)))
+    cost = cm.LayerCost(*(draw(st.floats(0.0, 1.0)) for _ in range(4)))
+    return p, hot, K, cost
+
+
+@FAST
+@given(layer_case())
+def test_expected_max_matches_monte_carlo(case):
+    p, hot, K, cost = case
+    law = cm.route_law(p, K)
+    exact = cm.expected_layer_time(cm.cold_route_distribution(p, hot, K, law=law), cost)
+    # sample the law: independent Bernoulli(w / (1 + w)) conditioned on exactly K selected
+    g = torch.Generator().manual_seed(0)
+    w = torch.from_numpy(law.w)
+    x = torch.rand(80000, p.numel(), generator=g, dtype=torch.float64) < w / (1 + w)
+    x = (x | torch.from_numpy(law.always))[x.sum(1) == law.k]
+    assume(x.shape[0] >= 2000)
+    r = (x & ~hot).sum(1)
+    table = torch.tensor([cost.layer(v) for v in range(K + 1)], dtype=torch.float64)
+    vals = table[r]
+    se = float(vals.std()) / math.sqrt(vals.numel())
+    assert abs(exact - float(vals.mean())) <= 5 * se + 1e-9
+    # the law keeps the profile's per-expert route probabilities
+    pn = p * K / p.sum()
+    if (pn < 1).all():
+        assert torch.allclose(x.double().mean(0), pn, atol=5 * 0.5 / math.sqrt(x.shape[0]))
+    # the binomial law against its own sampling
+    q = float(p[~hot].sum() / p.sum())
+    exact_b = cm.expected_layer_time(cm.cold_route_distribution(p, hot, K, "binomial"), cost)
+    rb = (torch.rand(40000, K, generator=g, dtype=torch.float64) < q).sum(1)
+    vb = table[rb]
+    assert abs(exact_b - float(vb.mean())) <= 5 * float(vb.std()) / math.sqrt(vb.numel()) + 1e-9
+
+
+@FAST
+@given(layer_case())
+def test_cold_route_law_respects_top_k_and_the_profile(case):
+    p, hot, K, _ = case
+    p = p * K / p.sum()  # a profile's probabilities sum to K
+    assume(bool((p < 1).all()))
+    dist = cm.cold_route_distribution(p, hot, K)
+    assert dist.shape == (K + 1,) and abs(float(dist.sum()) - 1) < 1e-9 and (dist >= 0).all()
+    n_cold, n_hot = int((~hot).sum()), int(hot.sum())
+    for r in range(K + 1):
+        if r > n_cold or K - r > n_hot:
+            assert dist[r] == 0
+    assert cm.expected_cold_routes(dist) == pytest.approx(float(p[~hot].sum()), abs=1e-6)
+
+
+def test_decode_prediction_and_pool_saving():
+    K, E = 2, 8
+    counts = {0: torch.tensor([90, 60, 20, 10, 10, 5, 3, 2]), 1: torch.tensor([50] * 4 + [0] * 4)}
+    costs = {0: cm.LayerCost(G=0.05, gamma0=0.01, alpha=0.03, beta=0.13), 1: cm.LayerCost(0.05, 0.01, 0.03, 0.13)}
+    hot_all = {0: list(range(E)), 1: list(range(E))}
+    pred = cm.predict_decode_step(counts, 100, hot_all, costs, K, dense_ms=1.0)
+    assert pred.total_ms == pytest.approx(1.0 + 2 * 0.05)  # no cold expert: GPU only
+    small, big = {0: [0], 1: [0, 1]}, {0: [0, 1, 2], 1: [0, 1, 2, 3]}
+    saving, s, b = cm.pool_saving(counts, 100, small, big, costs, K, dense_ms=1.0)
+    assert saving > 0 and s.cold_routes_per_layer > b.cold_routes_per_layer
+    assert b.cold_routes[1] == pytest.approx(0.0)  # layer 1 routes only to its 4 hot experts
+    # expected cold routes are the profile's: K times the cold share
+    q0 = float(counts[0][3:].sum() / counts[0].sum())
+    assert b.cold_routes[0] == pytest.approx(K * q0, rel=1e-6)
+
+
+def test_prefill_model_saturates_and_picks_np():
+    p = torch.tensor([0.5, 0.4, 0.3, 0.3, 0.2, 0.1, 0.1, 0.1], dtype=torch.float64)
+    assert cm.expected_distinct(p[4:], 1) == pytest.approx(0.5)
+    assert cm.expected_distinct(p[4:], 10_000) == pytest.approx(4.0)
+    pc = cm.PassCosts(alpha=0.05, beta_expert=0.1, beta_route=0.01, upload_gbps=50, expert_bytes=9_437_184,
+                      sizes=(64, 2048), gpu_hot_ms=(0.1, 1.0), gpu_all_ms=(0.12, 1.2))
+    sizes = [16 * i for i in range(1, 129)]
+    np_, crossings, curve = cm.model_threshold({0: p, 1: p}, {0: [0, 1, 2, 3], 1: [0, 1]}, pc, sizes)
+    assert crossings == 1 and np_ is not None
+    assert all((u < s) == (n >= np_) for n, s, u in curve)
+
+
+def _cli(*args) -> int:
+    from ostinato.cli import main
+
+    return main([str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "profile.json"
+    assert _cli("profile", "--model", tiny_dir, "--sessions", "embedded:2", "--max-context", 384,
+                "--device", "cpu", "-o", path) == 0
+    return path
+
+
+def test_profile_records_longest_request_and_skew(tiny_profile, capsys):
+    from ostinato.planner.profile import RouteCounts
+
+    prof = RouteCounts.load(tiny_profile)
+    assert prof.sessions == 2 and prof.max_tokens == 384  # the streams are cut at --max-context
+    shares = prof.layer_top_shares(0.4)
+    assert all(0.4 <= v <= 1 for v in shares.values())
+    assert RouteCounts.from_json(json.loads(json.dumps(prof.to_json()))).max_tokens == 384
+
+
+def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys):
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.placement import PlacementSettings
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.loader.source import open_source
+    from ostinato.planner.profile import RouteCounts
+    from ostinato.planner.residency import Residency
+
+    cfg = open_source(tiny_dir).config
+    counts = RouteCounts.load(tiny_profile).total("all")
+    s = CapacitySettings(margin_bytes=0, margin_fraction=0.0)
+    probe = plan_capacity(cfg, counts, 2**40, 384, torch.float32, s)
+    budget = probe.fixed + (cfg.num_experts_per_tok + 40) * probe.expert_bytes
+    res_path = tmp_path / "res.json"
+    common = ["--model", tiny_dir, "--profile", tiny_profile, "--device", "cpu", "--margin", 0, "--margin-fraction", 0]
+    assert _cli("plan", *common, "--held-out", tiny_profile, "--gpu-memory", budget, "-o", res_path) == 0
+    out = capsys.readouterr().out
+    assert "capacity test" in out and "held-out routes on the GPU" in out and "verification skipped" in out
+    res = Residency.load(res_path)
+    total = len(cfg.moe_layers) * cfg.num_experts
+    assert 0 < res.hot_count < total and res.gpu_memory == budget
+    assert res.capacity["hot_slots"] == res.hot_count and res.capacity["kv_tokens"] == 384
+    assert "cold_routes_per_token_layer" in res.notes["report"]["development"]
+
+    # too small a budget: one clear line, exit status 2
+    assert _cli("plan", *common, "--gpu-memory", probe.fixed // 2, "-o", tmp_path / "x.json") == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot hold the dense weights" in err and "\n" not in err
+    assert _cli("plan", *common, "--gpu-memory", budget, "--devices", "cuda:0,cuda:1", "-o", tmp_path / "y.json") == 2
+    assert "one device" in capsys.readouterr().err
+
+    assert _cli("calibrate", "--model", tiny_dir, "--residency", res_path, "--device", "cpu", "--cpu-threads", 1,
+                "--sizes", "8,16,32", "--reps", 2, "--pass-layers", 2, "--sessions", "embedded:1",
+                "--cpu-backend", "torch") == 0
+    out = capsys.readouterr().out
+    assert "Np (upload_threshold) measured" in out
+    cal = Residency.load(res_path).calibration
+    assert set(cal["layers"]) == {str(l) for l in cfg.moe_layers}
+    assert all(d["G_ms"] > 0 and len(d["C_ms"]) == cfg.num_experts_per_tok + 1 for d in cal["layers"].values())
+    assert cal["upload_gbps"] > 0 and cal["passes"]["sizes"] == [8, 16, 32]
+    assert isinstance(cal["upload_threshold"], int) and cal["model"]["decode_step_ms"] > 0
+    for key in ("device", "date", "torch", "global", "cpu_pass", "dense_step_ms"):
+        assert key in cal
+    loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64),
+                         PlacementSettings(residency=str(res_path), cpu_threads=1, cpu_backend="torch"))
+    assert loaded.runner.experts.upload_threshold == cal["upload_threshold"]  # the engine uses the measured Np
