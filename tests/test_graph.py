@@ -64,9 +64,12 @@ def test_graph_replay_bitwise_equals_eager_all_gpu(tiny_dir, tmp_path):
 
 
 @pytest.mark.gpu
-def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_path):
+@pytest.mark.parametrize("borrow", [False, True])
+def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_path, borrow):
     """Half the experts cold: the graph step (mapped-memory handshake with the native worker)
-    equals the host-driven synchronous path under the same placement, over 256 steps."""
+    equals the host-driven synchronous path under the same placement, over 256 steps, with
+    and without borrowed experts (copies applied at the boundary they start, so both engines
+    switch at the same token)."""
     from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
     from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
@@ -74,7 +77,8 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     from tests.test_hybrid import _residency_for
 
     _residency_for(CheckpointSource(tiny_dir), 0.5).save(tmp_path / "half.json")
-    place = PlacementSettings(residency=str(tmp_path / "half.json"), cpu_threads=2)
+    place = PlacementSettings(residency=str(tmp_path / "half.json"), cpu_threads=2, borrow=borrow,
+                              borrow_wait_copies=True)
     graphed = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048), place)
     sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                      cuda_graph=False), place)
@@ -90,4 +94,5 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
         token, pos = int(a.argmax()), pos + 1
     stats = graphed.runner.placement_stats()
     assert stats["graph_cold_routes"] > 0
+    assert (stats.get("borrowed", 0) > 0) == borrow
     graphed.runner.experts.close()

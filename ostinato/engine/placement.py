@@ -24,6 +24,8 @@ class PlacementSettings:
     cpu_threads: int | None = None  # default: the CPU experts' own default (physical cores)
     upload_threshold: int | None = None  # Np; default: the residency's calibrated one, else 512
     cpu_backend: str = "auto"
+    borrow: bool = True  # lend the flex slots to cold experts during decode (DESIGN.md "Borrowed memory")
+    borrow_wait_copies: bool = False  # switch borrowed experts in at the boundary their copy starts (tests)
 
 
 DEFAULT_UPLOAD_THRESHOLD = 512  # used only until `ostinato calibrate` has measured Np
@@ -65,7 +67,12 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
         host.fill_layer(layer, experts)
     cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)
     np_ = place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
-    return HybridExperts(pool, host, cpu, int(np_), max_tokens)
+    hybrid = HybridExperts(pool, host, cpu, int(np_), max_tokens)
+    if place.borrow and pool.num_slots > pool.flex_lo:
+        from ostinato.layers.moe.borrow import Borrowing
+
+        hybrid.borrow = Borrowing(hybrid, wait_copies=place.borrow_wait_copies)
+    return hybrid
 
 
 def hybrid_factory(place: PlacementSettings):

@@ -86,8 +86,13 @@ class ModelRunner:
         (or of every token [T, V] with all_logits)."""
         if start + len(tokens) > self.max_context:
             raise ValueError(f"{start + len(tokens)} tokens exceed the context of {self.max_context}")
-        if self.graphs is not None and len(tokens) == 1 and not all_logits:
-            return self.graphs.replay(tokens[0], start).clone()
+        decode = len(tokens) == 1 and not all_logits
+        if not decode and hasattr(self.experts, "before_prefill"):
+            self.experts.before_prefill()  # borrowed slots go back to the upload path first
+        if decode and self.graphs is not None and self.graphs.window_for(start) is not None:
+            logits = self.graphs.replay(tokens[0], start).clone()
+            self._after_decode_step()
+            return logits
         outs = []
         chunk = self.settings.prefill_chunk
         for s in range(0, len(tokens), chunk):
@@ -96,7 +101,14 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv.layers, start + s)
             outs.append(self.model.logits(hidden if all_logits else hidden[-1:]))
         logits = torch.cat(outs) if all_logits else outs[-1][0]
+        if decode:
+            self._after_decode_step()
         return logits
+
+    def _after_decode_step(self) -> None:
+        hook = getattr(self.experts, "after_decode_step", None)
+        if hook is not None:
+            hook()
 
     @torch.inference_mode()
     def decode_windowed(self, token: int, position: int) -> torch.Tensor:

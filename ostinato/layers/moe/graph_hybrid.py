@@ -40,6 +40,8 @@ class GraphHybridExperts:
                           P(sh.post_flag[i, :1]), P(sh.out[i]), P(sh.done_flag[i, :1])) for i in range(len(layers))}
         assert sh.post_flag.stride(0) == S
         self.in_step = False
+        if hybrid.borrow is not None:  # table switches reach the worker at the next step
+            hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
         self.worker.start(1)
         atexit.register(self.close)
 
@@ -50,6 +52,12 @@ class GraphHybridExperts:
 
     def after_step(self) -> None:
         self.in_step = False
+
+    def after_decode_step(self) -> None:
+        self.hybrid.after_decode_step()
+
+    def before_prefill(self) -> None:
+        self.hybrid.before_prefill()
 
     def close(self) -> None:
         if self.worker.running:
@@ -65,6 +73,8 @@ class GraphHybridExperts:
         if not (self.in_step and x.shape[0] == 1 and self.hybrid.has_cold[layer]):
             return self.hybrid(layer, x, topk)
         pool = self.hybrid.pool
+        if self.hybrid.borrow is not None:
+            self.hybrid.borrow.observe(layer, topk.ids)
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done = self.views[self.index[layer]]
         self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post)
         slots = pool.slots_for(layer, topk.ids)

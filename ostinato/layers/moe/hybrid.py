@@ -39,6 +39,15 @@ class HybridExperts:
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.counters: Counter = Counter()
         self.has_cold = {l: bool((c >= 0).any()) for l, c in host.compact.items()}
+        self.borrow = None  # Borrowing, when decode may lend the flex slots to cold experts
+
+    def after_decode_step(self) -> None:
+        if self.borrow is not None:
+            self.borrow.end_step()
+
+    def before_prefill(self) -> None:
+        if self.borrow is not None:
+            self.borrow.release_all()
 
     @property
     def capturable(self) -> bool:
@@ -47,7 +56,10 @@ class HybridExperts:
         return not any(self.has_cold.values())
 
     def stats(self) -> dict[str, float]:
-        return dict(self.counters)
+        out = dict(self.counters)
+        if self.borrow is not None:
+            out |= self.borrow.stats()
+        return out
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         T, K = topk.ids.shape
@@ -66,6 +78,8 @@ class HybridExperts:
     def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Decode and split path: GPU branch || CPU branch, then combine."""
         T = x.shape[0]
+        if T == 1 and self.borrow is not None:
+            self.borrow.observe(layer, topk.ids)
         compact = self.host.compact[layer]
         ids_h = topk.ids.to("cpu", non_blocking=self.on_cuda)
         w_h = topk.weights.to("cpu", non_blocking=self.on_cuda)
