@@ -101,12 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
     p.set_defaults(func=cmd_generate)
 
+    from ostinato.bench.cli import add_bench_commands
     from ostinato.planner.cli import add_planner_commands
-
-    add_planner_commands(sub, _add_model_args)
     from ostinato.server.cli import add_server_commands
 
+    add_planner_commands(sub, _add_model_args)
     add_server_commands(sub, _add_model_args)
+    add_bench_commands(sub, _add_model_args)
     return ap
 
 

@@ -38,7 +38,7 @@ def session_stream(session, tok, max_tokens: int | None = None) -> SessionStream
         starts.append(len(ids))
         out += [False] * (len(prompt) - len(ids))
         ids = list(prompt)
-        forced = tok.encode(tok.render_assistant_output(turn.output))
+        forced = tok.encode(tok.render_assistant_output(turn.output, turn_tools(session)))
         ids += forced
         out += [True] * len(forced)
         if max_tokens and len(ids) >= max_tokens:

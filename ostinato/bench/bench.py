@@ -1,0 +1,380 @@
+"""`ostinato bench`: profile, plan, calibrate, then replay held-out sessions for Ostinato and
+every baseline policy in one process, plus the length sweep, and write the report.
+
+One run, one machine, one budget (BENCHMARK.md): the dense model is loaded once; each
+policy's experts backend is built in turn under the same expert budget, swapped into the
+engine (the previous one closed and freed first), warmed up, tuned on development sessions
+where it has a threshold, and replayed on the held-out sessions. Steps:
+
+1. split the sessions by task into development and held-out (bench/sessions.py);
+2. profile development sessions (and held-out ones, for the skew figure) with the `layers`
+   policy uploading every pass (threshold 1, no resident layer), which fits any budget;
+3. the budget in expert-sized pool slots, the same for every policy: --expert-budget
+   bytes, or the planner's capacity test on --gpu-memory (cap - dense - KV cache -
+   activations - margin), or the pool of a --hot-fraction residency (default 0.4);
+4. plan: the most-routed experts that fit the budget with Ostinato's zero and flex slots
+   (planner/fill.py, planner/capacity.py), saved as residency.json; Np calibrated in the
+   engine by planner/calibrate.py (or --upload-threshold);
+5. per policy: build, warm up, tune the offload threshold over {32, 128, 512, 1024} on
+   development sessions (lowest total request time), replay held-out, run the sweep;
+6. report.md, results.json, PNG plots in --out; one JSON line last on stdout.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ostinato.bench.metrics import TurnResult, summarize, sweep_summary
+from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions
+from ostinato.config import ConfigError
+from ostinato.engine.runner import RunnerSettings
+from ostinato.policies.settings import OFFLOAD_THRESHOLDS, POLICIES, TUNED, PolicySettings
+
+DEFAULT_HOT_FRACTION = 0.4  # used only when nothing else sizes the budget (the paper's GPU held ~40%)
+
+
+@dataclass
+class BenchSettings:
+    model: str
+    runner: RunnerSettings = field(default_factory=RunnerSettings)
+    sessions: str = "embedded"
+    policies: tuple[str, ...] = POLICIES
+    gpu_memory: int | None = None  # the device cap, bytes
+    expert_budget: int | None = None  # bytes for expert slots (overrides sizing from the cap)
+    hot_fraction: float | None = None  # budget as a share of all experts (when no bytes are given)
+    max_sessions: int | None = None  # per side (development, held-out), spread over the sources
+    max_turns: int | None = None  # per session
+    tune: bool = True
+    tune_sessions: int = 3
+    tune_max_turns: int | None = None  # per tuning session (default: max_turns)
+    thresholds: tuple[int, ...] = OFFLOAD_THRESHOLDS
+    sweep_sizes: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    sweep_output: int = 128
+    sweep_prefixes: int = 8
+    sweep_prefix_tokens: int = 1024
+    upload_threshold: int | None = None  # Np for Ostinato (default: calibrated, else the engine's)
+    calibrate: bool = True
+    calibration: object = None  # planner.calibrate.CalibrateSettings (None: its defaults)
+    cpu_threads: int | None = None
+    cpu_backend: str = "auto"
+    upper_bound: bool = False  # run `gpu` even when all experts exceed the budget (logical memory only)
+    out: Path = Path("ostinato-bench")
+    progress: bool = True
+    log: object = None  # where progress lines go: None for sys.stderr (at the time), False for nowhere
+
+
+def _log(bs: BenchSettings):
+    return None if bs.log is False else (bs.log or sys.stderr)
+
+
+def _say(bs: BenchSettings, msg: str) -> None:
+    if _log(bs) is not None:
+        print(msg, file=_log(bs), flush=True)
+
+
+def select_sessions(spec: str, max_sessions: int | None):
+    """(development, held-out) sessions, each spread down to max_sessions."""
+    from ostinato.bench.sessions import load_sessions, split_sessions
+    from ostinato.planner.cli import spread
+
+    dev, held = split_sessions(load_sessions(spec))
+    if max_sessions:
+        dev, held = spread(dev, max_sessions), spread(held, max_sessions)
+    if not dev or not held:
+        raise ConfigError(f"--sessions {spec}: need sessions of at least two tasks per source to split into "
+                          f"development and held-out (got {len(dev)} and {len(held)})")
+    return dev, held
+
+
+def pool_budget(loaded, bs: BenchSettings, counts) -> dict:
+    """The budget in expert-sized pool slots, the hot experts Ostinato gets from it, and how
+    it was sized: --expert-budget bytes; else the planner's capacity test on --gpu-memory;
+    else --hot-fraction (or the default) of all experts, the budget being that residency's
+    pool (hot + K zero + flex slots)."""
+    from ostinato.planner.capacity import CapacitySettings, flex_slots, max_hot_slots, plan_capacity
+    from ostinato.policies.base import ModelExperts
+
+    spec = ModelExperts.from_source(loaded.source, bs.runner)
+    K, E, total = spec.top_k, spec.num_experts, spec.total_experts
+    dev = counts.total("all")
+    out: dict = {"expert_bytes": spec.expert_bytes, "total_experts": total, "cap": bs.gpu_memory}
+    if bs.expert_budget is not None:
+        pool, how = int(bs.expert_budget // spec.expert_bytes), "--expert-budget"
+    elif bs.gpu_memory is not None and bs.hot_fraction is None:
+        cap = plan_capacity(loaded.runner.config, dev, bs.gpu_memory, loaded.engine.max_context, spec.dtype,
+                            CapacitySettings(prefill_chunk=bs.runner.prefill_chunk))
+        pool, how = int((cap.budget - cap.fixed) // cap.expert_bytes), "capacity test on --gpu-memory"
+        out["capacity"] = cap.to_json()
+    else:
+        f = DEFAULT_HOT_FRACTION if bs.hot_fraction is None else bs.hot_fraction
+        hot = min(total, round(f * total))
+        pool, how = hot + K + flex_slots(dev, hot, E), f"hot fraction {f}"
+    hot = max_hot_slots(dev, pool, K, E)
+    if hot < 0:
+        raise ConfigError(f"a budget of {pool} expert slots cannot hold Ostinato's {K} zero slots and its flex "
+                          "slots: give a larger budget")
+    out.update(pool_slots=pool, hot=hot, sized_by=how, fraction=round(hot / total, 4))
+    return out
+
+
+def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dict:
+    """Np: --upload-threshold; else measured by the planner's calibration in this engine, on
+    Ostinato's own placement (so its constants land in the residency); else the default."""
+    from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD
+    from ostinato.policies.factory import make_policy, release
+
+    if bs.upload_threshold:
+        return {"value": bs.upload_threshold, "how": "--upload-threshold"}
+    if not bs.calibrate:
+        return {"value": DEFAULT_UPLOAD_THRESHOLD, "how": "default (not calibrated)"}
+    from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
+
+    release(loaded)
+    backend = make_policy("ostinato", loaded.source, bs.runner, base.with_(upload_threshold=DEFAULT_UPLOAD_THRESHOLD))
+    runner = loaded.runner
+    runner.experts = backend  # calibrate times HybridExperts itself, host-driven (no decode graph)
+    runner.model.set_experts(backend)
+    try:
+        cal = calibrate(loaded, bs.calibration or CalibrateSettings(), progress=bs.progress)
+    except Exception as e:  # noqa: BLE001 - a failed calibration leaves the default Np, said in the report
+        return {"value": DEFAULT_UPLOAD_THRESHOLD, "how": f"default (calibration failed: {type(e).__name__}: {e})"}
+    finally:
+        release(loaded)
+    np_ = cal.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
+    try:
+        checks = model_checks(cal, counts, base.residency.hot, runner.config)
+    except Exception as e:  # noqa: BLE001 - the prediction is a report line, not a requirement
+        checks = {"error": f"{type(e).__name__}: {e}"}
+    return {"value": int(np_), "how": "calibrated", "calibration": cal, "predicted": checks}
+
+
+def warm_up(loaded) -> None:
+    """One short generation, so lazy initialisation is not in the first measured turn."""
+    from ostinato.engine.sampling import SamplingParams
+
+    prompt = loaded.tokenizer.render_ids([{"role": "user", "content": "Hello"}])
+    for _ in loaded.engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0)):
+        pass
+    loaded.engine.reset()
+
+
+def sweep_requests(tok, dev, bs: BenchSettings, max_context: int) -> list[tuple[TurnRequest, list[TurnRequest]]]:
+    """(prefix request, measured requests) per fixed development prefix: after the prefix,
+    `size` new tokens from other development text, then `sweep_output` forced tokens."""
+    from ostinato.planner.cli import spread
+    from ostinato.planner.profile import session_stream
+
+    streams = [session_stream(s, tok).ids for s in dev]
+    filler = [t for st in streams for t in st]
+    if not filler:
+        return []
+    out = []
+    for i, s in enumerate(spread(streams, bs.sweep_prefixes)):
+        prefix = s[:bs.sweep_prefix_tokens]
+        warm = TurnRequest(f"prefix{i}", 0, "sweep", prompt_ids=prefix, forced_ids=filler[:1])
+        reqs = []
+        for j, size in enumerate(bs.sweep_sizes):
+            if len(prefix) + size + bs.sweep_output > max_context:
+                continue
+            off = (7919 * (i * len(bs.sweep_sizes) + j + 1)) % len(filler)
+            new = [filler[(off + k) % len(filler)] for k in range(size)]
+            forced = [filler[(off + size + k) % len(filler)] for k in range(bs.sweep_output)]
+            reqs.append(TurnRequest(f"prefix{i}", size, "sweep", prompt_ids=prefix + new, forced_ids=forced))
+        out.append((warm, reqs))
+    return out
+
+
+def run_sweep(target, plan) -> list[TurnResult]:
+    results = []
+    for warm, reqs in plan:
+        target.run(warm)
+        results += [target.run(r) for r in reqs]
+    return results
+
+
+def tune_threshold(loaded, backend, sessions, thresholds, max_turns, log=None) -> dict[int, float]:
+    """Total request time of the development tuning sessions for each offload threshold."""
+    target = InProcessTarget(loaded)
+    totals = {}
+    for thr in thresholds:
+        backend.offload_threshold = thr
+        loaded.engine.reset()
+        rs = replay_sessions(target, sessions, tokenizer=loaded.tokenizer, max_turns=max_turns)
+        totals[thr] = round(sum(r.request_s or 0.0 for r in rs), 4)
+        if log is not None:
+            print(f"  tune {backend.name}: offload threshold {thr}: {totals[thr]:.3f} s", file=log, flush=True)
+    return totals
+
+
+@dataclass
+class Prepared:
+    """What every policy's replay shares: the engine, the split, the budget and the plan."""
+
+    loaded: object
+    dev: list
+    held: list
+    budget: dict
+    skew: dict
+    np_info: dict
+    base: PolicySettings  # the settings every policy is built with
+
+
+def prepare(bs: BenchSettings, t_start: float) -> Prepared:
+    """Steps 1-4: split, profile, budget and skew, plan and calibrate."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.planner.fill import fill
+    from ostinato.planner.residency import Residency, model_fingerprint
+    from ostinato.planner.run_profile import profile_sessions
+    from ostinato.planner.skew import hot_share
+
+    dev, held = select_sessions(bs.sessions, bs.max_sessions)
+    _say(bs, f"sessions: {len(dev)} development, {len(held)} held-out ({bs.sessions})")
+    probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1, cpu_threads=bs.cpu_threads,
+                           cpu_backend=bs.cpu_backend)
+    loaded = load_engine(bs.model, bs.runner, experts_factory=_probe_factory(probe))
+    counts = profile_sessions(loaded, dev, progress=bs.progress, desc="profile dev")
+    held_counts = profile_sessions(loaded, held, progress=bs.progress, desc="profile held-out")
+    counts.save(bs.out / "profile-dev.json")
+    budget = pool_budget(loaded, bs, counts)
+    _say(bs, f"budget: {budget['pool_slots']} expert slots, sized by {budget['sized_by']}: Ostinato keeps "
+             f"{budget['hot']} of {budget['total_experts']} experts resident ({100 * budget['fraction']:.1f}%)")
+    skew = {"top_fraction": budget["fraction"]}
+    for phase in ("all", "decode", "prefill"):
+        share = hot_share(counts.total("all"), held_counts.total(phase), budget["fraction"])[0]
+        skew[f"held_out_{phase}_share"] = round(share, 4)
+    _say(bs, f"skew: the top {100 * budget['fraction']:.1f}% of experts by development routes receive "
+             f"{100 * skew['held_out_all_share']:.1f}% of held-out routes")
+
+    cfg = loaded.runner.config
+    residency = Residency(model_fingerprint(loaded.source), cfg.num_experts, fill(counts.total("all"), budget["hot"]),
+                          gpu_memory=bs.gpu_memory, capacity=budget.get("capacity") or {},
+                          profile={"path": str(bs.out / "profile-dev.json"), "sessions": counts.sessions},
+                          notes={"pool_slots": budget["pool_slots"], "budget": budget["sized_by"]})
+    base = PolicySettings(expert_slots=budget["pool_slots"], gpu_memory=bs.gpu_memory, profile=counts,
+                          residency=residency, cpu_threads=bs.cpu_threads, cpu_backend=bs.cpu_backend,
+                          allow_over_budget=bs.upper_bound)
+    np_info = calibrate_np(loaded, bs, base, counts)
+    residency.calibration = {**np_info.get("calibration", {}), "upload_threshold": np_info["value"]}
+    residency.save(bs.out / "residency.json")
+    _say(bs, f"[{time.perf_counter() - t_start:.0f} s] plan: {residency.hot_count} hot experts -> "
+             f"{bs.out / 'residency.json'}; Np = {np_info['value']} ({np_info['how']})")
+    return Prepared(loaded, dev, held, budget, skew, np_info, base.with_(upload_threshold=np_info["value"]))
+
+
+def run_bench(bs: BenchSettings) -> dict:
+    """The whole benchmark; returns the result document (also written to bs.out)."""
+    from ostinato.bench.report import environment, finish_result
+    from ostinato.policies.factory import make_policy, release, use_policy
+
+    t_start = time.perf_counter()
+    bs.out = Path(bs.out)
+    bs.out.mkdir(parents=True, exist_ok=True)
+    p = prepare(bs, t_start)
+    loaded, np_ = p.loaded, p.np_info["value"]
+    tune_set = _fitting(p.dev, loaded, bs.tune_sessions)
+    if bs.tune and not tune_set:
+        _say(bs, "no development session's first turn fits the context: offload thresholds stay untuned")
+    sweep_plan = sweep_requests(loaded.tokenizer, p.dev, bs, loaded.engine.max_context)
+    full_gpu = p.budget["total_experts"] + loaded.runner.config.num_experts_per_tok
+    policies: dict[str, dict] = {}
+    turns: dict[str, list] = {}
+    for name in bs.policies:
+        release(loaded)  # the previous backend's memory is free before the next one is built
+        try:
+            backend = make_policy(name, loaded.source, bs.runner, p.base)
+        except ConfigError as e:
+            policies[name] = {"skipped": str(e)}
+            _say(bs, f"{name}: skipped: {e}")
+            continue
+        use_policy(loaded, backend)
+        warm_up(loaded)
+        entry = _run_policy(loaded, backend, name, bs, p.held, tune_set, sweep_plan, np_)
+        entry["over_budget"] = name == "gpu" and p.budget["pool_slots"] < full_gpu
+        turns[name] = entry.pop("turns")
+        policies[name] = entry
+        s = entry["summary"]
+        _say(bs, f"[{time.perf_counter() - t_start:.0f} s] {name}: TTFT after tool {s['ttft_ms']['median']['tool']} "
+                 f"ms, TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s")
+    release(loaded)
+    result = {
+        "kind": "ostinato.bench", **environment(loaded, bs), "budget": p.budget,
+        "split": {"sessions": bs.sessions, "development": len(p.dev), "held_out": len(p.held),
+                  "max_turns": bs.max_turns},
+        "skew": p.skew, "np": {**{k: v for k, v in p.np_info.items() if k != "calibration"},
+                               "calibration": _calibration_summary(p.np_info.get("calibration"))},
+        "policies": policies, "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    return finish_result(result, turns, bs.out)
+
+
+def _calibration_summary(cal: dict | None) -> dict | None:
+    """The calibration's machine-wide figures (upload bandwidth, fitted constants, dense step);
+    the per-layer and per-pass tables stay in residency.json."""
+    if not cal:
+        return None
+    return {k: v for k, v in cal.items() if k not in ("layers", "passes")}
+
+
+def _fitting(sessions, loaded, n: int) -> list:
+    """Up to n sessions whose first turn fits the engine's context (tuning replays them)."""
+    from ostinato.bench.replay import session_requests
+
+    out = []
+    for s in sessions:
+        req = session_requests(type(s)(s.id, s.task, s.source, s.tools, s.turns[:1]), loaded.tokenizer)[0]
+        if len(req.prompt_ids) + len(req.forced_ids) <= loaded.engine.max_context:
+            out.append(s)
+        if len(out) >= n:
+            break
+    return out
+
+
+def _probe_factory(probe: PolicySettings):
+    """The profiling backend: `layers` with no resident layer and an offload threshold of 1."""
+    from ostinato.policies.factory import policy_factory
+
+    def make(source, runner_settings):
+        cfg = source.config
+        return policy_factory("layers", probe.with_(expert_slots=cfg.num_experts_per_tok + cfg.num_experts))(
+            source, runner_settings)
+    return make
+
+
+def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_plan, np_) -> dict:
+    """Tune (where the policy has a threshold), replay the held-out sessions, run the sweep."""
+    from ostinato.policies.ostinato import resident_experts
+
+    entry: dict = {"resident_experts": resident_experts(backend), "decode_graph": loaded.runner.graphs is not None}
+    if bs.tune and name in TUNED and tune_set:
+        turns = bs.tune_max_turns or bs.max_turns
+        totals = tune_threshold(loaded, backend, tune_set, bs.thresholds, turns, _log(bs))
+        best = min(totals, key=totals.get)
+        backend.offload_threshold = best
+        entry["tuning"] = {"offload_threshold": totals, "chosen": best}
+    if hasattr(backend, "offload_threshold"):
+        entry["offload_threshold"] = backend.offload_threshold
+    if name == "ostinato":
+        entry["upload_threshold"] = backend.upload_threshold
+    loaded.engine.reset()
+    results = _replay_with_progress(loaded, held, bs, name)
+    sweep = run_sweep(InProcessTarget(loaded), sweep_plan)
+    cfg = loaded.runner.config
+    entry["summary"] = summarize(results, len(cfg.moe_layers))
+    entry["sweep"] = sweep_summary(sweep, np_)
+    entry["turns"] = [r.to_json() for r in results + sweep]
+    return entry
+
+
+def _replay_with_progress(loaded, sessions, bs: BenchSettings, name: str) -> list[TurnResult]:
+    from tqdm import tqdm
+
+    n = sum(len(s.turns[:bs.max_turns]) for s in sessions)
+    with tqdm(total=n, desc=f"replay {name}", unit="turn", disable=not bs.progress, leave=False) as bar:
+        return replay_sessions(InProcessTarget(loaded), sessions, tokenizer=loaded.tokenizer, max_turns=bs.max_turns,
+                               on_turn=lambda r: bar.update(1))
+
+
+def with_(bs: BenchSettings, **kw) -> BenchSettings:
+    return replace(bs, **kw)

@@ -1,0 +1,201 @@
+"""Subcommands `replay`, `bench` and `demo`; each prints one JSON line last."""
+from __future__ import annotations
+
+import json
+
+from ostinato.config import ConfigError, parse_bytes
+from ostinato.policies.settings import OFFLOAD_THRESHOLDS, POLICIES, PolicySettings
+
+
+def _policy_args(p) -> None:
+    p.add_argument("--offload-threshold", type=int, default=32,
+                   help="layers / caches: passes of at least this many tokens upload the host experts they use "
+                        f"(llama.cpp's default 32; bench tunes it over {list(OFFLOAD_THRESHOLDS)})")
+    p.add_argument("--cache-max-tokens", type=int, default=32, help="expert-cache: largest pass served by the cache")
+    p.add_argument("--decay", type=float, default=0.95, help="decaying-cache: score multiplier per decode step")
+    p.add_argument("--profile", help="development profile (`ostinato profile`): fixed-per-layer's ranking, "
+                                     "decaying-cache's warm start")
+    p.add_argument("--expert-budget", help="bytes for the expert pool of every policy, e.g. 20GiB (default: the "
+                                           "pool of --residency: hot + zero + flex slots)")
+    p.add_argument("--cpu-backend", default="auto", choices=["auto", "native", "torch"])
+
+
+def _policy_settings(a) -> PolicySettings:
+    return PolicySettings(
+        budget_bytes=parse_bytes(a.expert_budget) if a.expert_budget else None,
+        gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None, offload_threshold=a.offload_threshold,
+        cache_max_tokens=a.cache_max_tokens, decay=a.decay, profile=a.profile, residency=a.residency,
+        upload_threshold=a.upload_threshold, cpu_threads=a.cpu_threads, cpu_backend=a.cpu_backend)
+
+
+def _print_summary(summary: dict) -> None:
+    t = summary["ttft_ms"]
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    print(f"\n{summary['turns']} turns of {summary['sessions']} sessions ({summary['failed_turns']} failed)")
+    print("TTFT ms      median: " + "  ".join(f"{k} {f(t['median'][k])}" for k in ("first", "tool", "user", "all"))
+          + f"   p90: {f(t['p90']['all'])}")
+    print(f"TPOT ms      median {f(summary['tpot_ms']['median'])}   p90 {f(summary['tpot_ms']['p90'])}")
+    print(f"request s    total {summary['request_s']['total']:.3f}   median {summary['request_s']['median']}")
+    print(f"engine ms    prefill median {f(summary['prefill_ms']['median'])}   decode step median "
+          f"{f(summary['decode_step_ms']['median'])}")
+    for phase, p in summary["placement"].items():
+        print(f"placement {phase:7} cold routes/token/layer {p['cold_routes_per_token_layer']}  "
+              f"CPU experts/token/layer {p['cpu_experts_per_token_layer']}  "
+              f"uploaded {p['bytes_uploaded'] / 2**20:.1f} MiB  pool hit rate {p['pool_hit_rate']}")
+
+
+def cmd_replay(a) -> int:
+    from ostinato.bench.bench import select_sessions
+    from ostinato.bench.metrics import summarize
+    from ostinato.bench.replay import HttpTarget, format_turn, replay_sessions
+    from ostinato.bench.sessions import load_sessions
+
+    if bool(a.endpoint) == bool(a.model):
+        raise ConfigError("give either --endpoint URL (a running server) or --model M (in this process)")
+    if a.split == "all":
+        sessions = load_sessions(a.sessions)[:a.max_sessions]
+    else:
+        dev, held = select_sessions(a.sessions, a.max_sessions)
+        sessions = held if a.split == "held-out" else dev
+    tokenizer, layers, engine = None, None, "reference"
+    if a.endpoint:
+        if a.tokenizer:
+            from ostinato.loader.tokenizer import ChatTokenizer
+
+            tokenizer = ChatTokenizer.from_dir(a.tokenizer)
+        target = HttpTarget(a.endpoint, kind=a.endpoint_kind, tokenizer=tokenizer, api_key=a.api_key,
+                            model=a.served_model, first_token=a.first_token)
+        engine = target.name
+    else:
+        target, layers, engine = _in_process(a)
+        tokenizer = target.tokenizer
+    cut: list = []
+    results = replay_sessions(target, sessions, tokenizer=tokenizer, max_turns=a.max_turns,
+                              on_turn=lambda r: print(format_turn(r), flush=True), cut=cut)
+    summary = summarize(results, layers)
+    _print_summary(summary)
+    if cut:
+        print(f"{len(cut)} sessions cut at a turn that does not fit the context")
+    print(json.dumps({"kind": "ostinato.replay", "engine": engine, "sessions": a.sessions, "split": a.split,
+                      "cut_sessions": len(cut), "summary": summary}))
+    return 0
+
+
+def _in_process(a):
+    from ostinato.bench.bench import warm_up
+    from ostinato.bench.replay import InProcessTarget
+    from ostinato.cli import _placement, _runner_settings
+    from ostinato.engine.factory import load_engine
+    from ostinato.policies.factory import policy_factory
+
+    rs = _runner_settings(a)
+    name = a.policy
+    if name is None:
+        loaded = load_engine(a.model, rs, _placement(a))
+        engine = "ostinato" if a.residency else "reference"
+    else:
+        settings = _policy_settings(a)
+        loaded = load_engine(a.model, rs, experts_factory=policy_factory(name, settings))
+        engine = name
+    warm_up(loaded)
+    return InProcessTarget(loaded), len(loaded.runner.config.moe_layers), engine
+
+
+def _bench_settings(a):
+    from pathlib import Path
+
+    from ostinato.bench.bench import BenchSettings
+    from ostinato.cli import _runner_settings
+
+    if a.residency:
+        raise ConfigError("bench plans its own residency from the development sessions: drop --residency")
+    unknown = [p for p in a.policies if p not in POLICIES]
+    if unknown:
+        raise ConfigError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)})")
+    return BenchSettings(
+        model=a.model, runner=_runner_settings(a), sessions=a.sessions, policies=tuple(a.policies),
+        gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None,
+        expert_budget=parse_bytes(a.expert_budget) if a.expert_budget else None, hot_fraction=a.hot_fraction,
+        max_sessions=a.max_sessions, max_turns=a.max_turns, tune=not a.no_tune, tune_sessions=a.tune_sessions,
+        thresholds=tuple(a.thresholds), sweep_sizes=tuple(a.sweep_sizes), sweep_output=a.sweep_output,
+        sweep_prefixes=a.sweep_prefixes, sweep_prefix_tokens=a.sweep_prefix_tokens,
+        upload_threshold=a.upload_threshold, cpu_threads=a.cpu_threads, cpu_backend=a.cpu_backend,
+        upper_bound=a.upper_bound, out=Path(a.out), progress=not a.no_progress)
+
+
+def cmd_bench(a) -> int:
+    from ostinato.bench.bench import run_bench
+    from ostinato.bench.report import format_table
+
+    result = run_bench(_bench_settings(a))
+    print(format_table(result))
+    print(f"report: {result['files']['report']}")
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from ostinato.bench.demo import demo_settings, run_demo
+
+    bs = demo_settings(a.out, a.sessions, a.max_turns, a.device, quick=a.quick, progress=not a.no_progress,
+                       cpu_backend=a.cpu_backend)
+    result = run_demo(bs)
+    print(json.dumps(result))
+    return 0
+
+
+def add_bench_commands(sub, add_model_args) -> None:
+    p = sub.add_parser("replay", help="replay sessions turn by turn against an endpoint or an in-process engine")
+    add_model_args(p)
+    for action in p._actions:  # --model or --endpoint
+        if action.dest == "model":
+            action.required = False
+    p.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8080")
+    p.add_argument("--endpoint-kind", default="auto", choices=["auto", "ostinato", "openai"],
+                   help="ostinato: forced outputs; openai: max_tokens = recorded length and ignore_eos")
+    p.add_argument("--api-key")
+    p.add_argument("--served-model", help="model name to send (default: the server's first model)")
+    p.add_argument("--tokenizer", help="checkpoint directory whose tokenizer measures recorded lengths (HTTP)")
+    p.add_argument("--first-token", default="chunk", choices=["chunk", "text"],
+                   help="what marks the first token over HTTP (default: the first streamed chunk)")
+    p.add_argument("--policy", choices=POLICIES,
+                   help="placement policy (default: the residency's, or all on one device)")
+    _policy_args(p)
+    p.add_argument("--sessions", default="embedded", help="sessions (file, folder, or 'embedded[:N[:SEED]]')")
+    p.add_argument("--max-sessions", type=int, help="at most this many sessions (per side for a split)")
+    p.add_argument("--max-turns", type=int, help="at most this many turns per session")
+    p.add_argument("--split", default="held-out", choices=["held-out", "dev", "all"])
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("bench", help="profile, plan, calibrate and replay held-out sessions for Ostinato "
+                                     "and every baseline; write the report")
+    add_model_args(p)
+    p.add_argument("--sessions", default="embedded")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="P")
+    p.add_argument("--expert-budget", help="bytes for expert slots (default: sized from --gpu-memory)")
+    p.add_argument("--hot-fraction", type=float, help="budget as a share of all experts")
+    p.add_argument("--max-sessions", type=int, help="at most this many development and held-out sessions each")
+    p.add_argument("--max-turns", type=int, help="at most this many turns per session")
+    p.add_argument("--no-tune", action="store_true", help="keep the offload threshold at 32")
+    p.add_argument("--tune-sessions", type=int, default=3, help="development sessions to tune thresholds on")
+    p.add_argument("--thresholds", type=int, nargs="+", default=list(OFFLOAD_THRESHOLDS))
+    p.add_argument("--sweep-sizes", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    p.add_argument("--sweep-output", type=int, default=128)
+    p.add_argument("--sweep-prefixes", type=int, default=8)
+    p.add_argument("--sweep-prefix-tokens", type=int, default=1024)
+    p.add_argument("--upper-bound", action="store_true", help="run `gpu` even over the budget (logical memory)")
+    p.add_argument("--cpu-backend", default="auto", choices=["auto", "native", "torch"])
+    p.add_argument("--out", default="ostinato-bench", help="folder for report.md, results.json and plots")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="the benchmark on the embedded default (tiny model, generated sessions)")
+    p.add_argument("--out", default="ostinato-demo", help="folder for the report (default ./ostinato-demo)")
+    p.add_argument("--sessions", default="embedded:6")
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--device", help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--quick", action="store_true", help="the CI size: one session per side, one turn each")
+    p.add_argument("--cpu-backend", default="auto", choices=["auto", "native", "torch"])
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_demo)
+

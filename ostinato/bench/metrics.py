@@ -1,0 +1,206 @@
+"""Replay metrics (BENCHMARK.md, "Metrics"): per turn at the client, then summaries.
+
+Everything here is a pure function of recorded times and counters. A replay reads its
+times from an injected clock (time.perf_counter by default), so tests run the same code
+on a fake clock and get exact numbers.
+
+Per turn, at the client: TTFT = first token - send; TPOT = (last token - first token) /
+(output tokens - 1); request time = last token - send; session time = the sum of its
+requests. From the engine when it reports them: prefill and decode time, new and cached
+prompt tokens, and the placement counters of the turn (deltas of placement_stats, split
+at the first token into the prefill and the decode phase in-process; one "all" phase over
+HTTP).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+KINDS = ("first", "tool", "user")
+PHASES = ("prefill", "decode", "all")
+
+
+@dataclass
+class TurnResult:
+    session: str
+    turn: int
+    kind: str  # first | tool | user (a session turn) or sweep (length sweep)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens whose KV was reused (None: not reported)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    request_s: float | None = None
+    prefill_s: float | None = None  # engine: new prompt tokens to the first token
+    decode_s: float | None = None  # engine: the tokens after the first
+    placement: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> counter deltas
+    error: str | None = None
+
+    @property
+    def new_tokens(self) -> int | None:
+        return None if self.cached_tokens is None else self.prompt_tokens - self.cached_tokens
+
+    @property
+    def decode_step_s(self) -> float | None:
+        if self.decode_s is None or self.output_tokens < 2:
+            return None
+        return self.decode_s / (self.output_tokens - 1)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["new_tokens"] = self.new_tokens
+        return d
+
+
+def client_timing(sent: float, first: float | None, last: float | None, tokens: int):
+    """(TTFT, TPOT, request time) from the send time and the first and last token's arrival;
+    TPOT is None for fewer than two tokens."""
+    if first is None:
+        return None, None, None
+    last = first if last is None else last
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    return first - sent, tpot, last - sent
+
+
+def placement_delta(before: dict, after: dict) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def percentile(values, q: float) -> float | None:
+    """The q-th percentile (0..100), linearly interpolated; None for no values."""
+    xs = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values) -> float | None:
+    return percentile(values, 50)
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(1000 * v, 3)
+
+
+def phase_tokens(r: TurnResult, phase: str) -> int:
+    """Tokens the engine ran in a phase of a turn: the new prompt tokens, then every output
+    token but the last (whose successor is never computed)."""
+    prefill = r.new_tokens if r.new_tokens is not None else r.prompt_tokens
+    decode = max(0, r.output_tokens - 1)
+    return {"prefill": prefill, "decode": decode, "all": prefill + decode}[phase]
+
+
+def placement_summary(results: list[TurnResult], moe_layers: int | None) -> dict[str, dict]:
+    """Per phase: cold routes and CPU experts per token and layer, uploads, pool hit rate."""
+    out = {}
+    for phase in PHASES:
+        tot: dict[str, float] = defaultdict(float)
+        tokens = 0
+        for r in results:
+            parts = [r.placement.get(phase)] if phase != "all" or "all" in r.placement else \
+                [r.placement.get("prefill"), r.placement.get("decode")]
+            parts = [p for p in parts if p]
+            if not parts:
+                continue
+            tokens += phase_tokens(r, phase)
+            for p in parts:
+                for k, v in p.items():
+                    tot[k] += v
+        if not tot:
+            continue
+        token_layers = tot.get("token_layers") or (tokens * moe_layers if moe_layers else 0)
+        per = (lambda k: round(tot.get(k, 0) / token_layers, 4)) if token_layers else (lambda k: None)
+        routes = tot.get("routes", 0)
+        out[phase] = {
+            "tokens": tokens,
+            "cold_routes_per_token_layer": per("cold_routes"),
+            "cpu_experts_per_token_layer": per("cpu_experts"),
+            "uploaded_experts_per_token_layer": per("uploaded_experts"),
+            "bytes_uploaded": int(tot.get("bytes_uploaded", 0)),
+            "bytes_uploaded_per_token": round(tot.get("bytes_uploaded", 0) / tokens, 1) if tokens else None,
+            "pool_hit_rate": round(1 - tot.get("cold_routes", 0) / routes, 4) if routes else None,
+        }
+    return out
+
+
+def session_totals(results: list[TurnResult]) -> dict[str, float]:
+    """Session time: the sum of its request times (sessions with a failed turn are left out)."""
+    totals: dict[str, float] = defaultdict(float)
+    failed = {r.session for r in results if r.error or r.request_s is None}
+    for r in results:
+        if r.session not in failed:
+            totals[r.session] += r.request_s
+    return dict(totals)
+
+
+def wins(ours: dict[str, float], theirs: dict[str, float]) -> tuple[int, int]:
+    """(sessions ours finished sooner, sessions both finished)."""
+    both = [s for s in ours if s in theirs]
+    return sum(ours[s] < theirs[s] for s in both), len(both)
+
+
+def summarize(results: list[TurnResult], moe_layers: int | None = None) -> dict:
+    """Medians by turn kind first, then tails, totals and the placement figures."""
+    ok = [r for r in results if not r.error and r.ttft_s is not None and r.kind in KINDS]
+    by_kind = {k: [r for r in ok if r.kind == k] for k in KINDS}
+
+    def stat(f, rs, q=50):
+        return _ms(percentile([f(r) for r in rs], q))
+
+    sessions = session_totals([r for r in results if r.kind in KINDS])
+    return {
+        "turns": len(ok),
+        "failed_turns": sum(1 for r in results if r.error),
+        "sessions": len(sessions),
+        "ttft_ms": {"median": {"all": stat(lambda r: r.ttft_s, ok),
+                               **{k: stat(lambda r: r.ttft_s, v) for k, v in by_kind.items()}},
+                    "p90": {"all": stat(lambda r: r.ttft_s, ok, 90),
+                            **{k: stat(lambda r: r.ttft_s, v, 90) for k, v in by_kind.items()}}},
+        "tpot_ms": {"median": stat(lambda r: r.tpot_s, ok), "p90": stat(lambda r: r.tpot_s, ok, 90)},
+        "request_s": {"total": round(sum(r.request_s for r in ok), 4), "median": _round(median(
+            [r.request_s for r in ok]))},
+        "prefill_ms": {"median": stat(lambda r: r.prefill_s, ok),
+                       **{k: stat(lambda r: r.prefill_s, v) for k, v in by_kind.items()}},
+        "decode_step_ms": {"median": stat(lambda r: r.decode_step_s, ok),
+                           "p90": stat(lambda r: r.decode_step_s, ok, 90)},
+        "new_tokens": {"median": median([r.new_tokens for r in ok]),
+                       **{k: median([r.new_tokens for r in v]) for k, v in by_kind.items()}},
+        "output_tokens": {"median": median([r.output_tokens for r in ok]), "total": sum(r.output_tokens for r in ok)},
+        "session_s": {s: round(t, 4) for s, t in sessions.items()},
+        "placement": placement_summary(ok, moe_layers),
+    }
+
+
+def _round(v, n=4):
+    return None if v is None else round(v, n)
+
+
+def sweep_summary(points: list[TurnResult], below: int | None = None) -> dict:
+    """Median TTFT (and prefill, decode step) per requested size, and the TTFT slope in ms per
+    new token: a least-squares line over all points and over those below `below` (Np)."""
+    ok = [p for p in points if not p.error and p.ttft_s is not None]
+    sizes: dict[int, list[TurnResult]] = defaultdict(list)
+    for p in ok:
+        sizes[p.turn].append(p)  # a sweep point's `turn` is its requested number of new tokens
+    rows = [{"size": n, "new_tokens": median([p.new_tokens for p in ps]),
+             "ttft_ms": _ms(median([p.ttft_s for p in ps])), "prefill_ms": _ms(median([p.prefill_s for p in ps])),
+             "tpot_ms": _ms(median([p.tpot_s for p in ps]))} for n, ps in sorted(sizes.items())]
+    pts = [(p.new_tokens if p.new_tokens is not None else p.turn, p.ttft_s) for p in ok]
+    return {"points": rows, "slope_ms_per_token": _round(slope(pts), 5),
+            "slope_below_np_ms_per_token": _round(slope([q for q in pts if below is None or q[0] < below]), 5),
+            "np": below}
+
+
+def slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of seconds against tokens, in ms per token."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return 1000 * sum((x - mx) * (y - my) for x, y in points) / sxx

@@ -1,0 +1,298 @@
+"""The replay client: recorded sessions, turn by turn, against an engine, timed at the client.
+
+Each turn is one request: the conversation so far (the turn's messages and the session's
+tools) and the recorded assistant output, which every engine must emit exactly, so all
+engines prefill and decode the same tokens. Two targets:
+
+* `InProcessTarget`: the engine in this process. prompt = render_ids(turn.messages, tools),
+  forced = encode(render_assistant_output(turn.output, tools)); the placement counters are
+  read before the request, at its first token and at its end (prefill and decode deltas).
+* `HttpTarget`: any OpenAI-compatible endpoint, streaming. Ours gets the recorded output
+  in the forced-output field (FORCED_OUTPUT_FIELD, ids for token prompts); any other
+  engine gets max_tokens = the recorded length and `ignore_eos` (llama.cpp's and vLLM's
+  name), so it decodes as many tokens. Engine figures come from the final chunk's
+  `timings` (llama.cpp's fields, which ours also sends) and `usage`; ours also exposes
+  its placement counters on /metrics, read before and after each request.
+
+The session slot is not reset between sessions (a server would not be either): a new
+session reuses whatever prefix it shares with the previous one, on every target alike.
+A session stops at its first failed turn (an error, or a turn that does not fit the
+context), and the rest of it is not sent.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ostinato.bench.metrics import TurnResult, client_timing, placement_delta
+
+FORCED_OUTPUT_FIELD = "ostinato_forced_output"  # ostinato/server/protocol.py: the assistant message to emit
+FORCED_IDS_FIELD = "ostinato_forced_ids"  # the same as token ids (chat and completions)
+CHARS_PER_TOKEN = 4  # output length estimate for engines replayed without a tokenizer
+
+
+@dataclass
+class TurnRequest:
+    session: str
+    turn: int  # index in the session (a sweep point: its requested new tokens)
+    kind: str
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    output: dict | None = None  # the recorded assistant message
+    prompt_ids: list[int] | None = None  # when known (in-process, sweeps); else rendered by the target
+    forced_ids: list[int] | None = None
+
+
+def session_requests(session, tokenizer=None) -> list[TurnRequest]:
+    """The requests of a session; with a tokenizer, also their prompt and forced ids."""
+    tools = session.tools or None
+    out = []
+    for i, turn in enumerate(session.turns):
+        req = TurnRequest(session.id, i, turn.kind, turn.messages, tools, turn.output)
+        if tokenizer is not None:
+            req.prompt_ids = tokenizer.render_ids(turn.messages, tools)
+            req.forced_ids = tokenizer.encode(tokenizer.render_assistant_output(turn.output, tools))
+        out.append(req)
+    return out
+
+
+class InProcessTarget:
+    """Engine.generate in this process; clock() gives the client's times."""
+
+    def __init__(self, loaded, clock: Callable[[], float] = time.perf_counter):
+        self.loaded = loaded
+        self.clock = clock
+        self.name = "in-process"
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.loaded.engine.max_context
+
+    def run(self, req: TurnRequest) -> TurnResult:
+        from ostinato.engine.sampling import SamplingParams
+        from ostinato.engine.session import GenerationStats
+
+        tok, engine, runner = self.loaded.tokenizer, self.loaded.engine, self.loaded.runner
+        prompt = req.prompt_ids if req.prompt_ids is not None else tok.render_ids(req.messages, req.tools)
+        forced = req.forced_ids if req.forced_ids is not None else \
+            tok.encode(tok.render_assistant_output(req.output, req.tools))
+        res = TurnResult(req.session, req.turn, req.kind, prompt_tokens=len(prompt))
+        if len(prompt) + len(forced) > engine.max_context:
+            res.error = (f"context: {len(prompt)} prompt + {len(forced)} output tokens exceed the engine's "
+                         f"{engine.max_context}")
+            return res
+        stats = GenerationStats()
+        p0 = runner.placement_stats()
+        p1 = None
+        first = last = None
+        n = 0
+        sent = self.clock()
+        try:
+            for _ in engine.generate(prompt, SamplingParams(max_tokens=len(forced)), forced=forced, stats=stats):
+                last = self.clock()
+                n += 1
+                if first is None:
+                    first = last
+                    p1 = runner.placement_stats()
+        except Exception as e:  # noqa: BLE001 - a failed turn is a result, the replay goes on
+            res.error = f"{type(e).__name__}: {e}"
+        p2 = runner.placement_stats()
+        res.ttft_s, res.tpot_s, res.request_s = client_timing(sent, first, last, n)
+        res.output_tokens, res.cached_tokens = n, stats.cached_tokens
+        res.prefill_s, res.decode_s = stats.prefill_s, stats.decode_s
+        if p2:
+            p1 = p1 if p1 is not None else p2
+            res.placement = {"prefill": placement_delta(p0, p1), "decode": placement_delta(p1, p2)}
+        return res
+
+
+class HttpTarget:
+    """An OpenAI-compatible endpoint. kind: 'ostinato' (forced outputs, /metrics placement),
+    'openai' (max_tokens + ignore_eos), or 'auto' (ours if /v1/models says owned_by ostinato).
+    first_token: 'chunk' (the first streamed chunk: our server opens the stream with the first
+    token) or 'text' (the first chunk that carries text, for servers that send a role chunk
+    before prefilling)."""
+
+    def __init__(self, url: str, *, clock: Callable[[], float] = time.perf_counter, kind: str = "auto",
+                 tokenizer=None, api_key: str | None = None, model: str | None = None, timeout: float = 900.0,
+                 first_token: str = "chunk", transport=None):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, headers=headers, transport=transport)
+        self.clock, self.tokenizer, self.first_token = clock, tokenizer, first_token
+        self.url = url
+        self.kind, self.model = kind, model
+        self.max_context = None
+        if kind == "auto" or model is None:
+            self._detect()
+        self.name = f"{self.kind}@{url}"
+
+    def _detect(self) -> None:
+        r = self.client.get("/v1/models")
+        r.raise_for_status()
+        cards = r.json().get("data") or [{}]
+        card = cards[0]
+        self.model = self.model or card.get("id")
+        self.max_context = card.get("max_model_len")
+        if self.kind == "auto":
+            self.kind = "ostinato" if card.get("owned_by") == "ostinato" else "openai"
+
+    def close(self) -> None:
+        self.client.close()
+
+    def placement(self) -> dict[str, float]:
+        """Our server's placement counters (the ostinato_placement_* gauges of /metrics)."""
+        if self.kind != "ostinato":
+            return {}
+        r = self.client.get("/metrics")
+        if r.status_code != 200:
+            return {}
+        out = {}
+        for m in re.finditer(r"^ostinato_placement_(\w+) ([0-9.eE+-]+)$", r.text, re.M):
+            out[m.group(1)] = float(m.group(2))
+        return out
+
+    def body(self, req: TurnRequest) -> tuple[str, dict]:
+        body: dict = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
+                      "temperature": 0.0}
+        if req.messages is not None:
+            path = "/v1/chat/completions"
+            body["messages"] = req.messages
+            if req.tools:
+                body["tools"] = req.tools
+        else:
+            path = "/v1/completions"
+            body["prompt"] = req.prompt_ids
+        if self.kind == "ostinato":
+            if req.output is not None and req.messages is not None:
+                keep = ("content", "tool_calls", "reasoning_content")
+                body[FORCED_OUTPUT_FIELD] = {"role": "assistant",
+                                             **{k: req.output[k] for k in keep if req.output.get(k) is not None}}
+            else:
+                body[FORCED_IDS_FIELD] = req.forced_ids
+        else:
+            body["max_tokens"] = self.output_length(req)
+            body["ignore_eos"] = True
+        return path, body
+
+    def output_length(self, req: TurnRequest) -> int:
+        if req.forced_ids is not None:
+            return len(req.forced_ids)
+        if self.tokenizer is not None:
+            return len(self.tokenizer.encode(self.tokenizer.render_assistant_output(req.output, req.tools)))
+        from ostinato.bench.text import message_chars
+
+        return max(1, message_chars(req.output) // CHARS_PER_TOKEN)
+
+    def run(self, req: TurnRequest) -> TurnResult:
+        path, body = self.body(req)
+        res = TurnResult(req.session, req.turn, req.kind)
+        before = self.placement()
+        first = last = None
+        pieces = 0
+        usage, timings = {}, {}
+        sent = self.clock()
+        try:
+            with self.client.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    res.error = f"HTTP {r.status_code}: {r.text[:300]}"
+                    return res
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    now = self.clock()
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        res.error = str(chunk["error"].get("message", chunk["error"]))[:300]
+                        break
+                    choices = chunk.get("choices") or []
+                    if choices:
+                        has_text = _has_text(choices[0])
+                        pieces += has_text
+                        if first is None and (has_text or self.first_token == "chunk"):
+                            first = now
+                        if has_text or choices[0].get("finish_reason"):
+                            last = now
+                    usage = chunk.get("usage") or usage
+                    timings = chunk.get("timings") or timings
+        except Exception as e:  # noqa: BLE001 - connection errors end this session, not the replay
+            res.error = f"{type(e).__name__}: {e}"
+        self._fill(res, usage, timings, pieces)
+        res.ttft_s, res.tpot_s, res.request_s = client_timing(sent, first, last, res.output_tokens)
+        after = self.placement()
+        if after:
+            res.placement = {"all": placement_delta(before, after)}
+        return res
+
+    @staticmethod
+    def _fill(res: TurnResult, usage: dict, timings: dict, pieces: int) -> None:
+        res.output_tokens = usage.get("completion_tokens") or timings.get("predicted_n") or pieces
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        res.cached_tokens = cached if cached is not None else timings.get("cache_n")
+        res.prompt_tokens = usage.get("prompt_tokens") or (timings.get("prompt_n", 0) + (res.cached_tokens or 0))
+        if "prompt_ms" in timings:
+            res.prefill_s = timings["prompt_ms"] / 1000
+        if "predicted_ms" in timings:
+            res.decode_s = timings["predicted_ms"] / 1000
+
+
+def _has_text(choice: dict) -> bool:
+    delta = choice.get("delta")
+    if delta is None:  # text completions
+        return bool(choice.get("text"))
+    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"))
+
+
+def replay_sessions(target, sessions: Iterable, *, tokenizer=None, max_turns: int | None = None,
+                    on_turn: Callable[[TurnResult], None] | None = None,
+                    cut: list[tuple[str, int]] | None = None) -> list[TurnResult]:
+    """Every turn of every session, in order; a session ends at its first failed turn, or
+    before the first turn that does not fit the target's context (noted in `cut`)."""
+    results = []
+    limit = getattr(target, "max_context", None)
+    for session in sessions:
+        for req in session_requests(session, tokenizer)[:max_turns]:
+            if limit and req.prompt_ids is not None and len(req.prompt_ids) + len(req.forced_ids) > limit:
+                if cut is not None:
+                    cut.append((req.session, req.turn))
+                break
+            r = target.run(req)
+            results.append(r)
+            if on_turn is not None:
+                on_turn(r)
+            if r.error:
+                break
+    return results
+
+
+def format_turn(r: TurnResult) -> str:
+    """One human line per turn."""
+    def ms(v):
+        return "-" if v is None else f"{1000 * v:8.1f}"
+
+    head = f"{r.session[-18:]:>18} #{r.turn:<3} {r.kind:5}"
+    if r.error:
+        return f"{head} FAILED: {r.error}"
+    new = "-" if r.new_tokens is None else r.new_tokens
+    line = (f"{head} new {new:>5} out {r.output_tokens:>4}  TTFT {ms(r.ttft_s)} ms  TPOT {ms(r.tpot_s)} ms  "
+            f"request {r.request_s:7.3f} s")
+    dec = r.placement.get("decode") or r.placement.get("all") or {}
+    if dec.get("token_layers"):
+        line += (f"  cold/tok {dec.get('cold_routes', 0) / dec['token_layers']:.2f}"
+                 f"  cpu/tok {dec.get('cpu_experts', 0) / dec['token_layers']:.2f}")
+    up = sum(p.get("bytes_uploaded", 0) for p in r.placement.values())
+    if up:
+        line += f"  up {up / 2**20:.1f} MiB"
+    return line

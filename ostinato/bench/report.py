@@ -1,0 +1,218 @@
+"""The benchmark's outputs: the environment record, comparisons against every baseline,
+the human table, report.md and results.json (BENCHMARK.md, "How a benchmark run reports").
+
+results.json holds everything, raw turns included; the JSON line a run prints last is the
+same document without the raw turns.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ostinato.bench.metrics import wins
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware() -> dict:
+    from ostinato.layers.moe.cpu_experts import physical_cpus
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"gpu": gpu, "gpu_memory": torch.cuda.get_device_properties(0).total_memory if gpu else None,
+            "cpu": cpu_name(), "logical_cpus": os.cpu_count(), "physical_cores": len(physical_cpus()[0]),
+            "torch": torch.__version__}
+
+
+def environment(loaded, bs) -> dict:
+    status = _git("status", "--porcelain")
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware(),
+            "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(
+                "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory}
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else round(a / b, 3)
+
+
+def comparisons(policies: dict, ours: str = "ostinato") -> dict:
+    """Ostinato against every baseline: speed-ups (baseline / ours for times) and session wins."""
+    me = policies.get(ours, {}).get("summary")
+    if me is None:
+        return {}
+    out = {}
+    for name, entry in policies.items():
+        s = entry.get("summary")
+        if name == ours or s is None:
+            continue
+        won, both = wins(me["session_s"], s["session_s"])
+        out[name] = {
+            "tpot_speedup": _ratio(s["tpot_ms"]["median"], me["tpot_ms"]["median"]),
+            "ttft_tool_ratio": _ratio(me["ttft_ms"]["median"]["tool"], s["ttft_ms"]["median"]["tool"]),
+            "request_time_speedup": _ratio(s["request_s"]["total"], me["request_s"]["total"]),
+            "sessions_won": [won, both],
+            "sweep_slope_ratio": _ratio(entry_slope(policies[ours]), entry_slope(entry)),
+        }
+    return out
+
+
+def entry_slope(entry: dict):
+    sw = entry.get("sweep") or {}
+    return sw.get("slope_below_np_ms_per_token")
+
+
+def _f(v, fmt="{:.1f}"):
+    return "-" if v is None else fmt.format(v)
+
+
+TABLE_COLUMNS = ("policy", "TTFT tool ms", "TPOT ms", "total s", "cold/tok", "CPU exp/tok", "uploaded MiB",
+                 "resident", "Ostinato wins")
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    rows = []
+    comp = result.get("comparisons", {})
+    for name, e in result["policies"].items():
+        if "summary" not in e:
+            rows.append([name, "skipped: " + e.get("skipped", "?")[:60]] + [""] * (len(TABLE_COLUMNS) - 2))
+            continue
+        s = e["summary"]
+        pl = s["placement"].get("decode", {})
+        up = s["placement"].get("all", {}).get("bytes_uploaded", 0)
+        label = name + (" (over budget)" if e.get("over_budget") else "")
+        w = comp.get(name, {}).get("sessions_won")
+        rows.append([label, _f(s["ttft_ms"]["median"]["tool"]), _f(s["tpot_ms"]["median"], "{:.2f}"),
+                     _f(s["request_s"]["total"], "{:.2f}"), _f(pl.get("cold_routes_per_token_layer"), "{:.2f}"),
+                     _f(pl.get("cpu_experts_per_token_layer"), "{:.2f}"),
+                     _f(up / 2**20), str(e.get("resident_experts", "")),
+                     "" if w is None else f"{w[0]}/{w[1]}"])
+    return rows
+
+
+def format_table(result: dict) -> str:
+    rows = [list(TABLE_COLUMNS)] + table_rows(result)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(TABLE_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown(result: dict, plots: list[str]) -> str:
+    hw = result["hardware"]
+    b = result["budget"]
+    lines = [f"# Ostinato replay benchmark, {result['date']}", "",
+             f"- commit `{result['commit']}`{' (dirty)' if result['dirty'] else ''}; model `{result['model']}` on "
+             f"{result['device']} ({result['dtype']}); GPU {hw['gpu'] or 'none'}; CPU {hw['cpu']} "
+             f"({hw['physical_cores']} cores)",
+             f"- budget: {b['pool_slots']} expert-sized pool slots for every policy ({b['sized_by']}; cap "
+             f"{_gib(result['cap'])}); Ostinato keeps {b['hot']} of {b['total_experts']} experts resident "
+             f"({100 * b['fraction']:.1f}%)",
+             f"- sessions: {result['split']['development']} development, {result['split']['held_out']} held-out "
+             f"(`{result['split']['sessions']}`, at most {result['split']['max_turns'] or 'all'} turns each)",
+             f"- skew: the top {100 * result['skew']['top_fraction']:.1f}% of experts by development routes "
+             f"receive {100 * result['skew']['held_out_all_share']:.1f}% of held-out routes "
+             f"(decode {100 * result['skew']['held_out_decode_share']:.1f}%, prefill "
+             f"{100 * result['skew']['held_out_prefill_share']:.1f}%)",
+             f"- Np = {result['np']['value']} ({result['np']['how']}){_predicted(result)}", *_cpu_note(result), "",
+             "## Held-out sessions", "",
+             "Medians per turn (TTFT after tool outputs, TPOT); total request time of all turns; cold routes "
+             "(not served from the pool) and CPU experts per decoded token and MoE layer; bytes uploaded in "
+             "all passes; experts resident or cached; held-out sessions Ostinato finished sooner than this "
+             "policy.", ""]
+    rows = table_rows(result)
+    lines.append("| " + " | ".join(TABLE_COLUMNS) + " |")
+    lines.append("|" + "---|" * len(TABLE_COLUMNS))
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", "## Settings and tuning", ""]
+    for name, e in result["policies"].items():
+        if "tuning" in e:
+            t = e["tuning"]
+            grid = ", ".join(f"{k}: {v:.2f} s" for k, v in t["offload_threshold"].items())
+            lines.append(f"- {name}: offload threshold {t['chosen']} (development sessions: {grid})")
+        elif "offload_threshold" in e:
+            lines.append(f"- {name}: offload threshold {e['offload_threshold']}")
+    lines += ["", "## Length sweep", "", "Median TTFT (ms) after a fixed development prefix, by new prompt tokens.", ""]
+    sizes = sorted({p["size"] for e in result["policies"].values() for p in (e.get("sweep") or {}).get("points", [])})
+    if sizes:
+        lines.append("| policy | " + " | ".join(map(str, sizes)) + " | slope ms/token (below Np) |")
+        lines.append("|" + "---|" * (len(sizes) + 2))
+        for name, e in result["policies"].items():
+            sw = e.get("sweep")
+            if not sw:
+                continue
+            by = {p["size"]: p["ttft_ms"] for p in sw["points"]}
+            lines.append(f"| {name} | " + " | ".join(_f(by.get(n)) for n in sizes) +
+                         f" | {_f(sw['slope_below_np_ms_per_token'], '{:.3f}')} |")
+    if result.get("comparisons"):
+        lines += ["", "## Ostinato against each baseline", "",
+                  "| baseline | TPOT speed-up | TTFT after tool (ours/theirs) | total time speed-up | sessions won |",
+                  "|---|---|---|---|---|"]
+        for name, c in result["comparisons"].items():
+            won, both = c["sessions_won"]
+            lines.append(f"| {name} | {_f(c['tpot_speedup'], '{:.2f}x')} | {_f(c['ttft_tool_ratio'], '{:.2f}')} | "
+                         f"{_f(c['request_time_speedup'], '{:.2f}x')} | {won}/{both} |")
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_note(result: dict) -> list[str]:
+    if not str(result["device"]).startswith("cpu"):
+        return []
+    return ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical and "
+            "the timings show the mechanics of each policy, not the speed of the design"]
+
+
+def _predicted(result: dict) -> str:
+    pred = (result["np"].get("predicted") or {}).get("decode_step_ms")
+    ours = result["policies"].get("ostinato", {}).get("summary", {}).get("decode_step_ms", {}).get("median")
+    gbps = (result["np"].get("calibration") or {}).get("upload_gbps")
+    text = f"; measured upload {gbps:.1f} GB/s" if gbps else ""
+    if pred is not None:
+        text += f"; cost model: decode step {pred:.3f} ms predicted, {_f(ours, '{:.3f}')} ms measured (median)"
+    return text
+
+
+def _gib(v):
+    return "none (logical budget)" if v is None else f"{v / 2**30:.1f} GiB"
+
+
+def finish_result(result: dict, turns: dict, out: Path) -> dict:
+    """Adds the comparisons, writes results.json, report.md and the plots; returns the result."""
+    from ostinato.bench.plots import write_plots
+
+    result["comparisons"] = comparisons(result["policies"])
+    try:
+        plots = write_plots(result, turns, out)
+    except Exception as e:  # noqa: BLE001 - a plot must never cost the measurements
+        plots = []
+        result["plot_error"] = f"{type(e).__name__}: {e}"
+    result["files"] = {"report": str(out / "report.md"), "results": str(out / "results.json"),
+                       "plots": [str(out / p) for p in plots]}
+    (out / "results.json").write_text(json.dumps({**result, "turns": turns}, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(result, plots))
+    return result

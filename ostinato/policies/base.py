@@ -1,0 +1,275 @@
+"""What every baseline policy shares: one expert pool, host experts, a CPU pool, and the
+executor of a pass plan, so that policies differ only in where they put experts.
+
+A policy answers one question per MoE layer and forward pass: which pool slot serves each
+expert of the layer in this pass (-1: the CPU computes it), and which experts to copy from
+page-locked host memory into which slots first. That answer is a `PassPlan`. The executor
+then runs the same seams as the hybrid backend (layers/moe/hybrid.py): the GPU branch is
+`slot_experts_forward` over the pool (a CPU route reads the zero slot of its top-k
+position, so shapes stay fixed), the CPU branch is `CpuExperts.submit`/`wait` over the host
+copies, and the two partial sums (fp32) are added and rounded once.
+
+A plan that does not depend on the routing (`static_plan`) needs no host sync before the
+GPU branch is launched; a plan that does (caches, uploads) first brings the routing to the
+host. Counters (as HybridExperts'): routes, token_layers (tokens summed over layer calls),
+cold_routes (routes whose expert was not in the pool when the pass began: computed on the
+CPU or uploaded), cpu_experts (distinct experts the CPU computed, summed over calls),
+uploaded_experts, bytes_uploaded, evictions; pool_hits = routes - cold_routes.
+
+Legend: T tokens, K top-k, E experts per layer, D hidden, F expert FFN, L model layers.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ostinato.config import ConfigError
+from ostinato.layers.moe.gpu_experts import slot_experts_forward
+from ostinato.layers.moe.pool import ExpertPool, HostExperts
+from ostinato.layers.moe.types import ExpertWeights, TopKOutput
+
+CPU = -1  # a plan's slot for "computed on the CPU"
+
+
+@dataclass
+class ModelExperts:
+    """The model's experts as a policy sees them: shapes, where to compute, how to load."""
+
+    num_layers: int  # all model layers (rows of an index table)
+    moe_layers: list[int]
+    num_experts: int  # E
+    top_k: int  # K
+    hidden: int  # D
+    ffn: int  # F
+    device: torch.device
+    dtype: torch.dtype
+    load: Callable[[int], ExpertWeights]  # one layer's stacked experts, on the host
+    max_tokens: int  # the largest pass (the runner's prefill chunk)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate, up, down) in the compute dtype: the unit of the budget."""
+        return 3 * self.hidden * self.ffn * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def total_experts(self) -> int:
+        return len(self.moe_layers) * self.num_experts
+
+    @classmethod
+    def from_source(cls, source, runner_settings) -> "ModelExperts":
+        from ostinato.loader.build import load_experts
+
+        cfg = source.config
+        dtype = runner_settings.torch_dtype(cfg.torch_dtype)
+        return cls(cfg.num_hidden_layers, list(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok,
+                   cfg.hidden_size, cfg.moe_intermediate_size, runner_settings.torch_device(), dtype,
+                   lambda layer: load_experts(source, layer, device="cpu", dtype=dtype),
+                   runner_settings.prefill_chunk)
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """Where each expert of one layer runs in one pass."""
+
+    slot: torch.Tensor  # [E] int32 on the host: pool slot of each expert, CPU (-1) for the CPU
+    slot_dev: torch.Tensor | None = None  # the same on the compute device (None: made when needed)
+    uploads: tuple[tuple[int, int], ...] = ()  # (expert, slot): copied from host memory before the pass
+    all_gpu: bool = False  # set from slot: every expert served from the pool (no host sync needed)
+
+    def __post_init__(self):
+        object.__setattr__(self, "all_gpu", bool((self.slot >= 0).all()))
+
+    def where(self, expert: int) -> str:
+        """'upload', 'pool' or 'cpu': for tests and reports."""
+        if any(e == expert for e, _ in self.uploads):
+            return "upload"
+        return "pool" if int(self.slot[expert]) >= 0 else "cpu"
+
+
+def usable_slots(spec: ModelExperts, slots: int, staging: int, policy: str) -> int:
+    """Slots of a budget left for resident or cached experts after the K zero slots and the
+    policy's staging slots."""
+    n = slots - spec.top_k - staging
+    if n < 0:
+        raise ConfigError(f"policy {policy}: a budget of {slots} expert slots cannot hold its {spec.top_k} zero "
+                          f"slots and {staging} staging slots; give a larger budget")
+    return n
+
+
+def unpin(host: HostExperts | None) -> None:
+    """Undo pin_in_place (cudaHostRegister) before the host buffers are freed, so that a later
+    policy in the same process can register memory at the same addresses again."""
+    if host is None or not getattr(host, "pinned", False):
+        return
+    for t in (host.w13_all, host.w2_all):
+        if t.numel():
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    host.pinned = False
+
+
+def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dict[int, list[int]], flex: int,
+                cpu_threads: int | None, cpu_backend: str):
+    """The pool (resident experts packed, K zero slots, `flex` slots for caches and staging),
+    page-locked host copies of `on_host`, and a CPU pool over them, from one load of each layer."""
+    from ostinato.layers.moe.cpu_experts import CpuExperts
+
+    shape13, shape2 = (2 * spec.ffn, spec.hidden), (spec.hidden, spec.ffn)
+    hot = {l: sorted(resident.get(l, [])) for l in spec.moe_layers}
+    pool = ExpertPool(hot, spec.num_layers, spec.num_experts, spec.top_k, flex, shape13, shape2,
+                      spec.device, spec.dtype)
+    host_sets = {l: sorted(v) for l, v in on_host.items() if v}
+    host = HostExperts(host_sets, spec.num_experts, shape13, shape2, spec.dtype)
+    for layer in spec.moe_layers:
+        w = spec.load(layer)
+        pool.fill_layer(layer, w)
+        if layer in host_sets:
+            host.fill_layer(layer, w)
+        del w
+    cpu = CpuExperts(host.layers, num_threads=cpu_threads, backend=cpu_backend) if host.layers else None
+    return pool, host, cpu
+
+
+class SlotExperts:
+    """An experts backend over a pool, host experts and a CPU pool; subclasses choose the plan."""
+
+    name = "slots"
+
+    def __init__(self, spec: ModelExperts, pool: ExpertPool, host: HostExperts, cpu):
+        self.spec, self.pool, self.host, self.cpu = spec, pool, host, cpu
+        self.device = pool.device
+        self.on_cuda = self.device.type == "cuda"
+        self.expert_bytes = pool.w13[0].nbytes + pool.w2[0].nbytes
+        self.counters: Counter = Counter()
+        self.last_plan: PassPlan | None = None
+        pin = self.on_cuda
+        self.x_host = torch.empty((spec.max_tokens, spec.hidden), dtype=spec.dtype, pin_memory=pin)
+        self.out_host = torch.empty((spec.max_tokens, spec.hidden), dtype=torch.float32, pin_memory=pin)
+
+    # -- what a policy decides -------------------------------------------------------------
+    def static_plan(self, layer: int, T: int) -> PassPlan | None:
+        """A plan that does not depend on this pass's routing, or None (then `plan` is asked)."""
+        return None
+
+    def plan(self, layer: int, T: int, ids: torch.Tensor) -> PassPlan:
+        """ids [T, K] on the host -> the plan of this pass (may update the policy's state)."""
+        raise NotImplementedError
+
+    def resident_experts(self) -> int:
+        """Experts held in pool slots for reuse across passes (resident or cached)."""
+        return self.pool.num_hot
+
+    @property
+    def capturable(self) -> bool:
+        """A decode step can be captured as one CUDA graph (engine/graph.py) when every layer's
+        one-token plan is routing-independent and all on the GPU: no host sync. The counters
+        then count the captured step once, not its replays."""
+        return all((p := self.static_plan(l, 1)) is not None and p.all_gpu for l in self.spec.moe_layers)
+
+    def stats(self) -> dict[str, float]:
+        d = dict(self.counters)
+        d["pool_hits"] = d.get("routes", 0) - d.get("cold_routes", 0)
+        return d
+
+    def close(self) -> None:
+        if self.cpu is not None:
+            self.cpu.close()
+            self.cpu = None
+        unpin(self.host)
+
+    # -- helpers for plans -------------------------------------------------------------------
+    def plan_of(self, slot: torch.Tensor, uploads=()) -> PassPlan:
+        slot = slot.to(torch.int32)
+        return PassPlan(slot, slot.to(self.device) if bool((slot >= 0).any()) else None, tuple(uploads))
+
+    def all_cpu_plan(self) -> PassPlan:
+        return PassPlan(torch.full((self.spec.num_experts,), CPU, dtype=torch.int32))
+
+    def resident_plan(self, layer: int) -> PassPlan:
+        """The pool's index table row: resident experts from their slots, the rest on the CPU."""
+        return PassPlan(self.pool.table_host[layer].clone(), self.pool.table[layer])
+
+    def staging_plan(self, ids: torch.Tensor, base: torch.Tensor | None = None) -> PassPlan:
+        """Upload every expert this pass uses that `base` does not place in the pool, each once,
+        into the staging slots at the end of the pool; then everything runs on the GPU."""
+        slot = base.clone() if base is not None else torch.full((self.spec.num_experts,), CPU, dtype=torch.int32)
+        used = torch.unique(ids).tolist()
+        need = [e for e in used if int(slot[e]) < 0]
+        lo = self.pool.num_slots - self.spec.num_experts
+        uploads = [(e, lo + i) for i, e in enumerate(need)]
+        for e, s in uploads:
+            slot[e] = s
+        return self.plan_of(slot, uploads)
+
+    # -- the executor ------------------------------------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        T, K = topk.ids.shape
+        self.counters["routes"] += T * K
+        self.counters["token_layers"] += T
+        plan = self.static_plan(layer, T)
+        if plan is not None and plan.slot_dev is not None and plan.all_gpu:
+            self.last_plan = plan
+            return self._gpu_branch(x, topk, plan.slot_dev).to(x.dtype)
+        ids_h = topk.ids.to("cpu", non_blocking=self.on_cuda)
+        w_h = topk.weights.to("cpu", non_blocking=self.on_cuda)
+        x_h = self.x_host[:T]
+        x_h.copy_(x, non_blocking=self.on_cuda)
+        ready = torch.cuda.Event() if self.on_cuda else None
+        if ready is not None:
+            ready.record()
+        gpu = None
+        if plan is not None and plan.slot_dev is not None:
+            gpu = self._gpu_branch(x, topk, plan.slot_dev)  # runs while the routing goes to the host
+        if ready is not None:
+            ready.synchronize()
+        if plan is None:
+            plan = self.plan(layer, T, ids_h)
+            self._upload(layer, plan.uploads)
+            if plan.slot_dev is not None:
+                gpu = self._gpu_branch(x, topk, plan.slot_dev)
+        self.last_plan = plan
+        cpu = self._cpu_branch(layer, T, x_h, ids_h, w_h, plan)
+        if cpu is None:
+            return gpu.to(x.dtype) if gpu is not None else torch.zeros_like(x)
+        out = cpu.to(self.device, non_blocking=self.on_cuda, copy=True)
+        return (out if gpu is None else gpu + out).to(x.dtype)
+
+    def _gpu_branch(self, x, topk: TopKOutput, slot_dev: torch.Tensor) -> torch.Tensor:
+        s = slot_dev[topk.ids]  # [T, K]
+        slots = torch.where(s >= 0, s, self.pool.zero_of_position[: topk.ids.shape[1]])
+        return slot_experts_forward(x, slots, topk.weights, self.pool.w13, self.pool.w2, self.pool.zero_lo,
+                                    self.pool.zero_hi, out_dtype=torch.float32)
+
+    def _upload(self, layer: int, uploads) -> None:
+        if not uploads:
+            return
+        hw, compact = self.host.layers[layer], self.host.compact[layer]
+        for e, s in uploads:  # one copy per expert, from page-locked host memory
+            i = int(compact[e])
+            self.pool.w13[s].copy_(hw.w13[i], non_blocking=self.on_cuda)
+            self.pool.w2[s].copy_(hw.w2[i], non_blocking=self.on_cuda)
+        self.counters["uploaded_experts"] += len(uploads)
+        self.counters["bytes_uploaded"] += len(uploads) * self.expert_bytes
+
+    def _cpu_branch(self, layer, T, x_h, ids_h, w_h, plan: PassPlan):
+        """Counts the pass's cold routes and runs its CPU routes; the CPU partial sum [T, D] fp32
+        (a host buffer reused by the next call) or None when the CPU has nothing to do."""
+        on_cpu = plan.slot[ids_h] < 0  # [T, K]
+        r = int(on_cpu.sum())
+        cold = r
+        if plan.uploads:
+            uploaded = torch.zeros(self.spec.num_experts, dtype=torch.bool)
+            uploaded[[e for e, _ in plan.uploads]] = True
+            cold += int(uploaded[ids_h].sum())
+        self.counters["cold_routes"] += cold
+        if r == 0:
+            return None
+        eids = ids_h[on_cpu]
+        self.counters["cpu_experts"] += int(torch.unique(eids).numel())
+        tok = on_cpu.nonzero()[:, 0].to(torch.int32)
+        out_h = self.out_host[:T]
+        self.cpu.submit(layer, x_h, tok, self.host.compact[layer][eids], w_h[on_cpu], out_h)
+        self.cpu.wait()
+        return out_h

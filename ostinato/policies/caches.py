@@ -1,0 +1,216 @@
+"""Baselines that cache experts on the GPU: expert-cache (LRU) and decaying-cache.
+
+Both keep every expert in page-locked host memory and use the budget (less the K zero
+slots and one layer of staging slots) as one cache of expert slots shared by all MoE
+layers of the GPU (an entry is a (layer, expert) copy).
+Passes the cache does not serve follow the `layers` rule for host experts: below the
+offload threshold the CPU computes every routed expert; at or above it each expert the
+pass uses is uploaded once into the staging slots and the layer runs on the GPU, cached
+copies notwithstanding (llama.cpp's op-offload copies the weights of the whole op).
+
+* `expert-cache` (llama.cpp's MoE cache, FreeToken's LRU): passes of at most
+  `cache_max_tokens` (32) tokens use the cache. For each expert the pass routes to in a
+  layer (in ascending id): a hit is served from its slot and becomes most recently used;
+  a miss is uploaded into a free slot, or into the slot of the least recently used entry
+  (evicted), and computed on the GPU, so the pass waits for the whole transfer. Entries
+  used by the current pass are never evicted by it; a miss that finds no such slot (a
+  budget smaller than one pass's experts) is uploaded into staging, not cached. The cache
+  starts empty.
+* `decaying-cache` (buun): only decode steps (1 token) use the cache. Every use adds 1 to
+  the (layer, expert) score, and every score is multiplied by `decay` after each decode
+  step. A routed expert in the cache is a hit; a miss is admitted when there is a free
+  slot or when its score (after this use) exceeds the lowest score in the cache (that
+  entry is evicted), then uploaded and computed on the GPU; otherwise the CPU computes it.
+  Warm start from the development profile: score = decode routes per decode token /
+  (1 - decay) (its steady state), and the cache holds the highest-scored experts before
+  the first request.
+
+Legend: E experts per layer, C cache slots, T tokens of a pass.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ostinato.policies.base import CPU, ModelExperts, PassPlan, SlotExperts, build_parts, usable_slots
+
+
+def _all_on_host(spec: ModelExperts, cache: int, settings):
+    every = list(range(spec.num_experts))
+    flex = cache + spec.num_experts  # the cache, then one layer of staging
+    return build_parts(spec, {}, {l: every for l in spec.moe_layers}, flex, settings.cpu_threads,
+                       settings.cpu_backend)
+
+
+class _CachePolicy(SlotExperts):
+    def __init__(self, spec, pool, host, cpu, cache_slots: int, offload_threshold: int):
+        super().__init__(spec, pool, host, cpu)
+        self.offload_threshold = offload_threshold
+        self.capacity = cache_slots
+        self.cache_lo = pool.flex_lo
+        self.slot_of = torch.full((spec.num_layers, spec.num_experts), CPU, dtype=torch.int32)  # cached copies
+        self.free = list(range(self.cache_lo, self.cache_lo + cache_slots))
+        self._cpu = self.all_cpu_plan()
+
+    def resident_experts(self) -> int:
+        return self.capacity
+
+    def cached(self, layer: int) -> list[int]:
+        return (self.slot_of[layer] >= 0).nonzero().flatten().tolist()
+
+    def uses_cache(self, T: int) -> bool:
+        raise NotImplementedError
+
+    def static_plan(self, layer: int, T: int) -> PassPlan | None:
+        if self.uses_cache(T) or T >= self.offload_threshold:
+            return None
+        return self._cpu
+
+    def plan(self, layer: int, T: int, ids: torch.Tensor) -> PassPlan:
+        if self.uses_cache(T):
+            return self.cache_plan(layer, ids)
+        return self.staging_plan(ids)
+
+    def _evict(self, layer_expert: tuple[int, int]) -> int:
+        l, e = layer_expert
+        slot = int(self.slot_of[l, e])
+        self.slot_of[l, e] = CPU
+        self.counters["evictions"] += 1
+        return slot
+
+
+class ExpertCachePolicy(_CachePolicy):
+    name = "expert-cache"
+
+    @classmethod
+    def build(cls, spec: ModelExperts, slots: int, settings, counts=None) -> "ExpertCachePolicy":
+        cache = usable_slots(spec, slots, spec.num_experts, cls.name)
+        pool, host, cpu = _all_on_host(spec, cache, settings)
+        return cls(spec, pool, host, cpu, cache, settings.offload_threshold, settings.cache_max_tokens)
+
+    def __init__(self, spec, pool, host, cpu, cache_slots, offload_threshold, cache_max_tokens):
+        super().__init__(spec, pool, host, cpu, cache_slots, offload_threshold)
+        self.cache_max_tokens = cache_max_tokens
+        self.lru: OrderedDict[tuple[int, int], None] = OrderedDict()  # least recently used first
+
+    def uses_cache(self, T: int) -> bool:
+        return T <= self.cache_max_tokens
+
+    def cache_plan(self, layer: int, ids: torch.Tensor) -> PassPlan:
+        used = torch.unique(ids).tolist()
+        row = self.slot_of[layer]
+        misses = []
+        for e in used:
+            if int(row[e]) >= 0:
+                self.lru.move_to_end((layer, e))
+            else:
+                misses.append(e)
+        slot = row.clone()
+        uploads = []
+        staging = self.pool.num_slots - self.spec.num_experts
+        now = {(layer, e) for e in used}
+        for e in misses:
+            if self.free:
+                s = self.free.pop()
+            elif self.lru and next(iter(self.lru)) not in now:
+                s = self._evict(self.lru.popitem(last=False)[0])
+            else:  # every cached entry serves this pass: stage the expert without caching it
+                s, staging = staging, staging + 1
+                uploads.append((e, s))
+                slot[e] = s
+                continue
+            self.slot_of[layer, e] = s
+            self.lru[(layer, e)] = None
+            uploads.append((e, s))
+            slot[e] = s
+        return self.plan_of(slot, uploads)
+
+
+class DecayingCachePolicy(_CachePolicy):
+    name = "decaying-cache"
+
+    @classmethod
+    def build(cls, spec: ModelExperts, slots: int, settings, counts=None) -> "DecayingCachePolicy":
+        cache = usable_slots(spec, slots, spec.num_experts, cls.name)
+        pool, host, cpu = _all_on_host(spec, cache, settings)
+        policy = cls(spec, pool, host, cpu, cache, settings.offload_threshold, settings.decay)
+        if counts is not None:
+            policy.warm(counts)
+        return policy
+
+    def __init__(self, spec, pool, host, cpu, cache_slots, offload_threshold, decay: float):
+        super().__init__(spec, pool, host, cpu, cache_slots, offload_threshold)
+        self.decay = decay
+        # score = stored / gain: a step multiplies gain by 1/decay instead of every score by decay
+        self.stored = torch.zeros((spec.num_layers, spec.num_experts), dtype=torch.float64)
+        self.gain = 1.0
+        self._last_layer = None
+
+    def uses_cache(self, T: int) -> bool:
+        return T == 1
+
+    def score(self, layer: int, expert: int) -> float:
+        return float(self.stored[layer, expert]) / self.gain
+
+    def warm(self, counts) -> None:
+        """Scores from the development profile's decode routes; the cache filled with the top ones."""
+        tokens = max(1, counts.tokens.get("decode", 0))
+        for l in self.spec.moe_layers:
+            self.stored[l] = counts.decode[l].to(torch.float64) / tokens / max(1e-9, 1.0 - self.decay)
+        order = torch.argsort(-self.stored.flatten(), stable=True)
+        moe = set(self.spec.moe_layers)
+        for i in order.tolist():
+            if not self.free:
+                break
+            l, e = divmod(i, self.spec.num_experts)
+            if l not in moe or self.stored[l, e] <= 0:
+                continue
+            s = self.free.pop()
+            self.slot_of[l, e] = s
+            hw = self.host.layers[l]
+            c = int(self.host.compact[l][e])
+            self.pool.w13[s].copy_(hw.w13[c])
+            self.pool.w2[s].copy_(hw.w2[c])
+
+    def _step(self, layer: int) -> None:
+        """A call to a layer at or before the previous one starts a new decode step."""
+        if self._last_layer is not None and layer <= self._last_layer:
+            self.gain /= self.decay
+            if self.gain > 1e100:
+                self.stored /= self.gain
+                self.gain = 1.0
+        self._last_layer = layer
+
+    def cache_plan(self, layer: int, ids: torch.Tensor) -> PassPlan:
+        self._step(layer)
+        used = torch.unique(ids).tolist()
+        for e in used:
+            self.stored[layer, e] += self.gain
+        row = self.slot_of[layer]
+        slot = row.clone()
+        uploads = []
+        for e in used:
+            if int(row[e]) >= 0:
+                continue
+            s = self._admit(layer, e, keep=used)
+            if s is not None:
+                uploads.append((e, s))
+                slot[e] = s
+        return self.plan_of(slot, uploads)
+
+    def _admit(self, layer: int, expert: int, keep: list[int]) -> int | None:
+        if self.free:
+            s = self.free.pop()
+        else:
+            owners = (self.slot_of >= 0).nonzero()  # [C, 2] (layer, expert) of every cached entry
+            scores = self.stored[owners[:, 0], owners[:, 1]].clone()
+            mine = owners[:, 0] == layer
+            for e in keep:  # entries serving this pass stay
+                scores[mine & (owners[:, 1] == e)] = float("inf")
+            i = int(torch.argmin(scores))
+            if not self.stored[layer, expert] > scores[i]:
+                return None
+            s = self._evict((int(owners[i, 0]), int(owners[i, 1])))
+        self.slot_of[layer, expert] = s
+        return s

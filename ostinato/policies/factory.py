@@ -1,0 +1,145 @@
+"""Policy name + settings -> an experts backend, under the one budget every policy shares.
+
+    backend = make_policy("layers", source, runner_settings, PolicySettings(expert_slots=...))
+    loaded = load_engine(model, runner_settings, experts_factory=policy_factory("layers", settings))
+
+`use_policy` swaps the backend of a loaded engine (bench loads the dense model once and
+replays every policy on it); the KV cache is dropped so each policy starts alike.
+"""
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from ostinato.config import ConfigError
+from ostinato.planner.profile import RouteCounts
+from ostinato.planner.residency import Residency
+from ostinato.policies.base import ModelExperts
+from ostinato.policies.caches import DecayingCachePolicy, ExpertCachePolicy
+from ostinato.policies.ostinato import close_backend, hybrid_from_parts
+from ostinato.policies.settings import PolicySettings, check_policy
+from ostinato.policies.static import CpuPolicy, FixedPerLayerPolicy, GpuPolicy, LayersPolicy
+
+CLASSES = {"layers": LayersPolicy, "expert-cache": ExpertCachePolicy, "decaying-cache": DecayingCachePolicy,
+           "fixed-per-layer": FixedPerLayerPolicy, "cpu": CpuPolicy, "gpu": GpuPolicy}
+
+
+def load_profile(profile) -> RouteCounts | None:
+    if profile is None or isinstance(profile, RouteCounts):
+        return profile
+    if not Path(profile).is_file():
+        raise ConfigError(f"--profile {profile}: no such file (write one with `ostinato profile`)")
+    return RouteCounts.load(profile)
+
+
+def load_residency(residency) -> Residency | None:
+    if residency is None or isinstance(residency, Residency):
+        return residency
+    return Residency.load(residency)
+
+
+def residency_pool(spec: ModelExperts, hot: dict[int, list[int]]) -> int:
+    """Pool slots a residency needs: hot experts, K zero slots, flex slots (most cold experts of a layer)."""
+    flex = max((spec.num_experts - len(hot.get(l, [])) for l in spec.moe_layers), default=0)
+    return sum(len(hot.get(l, [])) for l in spec.moe_layers) + spec.top_k + flex
+
+
+def expert_slots(spec: ModelExperts, settings: PolicySettings) -> int:
+    """The budget in expert-sized pool slots: given, or budget bytes // one expert's bytes, or
+    (so that a baseline runs under the same budget as a plan) the residency's pool."""
+    if settings.expert_slots is not None:
+        return settings.expert_slots
+    if settings.budget_bytes is not None:
+        return int(settings.budget_bytes // spec.expert_bytes)
+    residency = load_residency(settings.residency)
+    if residency is not None:
+        return residency_pool(spec, residency.hot)
+    raise ConfigError("no expert budget: give --expert-budget (bytes for the expert pool) or the --residency "
+                      "whose pool the policies share")
+
+
+def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
+    """A policy over a model described by `spec` (no weight-source checks)."""
+    check_policy(name)
+    if name == "ostinato":
+        residency = load_residency(settings.residency)
+        if residency is None:
+            raise ConfigError("policy ostinato needs a residency file (--residency, from `ostinato plan`)")
+        _check_budget(spec, settings, residency)
+        np_ = settings.upload_threshold or residency.calibration.get("upload_threshold") or _default_np()
+        return hybrid_from_parts(spec, residency.hot, int(np_), settings.cpu_threads, settings.cpu_backend)
+    return CLASSES[name].build(spec, expert_slots(spec, settings), settings, load_profile(settings.profile))
+
+
+def make_policy(name: str, source, runner_settings, settings: PolicySettings = PolicySettings()):
+    """The experts backend of policy `name` for a model's weight source, under settings.gpu_memory."""
+    from ostinato.engine.placement import PlacementSettings, apply_memory_cap, build_hybrid
+
+    check_policy(name)
+    spec = ModelExperts.from_source(source, runner_settings)
+    if name == "ostinato":
+        residency = load_residency(settings.residency)
+        if residency is None:
+            raise ConfigError("policy ostinato needs a residency file (--residency, from `ostinato plan`)")
+        _check_budget(spec, settings, residency)
+        place = PlacementSettings(gpu_memory=settings.gpu_memory, cpu_threads=settings.cpu_threads,
+                                  upload_threshold=settings.upload_threshold, cpu_backend=settings.cpu_backend)
+        return build_hybrid(source, residency, place, spec.device, spec.dtype, spec.max_tokens)
+    apply_memory_cap(spec.device, settings.gpu_memory)
+    try:
+        return build_policy(name, spec, settings)
+    except torch.OutOfMemoryError:
+        raise ConfigError(f"policy {name}: its expert slots do not fit the GPU memory cap; give a smaller "
+                          "expert budget or a larger --gpu-memory") from None
+
+
+def policy_factory(name: str, settings: PolicySettings = PolicySettings()):
+    """An experts factory for ostinato.engine.factory.load_engine(..., experts_factory=...)."""
+    check_policy(name)
+    return lambda source, runner_settings: make_policy(name, source, runner_settings, settings)
+
+
+def use_policy(loaded, backend) -> None:
+    """Put `backend` into a loaded engine in place of its current experts (closed and freed
+    first, so the two never hold memory together, and its decode graphs dropped); the
+    runner captures decode graphs for the new one when its settings ask for them and the
+    backend allows it; the session slot starts empty."""
+    runner = loaded.runner
+    if runner.experts is not backend:
+        release(loaded)
+    runner.experts = backend
+    runner.model.set_experts(backend)
+    if getattr(runner.settings, "cuda_graph", False) and runner.device.type == "cuda":
+        runner.enable_graphs()  # may wrap a HybridExperts in its graph backend
+    loaded.engine.reset()
+
+
+def release(loaded) -> None:
+    """Close the engine's experts backend, drop its decode graphs, free its memory."""
+    runner = loaded.runner
+    if getattr(runner, "graphs", None) is not None:
+        runner.graphs = None
+    close_backend(runner.experts)
+    runner.experts = None
+    runner.model.set_experts(None)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _check_budget(spec: ModelExperts, settings: PolicySettings, residency: Residency) -> None:
+    if settings.expert_slots is None and settings.budget_bytes is None:
+        return
+    slots = expert_slots(spec, settings.with_(residency=None))
+    need = residency_pool(spec, residency.hot)
+    if need > slots:
+        raise ConfigError(f"the residency needs {need} pool slots ({residency.hot_count} hot, {spec.top_k} zero, "
+                          f"the rest flex) but the budget has {slots}: plan for this budget")
+
+
+def _default_np() -> int:
+    from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD
+
+    return DEFAULT_UPLOAD_THRESHOLD

@@ -1,0 +1,56 @@
+"""The `ostinato` policy: the design itself, HybridExperts over a residency, unchanged.
+
+For a real model it is built by the engine's own `build_hybrid` (engine/placement.py) and
+handed to the runner as it is, so a replay measures exactly what `ostinato serve
+--residency R` runs, the runner's decode graph (the mapped-memory handshake wrapper)
+included. Nothing wraps it here; the helpers below close any backend (hybrid, its graph
+wrapper, or a baseline) and read what a report needs from it.
+
+Rules (DESIGN.md, "Three execution paths"): the residency's hot experts are resident in
+every pass; a decode step and a pass below Np compute the cold routes on the CPU while the
+GPU computes the hot ones (zero slots for cold positions); a pass of at least Np tokens
+uploads each distinct cold expert once into a flex slot and computes everything on the
+GPU. Hot experts are never uploaded, nothing is evicted.
+"""
+from __future__ import annotations
+
+import torch
+
+from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.policies.base import ModelExperts, build_parts, unpin
+
+
+def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int,
+                      cpu_threads=None, cpu_backend="auto") -> HybridExperts:
+    """Wired like build_hybrid, from a spec (tests, models without a weight source)."""
+    cold = {l: sorted(set(range(spec.num_experts)) - set(hot.get(l, []))) for l in spec.moe_layers}
+    flex = max((len(v) for v in cold.values()), default=0)
+    pool, host, cpu = build_parts(spec, hot, cold, flex, cpu_threads, cpu_backend)
+    for l in spec.moe_layers:  # HybridExperts reads every layer's host table, resident-only layers too
+        host.compact.setdefault(l, torch.full((spec.num_experts,), -1, dtype=torch.int32))
+    return HybridExperts(pool, host, cpu, upload_threshold, spec.max_tokens)
+
+
+def inner(backend):
+    """The HybridExperts inside the runner's graph wrapper (or the backend itself)."""
+    return getattr(backend, "hybrid", backend)
+
+
+def close_backend(backend) -> None:
+    """Stop a backend's threads and return its page-locked host memory."""
+    if backend is None:
+        return
+    close = getattr(backend, "close", None)
+    if callable(close):
+        close()
+    h = inner(backend)
+    if isinstance(h, HybridExperts):
+        if h.cpu is not None:
+            h.cpu.close()
+        unpin(h.host)
+
+
+def resident_experts(backend) -> int:
+    """Experts a backend keeps on the GPU for reuse across passes (resident or cached)."""
+    own = getattr(backend, "resident_experts", None)
+    return own() if callable(own) else inner(backend).pool.num_hot

@@ -1,0 +1,60 @@
+"""Settings of the placement policies: one dataclass, documented defaults, checked once.
+
+Every policy runs under the same expert budget: the bytes the capacity test leaves for
+the expert pool (cap - dense weights - KV cache - activations - margin), counted in
+expert-sized slots, computed once and handed to every policy alike. A policy's whole pool
+must fit it: its resident or cached experts, the K zero slots, and the staging slots of
+its upload path if it has one (one layer's experts, E, for `layers` and the caches;
+Ostinato's flex slots, the most cold experts of a layer). So a policy without an upload
+path (fixed-per-layer) keeps more experts resident, and none gets memory another lacks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ostinato.config import ConfigError
+
+POLICIES = ("ostinato", "layers", "expert-cache", "decaying-cache", "fixed-per-layer", "cpu", "gpu")
+BASELINES = POLICIES[1:]
+# llama.cpp's op-offload threshold (GGML_OP_OFFLOAD_MIN_BATCH) defaults to 32 tokens; the
+# values a tuning run chooses from (the reference paper found 512 best for its caches).
+OFFLOAD_THRESHOLDS = (32, 128, 512, 1024)
+TUNED = ("layers", "expert-cache", "decaying-cache")  # the policies with an offload threshold
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    # the budget in expert-sized pool slots (same for every policy); without it,
+    # budget_bytes // expert bytes, else the pool of the residency (hot + K + flex)
+    expert_slots: int | None = None
+    budget_bytes: int | None = None
+    gpu_memory: int | None = None  # device cap in bytes (set before anything is allocated)
+    # layers, expert-cache, decaying-cache: passes of at least this many tokens upload the
+    # host experts they use (each once, into staging), smaller ones compute them on the CPU
+    offload_threshold: int = 32
+    cache_max_tokens: int = 32  # expert-cache: only passes of at most this many tokens use the cache
+    decay: float = 0.95  # decaying-cache: every score is multiplied by this after each decode step
+    # dev profile (RouteCounts or a path): fixed-per-layer's ranking, decaying-cache's warm start
+    profile: object = None
+    residency: object = None  # ostinato: a Residency or a path
+    upload_threshold: int | None = None  # ostinato's Np (default: the residency's calibrated value)
+    cpu_threads: int | None = None
+    cpu_backend: str = "auto"  # CpuExperts backend: auto | native | torch
+    allow_over_budget: bool = False  # gpu: run although all experts exceed the budget (an upper bound only)
+
+    def __post_init__(self):
+        if self.offload_threshold < 1 or self.cache_max_tokens < 0:
+            raise ConfigError("offload_threshold must be >= 1 and cache_max_tokens >= 0")
+        if not 0.0 < self.decay <= 1.0:
+            raise ConfigError(f"decay must be in (0, 1], got {self.decay}")
+        if self.expert_slots is not None and self.expert_slots < 0:
+            raise ConfigError(f"expert_slots must be >= 0, got {self.expert_slots}")
+
+    def with_(self, **kw) -> "PolicySettings":
+        return replace(self, **kw)
+
+
+def check_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ConfigError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+    return name

@@ -1,0 +1,38 @@
+"""`ostinato demo --quick`: the whole benchmark (profile, plan, calibrate, every policy,
+tuning, held-out replay, length sweep, report, plots) on the tiny model, end to end."""
+from __future__ import annotations
+
+import json
+
+from ostinato.policies.settings import POLICIES
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    from ostinato.cli import main
+
+    out = tmp_path / "demo"
+    rc = main(["demo", "--quick", "--out", str(out), "--device", "cpu", "--cpu-backend", "torch", "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(printed[-1])
+    assert result["kind"] == "ostinato.bench" and result["model"] == "synth:tiny"
+    assert set(result["policies"]) == set(POLICIES)
+    for name, entry in result["policies"].items():
+        assert "summary" in entry, (name, entry.get("skipped"))
+        assert entry["summary"]["turns"] >= 1 and entry["summary"]["failed_turns"] == 0, name
+        assert entry["sweep"]["points"], name
+    assert result["policies"]["gpu"]["over_budget"] is True
+    assert 0 < result["skew"]["held_out_all_share"] <= 1
+    assert result["budget"]["pool_slots"] > result["budget"]["hot"] > 0
+    assert set(result["comparisons"]) == set(POLICIES) - {"ostinato"}
+    for key in ("commit", "dirty", "date", "hardware"):
+        assert key in result
+    table = "\n".join(printed[:-1])
+    for name in POLICIES:
+        assert name in table
+    assert "TTFT tool ms" in table and "report:" in table
+    for f in ("report.md", "results.json", "residency.json", "ttft_cdf.png", "prefill_decode.png",
+              "ttft_vs_new_tokens.png", "decode_vs_resident.png"):
+        assert (out / f).is_file(), f
+    full = json.loads((out / "results.json").read_text())
+    assert full["turns"]["ostinato"] and "| ostinato |" in (out / "report.md").read_text()

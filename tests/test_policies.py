@@ -1,0 +1,253 @@
+"""Baseline placement policies: each policy's output against the reference MoE on every
+path, and its placement decisions (which experts ran from the pool, were uploaded, or
+ran on the CPU) for fixed routings, on the CPU device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ostinato.config import ConfigError
+from ostinato.layers.moe.reference import moe_forward
+from ostinato.layers.moe.router import route
+from ostinato.layers.moe.types import ExpertWeights, TopKOutput
+from ostinato.planner.profile import RouteCounts
+from ostinato.planner.residency import Residency
+from ostinato.policies.base import ModelExperts
+from ostinato.policies.factory import build_policy, expert_slots
+from ostinato.policies.ostinato import close_backend, resident_experts
+from ostinato.policies.settings import POLICIES, PolicySettings
+
+E, K, D, F = 16, 4, 64, 32
+LAYERS = [0, 2, 3]  # model layer 1 is dense
+SLOTS = 36  # pool slots: e.g. 24 hot + 4 zero + 8 flex (half of the 48 experts resident)
+
+
+def _experts(seed):
+    g = torch.Generator().manual_seed(seed)
+    return ExpertWeights(torch.randn(E, 2 * F, D, generator=g) / D ** 0.5, torch.randn(E, D, F, generator=g) / F ** 0.5)
+
+
+WEIGHTS = {l: _experts(l) for l in LAYERS}
+
+
+def _spec(device="cpu"):
+    return ModelExperts(4, LAYERS, E, K, D, F, torch.device(device), torch.float32,
+                        lambda l: ExpertWeights(WEIGHTS[l].w13.clone(), WEIGHTS[l].w2.clone()), max_tokens=512)
+
+
+def _counts():
+    """A skewed profile: expert e of every layer has 100 - 5e prefill and 50 - 3e decode routes."""
+    c = RouteCounts.zeros(LAYERS, E)
+    for l in LAYERS:
+        c.prefill[l] = torch.tensor([100 - 5 * e for e in range(E)])
+        c.decode[l] = torch.tensor([max(0, 50 - 3 * e) for e in range(E)])
+    c.tokens = {"prefill": 400, "decode": 100}
+    return c
+
+
+def _residency(hot_per_layer=8):
+    return Residency("sha256:test", E, {l: list(range(hot_per_layer)) for l in LAYERS})
+
+
+def _settings(**kw):
+    base = dict(expert_slots=SLOTS, profile=_counts(), residency=_residency(), upload_threshold=32,
+                offload_threshold=32, cpu_threads=1, cpu_backend="torch", allow_over_budget=True)
+    return PolicySettings(**{**base, **kw})
+
+
+def _routing(ids: list[list[int]]) -> TopKOutput:
+    t = torch.tensor(ids, dtype=torch.int64)
+    w = torch.full(t.shape, 1.0 / t.shape[1])
+    return TopKOutput(t, w)
+
+
+def _x(T, seed=0):
+    return torch.randn(T, D, generator=torch.Generator().manual_seed(seed))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("name", POLICIES)
+def test_policy_matches_reference(name, tokens, device):
+    policy = build_policy(name, _spec(device), _settings())
+    g = torch.Generator().manual_seed(tokens)
+    for rep in range(2):  # the second time caches hit
+        for layer in LAYERS:
+            x = torch.randn(tokens, D, generator=g)
+            topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
+            got = policy(layer, x.to(device), TopKOutput(topk.ids.to(device), topk.weights.to(device))).cpu()
+            want = moe_forward(x, topk, WEIGHTS[layer])
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (name, (got - want).abs().max())
+    stats = policy.stats()
+    assert stats["routes"] == 2 * len(LAYERS) * tokens * K
+    if name != "ostinato":  # HybridExperts' own counters are the engine's
+        assert stats["token_layers"] == 2 * len(LAYERS) * tokens
+        assert stats["pool_hits"] == stats["routes"] - stats.get("cold_routes", 0)
+    close_backend(policy)
+
+
+def test_cpu_policy_computes_every_route_on_the_cpu():
+    p = build_policy("cpu", _spec(), _settings())
+    p(0, _x(2), _routing([[0, 1, 2, 3], [2, 3, 4, 5]]))
+    s = p.stats()
+    assert s["cold_routes"] == 8 and s["cpu_experts"] == 6 and s.get("bytes_uploaded", 0) == 0
+    assert all(p.last_plan.where(e) == "cpu" for e in range(E))
+    p(0, _x(64), _routing([[e % E, (e + 1) % E, (e + 2) % E, (e + 3) % E] for e in range(64)]))
+    assert p.stats().get("uploaded_experts", 0) == 0
+
+
+def test_gpu_policy_fits_or_fails_clearly():
+    with pytest.raises(ConfigError, match="do not fit the budget"):
+        build_policy("gpu", _spec(), _settings(allow_over_budget=False))
+    p = build_policy("gpu", _spec(), _settings(expert_slots=3 * E + K, allow_over_budget=False))
+    p(2, _x(3), _routing([[0, 1, 2, 3]] * 3))
+    s = p.stats()
+    assert s.get("cold_routes", 0) == 0 and s["pool_hits"] == 12 and p.resident_experts() == 3 * E
+    assert p.capturable  # every step from the pool, no host sync: the runner may capture decode
+
+
+def test_layers_policy_places_whole_layers_and_offloads_large_passes():
+    p = build_policy("layers", _spec(), _settings(offload_threshold=32))
+    assert p.gpu_layers == [3]  # 36 slots = 4 zero + 16 staging + one layer of 16 experts, the last
+    assert not p.capturable  # host layers need the routing on the host
+    routing = [[0, 1, 2, 3], [1, 2, 3, 4]]
+    p(3, _x(2), _routing(routing))
+    assert p.stats().get("cold_routes", 0) == 0 and p.last_plan.where(7) == "pool"
+    p(0, _x(2), _routing(routing))  # host layer, below the threshold: every expert on the CPU
+    s = p.stats()
+    assert s["cold_routes"] == 8 and s["cpu_experts"] == 5 and s.get("uploaded_experts", 0) == 0
+    big = [[0, 1, 2, 3]] * 40 + [[4, 5, 6, 7]] * 24  # 64 tokens >= 32: upload the 8 used experts
+    p(0, _x(64), _routing(big))
+    s = p.stats()
+    assert s["uploaded_experts"] == 8 and s["bytes_uploaded"] == 8 * 3 * D * F * 4
+    assert {p.last_plan.where(e) for e in range(8)} == {"upload"} and p.last_plan.where(9) == "cpu"
+    assert s["cpu_experts"] == 5  # unchanged: nothing of the large pass ran on the CPU
+    p.offload_threshold = 128  # tuned higher: the same pass stays on the CPU
+    p(0, _x(64), _routing(big))
+    assert p.stats()["uploaded_experts"] == 8 and p.stats()["cpu_experts"] == 13
+
+
+def test_expert_cache_lru():
+    p = build_policy("expert-cache", _spec(), _settings(expert_slots=6 + K + E, offload_threshold=512))
+    p(0, _x(1), _routing([[0, 1, 2, 3]]))  # 4 misses: uploaded into the cache, computed on the GPU
+    s = p.stats()
+    assert s["uploaded_experts"] == 4 and s["cold_routes"] == 4 and s.get("cpu_experts", 0) == 0
+    assert sorted(p.cached(0)) == [0, 1, 2, 3]
+    p(0, _x(1), _routing([[0, 1, 2, 3]]))  # 4 hits
+    assert p.stats()["uploaded_experts"] == 4 and p.stats()["pool_hits"] == 4
+    p(2, _x(1), _routing([[0, 1, 8, 9]]))  # layer 2: 2 free slots, then evicts layer 0's LRU (0 and 1... )
+    assert sorted(p.cached(2)) == [0, 1, 8, 9]
+    assert sorted(p.cached(0)) == [2, 3] and p.stats()["evictions"] == 2
+    p(0, _x(1), _routing([[2, 3, 4, 5]]))  # hits 2, 3; misses 4, 5 evict layer 2's least recent (0, 1)
+    assert sorted(p.cached(0)) == [2, 3, 4, 5] and sorted(p.cached(2)) == [8, 9]
+    before = p.stats()
+    p(0, _x(40), _routing([[10, 11, 12, 13]] * 40))  # 40 > 32 tokens, below 512: CPU, cache untouched
+    s = p.stats()
+    assert s["cpu_experts"] - before.get("cpu_experts", 0) == 4 and s["uploaded_experts"] == before["uploaded_experts"]
+    assert sorted(p.cached(0)) == [2, 3, 4, 5]
+    p.offload_threshold = 32
+    p(0, _x(40), _routing([[2, 3, 12, 13]] * 40))  # upload rule: cached copies notwithstanding
+    assert p.stats()["uploaded_experts"] == before["uploaded_experts"] + 4
+    assert sorted(p.cached(0)) == [2, 3, 4, 5]
+
+
+def test_expert_cache_smaller_than_a_pass_stages_the_rest():
+    p = build_policy("expert-cache", _spec(), _settings(expert_slots=2 + K + E))
+    x = _x(2)
+    out = p(0, x, _routing([[0, 1, 2, 3], [4, 5, 6, 7]]))
+    assert p.stats()["uploaded_experts"] == 8 and len(p.cached(0)) == 2
+    want = moe_forward(x, _routing([[0, 1, 2, 3], [4, 5, 6, 7]]), WEIGHTS[0])
+    assert torch.allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
+def test_decaying_cache_warm_start_and_admission():
+    p = build_policy("decaying-cache", _spec(), _settings(expert_slots=4 + K + E, decay=0.9))
+    # scores: decode rate / (1 - decay): expert 0: 5.0, 1: 4.7, 13: 1.1, 14: 0.8, 15: 0.5 in every layer;
+    # warm: the 4 highest (expert 0 of the three layers, then expert 1 of the first)
+    assert sorted(p.cached(0)) == [0, 1] and p.cached(2) == [0] and p.cached(3) == [0]
+    p(0, _x(1), _routing([[0, 13, 14, 15]]))  # 13..15: 2.1, 1.8, 1.5 after this use < 4.7: CPU
+    s = p.stats()
+    assert s["pool_hits"] == 1 and s["cpu_experts"] == 3 and s.get("uploaded_experts", 0) == 0
+    assert p.last_plan.where(14) == "cpu" and p.last_plan.where(0) == "pool"
+    for _ in range(10):  # a cached expert unused decays; a newcomer used every step overtakes it
+        p(0, _x(1), _routing([[0, 13, 14, 15]]))
+    assert {13, 14, 15} & set(p.cached(0)) and 1 not in p.cached(0)
+    assert p.stats()["uploaded_experts"] >= 1 and p.stats()["evictions"] >= 1
+    before = p.stats()
+    p(0, _x(7), _routing([[0, 1, 2, 3]] * 7))  # prefill below the threshold: CPU, cache unused
+    assert p.stats()["cpu_experts"] - before["cpu_experts"] == 4
+    assert p.stats()["pool_hits"] == before["pool_hits"]
+
+
+def test_fixed_per_layer_ranks_each_layer_by_the_profile():
+    p = build_policy("fixed-per-layer", _spec(), _settings())
+    assert p.resident_experts() == 30  # (36 - 4 zero slots) // 3 = 10 per layer: experts 0..9 (the most routed)
+    p(0, _x(64), _routing([[0, 9, 10, 15]] * 64))  # large pass: no upload, cold on the CPU
+    s = p.stats()
+    assert s.get("uploaded_experts", 0) == 0 and s["cold_routes"] == 128 and s["cpu_experts"] == 2
+    assert [p.last_plan.where(e) for e in (0, 9, 10, 15)] == ["pool", "pool", "cpu", "cpu"]
+    with pytest.raises(ConfigError, match="profile"):
+        build_policy("fixed-per-layer", _spec(), _settings(profile=None))
+
+
+def test_ostinato_policy_split_and_upload_paths():
+    p = build_policy("ostinato", _spec(), _settings(upload_threshold=32))
+    assert resident_experts(p) == 24 and not p.capturable
+    p(0, _x(1), _routing([[0, 1, 8, 9]]))  # decode: 2 hot, 2 cold on the CPU
+    s = p.stats()
+    assert s["cold_routes"] == 2 and s["cpu_experts"] == 2 and s.get("bytes_uploaded", 0) == 0
+    p(0, _x(64), _routing([[0, 1, 8, 9]] * 32 + [[2, 3, 10, 11]] * 32))  # >= Np: upload 4 distinct cold
+    s = p.stats()
+    assert s["uploaded_experts"] == 4 and s["cold_routes"] == 2 + 128 and s["routes"] - s["cold_routes"] == 2 + 128
+    with pytest.raises(ConfigError, match="budget"):
+        build_policy("ostinato", _spec(), _settings(expert_slots=8))
+
+
+def test_budget_is_the_same_for_every_policy():
+    spec = _spec()
+    assert expert_slots(spec, PolicySettings(expert_slots=5)) == 5
+    assert expert_slots(spec, PolicySettings(budget_bytes=5 * spec.expert_bytes + 7)) == 5
+    assert expert_slots(spec, PolicySettings(residency=_residency(3))) == 9 + K + 13  # hot, zero, flex
+    with pytest.raises(ConfigError, match="budget"):
+        expert_slots(spec, PolicySettings())
+    with pytest.raises(ConfigError, match="unknown policy"):
+        build_policy("nope", spec, _settings())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_policies_in_the_whole_model(tiny_dir, device):
+    """Every policy plugged into the engine gives the reference model's logits."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.planner.fill import fill
+    from ostinato.planner.residency import model_fingerprint
+    from ostinato.policies.factory import make_policy, policy_factory, use_policy
+
+    settings = RunnerSettings(device=device, dtype="fp32", max_context=256, prefill_chunk=64)
+    ref = load_engine(str(tiny_dir), settings)
+    ids = list(range(5, 5 + 80))
+    want = ref.runner.forward(ids, 0, all_logits=True)
+    want_step = ref.runner.forward([7], len(ids))
+    cfg = ref.source.config
+    counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts)
+    for l in cfg.moe_layers:
+        counts.decode[l] = torch.arange(cfg.num_experts, 0, -1)
+    counts.tokens["decode"] = 10
+    ps = PolicySettings(expert_slots=cfg.num_experts * len(cfg.moe_layers) // 2 + 20, profile=counts,
+                        offload_threshold=32, cpu_threads=1, cpu_backend="torch", allow_over_budget=True)
+    loaded = load_engine(str(tiny_dir), settings, experts_factory=policy_factory("layers", ps))
+    hot = fill({l: torch.arange(cfg.num_experts, 0, -1) for l in cfg.moe_layers}, 24)
+    ps = ps.with_(residency=Residency(model_fingerprint(loaded.source), cfg.num_experts, hot), upload_threshold=32)
+    for name in ("layers", "expert-cache", "decaying-cache", "fixed-per-layer", "cpu", "gpu", "ostinato"):
+        if name != "layers":
+            use_policy(loaded, make_policy(name, loaded.source, settings, ps))
+        got = loaded.runner.forward(ids, 0, all_logits=True)
+        step = loaded.runner.forward([7], len(ids))  # a decode pass too
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-4, name
+        assert ((step - want_step).abs().max() / want_step.abs().max()) < 1e-4, name
+        assert loaded.runner.placement_stats()["routes"] > 0
+    use_policy(loaded, make_policy("cpu", loaded.source, settings, ps))  # closes (and unpins) the last one

@@ -1,0 +1,291 @@
+"""The replay client and its metrics: exact numbers on a fake clock (in-process and over
+HTTP with a mock transport), then real replays of the tiny model in-process, over our
+HTTP server, and through `ostinato replay`."""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from ostinato.bench.metrics import (TurnResult, client_timing, percentile, session_totals, slope, summarize,
+                                    sweep_summary, wins)
+from ostinato.bench.replay import (FORCED_OUTPUT_FIELD, HttpTarget, InProcessTarget, TurnRequest, format_turn,
+                                   replay_sessions)
+from ostinato.bench.sessions import Session, Turn
+from ostinato.engine.session import common_prefix
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeEngine:
+    """Prefill costs 1 ms per new token, every later token 20 ms; 10 routes per token."""
+
+    max_context = 10_000
+
+    def __init__(self, clock, runner):
+        self.clock, self.runner, self.cached = clock, runner, []
+
+    def generate(self, prompt, params, forced=None, cancel=None, stats=None):
+        reuse = common_prefix(self.cached, prompt)
+        stats.prompt_tokens, stats.cached_tokens = len(prompt), reuse
+        self.clock.t += 0.001 * (len(prompt) - reuse)
+        self.runner.counters["routes"] += 10 * (len(prompt) - reuse)
+        stats.prefill_s = 0.001 * (len(prompt) - reuse)
+        for i, token in enumerate(forced):
+            if i:
+                self.clock.t += 0.020
+                self.runner.counters["routes"] += 10
+                self.runner.counters["cold_routes"] += 3
+            stats.output_tokens = i + 1
+            yield token
+        stats.decode_s = 0.020 * (len(forced) - 1)
+        self.cached = list(prompt) + list(forced)
+
+
+def _fake_loaded(clock):
+    runner = SimpleNamespace(counters={"routes": 0, "cold_routes": 0})
+    runner.placement_stats = lambda: dict(runner.counters)
+    return SimpleNamespace(engine=FakeEngine(clock, runner), runner=runner, tokenizer=None)
+
+
+def test_client_timing_and_percentiles():
+    assert client_timing(10.0, 10.5, 11.5, 11) == (0.5, 0.1, 1.5)
+    assert client_timing(10.0, 10.5, 10.5, 1) == (0.5, None, 0.5)
+    assert client_timing(10.0, None, None, 0) == (None, None, None)
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 90) == 5 and percentile([], 50) is None
+    assert percentile([0, 10], 90) == pytest.approx(9.0)
+    assert slope([(100, 0.1), (200, 0.2), (300, 0.3)]) == pytest.approx(1.0)
+    assert slope([(100, 0.1)]) is None
+
+
+def test_in_process_turns_on_a_fake_clock():
+    clock = FakeClock()
+    target = InProcessTarget(_fake_loaded(clock), clock=clock)
+    first = target.run(TurnRequest("s", 0, "first", prompt_ids=list(range(500)), forced_ids=[7] * 11))
+    assert (first.ttft_s, first.tpot_s, first.request_s) == pytest.approx((0.5, 0.02, 0.7))
+    assert first.new_tokens == 500 and first.output_tokens == 11
+    assert first.placement == {"prefill": {"routes": 5000}, "decode": {"routes": 100, "cold_routes": 30}}
+    prompt = list(range(500)) + [7] * 11 + list(range(40))
+    second = target.run(TurnRequest("s", 1, "tool", prompt_ids=prompt, forced_ids=[8] * 5))
+    assert second.cached_tokens == 511 and second.new_tokens == 40
+    assert (second.ttft_s, second.tpot_s, second.request_s) == pytest.approx((0.04, 0.02, 0.12))
+    assert second.decode_step_s == pytest.approx(0.02) and second.prefill_s == pytest.approx(0.04)
+    too_long = target.run(TurnRequest("s", 2, "tool", prompt_ids=[1] * 9_999, forced_ids=[1, 2]))
+    assert too_long.error.startswith("context") and too_long.ttft_s is None
+    assert "FAILED" in format_turn(too_long) and "TTFT" in format_turn(second)
+
+
+class FakeTokenizer:
+    """10 ids per message; outputs of len(content) // 4 tokens."""
+
+    def render_ids(self, messages, tools=None):
+        return [hash((i, m["content"])) % 1000 for i, m in enumerate(messages) for _ in range(10)]
+
+    def render_assistant_output(self, message, tools=None):
+        return message["content"]
+
+    def encode(self, text):
+        return [ord(c) for c in text[::4]]
+
+
+def _session(sid, kinds=("first", "tool", "user")):
+    msgs = [{"role": "system", "content": f"policy {sid}"}, {"role": "user", "content": "hi"}]
+    turns = []
+    for i, kind in enumerate(kinds):
+        out = {"role": "assistant", "content": "x" * (4 * (3 + i))}
+        turns.append(Turn(list(msgs), out, kind))
+        msgs += [out, {"role": "tool" if kind == "tool" else "user", "content": f"r{i}"}]
+    return Session(sid, sid, "fake/src", None, turns)
+
+
+def test_replay_sessions_and_summary_on_a_fake_clock():
+    clock = FakeClock()
+    loaded = _fake_loaded(clock)
+    target = InProcessTarget(loaded, clock=clock)
+    seen = []
+    results = replay_sessions(target, [_session("a"), _session("b")], tokenizer=FakeTokenizer(), on_turn=seen.append)
+    assert [r.kind for r in results] == ["first", "tool", "user"] * 2 and seen == results
+    a0, a1, a2 = results[:3]
+    assert a0.new_tokens == 20 and a0.ttft_s == pytest.approx(0.020) and a0.output_tokens == 3
+    assert a1.new_tokens == 20  # the rendered output and tool message (the fake's forced ids differ from them)
+    s = summarize(results, moe_layers=2)
+    assert s["turns"] == 6 and s["sessions"] == 2 and s["failed_turns"] == 0
+    assert s["ttft_ms"]["median"]["first"] == pytest.approx(a0.ttft_s * 1000)
+    assert s["tpot_ms"]["median"] == pytest.approx(20.0)
+    assert s["request_s"]["total"] == pytest.approx(sum(r.request_s for r in results), abs=1e-4)
+    totals = session_totals(results)
+    assert set(totals) == {"a", "b"} and totals["a"] == pytest.approx(sum(r.request_s for r in results[:3]))
+    dec = s["placement"]["decode"]  # 3 cold of 10 routes per decoded token; 2 layers
+    assert dec["cold_routes_per_token_layer"] == pytest.approx(1.5) and dec["pool_hit_rate"] == pytest.approx(0.7)
+    assert wins({"a": 1.0, "b": 3.0}, {"a": 2.0, "b": 2.0, "c": 1.0}) == (1, 2)
+
+
+def test_sweep_summary():
+    pts = [TurnResult("p0", n, "sweep", prompt_tokens=1000 + n, output_tokens=4, cached_tokens=1000,
+                      ttft_s=0.01 + 0.001 * n, tpot_s=0.02) for n in (100, 200, 400, 800)]
+    sw = sweep_summary(pts, below=500)
+    assert [p["size"] for p in sw["points"]] == [100, 200, 400, 800]
+    assert sw["points"][0]["ttft_ms"] == pytest.approx(110.0)
+    assert sw["slope_ms_per_token"] == pytest.approx(1.0) and sw["slope_below_np_ms_per_token"] == pytest.approx(1.0)
+
+
+def _sse(chunks):
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+
+
+def _mock_server(clock, kind, seen):
+    placement = {"routes": 0.0}
+
+    def stream():
+        choice = lambda d, f=None: {"choices": [{"index": 0, "delta": d, "finish_reason": f}]}  # noqa: E731
+        chunks = [choice({"role": "assistant", "content": ""}), choice({"content": "ab"}), choice({"content": "cd"}),
+                  {**choice({}, "stop"), "timings": {"prompt_n": 40, "cache_n": 60, "prompt_ms": 250.0,
+                                                       "predicted_n": 5, "predicted_ms": 80.0}},
+                  {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 5,
+                                            "prompt_tokens_details": {"cached_tokens": 60}}}]
+        delays = [0.25, 0.03, 0.03, 0.02, 0.0]
+        placement["routes"] += 50  # the engine has finished before the stream's last chunks
+        for data, delay in zip(_sse(chunks), delays + [0.0]):
+            clock.t += delay
+            yield data
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "owned_by": kind}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=f"# HELP x\nostinato_placement_routes {placement['routes']}\n")
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_http_target_on_a_fake_clock():
+    clock = FakeClock()
+    seen = []
+    target = HttpTarget("http://ostinato.test", clock=clock, transport=_mock_server(clock, "ostinato", seen))
+    assert target.kind == "ostinato" and target.model == "m"
+    out = {"role": "assistant", "content": "abcd", "tool_calls": None}
+    r = target.run(TurnRequest("s", 1, "tool", messages=[{"role": "user", "content": "q"}], output=out))
+    body = seen[-1]
+    assert body[FORCED_OUTPUT_FIELD] == {"role": "assistant", "content": "abcd"} and body["stream"] is True
+    assert "max_tokens" not in body and "ignore_eos" not in body
+    assert (r.ttft_s, r.request_s) == pytest.approx((0.25, 0.33)) and r.tpot_s == pytest.approx(0.08 / 4)
+    assert (r.prompt_tokens, r.cached_tokens, r.output_tokens) == (100, 60, 5)
+    assert r.prefill_s == pytest.approx(0.25) and r.decode_s == pytest.approx(0.08)
+    assert r.placement == {"all": {"routes": 50.0}}
+
+    other = HttpTarget("http://llama.test", clock=clock, transport=_mock_server(clock, "llamacpp", seen))
+    assert other.kind == "openai"
+    r = other.run(TurnRequest("s", 0, "first", messages=[{"role": "user", "content": "q"}], output=out,
+                              forced_ids=[1, 2, 3, 4, 5]))
+    body = seen[-1]
+    assert FORCED_OUTPUT_FIELD not in body and body["max_tokens"] == 5 and body["ignore_eos"] is True
+    assert r.placement == {} and r.ttft_s == pytest.approx(0.25)
+    text = HttpTarget("http://llama.test", clock=clock, transport=_mock_server(clock, "x", seen), first_token="text")
+    assert text.run(TurnRequest("s", 0, "first", messages=[{"role": "user", "content": "q"}], output=out,
+                                forced_ids=[1] * 5)).ttft_s == pytest.approx(0.28)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dir):
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.policies.factory import policy_factory
+    from ostinato.policies.settings import PolicySettings
+
+    ps = PolicySettings(expert_slots=40, offload_threshold=64, cpu_threads=1, cpu_backend="torch")
+    return load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=4096, prefill_chunk=512),
+                       experts_factory=policy_factory("layers", ps))
+
+
+def _short_sessions(n=1, turns=2):
+    from ostinato.bench.sessions import load_sessions
+
+    out = []
+    for s in load_sessions("embedded:3"):
+        out.append(Session(s.id, s.task, s.source, s.tools, s.turns[:turns]))
+    return out[:n]
+
+
+def test_in_process_replay_of_the_tiny_model(tiny_engine):
+    sessions = _short_sessions()
+    tok = tiny_engine.tokenizer
+    results = replay_sessions(InProcessTarget(tiny_engine), sessions, tokenizer=tok)
+    assert len(results) == 2 and not any(r.error for r in results)
+    for r, turn in zip(results, sessions[0].turns):
+        assert r.output_tokens == len(tok.encode(tok.render_assistant_output(turn.output, sessions[0].tools)))
+        assert r.ttft_s > 0 and r.request_s >= r.ttft_s
+        assert r.placement["prefill"]["routes"] > 0 and r.placement["decode"]["routes"] > 0
+    assert results[1].cached_tokens > 0 and results[1].new_tokens < results[0].new_tokens
+
+
+@contextlib.contextmanager
+def _serve(app):
+    """uvicorn on a free loopback port in a thread, until the model is loaded; yields the URL."""
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while not server.started or httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not come up"
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_replay_over_our_http_server(tiny_dir):
+    """The forced-output field reaches the real server: the same tokens as in-process."""
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.server.app import build_app
+
+    app = build_app(str(tiny_dir), RunnerSettings(device="cpu", max_context=4096), name="tiny", warmup=False)
+    with _serve(app) as url:
+        target = HttpTarget(url)
+        assert target.kind == "ostinato"
+        results = replay_sessions(target, _short_sessions())
+        target.close()
+    from ostinato.loader.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.from_dir(tiny_dir)
+    s = _short_sessions()[0]
+    assert [r.error for r in results] == [None, None]
+    for r, turn in zip(results, s.turns):
+        assert r.output_tokens == len(tok.encode(tok.render_assistant_output(turn.output, s.tools)))
+        assert r.prefill_s is not None and r.ttft_s >= 0
+    assert results[1].cached_tokens > 0
+
+
+def test_replay_command(tiny_dir, capsys):
+    from ostinato.cli import main
+
+    rc = main(["replay", "--model", str(tiny_dir), "--device", "cpu", "--max-context", "4096",
+               "--sessions", "embedded:4", "--max-sessions", "1", "--max-turns", "2", "--policy", "cpu",
+               "--expert-budget", "0", "--cpu-backend", "torch", "--cpu-threads", "1"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(lines[-1])
+    assert doc["kind"] == "ostinato.replay" and doc["engine"] == "cpu" and doc["split"] == "held-out"
+    assert doc["summary"]["turns"] + doc["cut_sessions"] >= 1
+    assert any("TTFT" in line for line in lines[:-1]) or doc["cut_sessions"]
