@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ostinato.config import ConfigError, ModelConfig
+from ostinato.layers.moe.types import expert_views
 
 
 class CheckpointSource:
@@ -73,12 +74,8 @@ class CheckpointSource:
         return out.copy_(self._handle(self.files[name]).get_tensor(name))
 
     def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        F = w2.shape[-1]
-        p = f"model.layers.{layer}.mlp.experts."
-        for e in range(w13.shape[0]):
-            self.load_(f"{p}{e}.gate_proj.weight", w13[e, :F])
-            self.load_(f"{p}{e}.up_proj.weight", w13[e, F:])
-            self.load_(f"{p}{e}.down_proj.weight", w2[e])
+        for name, view in expert_views(layer, w13, w2):
+            self.load_(name, view)
 
 
 class SynthSource:

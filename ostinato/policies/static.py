@@ -49,7 +49,18 @@ class CpuPolicy(SlotExperts):
         return self._plan
 
 
-class GpuPolicy(SlotExperts):
+class _FixedResidency(SlotExperts):
+    """A placement that never changes: one plan per layer, computed once."""
+
+    def __init__(self, spec, pool, host, cpu):
+        super().__init__(spec, pool, host, cpu)
+        self._plans = {l: self.resident_plan(l) for l in spec.moe_layers}
+
+    def static_plan(self, layer: int, T: int) -> PassPlan:
+        return self._plans[layer]
+
+
+class GpuPolicy(_FixedResidency):
     name = "gpu"
 
     @classmethod
@@ -63,12 +74,6 @@ class GpuPolicy(SlotExperts):
         pool, host, cpu = build_parts(spec, every, {}, 0, settings.cpu_threads, settings.cpu_backend)
         return cls(spec, pool, host, cpu)
 
-    def __init__(self, spec, pool, host, cpu):
-        super().__init__(spec, pool, host, cpu)
-        self._plans = {l: self.resident_plan(l) for l in spec.moe_layers}
-
-    def static_plan(self, layer: int, T: int) -> PassPlan:
-        return self._plans[layer]
 
 
 def per_layer_top(counts: dict[int, torch.Tensor], layers: list[int], n: int) -> dict[int, list[int]]:
@@ -80,7 +85,7 @@ def per_layer_top(counts: dict[int, torch.Tensor], layers: list[int], n: int) ->
     return out
 
 
-class FixedPerLayerPolicy(SlotExperts):
+class FixedPerLayerPolicy(_FixedResidency):
     name = "fixed-per-layer"
 
     @classmethod
@@ -94,12 +99,6 @@ class FixedPerLayerPolicy(SlotExperts):
         pool, host, cpu = build_parts(spec, resident, rest, 0, settings.cpu_threads, settings.cpu_backend)
         return cls(spec, pool, host, cpu)
 
-    def __init__(self, spec, pool, host, cpu):
-        super().__init__(spec, pool, host, cpu)
-        self._plans = {l: self.resident_plan(l) for l in spec.moe_layers}
-
-    def static_plan(self, layer: int, T: int) -> PassPlan:
-        return self._plans[layer]
 
 
 class LayersPolicy(SlotExperts):

@@ -26,6 +26,7 @@ from functools import cached_property
 
 import torch
 
+from ostinato.layers.moe.types import expert_views
 from ostinato.synth.hashrand import fill_uniform_, normal_vector, tensor_key, uniform_bits
 from ostinato.synth.presets import DEFAULT_SKEW, preset_config
 
@@ -119,9 +120,5 @@ class SynthSpec:
 
     def fill_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, first: int = 0) -> None:
         """Experts [first, first + n) of one layer into w13 [n, 2F, D] and w2 [n, D, F]."""
-        F = w2.shape[-1]
-        p = f"model.layers.{layer}.mlp.experts."
-        for i in range(w13.shape[0]):
-            self.fill_(f"{p}{first + i}.gate_proj.weight", w13[i, :F])
-            self.fill_(f"{p}{first + i}.up_proj.weight", w13[i, F:])
-            self.fill_(f"{p}{first + i}.down_proj.weight", w2[i])
+        for name, view in expert_views(layer, w13, w2, first):
+            self.fill_(name, view)

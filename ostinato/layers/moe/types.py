@@ -35,3 +35,15 @@ class ExpertWeights(NamedTuple):
     @property
     def expert_bytes(self) -> int:
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
+
+def expert_views(layer: int, w13: torch.Tensor, w2: torch.Tensor, first: int = 0):
+    """(checkpoint tensor name, view into the stacks) for experts [first, first + n) of a layer:
+    the Hugging Face per-expert names mapped onto the stacked layout above."""
+    F = w2.shape[-1]
+    p = f"model.layers.{layer}.mlp.experts."
+    for i in range(w13.shape[0]):
+        e = first + i
+        yield f"{p}{e}.gate_proj.weight", w13[i, :F]
+        yield f"{p}{e}.up_proj.weight", w13[i, F:]
+        yield f"{p}{e}.down_proj.weight", w2[i]
