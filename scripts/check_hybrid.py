@@ -59,15 +59,19 @@ def main() -> None:
     ap.add_argument("--split-tokens", type=int, default=256)
     ap.add_argument("--upload-tokens", type=int, default=1024)
     ap.add_argument("--upload-threshold", type=int, default=512)
+    ap.add_argument("--no-graph", action="store_true", help="decode host-driven, layer by layer")
+    ap.add_argument("--no-borrow", action="store_true", help="do not lend the flex slots during decode")
     a = ap.parse_args()
     cap = parse_bytes(a.gpu_memory) if a.gpu_memory else None
     t0 = time.perf_counter()
-    loaded = load_engine(a.model, RunnerSettings(max_context=4096, prefill_chunk=2048),
-                         PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold))
+    loaded = load_engine(a.model, RunnerSettings(max_context=4096, prefill_chunk=2048, cuda_graph=not a.no_graph),
+                         PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold,
+                                           borrow=not a.no_borrow))
     load_s = time.perf_counter() - t0
     runner, tok = loaded.runner, loaded.tokenizer
     ids = prompt_ids(tok, a.upload_tokens)
-    res = {"name": a.name, "load_s": round(load_s, 1)}
+    res = {"name": a.name, "load_s": round(load_s, 1), "graph": runner.graphs is not None,
+           "borrow": not a.no_borrow}
     with torch.inference_mode():
         # split path: a pass of split_tokens (< Np); upload path: upload_tokens (>= Np)
         split_logits, res["split_prefill_s"] = timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)
