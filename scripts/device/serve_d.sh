@@ -4,7 +4,7 @@
 # prefilled. Needs `.whl` (scripts/device/fetch_wheels.sh) and `.carry` (workloads, and a
 # residency for this model at .carry/r40.json, or RESIDENCY= empty for all experts on the GPU).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -c "import fastapi, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OSTINATO_WORKLOADS=$PWD/.carry/workloads OSTINATO_CACHE=/tmp/ocache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=${MODEL:-synth:qwen3-30b-a3b}
@@ -16,7 +16,7 @@ s = next(s for s in held if len(s.turns) >= 20)
 write_jsonl([s], "/tmp/s20.jsonl")
 print("session", s.id, len(s.turns), "turns")
 PY
-python3 -m ostinato.cli serve --model $M ${RES:+--residency $RES --gpu-memory 32GiB} --port 8080 \
+python3 -m ostinato.cli serve --model $M ${RES:+--residency $RES --gpu-memory 32GiB} --max-context 16384 --port 8080 \
   > "$OUT/d_server.log" 2>&1 &
 for i in $(seq 1 120); do curl -sf http://127.0.0.1:8080/health >/dev/null && break; sleep 2; done
 curl -s http://127.0.0.1:8080/health; echo
