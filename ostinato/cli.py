@@ -12,6 +12,8 @@ from ostinato.config import ConfigError
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or synth:PRESET[?seed=S&layers=N]")
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if present)")
+    p.add_argument("--devices", help="cuda:0,cuda:1,...: MoE layers split across these devices, in order "
+                   "(a residency planned for several devices sets this itself)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--max-context", type=int, help="KV cache size in tokens")
     p.add_argument("--residency", help="residency file from `ostinato plan`: hybrid CPU-GPU experts")
@@ -24,7 +26,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _runner_settings(a):
     from ostinato.engine.runner import RunnerSettings
 
-    return RunnerSettings(device=a.device, dtype=a.dtype, max_context=a.max_context)
+    return RunnerSettings(device=a.device, dtype=a.dtype, max_context=a.max_context,
+                          devices=getattr(a, "devices", None))
 
 
 def _placement(a):

@@ -82,8 +82,15 @@ def hybrid_factory(place: PlacementSettings):
     residency = Residency.load(place.residency)
 
     def make(source, runner_settings):
+        from ostinato.engine.devices import build_split_hybrid, resolve_layer_devices
+
+        cfg = source.config
+        dtype = runner_settings.torch_dtype(cfg.torch_dtype)
+        kv_tokens = runner_settings.max_context or min(16384, cfg.max_position_embeddings)
+        layer_devices = resolve_layer_devices(cfg, runner_settings.device_names(), residency, kv_tokens, dtype)
+        if layer_devices is not None:  # MoE layers split across devices: a pool on each
+            return build_split_hybrid(source, residency, place, layer_devices, dtype, runner_settings.prefill_chunk)
         device = runner_settings.torch_device()
-        dtype = runner_settings.torch_dtype(source.config.torch_dtype)
         return build_hybrid(source, residency, place, device, dtype, runner_settings.prefill_chunk)
 
     return make

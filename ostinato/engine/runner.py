@@ -2,7 +2,9 @@
 
 It materialises the dense model on the compute device, plugs an experts backend into
 the model's MoE blocks (all on one device by default; hybrid or a baseline policy when
-given one), owns the KV cache and runs forward passes, chunked for long prompts.
+given one), owns the KV cache and runs forward passes, chunked for long prompts. With
+several devices (`devices`, or a residency planned for several) each layer and its KV
+cache live on their own device and the runner drives the layer loop (engine/devices.py).
 
 Legend: T tokens of a pass, V vocabulary.
 """
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.engine import devices as split
 from ostinato.engine.kv_cache import KVCache
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import build_model, load_all_experts
@@ -27,9 +30,18 @@ class RunnerSettings:
     dtype: str | None = None  # default: the checkpoint's (bf16 on GPU, fp32 on CPU)
     max_context: int | None = None  # default: min(16384, max_position_embeddings)
     prefill_chunk: int = 2048
-    cuda_graph: bool = True  # decode as one captured graph, when the experts backend allows it
+    cuda_graph: bool = True  # decode as one captured graph, when the experts backend allows it (one device)
+    devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": MoE layers split across them, in order
+
+    def device_names(self) -> list[str]:
+        """The devices in layer order; `device` may itself be a comma list."""
+        spec = self.devices or self.device
+        return split.parse_devices(spec) if spec else [str(default_device())]
 
     def torch_device(self) -> torch.device:
+        """The (first) compute device: the embedding's."""
+        if self.devices or (self.device and "," in self.device):
+            return split.physical(self.device_names()[0])
         return torch.device(self.device) if self.device else default_device()
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
@@ -46,15 +58,40 @@ class ModelRunner:
         self.config = source.config
         self.device = settings.torch_device()
         self.dtype = settings.torch_dtype(self.config.torch_dtype)
+        max_context = settings.max_context or min(16384, self.config.max_position_embeddings)
+        self.layer_devices = getattr(experts, "layer_devices", None) or split.resolve_layer_devices(
+            self.config, settings.device_names(), None, max_context, self.dtype)
+        if self.layer_devices is not None:
+            self._init_split(source, experts, max_context)
+            return
         self.experts = experts if experts is not None else ReferenceExperts(
             load_all_experts(source, device=self.device, dtype=self.dtype))
         self.model = build_model(source, self.device, self.dtype)
         self.model.set_experts(self.experts)
-        max_context = settings.max_context or min(16384, self.config.max_position_embeddings)
         self.kv = KVCache(self.config, max_context, self.device, self.dtype)
         self.graphs = None
         if settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()
+
+    def _init_split(self, source, experts, max_context: int) -> None:
+        """Layers across devices: built in host memory, then each part moved to its device (so
+        no device ever holds more than its share); decode graphs stay off (eager decode)."""
+        self.device = split.physical(self.layer_devices[0])
+        self.experts = experts if experts is not None else split.split_reference(source, self.layer_devices,
+                                                                                 self.dtype)
+        self.model = build_model(source, "cpu", self.dtype)
+        split.place_model(self.model, self.layer_devices)
+        self.model.set_experts(self.experts)
+        self.kv = split.SplitKV(self.config, max_context, self.layer_devices, self.dtype)
+        self.graphs = None
+
+    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, start: int, window=None) -> torch.Tensor:
+        if self.layer_devices is None:
+            return self.model(ids, pos, self.kv.layers, start, window)
+        return split.forward_split(self.model, self.layer_devices, ids, pos, self.kv.layers, start, window)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden).to(self.device)  # from the last device, where lm_head lives
 
     def enable_graphs(self) -> None:
         """Capture decode steps when the placement allows it: every expert resident, or the
@@ -98,8 +135,8 @@ class ModelRunner:
         for s in range(0, len(tokens), chunk):
             ids = torch.tensor(tokens[s:s + chunk], dtype=torch.long, device=self.device)
             pos = torch.arange(start + s, start + s + ids.shape[0], device=self.device)
-            hidden = self.model(ids, pos, self.kv.layers, start + s)
-            outs.append(self.model.logits(hidden if all_logits else hidden[-1:]))
+            hidden = self._hidden(ids, pos, start + s)
+            outs.append(self._logits(hidden if all_logits else hidden[-1:]))
         logits = torch.cat(outs) if all_logits else outs[-1][0]
         if decode:
             self._after_decode_step()
@@ -119,9 +156,8 @@ class ModelRunner:
 
         size = next(s for s in window_sizes(self.max_context) if position < s)
         pos = torch.tensor([position], device=self.device)
-        hidden = self.model(torch.tensor([token], device=self.device), pos, self.kv.layers, 0,
-                            DecodeWindow(pos, size))
-        return self.model.logits(hidden)[0]  # experts by the synchronous path (host-driven)
+        hidden = self._hidden(torch.tensor([token], device=self.device), pos, 0, DecodeWindow(pos, size))
+        return self._logits(hidden)[0]  # experts by the synchronous path (host-driven)
 
     def placement_stats(self) -> dict[str, float]:
         """Cumulative counters of the experts placement (routes, cold routes, CPU experts, bytes

@@ -103,14 +103,18 @@ def _plan_profile(a, cfg):
     raise ValueError("give a development profile (--profile, from `ostinato profile`) or --sessions to profile")
 
 
+def _device_names(a) -> list[str]:
+    """--devices as a list (one name: --device; none: the default device)."""
+    from ostinato.engine.devices import parse_devices
+
+    if a.devices:
+        return parse_devices(a.devices)
+    return [a.device] if a.device else []
+
+
 def _device(a) -> str | None:
-    if not a.devices:
-        return a.device
-    devices = [d for d in a.devices.split(",") if d]
-    if len(devices) > 1:
-        raise ConfigError(f"--devices {a.devices}: planning over several GPUs comes with multi-GPU support "
-                          "(issue [G]); give one device")
-    return devices[0]
+    names = _device_names(a)
+    return names[0] if names else None
 
 
 def _route_report(name: str, prof, hot: dict[int, list[int]], num_layers: int, top_k: int) -> dict:
@@ -173,20 +177,26 @@ def cmd_plan(a) -> int:
         raise ValueError("give --gpu-memory (size the pool by the capacity test) or --hot-fraction")
     if a.hot_fraction is not None and not 0.0 <= a.hot_fraction <= 1.0:
         raise ValueError(f"--hot-fraction must be in [0, 1], got {a.hot_fraction}")
-    device = _device(a)
+    names = _device_names(a)
+    device = names[0] if names else None
     source = open_source(a.model)
     cfg = source.config
     L, E, K = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     prof, prof_path = _plan_profile(a, cfg)
     counts = prof.total("all") if prof else {l: torch.zeros(E) for l in cfg.moe_layers}
     slots = round(a.hot_fraction * L * E) if a.hot_fraction is not None else None
-    cap = _plan_capacity(a, cfg, counts, prof, device, slots) if a.gpu_memory else None
-    hot = fill(counts, cap.hot_slots if cap else slots)
-    res = Residency(model_fingerprint(source), E, hot, devices={device: cfg.moe_layers} if device else {},
-                    gpu_memory=cap.budget if cap else None,
+    if len(names) > 1:  # one pool per GPU, each planned for its own layers under its own cap
+        hot, devices, budget, capacity = _plan_split(a, cfg, counts, prof, names)
+        cap = None
+    else:
+        cap = _plan_capacity(a, cfg, counts, prof, device, slots) if a.gpu_memory else None
+        hot = fill(counts, cap.hot_slots if cap else slots)
+        devices = {device: cfg.moe_layers} if device else {}
+        budget, capacity = (cap.budget if cap else None), (cap.to_json() if cap else {})
+    res = Residency(model_fingerprint(source), E, hot, devices=devices, gpu_memory=budget,
                     profile={"path": prof_path, "sessions": prof.sessions if prof else 0,
                              "tokens": prof.tokens if prof else {}, "max_tokens": prof.max_tokens if prof else 0},
-                    capacity=cap.to_json() if cap else {},
+                    capacity=capacity,
                     notes={"hot_fraction": a.hot_fraction} if a.hot_fraction is not None else {})
     print(f"{res.hot_count} hot experts of {L * E} ({100 * res.hot_count / (L * E):.1f}%) -> {a.output}")
     report = {"hot_experts": res.hot_count}
@@ -198,7 +208,45 @@ def cmd_plan(a) -> int:
     res.save(a.output)
     if cap and not a.no_verify:
         _verify(a, res, cap, device)
+    elif len(names) > 1 and a.gpu_memory and not a.no_verify:
+        print("verification skipped: the run under the cap is measured on one device only (not yet per device)")
     return 0
+
+
+def _plan_split(a, cfg, counts, prof, names: list[str]):
+    """Several GPUs: contiguous layer ranges balanced by memory (planner/assign.py), a capacity
+    test per device with --gpu-memory as each device's cap, then each device's slots filled
+    from its own layers. -> (hot, devices, budget per device, capacity)."""
+    from ostinato.config import parse_bytes
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.planner.assign import assign_devices, device_capacity
+    from ostinato.planner.capacity import CapacitySettings, fmt_bytes
+    from ostinato.planner.fill import fill_per_device
+
+    dtype = RunnerSettings(device=names[0], dtype=a.dtype).torch_dtype(cfg.torch_dtype)
+    kv_tokens = a.max_context or (prof.max_tokens if prof else 0)
+    budget = parse_bytes(a.gpu_memory) if a.gpu_memory else None
+    devices = assign_devices(cfg, names, kv_tokens, dtype, caps=[budget] * len(names) if budget else None)
+    moe = {d: [l for l in layers if cfg.is_moe_layer(l)] for d, layers in devices.items()}
+    slots, caps = {}, {}
+    settings = CapacitySettings(margin_bytes=parse_bytes(a.margin), margin_fraction=a.margin_fraction,
+                                prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores)
+    for i, (d, layers) in enumerate(devices.items()):
+        want = round(a.hot_fraction * len(moe[d]) * cfg.num_experts) if a.hot_fraction is not None else None
+        if budget is None:
+            slots[d] = want
+            print(f"{d}: layers {layers[0]}-{layers[-1]}, {want} hot experts")
+            continue
+        cap = device_capacity(cfg, counts, budget, kv_tokens, dtype, layers, i == 0, i == len(devices) - 1,
+                              settings, want, name=d)
+        caps[d], slots[d] = cap.to_json(), cap.hot_slots
+        print(f"{d}: layers {layers[0]}-{layers[-1]}; capacity test, --gpu-memory {fmt_bytes(budget)} per device "
+              f"({cap.dtype}; holds {cap.max_hot_slots} hot experts):")
+        for what, n in cap.table():
+            print(f"  {what:<44} {fmt_bytes(n):>11}")
+    hot = fill_per_device(counts, moe, slots)
+    capacity = {"kv_tokens": kv_tokens, "devices": caps} if budget else {}
+    return hot, devices, budget, capacity
 
 
 def cmd_calibrate(a) -> int:
@@ -291,7 +339,8 @@ def add_planner_commands(sub, add_model_args) -> None:
                    "materialised at once (default 1: torch's math kernel for masked grouped-query attention, as "
                    "the engine runs today; 0 for a fused kernel)")
     p.add_argument("--device", help="the GPU (default: cuda if present)")
-    p.add_argument("--devices", help="comma-separated GPUs (one for now)")
+    p.add_argument("--devices", help="comma-separated GPUs of this host, e.g. cuda:0,cuda:1: layers split "
+                   "across them, one pool each; --gpu-memory is then per device")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: the engine's)")
     p.add_argument("--cpu-threads", type=int, help="CPU expert threads for the verification run")
     p.add_argument("--no-verify", action="store_true", help="skip running the longest request under the cap")

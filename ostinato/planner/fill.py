@@ -27,6 +27,15 @@ def fill(counts: dict[int, torch.Tensor], slots: int) -> dict[int, list[int]]:
     return {l: sorted(v) for l, v in hot.items()}
 
 
+def fill_per_device(counts: dict[int, torch.Tensor], devices: dict[str, list[int]],
+                    slots: dict[str, int]) -> dict[int, list[int]]:
+    """Each device's slots go to the most-routed experts of its own layers (one pool per GPU)."""
+    hot: dict[int, list[int]] = {}
+    for device, layers in devices.items():
+        hot |= fill({l: counts[l] for l in layers if l in counts}, slots.get(device, 0))
+    return hot
+
+
 def cold_routes(counts: dict[int, torch.Tensor], hot: dict[int, list[int]]) -> tuple[float, float]:
     """(routes to non-resident experts, all routes) of a profile under a residency set."""
     total = cold = 0.0

@@ -57,6 +57,13 @@ class Residency:
         m[self.hot.get(layer, [])] = True
         return m
 
+    def layer_devices(self, num_layers: int) -> list[str] | None:
+        """Each decoder layer's device under `devices` (a layer not listed goes with the one
+        before it, leading ones with the first device); None for a plan of one device."""
+        from ostinato.planner.assign import layer_map
+
+        return layer_map(self.devices, num_layers) if len(self.devices) > 1 else None
+
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
                 "num_experts": self.num_experts, "gpu_memory": self.gpu_memory, "devices": self.devices,
@@ -95,6 +102,9 @@ class Residency:
         bad = [l for l in self.hot if l not in cfg.moe_layers]
         if bad or any(e < 0 or e >= cfg.num_experts for v in self.hot.values() for e in v):
             raise ConfigError("the residency file names layers or experts this model does not have")
+        listed = [l for v in self.devices.values() for l in v]
+        if len(listed) != len(set(listed)) or any(l < 0 or l >= cfg.num_hidden_layers for l in listed):
+            raise ConfigError("the residency file's `devices` must give each layer of this model to one device")
 
 
 def residency_from_mask(fingerprint: str, masks: dict[int, torch.Tensor], **kw) -> Residency:

@@ -1,0 +1,221 @@
+"""MoE layers split across the GPUs of one host: the runner's side of it.
+
+Each decoder layer lives on one device (contiguous ranges, planned by planner/assign.py
+and stored in the residency file): its dense weights, its KV cache and the pool slots of
+its hot experts. The embedding sits on the first device, the final norm and lm_head on
+the last; a pass hands the hidden state (and cos/sin) to the next device at each range
+boundary. Every device has its own ExpertPool and index table and its own HybridExperts;
+all of them share one HostExperts and one CpuExperts, the CPU pool serving every GPU
+(layers run in order, so it serves one layer at a time). The model module stays pure:
+the layer loop that moves activations lives here.
+
+Device names are logical: "cuda:1" is a GPU, "cpu:0" and "cpu:1" are two logical
+devices on the host's one memory, so the same placement runs (and is tested) on a CPU.
+
+Decode graphs are not captured for a split model (one graph per GPU needs cross-device
+hand-offs inside the capture; not done yet): decode runs eagerly, host-driven.
+
+Legend: T tokens, D hidden, L decoder layers.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+from torch import nn
+
+from ostinato.models.qwen3_moe import DecodeWindow
+
+
+def physical(name: str) -> torch.device:
+    """A logical device name -> the torch device that holds its memory ("cpu:1" -> cpu)."""
+    dev = torch.device(name)
+    return torch.device("cpu") if dev.type == "cpu" else dev
+
+
+def parse_devices(spec) -> list[str]:
+    """'cuda:0,cuda:1' (or a sequence) -> ['cuda:0', 'cuda:1']; names are checked by torch."""
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s) for s in spec]
+    names = [n for n in names if n]
+    for n in names:
+        torch.device(n)
+    if len(set(names)) != len(names):
+        raise ValueError(f"devices {names}: a device is named twice")
+    return names
+
+
+def in_order(layer_devices: list[str]) -> list[str]:
+    """The distinct devices in layer order (first: embedding, last: lm_head)."""
+    return list(dict.fromkeys(layer_devices))
+
+
+def resolve_layer_devices(cfg, names: list[str], residency, kv_tokens: int, dtype: torch.dtype) -> list[str] | None:
+    """Each decoder layer's device, or None for a one-device run. A residency planned for
+    several devices brings its own assignment (the names given, if any, must be its devices);
+    otherwise several names get the balanced assignment of planner/assign.py, equal caps."""
+    from ostinato.config import ConfigError
+    from ostinato.planner.assign import assign_devices, layer_map
+
+    planned = residency.layer_devices(cfg.num_hidden_layers) if residency is not None else None
+    if planned is not None:
+        if len(names) > 1 and names != list(residency.devices):
+            raise ConfigError(f"the residency file was planned for devices {','.join(residency.devices)}, not "
+                              f"{','.join(names)}: give those, or plan again with --devices {','.join(names)}")
+        return planned
+    if len(names) < 2:
+        return None
+    return layer_map(assign_devices(cfg, names, kv_tokens, dtype), cfg.num_hidden_layers)
+
+
+def place_model(model: nn.Module, layer_devices: list[str]) -> None:
+    """Move each layer to its device, the embedding to the first, norm and lm_head to the last."""
+    first, last = physical(layer_devices[0]), physical(layer_devices[-1])
+    inner = model.model
+    tied = model.lm_head.weight is inner.embed_tokens.weight
+    if tied and first != last:  # one tensor cannot live on two devices: the head gets a copy
+        model.lm_head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(last), requires_grad=False)
+    inner.embed_tokens.to(first)
+    for layer, name in zip(inner.layers, layer_devices):
+        layer.to(physical(name))
+    inner.norm.to(last)
+    model.lm_head.to(last)
+
+
+class SplitKV:
+    """The KV cache of a split model: one [Ld, N, Hkv, Hd] block per device for its layers."""
+
+    def __init__(self, cfg, max_tokens: int, layer_devices: list[str], dtype: torch.dtype):
+        from ostinato.engine.kv_cache import LayerKV
+
+        self.max_tokens = max_tokens
+        self.blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layers = []
+        shape = (max_tokens, cfg.num_key_value_heads, cfg.head_dim)
+        for name in in_order(layer_devices):
+            n = layer_devices.count(name)
+            k = torch.zeros((n, *shape), device=physical(name), dtype=dtype)
+            self.blocks[name] = (k, torch.zeros_like(k))
+        seen: Counter = Counter()
+        for name in layer_devices:
+            k, v = self.blocks[name]
+            self.layers.append(LayerKV(k[seen[name]], v[seen[name]]))
+            seen[name] += 1
+
+
+def forward_split(model, layer_devices: list[str], input_ids: torch.Tensor, positions: torch.Tensor, kv: list,
+                  start: int, window: DecodeWindow | None = None) -> torch.Tensor:
+    """The model's forward pass (same modules, same order) with x handed between devices:
+    input_ids, positions [T] on the first device -> final hidden states [T, D] on the last."""
+    x = model.model.embed_tokens(input_ids)
+    if window is not None:
+        window.refresh()
+    seq_len = window.size if window is not None else start + input_ids.shape[0]
+    cos, sin = model.rotary(positions, seq_len, x.dtype)
+    here = physical(layer_devices[0])
+    for i, layer in enumerate(model.model.layers):
+        dev = physical(layer_devices[i])
+        if dev != here:  # a range boundary between two GPUs
+            x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
+            if window is not None:
+                window = DecodeWindow(window.position.to(dev), window.size)
+                window.refresh()
+            here = dev
+        # the layer's device is the current one: Triton kernels, events and streams of the
+        # experts backend follow torch.cuda.current_device(), not the tensors
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            x = layer(x, cos, sin, kv[i], start, window)
+    return model.model.norm(x)
+
+
+class SplitExperts:
+    """The experts backend of a split model: each layer goes to its device's backend."""
+
+    capturable = False
+
+    def __init__(self, backends: dict[str, object], layer_devices: list[str]):
+        self.backends = backends
+        self.layer_devices = layer_devices
+
+    def __call__(self, layer: int, x: torch.Tensor, topk):
+        return self.backends[self.layer_devices[layer]](layer, x, topk)
+
+    def _each(self, hook: str) -> None:
+        for b in self.backends.values():
+            fn = getattr(b, hook, None)
+            dev = getattr(b, "device", None)
+            if fn is not None:
+                with torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext():
+                    fn()
+
+    def before_prefill(self) -> None:
+        self._each("before_prefill")
+
+    def after_decode_step(self) -> None:
+        self._each("after_decode_step")
+
+    def stats(self) -> dict[str, float]:
+        total: Counter = Counter()
+        for b in self.backends.values():
+            if callable(getattr(b, "stats", None)):
+                total.update(b.stats())
+        return dict(total)
+
+
+def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype: torch.dtype,
+                       max_tokens: int) -> SplitExperts:
+    """One ExpertPool + HybridExperts per device (the hot experts of its layers), one HostExperts
+    and one CpuExperts for all (the cold experts of every layer, one CPU pool)."""
+    from ostinato.config import ConfigError
+    from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD, apply_memory_cap
+    from ostinato.layers.moe.cpu_experts import CpuExperts
+    from ostinato.layers.moe.hybrid import HybridExperts
+    from ostinato.layers.moe.pool import ExpertPool, HostExperts
+    from ostinato.loader.build import load_experts
+
+    cfg = source.config
+    residency.check(source)
+    F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    hot = {l: residency.hot.get(l, []) for l in cfg.moe_layers}
+    cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
+    pools: dict[str, ExpertPool] = {}
+    for name in in_order(layer_devices):
+        layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
+        dev = physical(name)
+        apply_memory_cap(dev, place.gpu_memory)  # per device
+        if not layers:
+            continue
+        try:
+            pools[name] = ExpertPool({l: hot[l] for l in layers}, cfg.num_hidden_layers, E, cfg.num_experts_per_tok,
+                                     max(len(cold[l]) for l in layers), (2 * F, D), (D, F), dev, dtype)
+        except torch.OutOfMemoryError:
+            raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
+                              "--gpu-memory or --hot-fraction") from None
+    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
+    for layer in cfg.moe_layers:
+        pool = pools[layer_devices[layer]]
+        staging = pool.device if getattr(source, "generate_on", None) == pool.device.type else "cpu"
+        experts = load_experts(source, layer, device=staging, dtype=dtype)
+        pool.fill_layer(layer, experts)
+        host.fill_layer(layer, experts)
+    cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)
+    np_ = place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
+    backends = {}
+    for name, pool in pools.items():
+        with torch.cuda.device(pool.device) if pool.device.type == "cuda" else contextlib.nullcontext():
+            hybrid = HybridExperts(pool, host, cpu, int(np_), max_tokens)
+            if place.borrow and pool.num_slots > pool.flex_lo:
+                from ostinato.layers.moe.borrow import Borrowing
+
+                hybrid.borrow = Borrowing(hybrid, wait_copies=place.borrow_wait_copies)
+        backends[name] = hybrid
+    return SplitExperts(backends, layer_devices)
+
+
+def split_reference(source, layer_devices: list[str], dtype: torch.dtype):
+    """Every expert resident, each layer's on its own device (no residency given)."""
+    from ostinato.layers.moe.reference import ReferenceExperts
+    from ostinato.loader.build import load_experts
+
+    return ReferenceExperts({l: load_experts(source, l, device=physical(layer_devices[l]), dtype=dtype)
+                             for l in source.config.moe_layers})

@@ -1,0 +1,117 @@
+"""Layers -> GPUs of one host: contiguous layer ranges balanced by memory, and the capacity
+test of each GPU (DESIGN.md: one expert pool per GPU, shared by the MoE layers placed on it).
+
+The rule. A decoder layer i costs w_i = its dense weights + its KV cache (the planned
+tokens) + all E of its experts: what keeping the layer wholly resident would take. The
+embedding is an extra on the first device, the final norm and lm_head (its own copy when
+the embeddings are tied) an extra on the last. Device d gets the next contiguous range
+of layers; the cut after it is the layer boundary whose prefix load (first extra + the
+w_i before it) lies nearest to cap_0 + ... + cap_d over the sum of the caps, times the
+total load; every device gets at least one layer. So each device's load is
+proportional to its cap, each can keep about the same share of its layers' experts
+resident, and ranges keep the activations' hops between devices at n - 1 per pass.
+Then each device runs its own capacity test (`device_capacity`: its dense weights, its
+layers' KV cache, the activations of the largest pass, the margin) and its slots go to
+the most-routed experts of its own layers (`fill.fill_per_device`).
+
+Everything here is a pure function of the config, the counts and the settings.
+
+Legend: L decoder layers, E experts per layer, K top-k.
+"""
+from __future__ import annotations
+
+import torch
+
+from ostinato.config import ModelConfig
+from ostinato.planner.capacity import (Capacity, CapacityError, CapacitySettings, activation_bytes, expert_bytes,
+                                       fmt_bytes, itemsize, kv_bytes, max_hot_slots, flex_slots)
+
+
+def dense_parts(cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int, int]:
+    """(dense bytes of each decoder layer, embedding bytes, final norm + lm_head bytes)."""
+    from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    b = itemsize(dtype)
+    size = lambda m: sum(p.numel() for p in m.parameters()) * b  # noqa: E731
+    layers = [size(layer) for layer in model.model.layers]
+    head = size(model.model.norm) + model.lm_head.weight.numel() * b  # a copy of its own when tied
+    return layers, size(model.model.embed_tokens), head
+
+
+def assign_layers(costs: list[int], caps: list[int], first_extra: int = 0, last_extra: int = 0) -> list[list[int]]:
+    """Contiguous ranges of layer indices, one per cap, each load proportional to its cap."""
+    n, L = len(caps), len(costs)
+    if n < 1 or L < n:
+        raise ValueError(f"cannot spread {L} layers over {n} devices (each needs at least one layer)")
+    prefix = [first_extra]
+    for w in costs:
+        prefix.append(prefix[-1] + w)
+    total = prefix[-1] + last_extra
+    cuts, share = [0], 0.0
+    for d in range(n - 1):
+        share += caps[d] / sum(caps)
+        target = share * total
+        lo, hi = cuts[-1] + 1, L - (n - 1 - d)
+        cuts.append(min(range(lo, hi + 1), key=lambda c: abs(prefix[c] - target)))
+    cuts.append(L)
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+def assign_devices(cfg: ModelConfig, devices: list[str], kv_tokens: int, dtype: torch.dtype,
+                   caps: list[int] | None = None) -> dict[str, list[int]]:
+    """device -> its decoder layers, by the rule above (equal caps when none are given)."""
+    layers, embed, head = dense_parts(cfg, dtype)
+    kv_layer = kv_bytes(cfg, max(kv_tokens, 0), dtype) // cfg.num_hidden_layers
+    experts = cfg.num_experts * expert_bytes(cfg, dtype)
+    costs = [w + kv_layer + (experts if cfg.is_moe_layer(i) else 0) for i, w in enumerate(layers)]
+    ranges = assign_layers(costs, caps or [1] * len(devices), embed, head)
+    return dict(zip(devices, ranges))
+
+
+def layer_map(devices: dict[str, list[int]], num_layers: int) -> list[str]:
+    """{device: [layers]} -> each decoder layer's device (a layer not listed goes with the one
+    before it, leading ones with the first device)."""
+    owner = {l: d for d, layers in devices.items() for l in layers}
+    out, current = [], next(iter(devices))
+    for i in range(num_layers):
+        current = owner.get(i, current)
+        out.append(current)
+    return out
+
+
+def device_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
+                    dtype: torch.dtype, layers: list[int], first: bool, last: bool,
+                    settings: CapacitySettings = CapacitySettings(), slots: int | None = None,
+                    name: str = "device") -> Capacity:
+    """The capacity test of one device holding `layers` (plan_capacity's terms, restricted to
+    them; the activation bound of the largest pass is kept whole on every device)."""
+    if kv_tokens < 1:
+        raise CapacityError("the KV cache needs at least one token: give --max-context or a profile with max_tokens")
+    per_layer, embed, head = dense_parts(cfg, dtype)
+    moe = [l for l in layers if cfg.is_moe_layer(l)]
+    counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in moe}
+    T = min(settings.prefill_chunk, kv_tokens)
+    dense = sum(per_layer[l] for l in layers) + (embed if first else 0) + (head if last else 0)
+    kv = kv_bytes(cfg, kv_tokens, dtype) // cfg.num_hidden_layers * len(layers)
+    act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share)
+    margin = int(settings.margin_bytes + settings.margin_fraction * budget)
+    eb, K, E = expert_bytes(cfg, dtype), cfg.num_experts_per_tok, cfg.num_experts
+    fixed = dense + kv + act["total"] + margin
+    n = (budget - fixed) // eb if budget > fixed else -1
+    best = (max_hot_slots(counts, n, K, E) if moe else 0) if n >= 0 else -1
+    if best < 0:
+        raise CapacityError(f"{name}: --gpu-memory {fmt_bytes(budget)} cannot hold its dense weights "
+                            f"({fmt_bytes(dense)}), the KV cache of its {len(layers)} layers ({fmt_bytes(kv)}), "
+                            f"activations ({fmt_bytes(act['total'])}), the margin ({fmt_bytes(margin)}) and the "
+                            "pool's zero and flex slots: give a larger --gpu-memory or more devices")
+    if slots is not None:
+        slots = max(0, min(slots, len(moe) * E))
+        if slots > best:
+            raise CapacityError(f"{name}: {slots} hot experts do not fit --gpu-memory {fmt_bytes(budget)}: "
+                                f"it holds at most {best}")
+    hot = best if slots is None else slots
+    zero = K if moe else 0
+    return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, zero,
+                    flex_slots(counts, hot, E) if moe else 0, hot, best, str(dtype).removeprefix("torch."), act)

@@ -1,0 +1,173 @@
+"""MoE layers split across devices (issue [G]), on the CPU: "cpu:0" and "cpu:1" are two
+logical devices on one memory, so the split placement runs through the same code as on two
+GPUs (pools, index tables, layer loop, hand-offs) and must give the one-device logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ostinato.engine.factory import load_engine
+from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.runner import RunnerSettings
+from ostinato.layers.moe.pool import COLD
+from ostinato.planner.assign import assign_devices, assign_layers, layer_map
+from ostinato.planner.fill import fill, fill_per_device
+from ostinato.planner.residency import Residency, model_fingerprint
+
+TWO = "cpu:0,cpu:1"
+PROMPT = list(range(5, 5 + 60))
+
+
+def _settings(**kw):
+    return RunnerSettings(**{"device": "cpu", "dtype": "fp32", "max_context": 128, "prefill_chunk": 32,
+                             "cuda_graph": False, **kw})
+
+
+def _greedy(runner, prompt, steps=8):
+    logits = runner.forward(prompt, 0)
+    out = []
+    for i in range(steps):
+        out.append(int(logits.argmax()))
+        logits = runner.forward(out[-1:], len(prompt) + i)
+    return out
+
+
+def _check_same(one, two):
+    a = one.runner.forward(PROMPT, 0, all_logits=True)
+    b = two.runner.forward(PROMPT, 0, all_logits=True)
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+    assert _greedy(one.runner, PROMPT[:20]) == _greedy(two.runner, PROMPT[:20])
+
+
+@pytest.mark.parametrize("caps", [[1, 1], [1, 1, 1], [3, 1], [1, 2, 1]])
+def test_assignment_is_contiguous_and_balanced(caps):
+    costs = [10] * 12
+    ranges = assign_layers(costs, caps, first_extra=3, last_extra=3)
+    assert [l for r in ranges for l in r] == list(range(12)) and all(ranges)  # contiguous, each device a range
+    loads = [sum(costs[l] for l in r) for r in ranges]
+    loads[0] += 3
+    loads[-1] += 3
+    total = sum(loads)
+    for load, cap in zip(loads, caps):  # within one layer of its cap's share
+        assert abs(load - total * cap / sum(caps)) <= 10
+
+
+def test_assignment_counts_embedding_and_head():
+    ranges = assign_layers([10] * 4, [1, 1], first_extra=20)  # the embedding weighs two layers
+    assert ranges == [[0], [1, 2, 3]]
+    with pytest.raises(ValueError):
+        assign_layers([10] * 2, [1, 1, 1])
+
+
+def test_assignment_of_a_model(tiny_dir):
+    from ostinato.loader.source import open_source
+
+    cfg = open_source(tiny_dir).config
+    devices = assign_devices(cfg, ["cuda:0", "cuda:1"], 128, torch.bfloat16)
+    assert devices == {"cuda:0": [0, 1], "cuda:1": [2, 3]}
+    assert layer_map(devices, 4) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+
+
+def test_fill_per_device_ranks_each_devices_own_layers():
+    g = torch.Generator().manual_seed(0)
+    counts = {l: torch.rand(8, generator=g) * (10 if l < 2 else 1) for l in range(4)}  # layers 0-1 route more
+    devices = {"a": [0, 1], "b": [2, 3]}
+    hot = fill_per_device(counts, devices, {"a": 3, "b": 5})
+    assert sum(len(hot[l]) for l in devices["a"]) == 3 and sum(len(hot[l]) for l in devices["b"]) == 5
+    for d, layers in devices.items():
+        assert {l: hot[l] for l in layers} == fill({l: counts[l] for l in layers}, 3 if d == "a" else 5)
+    assert all(not v for l, v in fill(counts, 8).items() if l >= 2)  # one global fill would starve device b
+
+
+def test_split_reference_matches_one_device(tiny_dir):
+    one = load_engine(str(tiny_dir), _settings())
+    two = load_engine(str(tiny_dir), _settings(devices=TWO))
+    assert two.runner.layer_devices == ["cpu:0", "cpu:0", "cpu:1", "cpu:1"]
+    _check_same(one, two)
+
+
+def _split_residency(source, tmp_path, fraction=0.5):
+    cfg = source.config
+    g = torch.Generator().manual_seed(3)
+    n = round(fraction * cfg.num_experts)
+    hot = {l: sorted(torch.randperm(cfg.num_experts, generator=g)[:n].tolist()) for l in cfg.moe_layers}
+    fp = model_fingerprint(source)
+    Residency(fp, cfg.num_experts, hot).save(tmp_path / "one.json")
+    Residency(fp, cfg.num_experts, hot, devices={"cpu:0": [0], "cpu:1": [1, 2, 3]}).save(tmp_path / "two.json")
+    return hot
+
+
+@pytest.mark.parametrize("threshold", [10**9, 16])  # split path / upload path for the 60-token prompt
+def test_split_hybrid_matches_one_device(tiny_dir, tmp_path, threshold):
+    from ostinato.loader.source import open_source
+
+    hot = _split_residency(open_source(tiny_dir), tmp_path)
+    place = dict(upload_threshold=threshold, cpu_threads=1, cpu_backend="torch", borrow_wait_copies=True)
+    one = load_engine(str(tiny_dir), _settings(), PlacementSettings(residency=str(tmp_path / "one.json"), **place))
+    # the residency's devices place the layers; no flag needed
+    two = load_engine(str(tiny_dir), _settings(), PlacementSettings(residency=str(tmp_path / "two.json"), **place))
+    _check_same(one, two)
+    experts = two.runner.experts
+    assert two.runner.layer_devices == ["cpu:0", "cpu:1", "cpu:1", "cpu:1"]
+    backends = experts.backends
+    assert set(backends) == {"cpu:0", "cpu:1"}
+    assert backends["cpu:0"].cpu is backends["cpu:1"].cpu  # one CPU pool serves every device
+    for name, layers in {"cpu:0": [0], "cpu:1": [1, 2, 3]}.items():
+        pool = backends[name].pool
+        assert pool.num_hot == sum(len(hot[l]) for l in layers)
+        for l in range(4):
+            row = pool.table_host[l]  # decode may have lent flex slots to its own layers' cold experts
+            assert ((row >= 0) & (row < pool.flex_lo)).nonzero().flatten().tolist() == (hot[l] if l in layers else [])
+            assert l in layers or (row == COLD).all()
+    stats = two.runner.placement_stats()
+    assert stats["cold_routes"] > 0 and stats["routes"] == one.runner.placement_stats()["routes"]
+
+
+def test_devices_must_match_the_plan(tiny_dir, tmp_path):
+    from ostinato.config import ConfigError
+    from ostinato.loader.source import open_source
+
+    _split_residency(open_source(tiny_dir), tmp_path)
+    with pytest.raises(ConfigError, match="planned for devices"):
+        load_engine(str(tiny_dir), _settings(devices="cpu:1,cpu:0"),
+                    PlacementSettings(residency=str(tmp_path / "two.json"), cpu_threads=1, cpu_backend="torch"))
+
+
+def test_plan_per_device(tiny_dir, tmp_path, capsys):
+    from ostinato.cli import main
+    from ostinato.loader.source import open_source
+    from ostinato.planner.assign import device_capacity
+    from ostinato.planner.capacity import CapacitySettings
+    from ostinato.planner.profile import RouteCounts
+
+    cfg = open_source(tiny_dir).config
+    g = torch.Generator().manual_seed(1)
+    prof = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts)
+    for l in cfg.moe_layers:  # skewed, and the later layers route far more: a global fill would favour them
+        prof.prefill[l] += (torch.rand(cfg.num_experts, generator=g) ** 3 * 100 * (1 + 10 * l)).long()
+    prof.tokens, prof.max_tokens, prof.sessions = {"prefill": 100, "decode": 20}, 128, 1
+    prof.save(tmp_path / "p.json")
+    counts = prof.total("all")
+    s = CapacitySettings(margin_bytes=0, margin_fraction=0.0)
+    probe = device_capacity(cfg, counts, 2**40, 128, torch.float32, [0, 1], True, False, s)
+    budget = probe.fixed + (cfg.num_experts_per_tok + 20) * probe.expert_bytes
+    out = tmp_path / "r.json"
+    assert main([str(a) for a in ("plan", "--model", tiny_dir, "--profile", tmp_path / "p.json", "--devices", TWO,
+                                  "--dtype", "fp32", "--margin", 0, "--margin-fraction", 0, "--gpu-memory", budget,
+                                  "-o", out)]) == 0
+    assert "verification skipped" in capsys.readouterr().out
+    res = Residency.load(out)
+    assert res.devices == {"cpu:0": [0, 1], "cpu:1": [2, 3]} and res.gpu_memory == budget
+    for i, (d, layers) in enumerate(res.devices.items()):
+        cap = device_capacity(cfg, counts, budget, 128, torch.float32, layers, i == 0, i == 1, s)
+        assert res.capacity["devices"][d]["hot_slots"] == cap.hot_slots
+        want = fill({l: counts[l] for l in layers}, cap.hot_slots)
+        assert {l: res.hot[l] for l in layers} == want  # filled from its own layers only
+        assert sum(map(len, want.values())) == cap.hot_slots
+    assert sum(len(res.hot[l]) for l in (0, 1)) > sum(len(v) for l, v in fill(counts, res.hot_count).items() if l < 2)
+
+    one = load_engine(str(tiny_dir), _settings())
+    two = load_engine(str(tiny_dir), RunnerSettings(dtype="fp32", prefill_chunk=32, cuda_graph=False),
+                      PlacementSettings(residency=str(out), cpu_threads=1, cpu_backend="torch"))
+    assert two.runner.max_context == 128 and two.runner.layer_devices == ["cpu:0", "cpu:0", "cpu:1", "cpu:1"]
+    _check_same(one, two)
