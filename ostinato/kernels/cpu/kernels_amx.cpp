@@ -62,10 +62,6 @@ inline void prefetch_tile_rows(const uint16_t* rows, int64_t stride, int64_t kb)
     _mm_prefetch(reinterpret_cast<const char*>(rows + i * stride + kb * 32), kHint);
 }
 
-inline __m512 bf16x16_to_f32(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 // Two rows (f even, f + 1) x 16 tokens of bf16 values -> one VNNI tile row of pairs.
 inline __m512i pair_rows(__m256i even, __m256i odd) {
   return _mm512_or_si512(_mm512_cvtepu16_epi32(even), _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16));
@@ -146,9 +142,10 @@ void amx_gate_up(const Plan& p, int32_t s, int64_t f0) {
         for (int i = 0; i < 16; i += 2) {  // rows r0 + i (even f) and r0 + i + 1
           __m256i hi[2], lo[2];
           for (int j = 0; j < 2; ++j) {
+            // AMX runs on bf16 weights only: h rounds to bf16 as in the vector path (lo = 0)
             const __m512 h = silu_mul512(_mm512_loadu_ps(cg + (i + j) * 16), _mm512_loadu_ps(cu + (i + j) * 16));
             hi[j] = (__m256i)_mm512_cvtneps_pbh(h);
-            lo[j] = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(h, bf16x16_to_f32(hi[j])));
+            lo[j] = _mm256_setzero_si256();
           }
           const int64_t kk = ((r0 + i) % 32) / 2;
           _mm512_storeu_si512(p.hhi + off + kk * 32, pair_rows(hi[0], hi[1]));

@@ -150,8 +150,10 @@ inline void dots_n(const W* const* w, const A* const* a, int nt, const W* const*
 
 // h[f0, f0 + 32) = silu(g) * u for one route, where h holds g and u the up values; the
 // chunk is 32 positions in either layout (split only permutes inside a chunk). Positions
-// of f >= F become 0: the down kernels read whole chunks.
-inline void silu_chunk(float* h, const float* u, int64_t f0, int64_t F, bool split) {
+// of f >= F become 0: the down kernels read whole chunks. With bf16 weights h is rounded to
+// bf16 (nearest even), as the GPU kernels and the reference model round it before the down
+// projection, so the two branches of a layer compute the same function.
+inline void silu_chunk(float* h, const float* u, int64_t f0, int64_t F, bool split, bool round_bf16) {
   __mmask16 valid[2] = {0, 0};
   for (int pos = 0; pos < 32; ++pos) {
     int64_t f = f0 + (split ? (pos < 16 ? 2 * pos : 2 * (pos - 16) + 1) : pos);
@@ -161,7 +163,9 @@ inline void silu_chunk(float* h, const float* u, int64_t f0, int64_t F, bool spl
     const __mmask16 m = valid[half];
     const __m512 g = _mm512_maskz_loadu_ps(m, h + f0 + 16 * half);
     const __m512 uv = _mm512_maskz_loadu_ps(m, u + f0 + 16 * half);
-    _mm512_storeu_ps(h + f0 + 16 * half, _mm512_maskz_mov_ps(m, silu_mul512(g, uv)));
+    __m512 hv = silu_mul512(g, uv);
+    if (round_bf16) hv = round_bf16_512(hv);
+    _mm512_storeu_ps(h + f0 + 16 * half, _mm512_maskz_mov_ps(m, hv));
   }
 }
 
@@ -205,7 +209,8 @@ void gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1, bool split_h) {
     }
   }
   for (int32_t q = q0; q < q1; ++q)
-    silu_chunk(p.h + int64_t(q) * p.F32, p.u + int64_t(q) * p.F32, f0, a.F, split_h);
+    silu_chunk(p.h + int64_t(q) * p.F32, p.u + int64_t(q) * p.F32, f0, a.F, split_h,
+               a.w_dtype == DType::kBFloat16);
 }
 
 template <class W>

@@ -25,6 +25,20 @@ inline __m512 exp512(__m512 x) {
 }
 
 // silu(g) * u = g / (1 + e^-g) * u, 16 lanes (e^-g -> inf gives -0 for very negative g).
+// 16 bf16 values (bit patterns) -> fp32, exactly.
+inline __m512 bf16x16_to_f32(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// Round fp32 to the nearest bf16 (ties to even), kept as fp32; AVX-512F only, so the plain
+// AVX-512 path may use it too (equals _mm512_cvtneps_pbh for every non-NaN input).
+inline __m512 round_bf16_512(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i biased = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(biased, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
 inline __m512 silu_mul512(__m512 g, __m512 u) {
   const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);

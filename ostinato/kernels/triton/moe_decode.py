@@ -52,6 +52,7 @@ def _w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, zero_lo, zero_hi, K, D, F,
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
     h = gate * tl.sigmoid(gate) * up
+    h = h.to(w13_ptr.dtype.element_ty).to(tl.float32)  # rounded once to the weights' dtype, as prefill
     tl.store(h_ptr + route.to(tl.int64) * F + offs_f, h, mask=mask_f)
 
 

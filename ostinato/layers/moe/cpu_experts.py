@@ -43,8 +43,11 @@ def torch_reference(
     expert_ids: torch.Tensor,  # [R]
     weights: torch.Tensor,  # [R]
     out: torch.Tensor | None = None,  # [>= T, D] fp32
+    h_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The oracle in plain torch: fp32 math on the given (bf16 or fp32) weights."""
+    """The oracle in plain torch: fp32 math on the given (bf16 or fp32) weights; the FFN
+    intermediate h is rounded to h_dtype (default: the weights' dtype) before the down
+    projection, as the GPU kernels and the reference model do."""
     T, D = x.shape
     F = w2.shape[2]
     if out is None:
@@ -56,7 +59,7 @@ def torch_reference(
         sel = (eid == e).nonzero().squeeze(1)
         t = tok[sel]
         gu = x[t].float() @ w13[e].float().T  # [n, 2F]
-        h = nnf.silu(gu[:, :F]) * gu[:, F:]  # [n, F]
+        h = (nnf.silu(gu[:, :F]) * gu[:, F:]).to(h_dtype or w2.dtype).float()  # [n, F]
         y = h @ w2[e].float().T  # [n, D]
         res.index_add_(0, t, y * wts[sel, None])
     return out

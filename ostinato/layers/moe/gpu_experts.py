@@ -118,7 +118,8 @@ def slot_experts_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, o
         routes = (flat == s).nonzero().squeeze(1)
         xs = x[routes // K].float()  # [n, D]
         gate, up = (xs @ w13_pool[s].float().t()).chunk(2, dim=-1)  # [n, F] each
-        partial[routes] = ((F_.silu(gate) * up) @ w2_pool[s].float().t()) * wflat[routes, None]
+        h = (F_.silu(gate) * up).to(w2_pool.dtype).float()  # rounded to the weights' dtype, as the kernels
+        partial[routes] = (h @ w2_pool[s].float().t()) * wflat[routes, None]
     result = partial.view(T, K, -1).sum(1)  # fixed order over k
     if out is None:
         return result.to(out_dtype or x.dtype)
