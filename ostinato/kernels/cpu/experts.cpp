@@ -134,7 +134,7 @@ struct ColdExperts::Impl final : PhasedJob {
   ThreadPool pool;
   Plan plan;
   AlignedBuffer<float> h, u, xconv, y;
-  AlignedBuffer<uint16_t> xpack, hhi, hlo;
+  AlignedBuffer<uint16_t> xpack, hhi;
   std::vector<int32_t> counts, slots_by_size;
   std::vector<uint8_t> token_used;
   std::vector<int64_t> phase_sizes;
@@ -200,7 +200,6 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   p.xconv = convert ? xconv.ensure(size_t(a.T * p.D32)) : nullptr;
   p.xpack = amx_slots ? xpack.ensure(size_t(xpack_len)) : nullptr;
   p.hhi = amx_slots ? hhi.ensure(size_t(hpack_len)) : nullptr;
-  p.hlo = amx_slots ? hlo.ensure(size_t(hpack_len)) : nullptr;
 
   // Phase 0: convert the x rows the vector slots read; pack x for the AMX slots.
   p.t0.clear();
@@ -362,7 +361,6 @@ void ColdExperts::reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, 
   m.xconv.ensure(size_t(tokens * D32));
   m.xpack.ensure(size_t(padded * D));
   m.hhi.ensure(size_t(padded * F));
-  m.hlo.ensure(size_t(padded * F));
   m.y.ensure(size_t(routes * D));
   m.plan.tok_pos.reserve(size_t(routes));
   m.plan.tok_start.reserve(size_t(tokens + 1));

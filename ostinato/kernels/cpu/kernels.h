@@ -75,7 +75,6 @@ struct Plan {
   float* xconv = nullptr;  // [T, D32] converted x (kSplit, or kF32 from bf16 x)
   uint16_t* xpack = nullptr;  // AMX B tiles of x
   uint16_t* hhi = nullptr;  // AMX B tiles of bf16(h)
-  uint16_t* hlo = nullptr;  // AMX B tiles of bf16(h - bf16(h))
 
   // Task lists: phase 0 (kind 0: convert token t; kind 1: pack slot s token-block b),
   // phase 1 (slot, AMX or not, first f row, end f row), phase 2 scatter (slot, AMX or not,

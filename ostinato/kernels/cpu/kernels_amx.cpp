@@ -5,10 +5,10 @@
 // loaded once per 32 tokens. Activations are the B operand, packed once per call into
 // VNNI tiles ([16 pairs of k][16 tokens][2]), token blocks padded with zeros.
 //
-// Precision: x is bf16 (as the model's activations are). The intermediate h is fp32 and
-// enters the down projection as two bf16 tiles, hi = bf16(h) and lo = bf16(h - hi), whose
-// sum carries about 16 significant bits (relative error <= 2^-17), so rounding h to bf16
-// (2^-9) does not show in the output. Products are exact; sums are fp32 in tile order.
+// Precision: x is bf16 (as the model's activations are). The intermediate h is computed in
+// fp32 and rounded once to bf16 before the down projection, as every expert kernel of the
+// project does with bf16 weights (and the reference model). Products are exact; sums are
+// fp32 in tile order.
 // (VCVTNEPS2BF16 rounds to nearest even and flushes denormals, as the tile unit does.)
 //
 // Weight rows are separate 4 KiB pages for the hardware prefetcher, so the first pass
@@ -140,16 +140,14 @@ void amx_gate_up(const Plan& p, int32_t s, int64_t f0) {
         const float* cg = c[2 * bb];
         const float* cu = c[2 * bb + 1];
         for (int i = 0; i < 16; i += 2) {  // rows r0 + i (even f) and r0 + i + 1
-          __m256i hi[2], lo[2];
+          __m256i hi[2];
           for (int j = 0; j < 2; ++j) {
-            // AMX runs on bf16 weights only: h rounds to bf16 as in the vector path (lo = 0)
+            // AMX runs on bf16 weights only: h rounds to bf16 (nearest even), as in the vector path
             const __m512 h = silu_mul512(_mm512_loadu_ps(cg + (i + j) * 16), _mm512_loadu_ps(cu + (i + j) * 16));
             hi[j] = (__m256i)_mm512_cvtneps_pbh(h);
-            lo[j] = _mm256_setzero_si256();
           }
           const int64_t kk = ((r0 + i) % 32) / 2;
           _mm512_storeu_si512(p.hhi + off + kk * 32, pair_rows(hi[0], hi[1]));
-          _mm512_storeu_si512(p.hlo + off + kk * 32, pair_rows(lo[0], lo[1]));
         }
       }
     }
@@ -161,7 +159,6 @@ void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
   const int64_t D = a.D, F = a.F, KBF = F / 32;
   const uint16_t* w2 = static_cast<const uint16_t*>(a.w2) + (int64_t(p.exp_id[s]) * D + d0) * F;
   const uint16_t* hhi = p.hhi + p.hpack_off[s];
-  const uint16_t* hlo = p.hlo + p.hpack_off[s];
   const int32_t nb = num_blocks(p, s);
   alignas(64) float c[2][256];
   TileScope tiles;
@@ -177,13 +174,9 @@ void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
       }
       _tile_loadd(4, w2 + kb * 32, F * 2);
       _tile_loadd(5, hhi + o0 + kb * kTile, 64);
-      _tile_loadd(6, hlo + o0 + kb * kTile, 64);
       _tile_dpbf16ps(0, 4, 5);
-      _tile_dpbf16ps(0, 4, 6);
       if (two) {
         _tile_loadd(7, hhi + o1 + kb * kTile, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(7, hlo + o1 + kb * kTile, 64);
         _tile_dpbf16ps(1, 4, 7);
       }
     }

@@ -13,8 +13,9 @@ is ready. Every tensor passed to submit must stay alive and unchanged until wait
 (CpuExperts keeps references).
 
 Precision of the native kernels (see ostinato/kernels/cpu/): products of bf16 values are
-exact, every sum is fp32, the intermediate h = silu(gate) * up stays fp32 (AMX rounds it to
-a bf16 hi + lo pair, ~16 significant bits); routes of a token are summed in ascending
+exact, every sum is fp32, the intermediate h = silu(gate) * up is rounded once to the
+weights' dtype (bf16) before the down projection, as the GPU kernels and the reference model
+round it; routes of a token are summed in ascending
 expert order. The output is bitwise reproducible and independent of the thread count; it
 can differ in the last bits between ISA paths (avx512 / avx512_bf16 / amx). The torch
 backend (no compiler, no AVX-512, or asked for) runs `torch_reference` on a worker thread.
