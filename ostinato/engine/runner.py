@@ -93,6 +93,16 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden).to(self.device)  # from the last device, where lm_head lives
 
+    def set_experts(self, backend) -> None:
+        """Plug another experts backend in (a baseline policy): the old decode graphs go, and
+        new ones are captured when the settings ask for them and the backend allows it."""
+        self.graphs = None
+        self.experts = backend
+        self.model.set_experts(backend)
+        if backend is not None and self.settings.cuda_graph and self.device.type == "cuda" \
+                and self.layer_devices is None:
+            self.enable_graphs()  # may wrap a HybridExperts in its graph backend
+
     def enable_graphs(self) -> None:
         """Capture decode steps when the placement allows it: every expert resident, or the
         hybrid placement through the mapped-memory handshake with the native CPU worker."""

@@ -106,24 +106,18 @@ def use_policy(loaded, backend) -> None:
     first, so the two never hold memory together, and its decode graphs dropped); the
     runner captures decode graphs for the new one when its settings ask for them and the
     backend allows it; the session slot starts empty."""
-    runner = loaded.runner
-    if runner.experts is not backend:
+    if loaded.runner.experts is not backend:
         release(loaded)
-    runner.experts = backend
-    runner.model.set_experts(backend)
-    if getattr(runner.settings, "cuda_graph", False) and runner.device.type == "cuda":
-        runner.enable_graphs()  # may wrap a HybridExperts in its graph backend
+    loaded.runner.set_experts(backend)
     loaded.engine.reset()
 
 
 def release(loaded) -> None:
     """Close the engine's experts backend, drop its decode graphs, free its memory."""
     runner = loaded.runner
-    if getattr(runner, "graphs", None) is not None:
-        runner.graphs = None
-    close_backend(runner.experts)
-    runner.experts = None
-    runner.model.set_experts(None)
+    old = runner.experts
+    runner.set_experts(None)
+    close_backend(old)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
