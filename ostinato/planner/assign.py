@@ -23,21 +23,8 @@ from __future__ import annotations
 import torch
 
 from ostinato.config import ModelConfig
-from ostinato.planner.capacity import (Capacity, CapacityError, CapacitySettings, activation_bytes, expert_bytes,
-                                       fmt_bytes, itemsize, kv_bytes, max_hot_slots, flex_slots)
-
-
-def dense_parts(cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int, int]:
-    """(dense bytes of each decoder layer, embedding bytes, final norm + lm_head bytes)."""
-    from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
-    b = itemsize(dtype)
-    size = lambda m: sum(p.numel() for p in m.parameters()) * b  # noqa: E731
-    layers = [size(layer) for layer in model.model.layers]
-    head = size(model.model.norm) + model.lm_head.weight.numel() * b  # a copy of its own when tied
-    return layers, size(model.model.embed_tokens), head
+from ostinato.planner.capacity import (Capacity, CapacitySettings, dense_parts, expert_bytes, kv_bytes,
+                                       plan_capacity)
 
 
 def assign_layers(costs: list[int], caps: list[int], first_extra: int = 0, last_extra: int = 0) -> list[list[int]]:
@@ -85,33 +72,6 @@ def device_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: i
                     dtype: torch.dtype, layers: list[int], first: bool, last: bool,
                     settings: CapacitySettings = CapacitySettings(), slots: int | None = None,
                     name: str = "device") -> Capacity:
-    """The capacity test of one device holding `layers` (plan_capacity's terms, restricted to
-    them; the activation bound of the largest pass is kept whole on every device)."""
-    if kv_tokens < 1:
-        raise CapacityError("the KV cache needs at least one token: give --max-context or a profile with max_tokens")
-    per_layer, embed, head = dense_parts(cfg, dtype)
-    moe = [l for l in layers if cfg.is_moe_layer(l)]
-    counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in moe}
-    T = min(settings.prefill_chunk, kv_tokens)
-    dense = sum(per_layer[l] for l in layers) + (embed if first else 0) + (head if last else 0)
-    kv = kv_bytes(cfg, kv_tokens, dtype) // cfg.num_hidden_layers * len(layers)
-    act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share)
-    margin = int(settings.margin_bytes + settings.margin_fraction * budget)
-    eb, K, E = expert_bytes(cfg, dtype), cfg.num_experts_per_tok, cfg.num_experts
-    fixed = dense + kv + act["total"] + margin
-    n = (budget - fixed) // eb if budget > fixed else -1
-    best = (max_hot_slots(counts, n, K, E) if moe else 0) if n >= 0 else -1
-    if best < 0:
-        raise CapacityError(f"{name}: --gpu-memory {fmt_bytes(budget)} cannot hold its dense weights "
-                            f"({fmt_bytes(dense)}), the KV cache of its {len(layers)} layers ({fmt_bytes(kv)}), "
-                            f"activations ({fmt_bytes(act['total'])}), the margin ({fmt_bytes(margin)}) and the "
-                            "pool's zero and flex slots: give a larger --gpu-memory or more devices")
-    if slots is not None:
-        slots = max(0, min(slots, len(moe) * E))
-        if slots > best:
-            raise CapacityError(f"{name}: {slots} hot experts do not fit --gpu-memory {fmt_bytes(budget)}: "
-                                f"it holds at most {best}")
-    hot = best if slots is None else slots
-    zero = K if moe else 0
-    return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, zero,
-                    flex_slots(counts, hot, E) if moe else 0, hot, best, str(dtype).removeprefix("torch."), act)
+    """The capacity test of one device holding `layers` (plan_capacity restricted to them)."""
+    return plan_capacity(cfg, counts, budget, kv_tokens, dtype, settings, slots, layers=layers, first=first,
+                         last=last, label=name)

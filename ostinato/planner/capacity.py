@@ -186,28 +186,51 @@ def fmt_bytes(x: float) -> str:
 _gib = fmt_bytes
 
 
+def dense_parts(cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int, int]:
+    """(dense bytes of each decoder layer, embedding bytes, final norm + lm_head bytes)."""
+    from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    b = itemsize(dtype)
+    size = lambda m: sum(p.numel() for p in m.parameters()) * b  # noqa: E731
+    layers = [size(layer) for layer in model.model.layers]
+    head = size(model.model.norm) + model.lm_head.weight.numel() * b  # a copy of its own when tied
+    return layers, size(model.model.embed_tokens), head
+
+
 def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
                   dtype: torch.dtype, settings: CapacitySettings = CapacitySettings(),
-                  slots: int | None = None) -> Capacity:
-    """The capacity test. `slots`: a pool size chosen elsewhere (a hot fraction), checked to fit."""
+                  slots: int | None = None, *, layers: list[int] | None = None, first: bool = True,
+                  last: bool = True, label: str = "") -> Capacity:
+    """The capacity test. `slots`: a pool size chosen elsewhere (a hot fraction), checked to fit.
+    With `layers`, the test of one device that holds those layers (the embedding if `first`,
+    the head if `last`); the activation bound of the largest pass is kept whole."""
     if kv_tokens < 1:
         raise CapacityError("the KV cache needs at least one token: give --max-context or a profile "
                             "with max_tokens (profile again with this version of ostinato)")
-    counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in cfg.moe_layers}
     T = min(settings.prefill_chunk, kv_tokens)
-    dense = dense_weight_bytes(cfg, dtype)
-    kv = kv_bytes(cfg, kv_tokens, dtype)
+    if layers is None:
+        moe, dense, kv = cfg.moe_layers, dense_weight_bytes(cfg, dtype), kv_bytes(cfg, kv_tokens, dtype)
+    else:
+        per_layer, embed, head = dense_parts(cfg, dtype)
+        moe = [l for l in layers if cfg.is_moe_layer(l)]
+        dense = sum(per_layer[l] for l in layers) + (embed if first else 0) + (head if last else 0)
+        kv = kv_bytes(cfg, kv_tokens, dtype) // cfg.num_hidden_layers * len(layers)
+    counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in moe}
+    who = f"{label}: " if label else ""
     act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share)
     margin = int(settings.margin_bytes + settings.margin_fraction * budget)
     eb = expert_bytes(cfg, dtype)
-    K, E = cfg.num_experts_per_tok, cfg.num_experts
+    E = cfg.num_experts
+    K = cfg.num_experts_per_tok if moe else 0  # a device without MoE layers needs no zero slots
     fixed = dense + kv + act["total"] + margin
     n = (budget - fixed) // eb if budget > fixed else -1
-    best = max_hot_slots(counts, n, K, E) if n >= 0 else -1
+    best = (max_hot_slots(counts, n, K, E) if moe else 0) if n >= 0 else -1
     if best < 0:
         pool0 = (K + flex_slots(counts, 0, E)) * eb
         raise CapacityError(
-            f"--gpu-memory {_gib(budget)} cannot hold the dense weights ({_gib(dense)}) and the KV cache of "
+            f"{who}--gpu-memory {_gib(budget)} cannot hold the dense weights ({_gib(dense)}) and the KV cache of "
             f"{kv_tokens} tokens ({_gib(kv)}), with activations of a {T}-token pass ({_gib(act['total'])}), "
             f"the margin ({_gib(margin)}) and the pool's zero and flex slots ({_gib(pool0)}): need at least "
             f"{_gib(fixed + pool0)} plus {eb / 2**20:.1f} MiB per hot expert; give a larger --gpu-memory or "
@@ -215,7 +238,7 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     if slots is not None:
         slots = max(0, min(slots, len(counts) * E))
         if slots > best:
-            raise CapacityError(f"{slots} hot experts do not fit --gpu-memory {_gib(budget)}: it holds at most "
+            raise CapacityError(f"{who}{slots} hot experts do not fit --gpu-memory {_gib(budget)}: it holds at most "
                                 f"{best} (with {_gib(fixed)} for dense weights, KV cache, activations and margin)")
     hot = best if slots is None else slots
     return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, K, flex_slots(counts, hot, E), hot,
