@@ -245,11 +245,8 @@ class SlotExperts:
     def _upload(self, layer: int, uploads) -> None:
         if not uploads:
             return
-        hw, compact = self.host.layers[layer], self.host.compact[layer]
         for e, s in uploads:  # one copy per expert, from page-locked host memory
-            i = int(compact[e])
-            self.pool.w13[s].copy_(hw.w13[i], non_blocking=self.on_cuda)
-            self.pool.w2[s].copy_(hw.w2[i], non_blocking=self.on_cuda)
+            self.pool.upload(s, self.host, layer, e)
         self.counters["uploaded_experts"] += len(uploads)
         self.counters["bytes_uploaded"] += len(uploads) * self.expert_bytes
 

@@ -168,10 +168,7 @@ class DecayingCachePolicy(_CachePolicy):
                 continue
             s = self.free.pop()
             self.slot_of[l, e] = s
-            hw = self.host.layers[l]
-            c = int(self.host.compact[l][e])
-            self.pool.w13[s].copy_(hw.w13[c])
-            self.pool.w2[s].copy_(hw.w2[c])
+            self.pool.upload(s, self.host, l, e)
 
     def _step(self, layer: int) -> None:
         """A call to a layer at or before the previous one starts a new decode step."""

@@ -90,18 +90,15 @@ class Borrowing:
             self._apply_finished()
 
     def _start_copy(self, slot: int, layer: int, expert: int) -> None:
-        hw, c = self.host.layers[layer], int(self.host.compact[layer][expert])
         event = None
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # slot no longer read
             with torch.cuda.stream(self.copy_stream):
-                self.pool.w13[slot].copy_(hw.w13[c], non_blocking=True)
-                self.pool.w2[slot].copy_(hw.w2[c], non_blocking=True)
+                self.pool.upload(slot, self.host, layer, expert)
                 event = torch.cuda.Event()
                 event.record()
         else:
-            self.pool.w13[slot].copy_(hw.w13[c])
-            self.pool.w2[slot].copy_(hw.w2[c])
+            self.pool.upload(slot, self.host, layer, expert)
         self.pending.append((slot, layer, expert, event))
 
     def _apply_finished(self) -> None:

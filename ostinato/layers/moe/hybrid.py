@@ -116,18 +116,14 @@ class HybridExperts:
         if n > pool.num_slots - pool.flex_lo:
             raise RuntimeError(f"upload path: {n} cold experts exceed the {pool.num_slots - pool.flex_lo} flex slots")
         if n:
-            compact = self.host.compact[layer][cold_ids].long()
             dst = torch.arange(pool.flex_lo, pool.flex_lo + n)
-            hw = self.host.layers[layer]
-            for i in range(n):  # one copy per expert, from page-locked memory
-                pool.w13[dst[i]].copy_(hw.w13[compact[i]], non_blocking=self.on_cuda)
-                pool.w2[dst[i]].copy_(hw.w2[compact[i]], non_blocking=self.on_cuda)
+            nbytes = sum(pool.upload(int(s), self.host, layer, int(e)) for s, e in zip(dst, cold_ids))
             lookup = table.clone()
             lookup[cold_ids.to(self.device)] = dst.to(self.device, torch.int32)
             slot = lookup[topk.ids]
             self.counters["cold_routes"] += int((table[topk.ids] < 0).sum())
             self.counters["uploaded_experts"] += n
-            self.counters["bytes_uploaded"] += n * (hw.w13[0].nbytes + hw.w2[0].nbytes)
+            self.counters["bytes_uploaded"] += nbytes
         out = slot_experts_forward(x, slot, topk.weights, pool.w13, pool.w2, pool.zero_lo, pool.zero_hi,
                                    out_dtype=torch.float32)
         return out.to(x.dtype)

@@ -62,6 +62,15 @@ class ExpertPool:
             self.w13[slots] = experts.w13[src].to(self.device, non_blocking=True)
             self.w2[slots] = experts.w2[src].to(self.device, non_blocking=True)
 
+    def upload(self, slot: int, host: "HostExperts", layer: int, expert: int) -> int:
+        """Copy one cold expert from page-locked host memory into `slot`, asynchronously on the
+        current stream; returns the bytes copied."""
+        hw, i = host.layers[layer], int(host.compact[layer][expert])
+        nb = self.device.type == "cuda"
+        self.w13[slot].copy_(hw.w13[i], non_blocking=nb)
+        self.w2[slot].copy_(hw.w2[i], non_blocking=nb)
+        return hw.w13[i].nbytes + hw.w2[i].nbytes
+
     def slots_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] -> slots [T, K] int32: hot experts' slots, cold ones the zero slot of
         their top-k position. No host sync: capturable."""
