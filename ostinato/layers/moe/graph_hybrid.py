@@ -73,6 +73,8 @@ class GraphHybridExperts:
         if not (self.in_step and x.shape[0] == 1 and self.hybrid.has_cold[layer]):
             return self.hybrid(layer, x, topk)
         pool = self.hybrid.pool
+        if torch.cuda.is_current_stream_capturing():
+            self.hybrid.count_captured(layer, topk.ids)
         if self.hybrid.borrow is not None:
             self.hybrid.borrow.observe(layer, topk.ids)
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done = self.views[self.index[layer]]

@@ -38,6 +38,9 @@ class HybridExperts:
         self.out_host = torch.empty((max_tokens, D), dtype=torch.float32, pin_memory=pin)
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.counters: Counter = Counter()
+        # routes and cold routes of captured decode steps: device counters that every replay
+        # updates (Python code runs once, at capture)
+        self.graph_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.has_cold = {l: bool((c >= 0).any()) for l, c in host.compact.items()}
         self.borrow = None  # Borrowing, when decode may lend the flex slots to cold experts
 
@@ -56,14 +59,27 @@ class HybridExperts:
         return not any(self.has_cold.values())
 
     def stats(self) -> dict[str, float]:
-        out = dict(self.counters)
+        out = Counter(self.counters)
+        routes, cold = self.graph_counts.tolist()
+        out["routes"] += routes
+        out["cold_routes"] += cold
+        out = dict(out)
         if self.borrow is not None:
             out |= self.borrow.stats()
         return out
 
+    def count_captured(self, layer: int, ids: torch.Tensor) -> None:
+        """Count a captured step's routes on the device (capturable)."""
+        self.graph_counts[0] += ids.numel()
+        if self.has_cold[layer]:
+            self.graph_counts[1] += (self.pool.table[layer][ids] < 0).sum()
+
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         T, K = topk.ids.shape
-        self.counters["routes"] += T * K
+        if self.on_cuda and torch.cuda.is_current_stream_capturing():
+            self.count_captured(layer, topk.ids)
+        else:
+            self.counters["routes"] += T * K
         if not self.has_cold[layer]:
             return self._gpu_only(layer, x, topk)
         if T >= self.upload_threshold:
