@@ -136,6 +136,10 @@ def parse_bytes(text: str) -> int:
     s = text.strip().lower().replace(" ", "")
     num = s.rstrip("kmgtib")
     unit = s[len(num):]
-    if unit not in units or not num:
+    try:
+        value = float(num)
+    except ValueError:
+        value = None
+    if unit not in units or value is None or value < 0:
         raise ConfigError(f"cannot read {text!r} as a size (examples: 32GiB, 12GB, 512MiB)")
-    return int(float(num) * units[unit])
+    return int(value * units[unit])

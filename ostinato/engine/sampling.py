@@ -15,6 +15,14 @@ class SamplingParams:
     stop_ids: frozenset[int] = field(default_factory=frozenset)  # end the turn (besides EOS)
     ignore_eos: bool = False
 
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be 0 (greedy) or more (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+
 
 class Sampler:
     def __init__(self, params: SamplingParams, device):
