@@ -17,9 +17,8 @@ from ostinato.bench.sessions import (
     KINDS, Session, SessionFormatError, Turn, load_sessions, read_jsonl, session_from_json, session_to_json,
     split_sessions, write_jsonl,
 )
-from ostinato.bench.synthetic_sessions import (
-    FAMILIES, QUANTILE_LEVELS, generate_sessions, load_stats, measure_stats,
-)
+from ostinato.bench.session_stats import FAMILIES, QUANTILE_LEVELS, load_stats, measure_stats
+from ostinato.bench.synthetic import generate_sessions
 from ostinato.bench.text import session_texts
 
 WORKLOADS = Path(__file__).parents[1].parent / "shared" / "workloads"
@@ -177,7 +176,7 @@ def test_split_is_by_task_and_deterministic(recorded: dict) -> None:
 
 def test_split_is_stable_across_processes() -> None:
     code = ("from ostinato.bench.sessions import split_sessions;"
-            "from ostinato.bench.synthetic_sessions import generate_sessions;"
+            "from ostinato.bench.synthetic import generate_sessions;"
             "print([s.id for s in split_sessions(generate_sessions(30, 0), 0.5, seed=7)[1]])")
     outputs = set()
     for hash_seed in ("1", "2"):

@@ -205,7 +205,7 @@ def load_sessions(spec: str | Path) -> list[Session]:
 
 
 def _embedded(spec: str) -> list[Session]:
-    from ostinato.bench.synthetic_sessions import generate_sessions
+    from ostinato.bench.synthetic import generate_sessions
 
     parts = spec.split(":")[1:]
     try:
