@@ -10,6 +10,7 @@ Legend: T tokens of a pass, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,20 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden).to(self.device)  # from the last device, where lm_head lives
+
+    @contextlib.contextmanager
+    def experts_swapped(self, backend):
+        """Run passes through another backend for a while (profiling, calibration wrappers),
+        host-driven: the captured decode graphs hold the old backend, so they are set aside
+        and come back, untouched, afterwards."""
+        graphs, experts = self.graphs, self.experts
+        self.graphs = None
+        self.model.set_experts(backend)
+        try:
+            yield
+        finally:
+            self.model.set_experts(experts)
+            self.graphs = graphs
 
     def set_experts(self, backend) -> None:
         """Plug another experts backend in (a baseline policy): the old decode graphs go, and

@@ -263,13 +263,10 @@ def measure_steps(runner, h, costs: dict[int, cm.LayerCost], clock: Clock, reps:
 
     tokens = torch.randint(0, cfg.vocab_size, (max(32, steps),), generator=gen).tolist()
     long_start = max(64, runner.max_context * 3 // 4 - steps)
-    runner.model.set_experts(backend)
-    try:
+    with runner.experts_swapped(backend):
         runner.forward(tokens[:32], 0)
         measured = {r: statistics.median(run(j, 32)) for j, r in enumerate(rs)}
         long_ms = statistics.median(run(0, long_start)) if long_start + steps < runner.max_context else None
-    finally:
-        runner.model.set_experts(runner.experts)
     dense = max(0.0, measured[rs[0]] - model[rs[0]])
     slope = (long_ms - measured[rs[0]]) / (long_start - 32) * 1e3 if long_ms is not None else 0.0
     return {"dense_step_ms": dense, "dense_ms_per_1k_context": max(0.0, slope), "dense_context": 32,
@@ -304,11 +301,8 @@ def capture_routing(runner, ids: list[int], layers: list[int]) -> dict[int, tupl
             seen[layer] = (x.clone(), TopKOutput(topk.ids.clone(), topk.weights.clone()))
         return inner(layer, x, topk)
 
-    runner.model.set_experts(backend)
-    try:
+    with runner.experts_swapped(backend):
         runner.forward(ids, 0)
-    finally:
-        runner.model.set_experts(inner)
     return seen
 
 

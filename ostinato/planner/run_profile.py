@@ -11,9 +11,8 @@ def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profi
     runner, tok, cfg = loaded.runner, loaded.tokenizer, loaded.runner.config
     counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
     counter = CountingExperts(runner.experts, counts)
-    runner.model.set_experts(counter)
     chunk = runner.settings.prefill_chunk
-    try:
+    with runner.experts_swapped(counter):
         bar = tqdm(sessions, desc=desc, disable=not progress, unit="session")
         for s in bar:
             st = session_stream(s, tok, max_tokens=runner.max_context)
@@ -27,8 +26,6 @@ def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profi
             counts.tokens["prefill"] += len(st.ids) - n_out
             counts.sessions += 1
             bar.set_postfix(tokens=sum(counts.tokens.values()), longest=counts.max_tokens)
-    finally:
-        runner.model.set_experts(runner.experts)
     counts.prefill = {l: c.cpu() for l, c in counts.prefill.items()}
     counts.decode = {l: c.cpu() for l, c in counts.decode.items()}
     return counts
