@@ -29,14 +29,14 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
                 experts_factory=None) -> Loaded:
     """The placement comes from `placement` (a residency: hybrid CPU-GPU) or an explicit
     experts_factory(source, runner_settings); with neither, every expert on one device."""
-    if experts_factory is None and placement is not None:
-        experts_factory = hybrid_factory(placement)
-        if placement.residency and settings.max_context is None:
+    if experts_factory is None and placement is not None and placement.residency:
+        residency = Residency.load(placement.residency)  # read once, here
+        experts_factory = hybrid_factory(placement, residency)
+        kv_tokens = residency.capacity.get("kv_tokens")
+        if kv_tokens and settings.max_context is None:
             # the plan sized the pool next to a KV cache of this many tokens: a larger cache
             # could push the engine past the memory cap
-            kv_tokens = Residency.load(placement.residency).capacity.get("kv_tokens")
-            if kv_tokens:
-                settings = dataclasses.replace(settings, max_context=int(kv_tokens))
+            settings = dataclasses.replace(settings, max_context=int(kv_tokens))
     source = open_source(model)
     tok = ChatTokenizer.from_dir(source.tokenizer_dir)
     experts = experts_factory(source, settings) if experts_factory else None

@@ -75,11 +75,12 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
     return hybrid
 
 
-def hybrid_factory(place: PlacementSettings):
-    """An experts factory for load_engine (None when no residency is given)."""
+def hybrid_factory(place: PlacementSettings, residency: Residency | None = None):
+    """An experts factory for load_engine (None when no residency is given); `residency` is
+    the file already read, if the caller has it."""
     if not place.residency:
         return None
-    residency = Residency.load(place.residency)
+    residency = residency or Residency.load(place.residency)
 
     def make(source, runner_settings):
         from ostinato.engine.devices import build_split_hybrid, resolve_layer_devices
