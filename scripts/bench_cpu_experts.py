@@ -23,7 +23,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch.nn.functional as nnf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
 
+from ostinato.bench.report import source_state
 from ostinato.layers.moe.cpu_experts import CpuExperts, physical_cpus, torch_reference
 from ostinato.layers.moe.types import ExpertWeights
 
@@ -91,15 +91,6 @@ def hardware() -> dict:
     firsts, siblings = physical_cpus()
     return {"cpu": model, "physical_cores": len(firsts), "logical_cpus": len(firsts) + len(siblings),
             "l3_mib": l3_bytes() >> 20, "mem_available_gib": round(meminfo_bytes("MemAvailable") / 2**30, 1)}
-
-
-def git_state() -> dict:
-    def run(*cmd):
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    return {"commit": run("git", "rev-parse", "HEAD") or "none",
-            "dirty": bool(run("git", "status", "--porcelain"))}
 
 
 def read_bandwidth(gib: float) -> float:
@@ -308,7 +299,7 @@ def main() -> None:
     print(f"accuracy vs fp32 torch oracle: {acc}")
 
     print(json.dumps({
-        "bench": "cpu_experts", **git_state(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "bench": "cpu_experts", **source_state(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hardware": {**hw, "features": feats, "read_gbps": round(bw, 2)},
         "config": {"experts": E, "hidden": D, "ffn": F, "topk": args.topk, "layers": args.layers,
                    "threads": threads, "isa": args.isa, "backend": ce.backend, "spin_us": args.spin_us,

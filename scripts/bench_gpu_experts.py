@@ -24,7 +24,6 @@ import argparse
 import copy
 import itertools
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch.nn.functional as F_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.layers.moe import gpu_experts as ge  # noqa: E402
+from ostinato.bench.report import source_state  # noqa: E402
 
 D, F, K, E = 2048, 768, 8, 128
 EXPERT_BYTES = 3 * D * F * 2  # bf16 w13 + w2 of one expert
@@ -325,14 +325,6 @@ def triton_version():
     return triton.__version__
 
 
-def commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--slots", type=int, default=2000, help="pool slots (~9.4 MB each)")
@@ -369,7 +361,7 @@ def main():
         prefill[T] = row
         print(f"{T:6d}  {row['path']:7s} {row['graph_us']:9.1f} {row['eager_us']:9.1f} "
               f"{row['tflops']:8.1f} {row.get('torch_loop_us', float('nan')):9.1f}")
-    result = {"bench": "gpu_experts", "commit": commit(), "device": torch.cuda.get_device_name(),
+    result = {"bench": "gpu_experts", **source_state(), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton_version(),
               "shapes": {"D": D, "F": F, "K": K, "E": E, "slots": args.slots},
               "tuning": tuning, "tuned_file": tuned_file, "copy_GBps": copy_bw,

@@ -48,6 +48,45 @@ def timed_forward(runner, ids, pos, all_logits=False):
     return out, time.perf_counter() - t0
 
 
+def decode_steps(runner, tokens: list[int], pos: int) -> tuple[list[float], torch.Tensor]:
+    """Decode the given tokens from `pos` on, each step timed: (seconds per step, logits)."""
+    steps, logits = [], []
+    for i, t in enumerate(tokens):
+        out, dt = timed_forward(runner, [t], pos + i)
+        steps.append(dt)
+        logits.append(out.float().cpu())
+    return steps, torch.stack(logits)
+
+
+def ms(steps: list[float]) -> dict:
+    s = sorted(1000 * x for x in steps[2:])
+    return {"median": round(statistics.median(s), 3), "p90": round(s[int(0.9 * (len(s) - 1))], 3)}
+
+
+def ablation(runner, tokens: list[int], pos: int, first: torch.Tensor) -> dict:
+    """The decode step without its parts, on the same tokens at the same positions (the KV
+    written there is rewritten identically): graph without borrowed memory (captured again
+    with borrowing off), then the per-layer branches (host-driven, no graph)."""
+    from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+
+    graphed = runner.experts
+    if not isinstance(graphed, GraphHybridExperts):
+        return {"skipped": f"the decode backend is {type(graphed).__name__}, not the graph hybrid"}
+    hybrid = graphed.hybrid
+    hybrid.before_prefill()  # borrowed experts go back: the tables are the plan's again
+    hybrid.borrow = None
+    graphed.close()
+    runner.set_experts(hybrid)  # captures again, without the borrowing ops
+    out = {}
+    steps, logits = decode_steps(runner, tokens, pos)
+    out["graph"] = {**ms(steps), "max_abs_diff_vs_graph_borrow": float((logits - first).abs().max())}
+    with runner.experts_swapped(hybrid):  # no graph: every layer's branches joined from Python
+        steps, eager = decode_steps(runner, tokens, pos)
+    out["per_layer"] = {**ms(steps), "max_abs_diff_vs_graph": float((eager - logits).abs().max())}
+    runner.experts.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -61,17 +100,20 @@ def main() -> None:
     ap.add_argument("--upload-threshold", type=int, default=512)
     ap.add_argument("--no-graph", action="store_true", help="decode host-driven, layer by layer")
     ap.add_argument("--no-borrow", action="store_true", help="do not lend the flex slots during decode")
+    ap.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: the physical cores)")
+    ap.add_argument("--ablation", action="store_true", help="then decode the same tokens again, in the same "
+                    "process: graph without borrowed memory, and per-layer branches (no graph, no borrowing)")
     a = ap.parse_args()
     cap = parse_bytes(a.gpu_memory) if a.gpu_memory else None
     t0 = time.perf_counter()
     loaded = load_engine(a.model, RunnerSettings(max_context=4096, prefill_chunk=2048, cuda_graph=not a.no_graph),
                          PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold,
-                                           borrow=not a.no_borrow))
+                                           borrow=not a.no_borrow, cpu_threads=a.cpu_threads))
     load_s = time.perf_counter() - t0
     runner, tok = loaded.runner, loaded.tokenizer
     ids = prompt_ids(tok, a.upload_tokens)
     res = {"name": a.name, "load_s": round(load_s, 1), "graph": runner.graphs is not None,
-           "borrow": not a.no_borrow}
+           "borrow": not a.no_borrow, "devices": sorted(set(runner.layer_devices or [str(runner.device)]))}
     with torch.inference_mode():
         # split path: a pass of split_tokens (< Np); upload path: upload_tokens (>= Np)
         split_logits, res["split_prefill_s"] = timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)
@@ -94,8 +136,11 @@ def main() -> None:
     dec = torch.stack(dec_logits)
     res["tpot_ms_median"] = round(1000 * statistics.median(steps[2:]), 3)
     res["tpot_ms_p90"] = round(1000 * sorted(steps[2:])[int(0.9 * (len(steps) - 2))], 3)
-    if torch.cuda.is_available():
-        res["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if torch.cuda.is_available():  # per GPU (a cap applies to each)
+        peaks = [torch.cuda.max_memory_allocated(i) / 2**30 for i in range(torch.cuda.device_count())]
+        res["max_memory_allocated_gib"] = round(max(peaks), 2)
+        if len(peaks) > 1:
+            res["max_memory_allocated_gib_per_gpu"] = [round(p, 2) for p in peaks]
     res["placement_stats"] = runner.placement_stats()
     if a.name == "all":
         torch.save({"tokens": tokens, "split": split_logits[-64:].float().cpu(), "upload": up_logits[-64:].float().cpu(),
@@ -108,6 +153,9 @@ def main() -> None:
         res["rel_err_upload"] = rel(up_logits[-64:].float().cpu(), ref["upload"])
         res["rel_err_decode"] = rel(dec, ref["decode"])
         res["greedy_agree"] = float((dec.argmax(-1) == ref["decode"].argmax(-1)).float().mean())
+    if a.ablation:
+        with torch.inference_mode():
+            res["ablation"] = ablation(runner, tokens, len(ids), dec)
     if cap:
         res["gpu_memory_cap_gib"] = round(cap / 2**30, 2)
     print(json.dumps(res))

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -142,6 +141,9 @@ def measure(a) -> dict:
         "cold_routes_per_token_layer_predicted": round(pred.cold_routes_per_layer, 4),
     }
     out["error_pct"] = round(100 * (out["predicted_ms"] / out["measured_ms_mean"] - 1), 2)
+    if cal.get("host_read_gbps") and cal.get("expert_bytes"):  # BENCHMARK.md's bound on this routing
+        out["bound_ms"] = round(cm.decode_bound(pred, costs, cal["expert_bytes"], cal["host_read_gbps"]), 3)
+        out["measured_over_bound"] = round(out["measured_ms_median"] / out["bound_ms"], 3)
     if a.profile:
         prof = RouteCounts.load(a.profile)
         pp = cm.predict_decode_step(prof.decode, prof.tokens["decode"], res.hot, costs, K, dense)
@@ -153,17 +155,9 @@ def measure(a) -> dict:
     return out
 
 
-def git_state() -> dict:
-    def run(*cmd):
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "--porcelain"))}
-
-
 def compare(paths: list[str], calibration: str | None) -> None:
+    from ostinato.bench.report import source_state
+
     rows = [json.loads(Path(p).read_text()) for p in paths if Path(p).is_file()]
     if not rows:
         print(json.dumps({"error": "no measurements", "files": paths}))
@@ -174,8 +168,9 @@ def compare(paths: list[str], calibration: str | None) -> None:
         print(f"{r['name']:<14}{r['hot_experts']:>6}{r['steps']:>7}"
               f"{r['cold_routes_per_token_layer_measured']:>8.3f}/{r['cold_routes_per_token_layer_predicted']:<7.3f}"
               f"{r['predicted_ms']:>14.3f}{r['measured_ms_mean']:>13.3f}{r['measured_ms_median']:>9.3f}"
-              f"{r['error_pct']:>7.1f}%")
-    result = {"check": "issue C: cost model, predicted vs measured decode step", **git_state(),
+              f"{r['error_pct']:>7.1f}%" + (f"   bound {r['bound_ms']:.3f} ms (median {r['measured_over_bound']:.2f}x)"
+                                            if "bound_ms" in r else ""))
+    result = {"check": "issue C: cost model, predicted vs measured decode step", **source_state(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "target_error_pct": 5.0, "rows": rows}
     if len(rows) >= 2:
@@ -189,7 +184,7 @@ def compare(paths: list[str], calibration: str | None) -> None:
     if calibration and Path(calibration).is_file():
         cal = json.loads(Path(calibration).read_text()).get("calibration") or {}
         result["calibration"] = {k: cal.get(k) for k in ("device", "cpu", "date", "torch", "cpu_threads", "cpu_backend",
-                                                         "global", "upload_gbps", "dense_step_ms",
+                                                         "global", "upload_gbps", "host_read_gbps", "dense_step_ms",
                                                          "dense_ms_per_1k_context", "upload_threshold",
                                                          "forced_steps", "cpu_pass")}
         result["calibration"]["passes"] = {k: (cal.get("passes") or {}).get(k)

@@ -322,3 +322,38 @@ def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys)
     loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64),
                          PlacementSettings(residency=str(res_path), cpu_threads=1, cpu_backend="torch"))
     assert loaded.runner.experts.upload_threshold == cal["upload_threshold"]  # the engine uses the measured Np
+
+
+def test_spread_shares_a_small_sample_between_sources():
+    from types import SimpleNamespace
+
+    from ostinato.planner.cli import spread
+
+    items = [SimpleNamespace(source="swe", i=i) for i in range(3)] + [SimpleNamespace(source="tau2", i=i)
+                                                                      for i in range(40)]
+    two = spread(items, 2)
+    assert sorted(x.source for x in two) == ["swe", "tau2"]
+    five = spread(items, 5)
+    assert sum(x.source == "swe" for x in five) == 3 and len(five) == 5 and len({id(x) for x in five}) == 5
+    assert spread(list(range(10)), 3) == [0, 3, 6] and spread(items, 100) == items
+
+
+def test_graph_step_fit_recovers_the_constants_it_was_built_from():
+    from ostinato.planner.calibrate import fit_graph_steps
+
+    costs = {l: cm.LayerCost(G=0.02, gamma0=0.03, alpha=0.5, beta=0.5) for l in range(6)}
+    rs = [0, 1, 2, 4, 8]
+    # layer 5 has no cold expert: it is never forced cold
+    r_of = {r: {l: (0 if l == 5 else r) for l in range(6)} for r in rs}
+    dense, alpha, beta = 3.0, 0.04, 0.07
+    measured = {r: dense + sum(max(alpha + beta * r_of[r][l], 0.02) if r_of[r][l] else 0.02 for l in range(6))
+                for r in rs}
+    out = fit_graph_steps(measured, measured[0] + 0.5, 32 + 1000, r_of, costs)
+    assert out["dense_step_ms"] == pytest.approx(dense)
+    assert out["graph_fit"]["alpha_ms"] == pytest.approx(alpha) and out["graph_fit"]["beta_ms"] == pytest.approx(beta)
+    assert out["forced_steps"]["model_ms"] == pytest.approx([measured[r] for r in rs])
+    assert out["dense_ms_per_1k_context"] == pytest.approx(0.5)
+    # the cost model then uses the graph fit for every layer, not the host-side constants
+    layer = cm.layer_costs({"global": {"G_ms": 0.02, "gamma0_ms": 0.03, "alpha_ms": 0.5, "beta_ms": 0.5},
+                            "graph_fit": out["graph_fit"]}, [0])[0]
+    assert layer.cpu(2) == pytest.approx(alpha + 2 * beta) and layer.cpu(0) == 0.0

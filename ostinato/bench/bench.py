@@ -44,8 +44,11 @@ class BenchSettings:
     gpu_memory: int | None = None  # the device cap, bytes
     expert_budget: int | None = None  # bytes for expert slots (overrides sizing from the cap)
     hot_fraction: float | None = None  # budget as a share of all experts (when no bytes are given)
+    attention_scores: float = 1.0  # capacity test: share of a pass's attention scores materialised (plan's flag)
     max_sessions: int | None = None  # per side (development, held-out), spread over the sources
     max_turns: int | None = None  # per session
+    max_output: int | None = None  # forced output tokens per turn (None: the whole recorded output)
+    profiles: tuple[str, str] | None = None  # saved (development, held-out) profiles instead of profiling
     tune: bool = True
     tune_sessions: int = 3
     tune_max_turns: int | None = None  # per tuning session (default: max_turns)
@@ -104,7 +107,8 @@ def pool_budget(loaded, bs: BenchSettings, counts) -> dict:
         pool, how = int(bs.expert_budget // spec.expert_bytes), "--expert-budget"
     elif bs.gpu_memory is not None and bs.hot_fraction is None:
         cap = plan_capacity(loaded.runner.config, dev, bs.gpu_memory, loaded.engine.max_context, spec.dtype,
-                            CapacitySettings(prefill_chunk=bs.runner.prefill_chunk))
+                            CapacitySettings(prefill_chunk=bs.runner.prefill_chunk,
+                                             attention_score_share=bs.attention_scores))
         pool, how = int((cap.budget - cap.fixed) // cap.expert_bytes), "capacity test on --gpu-memory"
         out["capacity"] = cap.to_json()
     else:
@@ -194,14 +198,14 @@ def run_sweep(target, plan) -> list[TurnResult]:
     return results
 
 
-def tune_threshold(loaded, backend, sessions, thresholds, max_turns, log=None) -> dict[int, float]:
+def tune_threshold(loaded, backend, sessions, thresholds, max_turns, log=None, max_output=None) -> dict[int, float]:
     """Total request time of the development tuning sessions for each offload threshold."""
     target = InProcessTarget(loaded)
     totals = {}
     for thr in thresholds:
         backend.offload_threshold = thr
         loaded.engine.reset()
-        rs = replay_sessions(target, sessions, tokenizer=loaded.tokenizer, max_turns=max_turns)
+        rs = replay_sessions(target, sessions, tokenizer=loaded.tokenizer, max_turns=max_turns, max_output=max_output)
         totals[thr] = round(sum(r.request_s or 0.0 for r in rs), 4)
         if log is not None:
             print(f"  tune {backend.name}: offload threshold {thr}: {totals[thr]:.3f} s", file=log, flush=True)
@@ -234,9 +238,17 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1, cpu_threads=bs.cpu_threads,
                            cpu_backend=bs.cpu_backend)
     loaded = load_engine(bs.model, bs.runner, experts_factory=_probe_factory(probe))
-    counts = profile_sessions(loaded, dev, progress=bs.progress, desc="profile dev")
-    held_counts = profile_sessions(loaded, held, progress=bs.progress, desc="profile held-out")
+    if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
+        from ostinato.planner.profile import RouteCounts
+
+        counts, held_counts = (RouteCounts.load(p) for p in bs.profiles)
+        _say(bs, f"profiles: {counts.sessions} development and {held_counts.sessions} held-out sessions from "
+                 f"{', '.join(bs.profiles)}")
+    else:
+        counts = profile_sessions(loaded, dev, progress=bs.progress, desc="profile dev")
+        held_counts = profile_sessions(loaded, held, progress=bs.progress, desc="profile held-out")
     counts.save(bs.out / "profile-dev.json")
+    held_counts.save(bs.out / "profile-held-out.json")
     budget = pool_budget(loaded, bs, counts)
     _say(bs, f"budget: {budget['pool_slots']} expert slots, sized by {budget['sized_by']}: Ostinato keeps "
              f"{budget['hot']} of {budget['total_experts']} experts resident ({100 * budget['fraction']:.1f}%)")
@@ -301,7 +313,8 @@ def run_bench(bs: BenchSettings) -> dict:
     result = {
         "kind": "ostinato.bench", **environment(loaded, bs), "budget": p.budget,
         "split": {"sessions": bs.sessions, "development": len(p.dev), "held_out": len(p.held),
-                  "max_turns": bs.max_turns},
+                  "max_turns": bs.max_turns, "max_output": bs.max_output,
+                  "profiles": list(bs.profiles) if bs.profiles else None},
         "skew": p.skew, "np": {**{k: v for k, v in p.np_info.items() if k != "calibration"},
                                "calibration": _calibration_summary(p.np_info.get("calibration"))},
         "policies": policies, "elapsed_s": round(time.perf_counter() - t_start, 1),
@@ -349,7 +362,7 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
     entry: dict = {"resident_experts": resident_experts(backend), "decode_graph": loaded.runner.graphs is not None}
     if bs.tune and name in TUNED and tune_set:
         turns = bs.tune_max_turns or bs.max_turns
-        totals = tune_threshold(loaded, backend, tune_set, bs.thresholds, turns, _log(bs))
+        totals = tune_threshold(loaded, backend, tune_set, bs.thresholds, turns, _log(bs), bs.max_output)
         best = min(totals, key=totals.get)
         backend.offload_threshold = best
         entry["tuning"] = {"offload_threshold": totals, "chosen": best}
@@ -373,7 +386,7 @@ def _replay_with_progress(loaded, sessions, bs: BenchSettings, name: str) -> lis
     n = sum(len(s.turns[:bs.max_turns]) for s in sessions)
     with tqdm(total=n, desc=f"replay {name}", unit="turn", disable=not bs.progress, leave=False) as bar:
         return replay_sessions(InProcessTarget(loaded), sessions, tokenizer=loaded.tokenizer, max_turns=bs.max_turns,
-                               on_turn=lambda r: bar.update(1))
+                               max_output=bs.max_output, on_turn=lambda r: bar.update(1))
 
 
 def with_(bs: BenchSettings, **kw) -> BenchSettings:

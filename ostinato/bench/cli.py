@@ -70,7 +70,7 @@ def cmd_replay(a) -> int:
         target, layers, engine = _in_process(a)
         tokenizer = target.tokenizer
     cut: list = []
-    results = replay_sessions(target, sessions, tokenizer=tokenizer, max_turns=a.max_turns,
+    results = replay_sessions(target, sessions, tokenizer=tokenizer, max_turns=a.max_turns, max_output=a.max_output,
                               on_turn=lambda r: print(format_turn(r), flush=True), cut=cut)
     summary = summarize(results, layers)
     _print_summary(summary)
@@ -116,7 +116,9 @@ def _bench_settings(a):
         model=a.model, runner=_runner_settings(a), sessions=a.sessions, policies=tuple(a.policies),
         gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None,
         expert_budget=parse_bytes(a.expert_budget) if a.expert_budget else None, hot_fraction=a.hot_fraction,
-        max_sessions=a.max_sessions, max_turns=a.max_turns, tune=not a.no_tune, tune_sessions=a.tune_sessions,
+        attention_scores=a.attention_scores,
+        max_sessions=a.max_sessions, max_turns=a.max_turns, max_output=a.max_output,
+        profiles=tuple(a.profiles) if a.profiles else None, tune=not a.no_tune, tune_sessions=a.tune_sessions,
         thresholds=tuple(a.thresholds), sweep_sizes=tuple(a.sweep_sizes), sweep_output=a.sweep_output,
         sweep_prefixes=a.sweep_prefixes, sweep_prefix_tokens=a.sweep_prefix_tokens,
         upload_threshold=a.upload_threshold, cpu_threads=a.cpu_threads, cpu_backend=a.cpu_backend,
@@ -144,6 +146,11 @@ def cmd_demo(a) -> int:
     return 0
 
 
+def _max_output_arg(p) -> None:
+    p.add_argument("--max-output", type=int, help="emit at most this many recorded tokens per turn (the next "
+                   "prompt still holds the whole recorded message); default: all of them")
+
+
 def add_bench_commands(sub, add_model_args) -> None:
     p = sub.add_parser("replay", help="replay sessions turn by turn against an endpoint or an in-process engine")
     add_model_args(p)
@@ -165,6 +172,7 @@ def add_bench_commands(sub, add_model_args) -> None:
     p.add_argument("--max-sessions", type=int, help="at most this many sessions (per side for a split)")
     p.add_argument("--max-turns", type=int, help="at most this many turns per session")
     p.add_argument("--split", default="held-out", choices=["held-out", "dev", "all"])
+    _max_output_arg(p)
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("bench", help="profile, plan, calibrate and replay held-out sessions for Ostinato "
@@ -174,8 +182,13 @@ def add_bench_commands(sub, add_model_args) -> None:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="P")
     p.add_argument("--expert-budget", help="bytes for expert slots (default: sized from --gpu-memory)")
     p.add_argument("--hot-fraction", type=float, help="budget as a share of all experts")
+    p.add_argument("--attention-scores", type=float, default=1.0, help="capacity test: share of a pass's attention "
+                   "scores materialised at once (as `ostinato plan`: 1 for the math kernel, 0 for a fused one)")
     p.add_argument("--max-sessions", type=int, help="at most this many development and held-out sessions each")
     p.add_argument("--max-turns", type=int, help="at most this many turns per session")
+    _max_output_arg(p)
+    p.add_argument("--profiles", nargs=2, metavar=("DEV", "HELD_OUT"),
+                   help="route counts saved for this model (`ostinato skew --save-profiles`): skip profiling")
     p.add_argument("--no-tune", action="store_true", help="keep the offload threshold at 32")
     p.add_argument("--tune-sessions", type=int, default=3, help="development sessions to tune thresholds on")
     p.add_argument("--thresholds", type=int, nargs="+", default=list(OFFLOAD_THRESHOLDS))

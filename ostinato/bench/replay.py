@@ -44,17 +44,20 @@ class TurnRequest:
     output: dict | None = None  # the recorded assistant message
     prompt_ids: list[int] | None = None  # when known (in-process, sweeps); else rendered by the target
     forced_ids: list[int] | None = None
+    max_output: int | None = None  # the recorded output is cut after this many tokens
 
 
-def session_requests(session, tokenizer=None) -> list[TurnRequest]:
-    """The requests of a session; with a tokenizer, also their prompt and forced ids."""
+def session_requests(session, tokenizer=None, max_output: int | None = None) -> list[TurnRequest]:
+    """The requests of a session; with a tokenizer, also their prompt and forced ids. With
+    max_output, each turn emits at most that many of its recorded tokens (the next turn's
+    prompt still holds the whole recorded message, so it prefills the rest)."""
     tools = session.tools or None
     out = []
     for i, turn in enumerate(session.turns):
-        req = TurnRequest(session.id, i, turn.kind, turn.messages, tools, turn.output)
+        req = TurnRequest(session.id, i, turn.kind, turn.messages, tools, turn.output, max_output=max_output)
         if tokenizer is not None:
             req.prompt_ids = tokenizer.render_ids(turn.messages, tools)
-            req.forced_ids = tokenizer.encode(tokenizer.render_assistant_output(turn.output, tools))
+            req.forced_ids = tokenizer.encode(tokenizer.render_assistant_output(turn.output, tools))[:max_output]
         out.append(req)
     return out
 
@@ -178,6 +181,8 @@ class HttpTarget:
                                              **{k: req.output[k] for k in keep if req.output.get(k) is not None}}
             else:
                 body[FORCED_IDS_FIELD] = req.forced_ids
+            if req.max_output:
+                body["max_tokens"] = req.max_output  # cuts the forced output
         else:
             body["max_tokens"] = self.output_length(req)
             body["ignore_eos"] = True
@@ -185,12 +190,14 @@ class HttpTarget:
 
     def output_length(self, req: TurnRequest) -> int:
         if req.forced_ids is not None:
-            return len(req.forced_ids)
-        if self.tokenizer is not None:
-            return len(self.tokenizer.encode(self.tokenizer.render_assistant_output(req.output, req.tools)))
-        from ostinato.bench.text import message_chars
+            n = len(req.forced_ids)
+        elif self.tokenizer is not None:
+            n = len(self.tokenizer.encode(self.tokenizer.render_assistant_output(req.output, req.tools)))
+        else:
+            from ostinato.bench.text import message_chars
 
-        return max(1, message_chars(req.output) // CHARS_PER_TOKEN)
+            n = max(1, message_chars(req.output) // CHARS_PER_TOKEN)
+        return min(n, req.max_output or n)
 
     def run(self, req: TurnRequest) -> TurnResult:
         path, body = self.body(req)
@@ -256,14 +263,14 @@ def _has_text(choice: dict) -> bool:
 
 
 def replay_sessions(target, sessions: Iterable, *, tokenizer=None, max_turns: int | None = None,
-                    on_turn: Callable[[TurnResult], None] | None = None,
+                    max_output: int | None = None, on_turn: Callable[[TurnResult], None] | None = None,
                     cut: list[tuple[str, int]] | None = None) -> list[TurnResult]:
     """Every turn of every session, in order; a session ends at its first failed turn, or
     before the first turn that does not fit the target's context (noted in `cut`)."""
     results = []
     limit = getattr(target, "max_context", None)
     for session in sessions:
-        for req in session_requests(session, tokenizer)[:max_turns]:
+        for req in session_requests(session, tokenizer, max_output)[:max_turns]:
             if limit and req.prompt_ids is not None and len(req.prompt_ids) + len(req.forced_ids) > limit:
                 if cut is not None:
                     cut.append((req.session, req.turn))

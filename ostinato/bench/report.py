@@ -28,6 +28,17 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def source_state() -> dict:
+    """The commit this code came from and whether it had uncommitted changes. A copied tree
+    without .git (the GPU machine's) reads OSTINATO_COMMIT and OSTINATO_DIRTY, which the
+    scripts under scripts/device/ are given by whoever sent the tree."""
+    commit = _git("rev-parse", "HEAD")
+    if commit:
+        return {"commit": commit, "dirty": bool(_git("status", "--porcelain"))}
+    dirty = os.environ.get("OSTINATO_DIRTY")
+    return {"commit": os.environ.get("OSTINATO_COMMIT"), "dirty": None if dirty is None else dirty not in ("0", "")}
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -48,9 +59,7 @@ def hardware() -> dict:
 
 
 def environment(loaded, bs) -> dict:
-    status = _git("status", "--porcelain")
-    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware(),
+    return {**source_state(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware(),
             "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(
                 "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory}
 
@@ -132,7 +141,9 @@ def markdown(result: dict, plots: list[str]) -> str:
              f"{_gib(result['cap'])}); Ostinato keeps {b['hot']} of {b['total_experts']} experts resident "
              f"({100 * b['fraction']:.1f}%)",
              f"- sessions: {result['split']['development']} development, {result['split']['held_out']} held-out "
-             f"(`{result['split']['sessions']}`, at most {result['split']['max_turns'] or 'all'} turns each)",
+             f"(`{result['split']['sessions']}`, at most {result['split']['max_turns'] or 'all'} turns each"
+             + (f", at most {result['split']['max_output']} recorded output tokens a turn"
+                if result['split'].get('max_output') else "") + ")",
              f"- skew: the top {100 * result['skew']['top_fraction']:.1f}% of experts by development routes "
              f"receive {100 * result['skew']['held_out_all_share']:.1f}% of held-out routes "
              f"(decode {100 * result['skew']['held_out_decode_share']:.1f}%, prefill "

@@ -17,7 +17,9 @@ goes through its own objects, so the numbers include what serving pays:
   dense    a decode step with every route forced onto hot experts, minus
            sum_l max(gamma0_l, G_l): attention, norms, routers, head and launches (at a
            short and a long context: its growth per 1k tokens of context); decode steps
-           forced to r = 1, 2, K/2, K cold routes per layer check the additive model;
+           forced to r = 1, 2, K/2, K cold routes per layer check the additive model (an
+           engine that decodes as CUDA graphs replays these steps as graphs: dense and the
+           CPU branch's alpha, beta as the native worker serves it are fitted from them);
   passes   HybridExperts.split_path and .upload_path on n-token passes (n in --sizes) of a few
            layers, with the routing of real prompts; the host's part of the split path and
            the GPU branches apart, to fit the prefill model; Np = the one-switch rule on
@@ -227,28 +229,60 @@ def measure_upload(h, layers: list[int], clock: Clock, reps: int = 3) -> tuple[f
     return (statistics.median(rates) if rates else 0.0), eb
 
 
+def measure_host_read(threads: int, gib: float = 2.0, reps: int = 3) -> float:
+    """Host-memory read bandwidth, GB/s: a torch sum over a buffer far larger than the caches,
+    on `threads` threads (BENCHMARK.md's bound divides cold bytes by this)."""
+    buf = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf.sum()  # first touch and thread start-up
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return round(buf.numel() * 2 / best / 1e9, 2)
+
+
 def forced_r(r: int, hot: int, cold: int, K: int) -> int:
     """The cold routes a token can have in a layer with these many hot / cold experts, nearest r."""
     return min(max(r, K - hot), cold)
 
 
 def measure_steps(runner, h, costs: dict[int, cm.LayerCost], clock: Clock, reps: int, gen,
-                  rs: tuple[int, ...]) -> dict:
+                  rs: tuple[int, ...], graph=None) -> dict:
     """Decode steps with forced routing: r cold routes in every layer (fresh experts each step),
     r in rs, at a short context, and r = 0 at a long one too. dense = step(r=0) - sum_l layer(r_l);
-    the other r check the additive model: step(r) against dense + sum_l max(C_l(r_l), G_l)."""
+    the other r check the additive model: step(r) against dense + sum_l max(C_l(r_l), G_l).
+    With `graph` (the engine's GraphHybridExperts), the steps run as the engine decodes them:
+    captured as CUDA graphs whose forced routing is a device buffer rewritten between
+    replays, the cold routes served by the native worker through the handshake; see
+    fit_graph_steps."""
     cfg = runner.config
     K, steps = cfg.num_experts_per_tok, reps + 2
     ids, model = {}, {r: 0.0 for r in rs}
+    r_of: dict[int, dict[int, int]] = {r: {} for r in rs}  # cold routes per token forced in each layer
     for layer in cfg.moe_layers:
         hot, cold = hot_cold(h, layer)
         rows = []
         for r in rs:
             rl = forced_r(r, hot.numel(), cold.numel(), K)
+            r_of[r][layer] = rl
             rows.append(torch.cat([_one_token_ids(hot, cold, rl, K, gen) for _ in range(steps)]))  # [steps, K]
             model[r] += costs[layer].layer(rl) if cold.numel() else costs[layer].G
         ids[layer] = torch.stack(rows).to(h.device)  # [len(rs), steps, K]
     at = {"r": 0, "i": 0}
+
+    tokens = torch.randint(0, cfg.vocab_size, (max(32, steps),), generator=gen).tolist()
+    long_start = max(64, runner.max_context * 3 // 4 - steps)
+    has_long = long_start + steps < runner.max_context
+    if graph is not None:
+        measured, long_ms = _graph_steps(runner, graph, ids, rs, steps, tokens, long_start if has_long else None,
+                                         clock)
+        return fit_graph_steps(measured, long_ms, long_start, r_of, costs)
 
     def backend(layer, x, topk):
         return h(layer, x, TopKOutput(ids[layer][at["r"], at["i"]][None].expand(x.shape[0], K), topk.weights))
@@ -261,18 +295,76 @@ def measure_steps(runner, h, costs: dict[int, cm.LayerCost], clock: Clock, reps:
             out.append(clock.wall(lambda: runner.forward([tokens[i]], start + i)))
         return out[2:]
 
-    tokens = torch.randint(0, cfg.vocab_size, (max(32, steps),), generator=gen).tolist()
-    long_start = max(64, runner.max_context * 3 // 4 - steps)
     with runner.experts_swapped(backend):
         runner.forward(tokens[:32], 0)
         measured = {r: statistics.median(run(j, 32)) for j, r in enumerate(rs)}
-        long_ms = statistics.median(run(0, long_start)) if long_start + steps < runner.max_context else None
+        long_ms = statistics.median(run(0, long_start)) if has_long else None
     dense = max(0.0, measured[rs[0]] - model[rs[0]])
     slope = (long_ms - measured[rs[0]]) / (long_start - 32) * 1e3 if long_ms is not None else 0.0
     return {"dense_step_ms": dense, "dense_ms_per_1k_context": max(0.0, slope), "dense_context": 32,
             "forced_steps": {"r": list(rs), "measured_ms": [measured[r] for r in rs],
                              "model_ms": [dense + model[r] for r in rs],
                              "long_context": long_start, "long_r0_ms": long_ms}}
+
+
+def _graph_steps(runner, graph, ids: dict, rs, steps: int, tokens: list[int], long_start: int | None,
+                 clock: Clock) -> tuple[dict[int, float], float | None]:
+    """Forced-routing decode steps replayed as CUDA graphs (one per cache window used): the
+    routing of every layer is read from a device buffer that is rewritten between replays."""
+    from ostinato.engine.graph import DecodeGraphs
+
+    K = runner.config.num_experts_per_tok
+    static = {l: v[0, 0].clone() for l, v in ids.items()}  # [K] per layer
+
+    def backend(layer, x, topk):
+        return graph(layer, x, TopKOutput(static[layer][None].expand(x.shape[0], K), topk.weights))
+
+    def run(g, j: int, start: int) -> list[float]:
+        out = []
+        for i in range(steps):
+            for l, v in ids.items():
+                static[l].copy_(v[j, i])
+            out.append(clock.wall(lambda: g.replay(tokens[i], start + i)))
+        return out[2:]
+
+    with runner.experts_swapped(backend):
+        runner.forward(tokens[:32], 0)
+        g = DecodeGraphs(runner, before_step=graph.before_step, after_step=graph.after_step)
+        starts = [32] + ([long_start] if long_start is not None else [])
+        g.sizes = sorted({g.window_for(st + steps) for st in starts})
+        g.capture()
+        measured = {r: statistics.median(run(g, j, 32)) for j, r in enumerate(rs)}
+        long_ms = statistics.median(run(g, 0, long_start)) if long_start is not None else None
+        del g
+    return measured, long_ms
+
+
+def fit_graph_steps(measured: dict[int, float], long_ms: float | None, long_start: int,
+                    r_of: dict[int, dict[int, int]], costs: dict[int, cm.LayerCost]) -> dict:
+    """The decode-step constants of the graph path. In a captured step no host code runs per
+    layer, so the host-side C(r) of measure_layer (Python, launches, a blocking wait) is not
+    what a step pays: dense = step(r=0) - sum_l G_l (a layer without cold routes costs its GPU
+    branch), and the CPU branch's alpha + beta r, as the native worker serves it through the
+    handshake, is fitted to the steps forced to r >= 1 cold routes per layer (taking the CPU
+    branch as the longer one there; model_ms against measured_ms shows how well that holds).
+    r_of[r][l]: the cold routes per token forced in layer l for the step forced to r."""
+    rs = sorted(measured)
+    layers = list(costs)
+    dense = max(0.0, measured[rs[0]] - sum(costs[l].G for l in layers))
+    points = []
+    for r in rs[1:]:
+        with_cold = [l for l in layers if r_of[r][l] > 0]
+        if with_cold:
+            rest = measured[r] - dense - sum(costs[l].G for l in layers if r_of[r][l] == 0)
+            points.append((sum(r_of[r][l] for l in with_cold) / len(with_cold), rest / len(with_cold)))
+    alpha, beta = fit_line(points)
+    model = {r: dense + sum(max(alpha + beta * r_of[r][l], costs[l].G) if r_of[r][l] else costs[l].G
+                            for l in layers) for r in rs}
+    slope = (long_ms - measured[rs[0]]) / (long_start - 32) * 1e3 if long_ms is not None else 0.0
+    return {"dense_step_ms": dense, "dense_ms_per_1k_context": max(0.0, slope), "dense_context": 32,
+            "decode_mode": "graph", "graph_fit": {"gamma0_ms": 0.0, "alpha_ms": alpha, "beta_ms": beta},
+            "forced_steps": {"r": rs, "measured_ms": [measured[r] for r in rs],
+                             "model_ms": [model[r] for r in rs], "long_context": long_start, "long_r0_ms": long_ms}}
 
 
 def prompt_ids(tok, spec: str, n: int) -> list[int]:
@@ -381,8 +473,11 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
     """Measure every constant of the cost model in this engine; -> the calibration dict."""
     from tqdm import tqdm
 
+    from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+
     runner = loaded.runner
-    h = runner.experts
+    graph = runner.experts if isinstance(runner.experts, GraphHybridExperts) and runner.graphs is not None else None
+    h = graph.hybrid if graph is not None else runner.experts  # the branches are timed on the hybrid itself
     if not hasattr(h, "pool"):
         raise ValueError("calibrate needs the hybrid engine: load it with a residency")
     cfg = runner.config
@@ -398,8 +493,9 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
                  for l, d in layers.items()}
         with_cold = [l for l in cfg.moe_layers if layers[l]["cold"] > 0]
         gbps, eb = measure_upload(h, with_cold[:: max(1, len(with_cold) // 4)][:4], clock)
+        read_gbps = measure_host_read(h.cpu.num_threads + 1)  # the workers and the caller
         step = measure_steps(runner, h, costs, clock, s.step_reps, gen,
-                             tuple(sorted({0, 1, 2, K // 2, K})))
+                             tuple(sorted({0, 1, 2, K // 2, K})), graph=graph)
         limit = min(runner.settings.prefill_chunk, h.x_host.shape[0], runner.max_context - 1)
         sizes = sorted({n for n in s.sizes if n <= limit})
         pick = [with_cold[round(i * (len(with_cold) - 1) / max(1, s.pass_layers - 1))]
@@ -418,7 +514,7 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
         "overlapped": h.on_cuda,
         "global": glob,
         "layers": {str(l): d for l, d in layers.items()},
-        "upload_gbps": gbps, "expert_bytes": eb,
+        "upload_gbps": gbps, "expert_bytes": eb, "host_read_gbps": read_gbps,
         **step,
         "cpu_pass": cpu_pass,
         "passes": passes,
@@ -438,6 +534,8 @@ def model_checks(cal: dict, counts, hot: dict[int, list[int]], cfg) -> dict:
     pred = cm.predict_decode_step(counts.decode, counts.tokens["decode"], hot, costs, K, cm.dense_ms(cal, context))
     out = {"decode_step_ms": pred.total_ms, "decode_moe_ms": pred.moe_ms, "context": context,
            "cold_routes_per_token_layer": pred.cold_routes_per_layer}
+    if cal.get("host_read_gbps") and cal.get("expert_bytes"):
+        out["decode_bound_ms"] = cm.decode_bound(pred, costs, cal["expert_bytes"], cal["host_read_gbps"])
     passes = cal.get("passes") or {}
     if passes.get("sizes"):
         pc = cm.PassCosts.from_calibration(cal)

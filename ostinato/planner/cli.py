@@ -17,10 +17,20 @@ def _sessions(spec: str | None, limit: int | None):
 
 
 def spread(items: list, n: int) -> list:
-    """n items evenly spaced over the list (every source of a mixed folder gets its share)."""
+    """n items evenly spaced over the list; items with a `source` (sessions of a mixed
+    folder) are shared out between the sources in turn, so a small sample of a folder of
+    100 tau2 and 14 swe-agent sessions still holds both."""
     if n >= len(items):
         return list(items)
-    return [items[i * len(items) // n] for i in range(n)]
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(getattr(it, "source", None), []).append(it)
+    quota = dict.fromkeys(groups, 0)
+    while sum(quota.values()) < n:
+        for key, group in groups.items():
+            if quota[key] < len(group) and sum(quota.values()) < n:
+                quota[key] += 1
+    return [g[i * len(g) // quota[k]] for k, g in groups.items() for i in range(quota[k])]
 
 
 def cmd_profile(a) -> int:
@@ -298,6 +308,10 @@ def print_calibration(cal: dict) -> None:
           f"{cal['dtype']}, torch {cal['torch']}, in {cal['seconds']} s")
     print(f"  decode, per MoE layer: G {Gs[0]:.3f} / {Gs[len(Gs) // 2]:.3f} / {Gs[-1]:.3f} ms (min / median / max); "
           f"C(r): gamma0 {g['gamma0_ms']:.3f} ms, alpha {g['alpha_ms']:.3f} ms + beta {g['beta_ms']:.3f} ms per route")
+    if cal.get("graph_fit"):
+        f = cal["graph_fit"]
+        print(f"  decode steps replayed as CUDA graphs: the CPU branch through the worker alpha {f['alpha_ms']:.3f} ms "
+              f"+ beta {f['beta_ms']:.3f} ms per route (used by the model instead of the host-side fit)")
     print(f"  dense part of a decode step {cal['dense_step_ms']:.2f} ms (+{cal['dense_ms_per_1k_context']:.3f} ms "
           f"per 1k tokens of context); upload {cal['upload_gbps']:.1f} GB/s")
     fs = cal["forced_steps"]

@@ -190,12 +190,14 @@ def expected_layer_time(dist: torch.Tensor, cost: LayerCost, has_cold: bool = Tr
 
 
 def layer_costs(calibration: dict, layers: list[int]) -> dict[int, LayerCost]:
-    """LayerCost of every layer from a residency's calibration (global values where a layer lacks its own)."""
+    """LayerCost of every layer from a residency's calibration (global values where a layer lacks
+    its own; the graph fit's CPU-branch constants, where the calibration has one, for every layer)."""
     glob = calibration.get("global") or {}
     per = calibration.get("layers") or {}
+    graph = calibration.get("graph_fit") or {}  # a graph decode: the CPU branch as the worker serves it
     out, overlapped = {}, calibration.get("overlapped", True)
     for l in layers:
-        d = {**glob, **(per.get(str(l)) or per.get(l) or {})}
+        d = {**glob, **(per.get(str(l)) or per.get(l) or {}), **graph}
         try:
             out[l] = LayerCost(d["G_ms"], d["gamma0_ms"], d["alpha_ms"], d["beta_ms"], overlapped)
         except KeyError as e:
@@ -243,6 +245,14 @@ def predict_decode_step(counts: dict[int, torch.Tensor], tokens: int, hot: dict[
         pred.cold_routes[l] = expected_cold_routes(dist)
     pred.total_ms = dense_ms + pred.moe_ms
     return pred
+
+
+def decode_bound(pred: StepPrediction, costs: dict[int, LayerCost], expert_bytes: int, read_gbps: float) -> float:
+    """BENCHMARK.md's bound on a decode step, ms: the dense part plus, per layer, the larger of
+    the GPU branch and the time to read the layer's expected cold experts once from host
+    memory at the measured read bandwidth (no CPU overheads, no handshake)."""
+    read_ms = expert_bytes / (read_gbps * 1e6)  # one expert's bytes at GB/s, in ms
+    return pred.dense_ms + sum(max(costs[l].G, pred.cold_routes[l] * read_ms) for l in pred.layer_ms)
 
 
 def pool_saving(counts, tokens, hot_small, hot_big, costs, top_k, dense_ms=0.0, method="conditional"):

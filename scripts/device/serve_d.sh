@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # GPU machine, issue [D]: a 20-turn tau2 session replayed through `ostinato serve` with the
 # full-size model; TTFT per turn against new prompt tokens shows that only new tokens are
-# prefilled. Needs `.whl` (scripts/device/fetch_wheels.sh) and `.carry` (workloads, and a
-# residency for this model at .carry/r40.json, or RESIDENCY= empty for all experts on the GPU).
+# prefilled. Needs `.whl` (scripts/device/fetch_wheels.sh) and `.carry/agent` (sessions), and a
+# residency for this model (run.sh plans: /tmp/res/r40.json; RESIDENCY= empty: all experts on the GPU).
 set -uo pipefail
 python3 -c "import fastapi, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OSTINATO_WORKLOADS=$PWD/.carry/workloads OSTINATO_CACHE=/tmp/ocache
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OSTINATO_WORKLOADS=$PWD/.carry/agent OSTINATO_CACHE=/tmp/ocache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=${MODEL:-synth:qwen3-30b-a3b}
-RES=${RESIDENCY-.carry/r40.json}
+RES=${RESIDENCY-/tmp/res/r40.json}  # from run.sh plans
 python3 - <<'PY'
 from ostinato.bench.sessions import load_sessions, split_sessions, write_jsonl
-_, held = split_sessions(load_sessions(".carry/workloads/tau2"))
+_, held = split_sessions(load_sessions(".carry/agent/tau2"))
 s = next(s for s in held if len(s.turns) >= 20)
 write_jsonl([s], "/tmp/s20.jsonl")
 print("session", s.id, len(s.turns), "turns")
