@@ -289,3 +289,35 @@ def test_replay_command(tiny_dir, capsys):
     assert doc["kind"] == "ostinato.replay" and doc["engine"] == "cpu" and doc["split"] == "held-out"
     assert doc["summary"]["turns"] + doc["cut_sessions"] >= 1
     assert any("TTFT" in line for line in lines[:-1]) or doc["cut_sessions"]
+
+
+def _summary(tpot, ttft_tool, total, sessions):
+    return {"tpot_ms": {"median": tpot}, "ttft_ms": {"median": {"tool": ttft_tool}},
+            "request_s": {"total": total}, "session_s": sessions}
+
+
+def test_targets_of_a_bench_result():
+    from ostinato.bench.report import comparisons, targets
+
+    policies = {
+        "ostinato": {"summary": _summary(20.0, 100.0, 10.0, {"a": 4.0, "b": 6.0}),
+                     "sweep": {"slope_below_np_ms_per_token": 0.2}},
+        "layers": {"summary": _summary(40.0, 150.0, 14.0, {"a": 5.0, "b": 9.0}),
+                   "sweep": {"slope_below_np_ms_per_token": 0.3}},
+        "expert-cache": {"summary": _summary(21.0, 300.0, 13.0, {"a": 3.0, "b": 10.0}),
+                         "sweep": {"slope_below_np_ms_per_token": 1.0}},
+        "gpu": {"summary": _summary(5.0, 10.0, 1.0, {"a": 0.5, "b": 0.5}), "over_budget": True},
+    }
+    result = {"policies": policies, "np": {"predicted": {"decode_bound_ms": 17.0}}}
+    result["comparisons"] = comparisons(policies)
+    got = {t["what"].split(" (")[0]: (t["measured"], t["met"]) for t in targets(result)}
+    assert got["decode TPOT vs its bound"] == (pytest.approx(20 / 17, abs=1e-3), True)
+    assert got["decode TPOT speed-up vs layers"] == (2.0, True)
+    assert got["decode TPOT speed-up vs the faster cache"] == (1.05, False)  # decaying-cache absent: expert-cache
+    assert got["median TTFT after tool outputs vs expert-cache"][1] is True
+    assert got["median TTFT after tool outputs vs layers"] == (pytest.approx(0.667, abs=1e-3), True)
+    assert got["length-sweep TTFT slope below Np vs expert-cache"] == (0.2, True)
+    # the over-budget upper bound is no baseline; expert-cache wins session a
+    assert got["held-out sessions sooner than under every baseline"] == ("1/2", False)
+    assert got["total request time speed-up vs the best baseline"] == (1.3, True)
+    assert got["total request time speed-up vs llama.cpp"] == (None, None)

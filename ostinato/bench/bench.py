@@ -58,6 +58,7 @@ class BenchSettings:
     sweep_prefixes: int = 8
     sweep_prefix_tokens: int = 1024
     upload_threshold: int | None = None  # Np for Ostinato (default: calibrated, else the engine's)
+    calibration_from: str | None = None  # a residency file calibrated on this machine: its constants and Np
     calibrate: bool = True
     calibration: object = None  # planner.calibrate.CalibrateSettings (None: its defaults)
     cpu_threads: int | None = None
@@ -131,6 +132,15 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
 
     if bs.upload_threshold:
         return {"value": bs.upload_threshold, "how": "--upload-threshold"}
+    if bs.calibration_from:  # measured earlier in this engine on this machine (`ostinato calibrate`)
+        from ostinato.planner.calibrate import model_checks
+        from ostinato.planner.residency import Residency
+
+        cal = Residency.load(bs.calibration_from).calibration
+        if not cal.get("upload_threshold"):
+            raise ConfigError(f"--calibration {bs.calibration_from}: the file holds no calibrated Np")
+        return {"value": int(cal["upload_threshold"]), "how": f"calibrated ({bs.calibration_from})", "calibration": cal,
+                "predicted": model_checks(cal, counts, base.residency.hot, loaded.runner.config)}
     if not bs.calibrate:
         return {"value": DEFAULT_UPLOAD_THRESHOLD, "how": "default (not calibrated)"}
     from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks

@@ -121,8 +121,8 @@ def _bench_settings(a):
         profiles=tuple(a.profiles) if a.profiles else None, tune=not a.no_tune, tune_sessions=a.tune_sessions,
         thresholds=tuple(a.thresholds), sweep_sizes=tuple(a.sweep_sizes), sweep_output=a.sweep_output,
         sweep_prefixes=a.sweep_prefixes, sweep_prefix_tokens=a.sweep_prefix_tokens,
-        upload_threshold=a.upload_threshold, cpu_threads=a.cpu_threads, cpu_backend=a.cpu_backend,
-        upper_bound=a.upper_bound, out=Path(a.out), progress=not a.no_progress)
+        upload_threshold=a.upload_threshold, calibration_from=a.calibration, cpu_threads=a.cpu_threads,
+        cpu_backend=a.cpu_backend, upper_bound=a.upper_bound, out=Path(a.out), progress=not a.no_progress)
 
 
 def cmd_bench(a) -> int:
@@ -189,6 +189,8 @@ def add_bench_commands(sub, add_model_args) -> None:
     _max_output_arg(p)
     p.add_argument("--profiles", nargs=2, metavar=("DEV", "HELD_OUT"),
                    help="route counts saved for this model (`ostinato skew --save-profiles`): skip profiling")
+    p.add_argument("--calibration", metavar="RESIDENCY", help="take the cost model's constants and Np from this "
+                   "file (`ostinato calibrate` on this machine and model) instead of calibrating")
     p.add_argument("--no-tune", action="store_true", help="keep the offload threshold at 32")
     p.add_argument("--tune-sessions", type=int, default=3, help="development sessions to tune thresholds on")
     p.add_argument("--thresholds", type=int, nargs="+", default=list(OFFLOAD_THRESHOLDS))

@@ -89,6 +89,50 @@ def comparisons(policies: dict, ours: str = "ostinato") -> dict:
     return out
 
 
+def targets(result: dict, ours: str = "ostinato") -> list[dict]:
+    """BENCHMARK.md's targets, each with the measured value and whether it is met (None: not
+    measured in this run). Baselines over the budget (the `gpu` upper bound) are left out."""
+    pol, comp = result["policies"], result.get("comparisons", {})
+    me = pol.get(ours, {}).get("summary")
+    if me is None:
+        return []
+    base = {n: c for n, c in comp.items() if not pol[n].get("over_budget")}
+    rows = []
+
+    def add(what, target, value, met):
+        rows.append({"what": what, "target": target, "measured": value, "met": met})
+
+    def at_least(name, key, x):
+        v = (base.get(name) or {}).get(key)
+        return v, None if v is None else v >= x
+
+    def at_most(name, key, x):
+        v = (base.get(name) or {}).get(key)
+        return v, None if v is None else v <= x
+
+    bound = (result["np"].get("predicted") or {}).get("decode_bound_ms")
+    over = _ratio(me["tpot_ms"]["median"], bound)
+    add("decode TPOT vs its bound (x)", "<= 1.25", over, None if over is None else over <= 1.25)
+    add("decode TPOT speed-up vs layers (x)", ">= 1.8", *at_least("layers", "tpot_speedup", 1.8))
+    caches = [base[n]["tpot_speedup"] for n in ("expert-cache", "decaying-cache")
+              if (base.get(n) or {}).get("tpot_speedup") is not None]
+    add("decode TPOT speed-up vs the faster cache (x)", ">= 1.1", min(caches) if caches else None,
+        min(caches) >= 1.1 if caches else None)
+    add("median TTFT after tool outputs vs expert-cache (ours/theirs)", "<= 0.5",
+        *at_most("expert-cache", "ttft_tool_ratio", 0.5))
+    add("median TTFT after tool outputs vs layers (ours/theirs)", "<= 0.8", *at_most("layers", "ttft_tool_ratio", 0.8))
+    add("length-sweep TTFT slope below Np vs expert-cache (ours/theirs)", "<= 0.5",
+        *at_most("expert-cache", "sweep_slope_ratio", 0.5))
+    won = [tuple(c["sessions_won"]) for c in base.values()]
+    add("held-out sessions sooner than under every baseline", "all",
+        f"{min(w for w, _ in won)}/{won[0][1]}" if won else None, all(w == n for w, n in won) if won else None)
+    speedups = [c["request_time_speedup"] for c in base.values() if c.get("request_time_speedup") is not None]
+    add("total request time speed-up vs the best baseline (x)", ">= 1.25", min(speedups) if speedups else None,
+        min(speedups) >= 1.25 if speedups else None)
+    add("total request time speed-up vs llama.cpp (x)", ">= 1.5", None, None)
+    return rows
+
+
 def entry_slope(entry: dict):
     sw = entry.get("sweep") or {}
     return sw.get("slope_below_np_ms_per_token")
@@ -178,6 +222,12 @@ def markdown(result: dict, plots: list[str]) -> str:
             by = {p["size"]: p["ttft_ms"] for p in sw["points"]}
             lines.append(f"| {name} | " + " | ".join(_f(by.get(n)) for n in sizes) +
                          f" | {_f(sw['slope_below_np_ms_per_token'], '{:.3f}')} |")
+    if result.get("targets"):
+        lines += ["", "## Targets (BENCHMARK.md)", "", "| what | target | measured | met |", "|---|---|---|---|"]
+        for t in result["targets"]:
+            met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+            v = t["measured"] if isinstance(t["measured"], str) else _f(t["measured"], "{:.3f}")
+            lines.append(f"| {t['what']} | {t['target']} | {v} | {met} |")
     if result.get("comparisons"):
         lines += ["", "## Ostinato against each baseline", "",
                   "| baseline | TPOT speed-up | TTFT after tool (ours/theirs) | total time speed-up | sessions won |",
@@ -217,6 +267,7 @@ def finish_result(result: dict, turns: dict, out: Path) -> dict:
     from ostinato.bench.plots import write_plots
 
     result["comparisons"] = comparisons(result["policies"])
+    result["targets"] = targets(result)
     try:
         plots = write_plots(result, turns, out)
     except Exception as e:  # noqa: BLE001 - a plot must never cost the measurements

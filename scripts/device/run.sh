@@ -44,9 +44,9 @@ run() {
 }
 check() {  # check NAME RESIDENCY [ARGS...]: scripts/check_hybrid.py against the all-GPU reference
   local name=$1 res=$2; shift 2
-  run 150 "$R/check.jsonl.log" python3 scripts/check_hybrid.py --model "$M" --name "$name" --residency "$res" \
+  run 150 "$R/check_$name.log" python3 scripts/check_hybrid.py --model "$M" --name "$name" --residency "$res" \
     --ref "$R/ref.pt" --steps "$STEPS" --cpu-threads "$THREADS" "$@"
-  tail -1 "$R/check.jsonl.log" | grep '^{' >> "$R/check.jsonl"
+  grep '^{' "$R/check_$name.log" >> "$R/check.jsonl"
 }
 
 phase_env() {
@@ -113,20 +113,25 @@ phase_predict() {
     --calibration "$R/res-cap.json" 2>&1 | tee "$R/c_result.txt" >> "$LOG"
 }
 phase_bench() {
-  local np
-  np=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['calibration'].get('upload_threshold') or '')" \
-    "$R/res-cap.json" 2>/dev/null)  # calibrated in phase calib; else bench calibrates
+  local cal=""  # the constants and Np of phase calib (same machine, model and cap); else bench calibrates
+  python3 -c "import json,sys;sys.exit(not json.load(open(sys.argv[1]))['calibration'].get('upload_threshold'))" \
+    "$R/res-cap.json" 2>/dev/null && cal="--calibration $R/res-cap.json"
   run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" --cpu-threads "$THREADS" --sessions "$S" \
-    --profiles "$R/profile-dev.json" "$R/profile-held-out.json" ${np:+--upload-threshold $np} --no-progress \
-    --attention-scores "$(cat "$R/attention_scores.txt" 2>/dev/null || echo 1)" \
-    --out "$R/bench" ${BENCH_ARGS:-}
+    --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal --no-progress \
+    --attention-scores "$(cat "$R/attention_scores.txt" 2>/dev/null || echo 1)" --out "$R/bench" ${BENCH_ARGS:-}
 }
 phase_multi() {
+  # the same 40% of experts hot, split over the GPUs: against the one-GPU reference and hybrid40
   check split2 "$R/r40x2.json" --gpu-memory "$CAP_PER_GPU"
-  local args="--model $M --sessions $S --max-sessions ${MULTI_SESSIONS:-2} --max-turns 4 --max-output 32 \
---cpu-threads $THREADS"
-  run 200 "$R/g_replay_1gpu.txt" $O replay $args --residency "$R/r40.json" --gpu-memory "$CAP"
-  run 200 "$R/g_replay_2gpu.txt" $O replay $args --residency "$R/r40x2.json" --gpu-memory "$CAP_PER_GPU"
+  # the capacity plan per GPU, replayed as bench replays Ostinato (REPLAY_ARGS: bench's sizes)
+  local P="--profile $R/profile-dev.json --held-out $R/profile-held-out.json" np
+  run 90 "$R/g_plan_cap.txt" $O plan --model "$M" $P --gpu-memory "$CAP_PER_GPU" --devices "$DEVICES" \
+    --attention-scores "$(cat "$R/attention_scores.txt" 2>/dev/null || echo 1)" --no-verify -o "$R/r2cap.json"
+  np=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['calibration'].get('upload_threshold') or '')" \
+    "$R/res-cap.json" 2>/dev/null)
+  run 300 "$R/g_replay_2gpu.txt" $O replay --model "$M" --sessions "$S" --cpu-threads "$THREADS" \
+    --residency "$R/r2cap.json" --gpu-memory "$CAP_PER_GPU" ${np:+--upload-threshold $np} \
+    ${REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32}
 }
 
 say "phases: $* (model $M, cap $CAP, $THREADS CPU expert workers, sessions $S)"
