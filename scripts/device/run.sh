@@ -14,7 +14,8 @@
 #   calib      [C] plan under $CAP (capacity test), a half-size pool, calibrate in the engine
 #   predict    [C][F] predicted against measured decode step of both pools, and the bound
 #   bench      [E] `ostinato bench` on the held-out sessions (sizes: BENCH_ARGS)
-#   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each: check, replay
+#   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
+#   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 # Results gather in $R (default /tmp/res; kept while the machine stays warm, else restored from
 # .carry/res); the call ends by packing $R into $OUT/res.tgz beside $OUT/log.txt.
 set -uo pipefail
@@ -123,6 +124,8 @@ phase_bench() {
 phase_multi() {
   # the same 40% of experts hot, split over the GPUs: against the one-GPU reference and hybrid40
   check split2 "$R/r40x2.json" --gpu-memory "$CAP_PER_GPU"
+}
+phase_multi_replay() {
   # the capacity plan per GPU, replayed as bench replays Ostinato (REPLAY_ARGS: bench's sizes)
   local P="--profile $R/profile-dev.json --held-out $R/profile-held-out.json" np
   run 90 "$R/g_plan_cap.txt" $O plan --model "$M" $P --gpu-memory "$CAP_PER_GPU" --devices "$DEVICES" \
