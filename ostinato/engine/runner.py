@@ -122,16 +122,10 @@ class ModelRunner:
         """Capture decode steps when the placement allows it: every expert resident, or the
         hybrid placement through the mapped-memory handshake with the native CPU worker."""
         from ostinato.engine.graph import DecodeGraphs
-        from ostinato.layers.moe.hybrid import HybridExperts
+        from ostinato.layers.moe.graph_hybrid import for_graphs
 
-        experts = self.experts
-        if isinstance(experts, HybridExperts) and not experts.capturable and experts.cpu.backend == "native":
-            from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
-
-            experts = GraphHybridExperts(experts, self.config.moe_layers, self.config.num_experts_per_tok,
-                                         self.config.hidden_size)
-            self.experts = experts
-            self.model.set_experts(experts)
+        experts = self.experts = for_graphs(self.experts)
+        self.model.set_experts(experts)
         if not getattr(experts, "capturable", False):
             return
         self.graphs = DecodeGraphs(self, before_step=getattr(experts, "before_step", None),
