@@ -1,12 +1,17 @@
 """MoE layers split across devices (issue [G]), on the CPU: "cpu:0" and "cpu:1" are two
 logical devices on one memory, so the split placement runs through the same code as on two
-GPUs (pools, index tables, layer loop, hand-offs) and must give the one-device logits."""
+GPUs (pools, index tables, layer loop, hand-offs) and must give the one-device logits. The
+decode graphs per device are checked on the CPU through their eager step (same stages,
+buffers and hand-offs, nothing captured); on two GPUs (marked gpu) by replay."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ostinato.config import ConfigError
+from ostinato.engine.devices import Segment, SplitExperts, backend_of, segments
 from ostinato.engine.factory import load_engine
+from ostinato.engine.graph import DecodeGraphs
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
 from ostinato.layers.moe.pool import COLD
@@ -171,3 +176,165 @@ def test_plan_per_device(tiny_dir, tmp_path, capsys):
                       PlacementSettings(residency=str(out), cpu_threads=1, cpu_backend="torch"))
     assert two.runner.max_context == 128 and two.runner.layer_devices == ["cpu:0", "cpu:0", "cpu:1", "cpu:1"]
     _check_same(one, two)
+
+
+def test_segments_of_layer_devices():
+    assert segments(["a", "a", "b", "b", "b"]) == [Segment("a", range(0, 2), True, False),
+                                                  Segment("b", range(2, 5), False, True)]
+    assert segments(["cuda:0"] * 3) == [Segment("cuda:0", range(3), True, True)]
+    three = segments(["cpu:0", "cpu:1", "cpu:2"])
+    assert [(s.first, s.last) for s in three] == [(True, False), (False, False), (False, True)]
+    assert three[1].device == torch.device("cpu") and segments(["cuda:1"])[0].device == torch.device("cuda:1")
+    with pytest.raises(ConfigError, match="contiguous"):
+        segments(["a", "b", "a"])
+
+
+def test_split_experts_hooks_per_device():
+    class Backend:
+        def __init__(self, capturable):
+            self.capturable, self.calls = capturable, []
+
+        def after_decode_step(self):
+            self.calls.append("after")
+
+    a, b = Backend(True), Backend(False)
+    split = SplitExperts({"cpu:0": a, "cpu:1": b}, ["cpu:0", "cpu:1", "cpu:1"])
+    assert not split.capturable
+    split.wrap(lambda backend, i: Backend(True) if i == 1 else backend)
+    assert split.capturable and split.backends["cpu:0"] is a
+    split.after_decode_step()
+    assert a.calls == ["after"] and split.backends["cpu:1"].calls == ["after"]
+    segs = segments(split.layer_devices)
+    assert [backend_of(split, s) for s in segs] == [a, split.backends["cpu:1"]]
+    assert backend_of(a, segs[1]) is a  # one backend serves every segment
+
+
+def _stepped(runner, steps=24):
+    """Greedy decode through DecodeGraphs' eager step (the static buffers and hand-offs the
+    graphs capture), each step checked bitwise against decode_windowed."""
+    graphs = DecodeGraphs(runner)
+    assert len(graphs.stages) == len(runner.segments)
+    logits = runner.forward(PROMPT[:20], 0)
+    tokens = []
+    for pos in range(20, 20 + steps):
+        tokens.append(int(logits.argmax()))
+        logits = graphs.run(tokens[-1], pos)
+        assert torch.equal(logits, runner.decode_windowed(tokens[-1], pos))
+    return tokens
+
+
+@pytest.mark.parametrize("residency", [None, "two.json"])
+def test_decode_stages_equal_the_eager_windowed_step(tiny_dir, tmp_path, residency):
+    from ostinato.loader.source import open_source
+
+    _split_residency(open_source(tiny_dir), tmp_path)
+    one = load_engine(str(tiny_dir), _settings())
+    if residency is None:
+        two = load_engine(str(tiny_dir), _settings(devices="cpu:0,cpu:1,cpu:2"))
+        assert sorted(set(two.runner.layer_devices)) == ["cpu:0", "cpu:1", "cpu:2"]
+    else:
+        place = PlacementSettings(residency=str(tmp_path / residency), cpu_threads=1, cpu_backend="torch")
+        two = load_engine(str(tiny_dir), _settings(), place)
+        backends = two.runner.experts.backends
+        assert list(backends["cpu:0"].has_cold) == [0] and list(backends["cpu:1"].has_cold) == [1, 2, 3]
+    assert len(two.runner.segments) == (3 if residency is None else 2)
+    assert _stepped(one.runner) == _stepped(two.runner)
+
+
+def _two_gpu_engines(tiny_dir, tmp_path, fraction, borrow):
+    from ostinato.loader.source import open_source
+    from tests.test_hybrid import _residency_for
+
+    source = open_source(tiny_dir)
+    res = _residency_for(source, fraction)
+    res.save(tmp_path / "one.json")
+    Residency(res.fingerprint, res.num_experts, res.hot, devices={"cuda:0": [0, 1], "cuda:1": [2, 3]}).save(
+        tmp_path / "two.json")
+    place = dict(cpu_threads=2, borrow=borrow, borrow_wait_copies=True)
+    settings = dict(dtype="bf16", max_context=2048)
+
+    def engine(residency, graphs, **kw):
+        return load_engine(str(tiny_dir), RunnerSettings(cuda_graph=graphs, **settings, **kw),
+                           PlacementSettings(residency=str(tmp_path / residency), **place))
+
+    return engine
+
+
+def _replay_vs_eager(graphed, sync, steps=96):
+    """Greedy tokens of the graphed engine; every replay bitwise equal to the eager windowed
+    step of an engine without graphs (its hooks called after each step, as the graphed
+    runner calls them, so borrowing switches at the same tokens in both)."""
+    prompt = list(range(5, 105))
+    graphed.runner.forward(prompt, 0)
+    sync.runner.forward(prompt, 0)
+    token, pos, tokens = 7, len(prompt), []
+    for _ in range(steps):
+        a = graphed.runner.forward([token], pos)
+        b = sync.runner.decode_windowed(token, pos)
+        sync.runner.experts.after_decode_step()
+        assert a.device == b.device == torch.device("cuda:0")
+        assert torch.equal(a, b)
+        token, pos = int(a.argmax()), pos + 1
+        tokens.append(token)
+    return tokens
+
+
+def _skip_without_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("borrow", [False, True])
+def test_graph_per_gpu_with_cpu_workers_bitwise_equals_eager(tiny_dir, tmp_path, borrow):
+    """Half the experts cold, layers split over two GPUs: one graph per GPU, each device's
+    hybrid backend with its own handshake and native worker on the one CPU pool; replay is
+    bitwise the eager windowed step, greedy tokens those of one GPU's graphs."""
+    from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+
+    _skip_without_two_gpus()
+    engine = _two_gpu_engines(tiny_dir, tmp_path, 0.5, borrow)
+    graphed = engine("two.json", True, devices="cuda:0,cuda:1")
+    sync = engine("two.json", False, devices="cuda:0,cuda:1")
+    runner = graphed.runner
+    assert runner.layer_devices == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"] and runner.graphs is not None
+    assert [s.device for s in runner.graphs.stages] == [torch.device("cuda:0"), torch.device("cuda:1")]
+    backends = list(runner.experts.backends.values())
+    assert all(isinstance(b, GraphHybridExperts) for b in backends) and sync.runner.graphs is None
+    assert backends[0].hybrid.cpu is backends[1].hybrid.cpu  # one CPU pool, two workers
+    assert list(backends[0].index) == [0, 1] and list(backends[1].index) == [2, 3]
+    tokens = _replay_vs_eager(graphed, sync)
+    for b in backends:  # each device's worker served its own layers' cold routes
+        s = b.worker.stats()
+        assert s["cold_routes"] > 0 and s["errors"] == 0 and s["last_error"] == ""
+    assert (runner.placement_stats().get("borrowed", 0) > 0) == borrow
+    runner.experts.close()
+    sync.runner.experts.close()
+    if not borrow:  # borrowing picks per device, so only then is one GPU's run the same placement
+        one = engine("one.json", True, device="cuda:0")
+        assert one.runner.graphs is not None and isinstance(one.runner.experts, GraphHybridExperts)
+        assert _greedy_graphed(one.runner, len(tokens)) == tokens
+        one.runner.experts.close()
+
+
+@pytest.mark.gpu
+def test_graph_per_gpu_all_resident_bitwise_equals_eager(tiny_dir, tmp_path):
+    """Every expert resident (no CPU worker), layers split over two GPUs."""
+    _skip_without_two_gpus()
+    engine = _two_gpu_engines(tiny_dir, tmp_path, 1.0, False)
+    graphed = engine("two.json", True, devices="cuda:0,cuda:1")
+    sync = engine("two.json", False, devices="cuda:0,cuda:1")
+    assert graphed.runner.graphs is not None and len(graphed.runner.graphs.stages) == 2
+    tokens = _replay_vs_eager(graphed, sync)
+    one = engine("one.json", True, device="cuda:0")
+    assert one.runner.graphs is not None
+    assert _greedy_graphed(one.runner, len(tokens)) == tokens
+
+
+def _greedy_graphed(runner, steps):
+    runner.forward(list(range(5, 105)), 0)
+    token, pos, tokens = 7, 100, []
+    for _ in range(steps):
+        token, pos = int(runner.forward([token], pos).argmax()), pos + 1
+        tokens.append(token)
+    return tokens

@@ -7,13 +7,16 @@ the last; a pass hands the hidden state (and cos/sin) to the next device at each
 boundary. Every device has its own ExpertPool and index table and its own HybridExperts;
 all of them share one HostExperts and one CpuExperts, the CPU pool serving every GPU
 (layers run in order, so it serves one layer at a time). The model module stays pure:
-the layer loop that moves activations lives here.
+the loop over devices that moves activations lives here, a `Segment` per device.
 
 Device names are logical: "cuda:1" is a GPU, "cpu:0" and "cpu:1" are two logical
 devices on the host's one memory, so the same placement runs (and is tested) on a CPU.
 
-Decode graphs are not captured for a split model (one graph per GPU needs cross-device
-hand-offs inside the capture; not done yet): decode runs eagerly, host-driven.
+Decode is captured as one CUDA graph per GPU (engine/graph.py): each segment's graph
+replays on its device and the hidden state (and cos/sin) is copied between them, host-driven,
+one launch per device per step. Each device's hybrid backend gets its own mapped-memory
+handshake and native worker (GraphHybridExperts); the workers share the one CPU pool, and
+steps never overlap across devices, so the pool still has one submitter at a time.
 
 Legend: T tokens, D hidden, L decoder layers.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -103,49 +107,88 @@ class SplitKV:
             seen[name] += 1
 
 
-def forward_split(model, layer_devices: list[str], input_ids: torch.Tensor, positions: torch.Tensor, kv: list,
+@dataclass(frozen=True)
+class Segment:
+    """One device's contiguous range of decoder layers; the first segment also embeds the
+    token (and computes cos/sin), the last also runs the final norm (and lm_head)."""
+    name: str  # logical device
+    layers: range
+    first: bool
+    last: bool
+
+    @property
+    def device(self) -> torch.device:
+        return physical(self.name)
+
+
+def segments(layer_devices: list[str]) -> list[Segment]:
+    """Each decoder layer's device -> the segments in layer order (one device: one segment).
+    A device must hold one contiguous range: its graph, KV block and worker serve it once a step."""
+    from ostinato.config import ConfigError
+
+    bounds = [0] + [i for i in range(1, len(layer_devices)) if layer_devices[i] != layer_devices[i - 1]]
+    bounds.append(len(layer_devices))
+    names = [layer_devices[b] for b in bounds[:-1]]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"layer devices {layer_devices}: a device holds two ranges of layers; each device's "
+                          "layers must be one contiguous range (plan again with --devices)")
+    n = len(names)
+    return [Segment(name, range(bounds[i], bounds[i + 1]), i == 0, i == n - 1) for i, name in enumerate(names)]
+
+
+def device_scope(dev: torch.device):
+    """Make a CUDA device the current one (Triton kernels, events and streams follow
+    torch.cuda.current_device(), not the tensors); nothing for a CPU device."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+def forward_split(model, parts: list[Segment], input_ids: torch.Tensor, positions: torch.Tensor, kv: list,
                   start: int, window: DecodeWindow | None = None) -> torch.Tensor:
     """The model's forward pass (same modules, same order) with x handed between devices:
     input_ids, positions [T] on the first device -> final hidden states [T, D] on the last."""
-    x = model.model.embed_tokens(input_ids)
-    if window is not None:
-        window.refresh()
-    seq_len = window.size if window is not None else start + input_ids.shape[0]
-    cos, sin = model.rotary(positions, seq_len, x.dtype)
-    here = physical(layer_devices[0])
-    for i, layer in enumerate(model.model.layers):
-        dev = physical(layer_devices[i])
-        if dev != here:  # a range boundary between two GPUs
+    x, cos, sin = model.embed(input_ids, positions, start, window)
+    for seg in parts:
+        dev = seg.device
+        if not seg.first:  # a range boundary between two devices
             x, cos, sin = x.to(dev), cos.to(dev), sin.to(dev)
             if window is not None:
                 window = DecodeWindow(window.position.to(dev), window.size)
                 window.refresh()
-            here = dev
-        # the layer's device is the current one: Triton kernels, events and streams of the
-        # experts backend follow torch.cuda.current_device(), not the tensors
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            x = layer(x, cos, sin, kv[i], start, window)
+        with device_scope(dev):
+            x = model.run_layers(seg.layers, x, cos, sin, kv, start, window)
     return model.model.norm(x)
 
 
 class SplitExperts:
     """The experts backend of a split model: each layer goes to its device's backend."""
 
-    capturable = False
-
     def __init__(self, backends: dict[str, object], layer_devices: list[str]):
-        self.backends = backends
+        self.backends = backends  # device name -> backend; a device without MoE layers has none
         self.layer_devices = layer_devices
 
     def __call__(self, layer: int, x: torch.Tensor, topk):
         return self.backends[self.layer_devices[layer]](layer, x, topk)
+
+    @property
+    def capturable(self) -> bool:
+        """A decode graph per device can be captured when every device's backend allows it."""
+        return all(getattr(b, "capturable", False) for b in self.backends.values())
+
+    def wrap(self, fn) -> None:
+        """Replace each device's backend b by fn(b, i), i its place in device order (the runner
+        wraps a hybrid backend in its graph backend; the i-th worker gets the i-th free core)."""
+        wrapped = {}
+        for i, (name, b) in enumerate(self.backends.items()):
+            with device_scope(physical(name)):
+                wrapped[name] = fn(b, i)
+        self.backends = wrapped
 
     def _each(self, hook: str) -> None:
         for b in self.backends.values():
             fn = getattr(b, hook, None)
             dev = getattr(b, "device", None)
             if fn is not None:
-                with torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext():
+                with device_scope(dev) if dev is not None else contextlib.nullcontext():
                     fn()
 
     def before_prefill(self) -> None:
@@ -154,12 +197,21 @@ class SplitExperts:
     def after_decode_step(self) -> None:
         self._each("after_decode_step")
 
+    def close(self) -> None:
+        """Stop each device's graph worker (the CPU pool they share is left as it is)."""
+        self._each("close")
+
     def stats(self) -> dict[str, float]:
         total: Counter = Counter()
         for b in self.backends.values():
             if callable(getattr(b, "stats", None)):
                 total.update(b.stats())
         return dict(total)
+
+
+def backend_of(experts, seg: Segment):
+    """The experts backend that serves a segment's layers: its device's, for a split backend."""
+    return experts.backends.get(seg.name) if isinstance(experts, SplitExperts) else experts
 
 
 def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype: torch.dtype,
@@ -202,8 +254,9 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
     np_ = place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
     backends = {}
     for name, pool in pools.items():
-        with torch.cuda.device(pool.device) if pool.device.type == "cuda" else contextlib.nullcontext():
-            hybrid = HybridExperts(pool, host, cpu, int(np_), max_tokens)
+        with device_scope(pool.device):
+            layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
+            hybrid = HybridExperts(pool, host, cpu, int(np_), max_tokens, layers=layers)
             if place.borrow and pool.num_slots > pool.flex_lo:
                 from ostinato.layers.moe.borrow import Borrowing
 

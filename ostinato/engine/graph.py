@@ -1,5 +1,5 @@
-"""Decode as one CUDA graph: a whole decode step captured once per cache window, replayed
-for every token.
+"""Decode as one CUDA graph per GPU: a whole decode step captured once per cache window,
+replayed for every token.
 
 At batch 1 a decode step does little work per layer, so launching ~70 kernels a layer from
 Python costs more than the work (measured on the H200: 67 ms a step eager, all experts on
@@ -10,12 +10,24 @@ its window; windows double in size up to the context, and a step uses the smalle
 holds it. The experts backend must itself be capturable (no host sync): the all-GPU pool
 path, or the hybrid backend with the mapped-memory handshake to the native CPU worker.
 
-Legend: V vocabulary, W window (cache positions attended).
+A model split across devices (engine/devices.py) is captured as one graph per device and
+window: a `Stage` per segment (its contiguous layers; the first also embeds the token and
+computes cos/sin, the last also runs the norm and lm_head), each with static inputs on its
+device. A replay is host-driven: one launch per device, in order, with the previous stage's
+outputs (hidden state, cos, sin) copied into the next stage's inputs between them; torch's
+cross-device copy orders it after the producer's stream and before the consumer's. A
+one-device model is the one-stage case. The eager step through the same buffers (`run`)
+is the warm-up before capture.
+
+Legend: V vocabulary, W window (cache positions attended), D hidden, Hd head dim.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ostinato.engine.devices import Segment, backend_of, device_scope
 from ostinato.models.qwen3_moe import DecodeWindow
 
 
@@ -27,54 +39,146 @@ def window_sizes(max_context: int, smallest: int = 1024) -> list[int]:
     return sizes + [max_context]
 
 
-class DecodeGraphs:
-    def __init__(self, runner, before_step=None, after_step=None, smallest_window: int = 1024):
-        """before_step(): launched first in every step (e.g. the handshake's sequence bump);
-        after_step(): called once the step's kernels are recorded or run."""
-        self.runner = runner
-        dev = runner.device
-        self.token = torch.zeros(1, dtype=torch.long, device=dev)
-        self.position = torch.zeros(1, dtype=torch.long, device=dev)
-        self.before_step, self.after_step = before_step, after_step
-        self.sizes = window_sizes(runner.max_context, smallest_window)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+class Stage:
+    """One segment of the decode step on its device: static inputs (the token for the first,
+    x [1, D] and cos, sin [1, Hd] copied from the previous stage otherwise; the position for
+    all), and per window its DecodeWindow, graph and outputs ((x, cos, sin), or (logits [V],)
+    for the last)."""
 
-    def _step(self, window: DecodeWindow) -> torch.Tensor:
+    def __init__(self, model, kv: list, seg: Segment, backend):
+        self.model, self.kv, self.seg = model, kv, seg
+        dev = self.device = seg.device
+        self.cuda = dev.type == "cuda"
+        # hooks of the segment's own backend: before_step() is the first thing of its graph
+        # (e.g. the handshake's sequence bump); after_step() once the step is recorded or run
+        self.before_step = getattr(backend, "before_step", None)
+        self.after_step = getattr(backend, "after_step", None)
+        self.token = torch.zeros(1, dtype=torch.long, device=dev) if seg.first else None
+        self.position = torch.zeros(1, dtype=torch.long, device=dev)
+        self.inputs: tuple[torch.Tensor, ...] = ()  # allocated at the first hand-off
+        self.windows: dict[int, DecodeWindow] = {}  # kept alive: the graphs read their buffers
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.side = torch.cuda.Stream(dev) if self.cuda else None  # warm-up and capture
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None  # this device's graphs
+
+    def window(self, size: int) -> DecodeWindow:
+        if size not in self.windows:
+            self.windows[size] = DecodeWindow(self.position, size)
+        return self.windows[size]
+
+    def load(self, token: int, position: int, prev: tuple[torch.Tensor, ...]) -> None:
+        """Set the static inputs of a step; prev: the previous stage's outputs (another device)."""
+        if self.token is not None:
+            self.token.fill_(token)
+        self.position.fill_(position)
+        if prev and not self.inputs:
+            self.inputs = tuple(torch.zeros_like(t, device=self.device) for t in prev)
+        for dst, src in zip(self.inputs, prev):
+            dst.copy_(src, non_blocking=True)  # device to device: after src's producer, before dst's consumer
+
+    def step(self, window: DecodeWindow) -> tuple[torch.Tensor, ...]:
+        """The stage's part of a decode step: what is captured (the same modules in the same
+        order as the eager pass, devices.forward_split / the model's forward)."""
         if self.before_step is not None:
             self.before_step()
-        model = self.runner.model
+        model, seg = self.model, self.seg
         try:
-            hidden = model(self.token, self.position, self.runner.kv.layers, 0, window)
-            return model.logits(hidden)[0]  # [V] fp32
+            if seg.first:
+                x, cos, sin = model.embed(self.token, self.position, 0, window)
+            else:
+                window.refresh()
+                x, cos, sin = self.inputs
+            x = model.run_layers(seg.layers, x, cos, sin, self.kv, 0, window)
+            if seg.last:
+                return (model.logits(model.model.norm(x))[0],)  # [V] fp32
+            return x, cos, sin
         finally:
             if self.after_step is not None:
                 self.after_step()
 
+    @contextlib.contextmanager
+    def eagerly(self):
+        """Eager work on the side stream (after the current stream's), finished on leaving:
+        stages never overlap, so the CPU pool shared by every device's worker has one
+        submitter at a time."""
+        if not self.cuda:
+            yield
+            return
+        with device_scope(self.device):
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                yield
+            torch.cuda.current_stream().wait_stream(self.side)
+            torch.cuda.synchronize()
+
+    def run(self, size: int, token: int, position: int, prev: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        with self.eagerly():
+            self.load(token, position, prev)
+            return self.step(self.window(size))
+
+    def capture(self, size: int) -> None:
+        with device_scope(self.device):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.side):
+                out = self.step(self.window(size))
+            self.graphs[size] = (graph, out)
+
+    def replay(self, size: int, token: int, position: int, prev: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        graph, out = self.graphs[size]
+        with device_scope(self.device):
+            self.load(token, position, prev)
+            graph.replay()  # on the device's current stream
+        return out
+
+
+class DecodeGraphs:
+    def __init__(self, runner, smallest_window: int = 1024):
+        """One stage per segment of the runner's layers (runner.segments), each with the hooks
+        of the backend that serves its layers."""
+        model, kv = runner.model, runner.kv.layers
+        self.stages = [Stage(model, kv, seg, backend_of(runner.experts, seg)) for seg in runner.segments]
+        self.sizes = window_sizes(runner.max_context, smallest_window)
+        # the next step's first stage waits for the last stage of the step before (split only)
+        self.step_done = torch.cuda.Event() if len(self.stages) > 1 and self.stages[0].cuda else None
+
+    def _run(self, size: int, token: int, position: int) -> torch.Tensor:
+        out: tuple[torch.Tensor, ...] = ()
+        for stage in self.stages:
+            out = stage.run(size, token, position, out)
+        return out[0]
+
+    @torch.inference_mode()
+    def run(self, token: int, position: int) -> torch.Tensor:
+        """Logits [V] of `token` at `position`, stepped eagerly through the static buffers and
+        hand-offs (the warm-up; and on a CPU, where nothing is captured, the check of them)."""
+        return self._run(self.window_for(position), token, position)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every window's step (before any request: warm-up steps write KV slot 0)."""
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.runner.device)
+        """Capture every window's step on every device (before any request: warm-up steps
+        write KV slot 0). Warm-up runs eagerly first (Triton compiles, allocators settle)."""
         for size in self.sizes:
-            window = DecodeWindow(self.position, size)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compiles, allocator settles
-                for _ in range(2):
-                    self._step(window)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._step(window)
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
+            for _ in range(2):
+                self._run(size, 0, 0)
+            for stage in self.stages:
+                stage.capture(size)
+        for stage in self.stages:
+            with device_scope(stage.device):
+                torch.cuda.synchronize()
 
     def window_for(self, position: int) -> int | None:
         return next((s for s in self.sizes if position < s), None)
 
     def replay(self, token: int, position: int) -> torch.Tensor:
-        """Logits [V] of `token` at `position` (its KV is written at that position)."""
-        graph, logits = self.graphs[self.window_for(position)]
-        self.token.fill_(token)
-        self.position.fill_(position)
-        graph.replay()
-        return logits
+        """Logits [V] of `token` at `position` (its KV is written at that position), a static
+        buffer on the last device."""
+        size = self.window_for(position)
+        first, last = self.stages[0], self.stages[-1]
+        if self.step_done is not None:
+            torch.cuda.current_stream(first.device).wait_event(self.step_done)
+        out: tuple[torch.Tensor, ...] = ()
+        for stage in self.stages:
+            out = stage.replay(size, token, position, out)
+        if self.step_done is not None:
+            self.step_done.record(torch.cuda.current_stream(last.device))
+        return out[0]

@@ -4,7 +4,8 @@ It materialises the dense model on the compute device, plugs an experts backend 
 the model's MoE blocks (all on one device by default; hybrid or a baseline policy when
 given one), owns the KV cache and runs forward passes, chunked for long prompts. With
 several devices (`devices`, or a residency planned for several) each layer and its KV
-cache live on their own device and the runner drives the layer loop (engine/devices.py).
+cache live on their own device and the runner drives the loop over devices (engine/devices.py);
+decode is then captured as one CUDA graph per device (engine/graph.py).
 
 Legend: T tokens of a pass, V vocabulary.
 """
@@ -31,7 +32,7 @@ class RunnerSettings:
     dtype: str | None = None  # default: the checkpoint's (bf16 on GPU, fp32 on CPU)
     max_context: int | None = None  # default: min(16384, max_position_embeddings)
     prefill_chunk: int = 2048
-    cuda_graph: bool = True  # decode as one captured graph, when the experts backend allows it (one device)
+    cuda_graph: bool = True  # decode as captured graphs (one per device), when the experts backend allows it
     devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": MoE layers split across them, in order
 
     def device_names(self) -> list[str]:
@@ -70,13 +71,15 @@ class ModelRunner:
         self.model = build_model(source, self.device, self.dtype)
         self.model.set_experts(self.experts)
         self.kv = KVCache(self.config, max_context, self.device, self.dtype)
+        self.segments = split.segments([str(self.device)] * self.config.num_hidden_layers)
         self.graphs = None
         if settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()
 
     def _init_split(self, source, experts, max_context: int) -> None:
         """Layers across devices: built in host memory, then each part moved to its device (so
-        no device ever holds more than its share); decode graphs stay off (eager decode)."""
+        no device ever holds more than its share); decode graphs per device as for one."""
+        self.segments = split.segments(self.layer_devices)  # one contiguous range per device
         self.device = split.physical(self.layer_devices[0])
         self.experts = experts if experts is not None else split.split_reference(source, self.layer_devices,
                                                                                  self.dtype)
@@ -85,11 +88,13 @@ class ModelRunner:
         self.model.set_experts(self.experts)
         self.kv = split.SplitKV(self.config, max_context, self.layer_devices, self.dtype)
         self.graphs = None
+        if self.settings.cuda_graph and self.device.type == "cuda":
+            self.enable_graphs()
 
     def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, start: int, window=None) -> torch.Tensor:
         if self.layer_devices is None:
             return self.model(ids, pos, self.kv.layers, start, window)
-        return split.forward_split(self.model, self.layer_devices, ids, pos, self.kv.layers, start, window)
+        return split.forward_split(self.model, self.segments, ids, pos, self.kv.layers, start, window)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden).to(self.device)  # from the last device, where lm_head lives
@@ -114,28 +119,24 @@ class ModelRunner:
         self.graphs = None
         self.experts = backend
         self.model.set_experts(backend)
-        if backend is not None and self.settings.cuda_graph and self.device.type == "cuda" \
-                and self.layer_devices is None:
-            self.enable_graphs()  # may wrap a HybridExperts in its graph backend
+        if backend is not None and self.settings.cuda_graph and self.device.type == "cuda":
+            self.enable_graphs()  # may wrap a HybridExperts (each device's) in its graph backend
 
     def enable_graphs(self) -> None:
         """Capture decode steps when the placement allows it: every expert resident, or the
-        hybrid placement through the mapped-memory handshake with the native CPU worker."""
+        hybrid placement through the mapped-memory handshake with the native CPU worker (a
+        split model: each device's hybrid backend with a handshake and worker of its own)."""
         from ostinato.engine.graph import DecodeGraphs
-        from ostinato.layers.moe.hybrid import HybridExperts
+        from ostinato.layers.moe.graph_hybrid import for_graphs
 
-        experts = self.experts
-        if isinstance(experts, HybridExperts) and not experts.capturable and experts.cpu.backend == "native":
-            from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
-
-            experts = GraphHybridExperts(experts, self.config.moe_layers, self.config.num_experts_per_tok,
-                                         self.config.hidden_size)
-            self.experts = experts
-            self.model.set_experts(experts)
-        if not getattr(experts, "capturable", False):
+        if isinstance(self.experts, split.SplitExperts):
+            self.experts.wrap(for_graphs)
+        elif self.layer_devices is None:
+            self.experts = for_graphs(self.experts)
+        self.model.set_experts(self.experts)
+        if not getattr(self.experts, "capturable", False):
             return
-        self.graphs = DecodeGraphs(self, before_step=getattr(experts, "before_step", None),
-                                   after_step=getattr(experts, "after_step", None))
+        self.graphs = DecodeGraphs(self)
         self.graphs.capture()
 
     @property
@@ -152,7 +153,7 @@ class ModelRunner:
         if not decode and hasattr(self.experts, "before_prefill"):
             self.experts.before_prefill()  # borrowed slots go back to the upload path first
         if decode and self.graphs is not None and self.graphs.window_for(start) is not None:
-            logits = self.graphs.replay(tokens[0], start).clone()
+            logits = self.graphs.replay(tokens[0], start).to(self.device, copy=True)  # from the last device
             self._after_decode_step()
             return logits
         outs = []

@@ -183,15 +183,30 @@ class Qwen3MoeForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, D] (after the last norm).
 
         With a DecodeWindow (one token), the position is read from the device only, so the
-        pass can be captured once and replayed (see engine/graph.py)."""
+        pass can be captured once and replayed (see engine/graph.py). The pass is embed, then
+        run_layers over every layer, then the norm: the runner may run the layers in ranges
+        (one per device, engine/devices.py)."""
+        x, cos, sin = self.embed(input_ids, positions, start, window)
+        x = self.run_layers(range(len(self.model.layers)), x, cos, sin, kv, start, window)
+        return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int,
+              window: DecodeWindow | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The start of a pass: x [T, D] and the rotary cos, sin [T, Hd] (the window's mask
+        is refreshed here)."""
         x = self.model.embed_tokens(input_ids)
         if window is not None:
             window.refresh()
         seq_len = window.size if window is not None else start + input_ids.shape[0]
         cos, sin = self.rotary(positions, seq_len, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv[i], start, window)
-        return self.model.norm(x)
+        return x, cos, sin
+
+    def run_layers(self, layers: range, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: list[LayerKV],
+                   start: int, window: DecodeWindow | None = None) -> torch.Tensor:
+        """Decoder layers `layers` (a range, in order) on x [T, D]."""
+        for i in layers:
+            x = self.model.layers[i](x, cos, sin, kv[i], start, window)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] -> logits [T, V] in fp32."""

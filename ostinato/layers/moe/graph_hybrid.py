@@ -18,7 +18,7 @@ import atexit
 import torch
 
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
-from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
+from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker, default_core
 from ostinato.layers.moe.hybrid import HybridExperts
 from ostinato.layers.moe.types import TopKOutput
 
@@ -26,13 +26,20 @@ from ostinato.layers.moe.types import TopKOutput
 class GraphHybridExperts:
     capturable = True
 
-    def __init__(self, hybrid: HybridExperts, layers: list[int], top_k: int, hidden: int):
+    def __init__(self, hybrid: HybridExperts, worker: int = 0):
+        """worker: this handshake's place among the process's graph workers (one per GPU of a
+        split model), so each worker gets a core of its own where one is free."""
         from ostinato.kernels.triton import handshake as hs
 
-        self.hybrid, self.hs = hybrid, hs
+        self.hybrid, self.hs, self.device = hybrid, hs, hybrid.device
+        pool = hybrid.pool
+        # only layers with cold experts post a step: the worker waits at each of its layers
+        layers = [l for l, cold in hybrid.has_cold.items() if cold]
+        top_k, hidden = pool.zero_hi - pool.zero_lo, pool.w2.shape[1]
         self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
-        self.shared = GraphHandshake(len(layers), top_k, hidden, x_dtype=hybrid.pool.w13.dtype)
-        self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers)
+        self.shared = GraphHandshake(len(layers), top_k, hidden, x_dtype=pool.w13.dtype)
+        self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers,
+                                  core=default_core(hybrid.cpu, worker))
         self.seq = torch.zeros(1, dtype=torch.int32, device=hybrid.device)
         P = hs.HostPointer
         sh, S = self.shared, 16  # flag stride (int32 elements)
@@ -61,7 +68,7 @@ class GraphHybridExperts:
 
     def close(self) -> None:
         if self.worker.running:
-            torch.cuda.synchronize()  # no replay may be left waiting on the worker
+            torch.cuda.synchronize(self.device)  # no replay may be left waiting on the worker
             self.worker.stop()
 
     def stats(self) -> dict[str, float]:
@@ -85,3 +92,11 @@ class GraphHybridExperts:
         y = torch.empty_like(x)
         self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
         return y
+
+
+def for_graphs(backend, worker: int = 0):
+    """The backend a decode graph can capture: a HybridExperts with cold experts gets the
+    mapped-memory handshake (native CPU backend only); any other backend as it is."""
+    if isinstance(backend, HybridExperts) and not backend.capturable and backend.cpu.backend == "native":
+        return GraphHybridExperts(backend, worker)
+    return backend

@@ -145,10 +145,11 @@ class GraphWorker:
             native.stop()
 
 
-def default_core(cpu_experts: CpuExperts) -> int:
-    """The first CPU the pool does not pin a worker to (CpuExperts leaves its caller the
-    first physical core), or -1 (unpinned) when the pool takes them all."""
+def default_core(cpu_experts: CpuExperts, nth: int = 0) -> int:
+    """The nth CPU the pool does not pin a worker to (CpuExperts leaves its caller the first
+    physical core), the first such CPU when fewer are free, or -1 (unpinned) when the pool
+    takes them all. nth > 0: the other graph workers of a split model."""
     firsts, siblings = physical_cpus()
     taken = set((firsts[1:] + firsts[:1] + siblings)[: cpu_experts.num_threads])
     free = [c for c in firsts + siblings if c not in taken]
-    return free[0] if free else -1
+    return free[nth] if nth < len(free) else free[0] if free else -1

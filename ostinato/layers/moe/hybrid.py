@@ -26,7 +26,10 @@ from ostinato.layers.moe.types import TopKOutput
 
 
 class HybridExperts:
-    def __init__(self, pool: ExpertPool, host: HostExperts, cpu, upload_threshold: int, max_tokens: int):
+    def __init__(self, pool: ExpertPool, host: HostExperts, cpu, upload_threshold: int, max_tokens: int,
+                 layers: list[int] | None = None):
+        """layers: the MoE layers this backend serves (default: every layer of the host tables;
+        a device of a split model serves its own range, its HostExperts holds every layer's)."""
         self.pool, self.host, self.cpu = pool, host, cpu
         self.upload_threshold = upload_threshold  # Np
         self.device = pool.device
@@ -41,7 +44,8 @@ class HybridExperts:
         # routes and cold routes of captured decode steps: device counters that every replay
         # updates (Python code runs once, at capture)
         self.graph_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        self.has_cold = {l: bool((c >= 0).any()) for l, c in host.compact.items()}
+        layers = sorted(host.compact) if layers is None else layers
+        self.has_cold = {l: bool((host.compact[l] >= 0).any()) for l in layers}  # in layer order
         self.borrow = None  # Borrowing, when decode may lend the flex slots to cold experts
 
     def after_decode_step(self) -> None:
