@@ -329,7 +329,7 @@ def _graph_steps(runner, graph, ids: dict, rs, steps: int, tokens: list[int], lo
 
     with runner.experts_swapped(backend):
         runner.forward(tokens[:32], 0)
-        g = DecodeGraphs(runner, before_step=graph.before_step, after_step=graph.after_step)
+        g = DecodeGraphs(runner)  # the hooks of runner.experts (the graph backend), our routing in the model
         starts = [32] + ([long_start] if long_start is not None else [])
         g.sizes = sorted({g.window_for(st + steps) for st in starts})
         g.capture()

@@ -87,7 +87,8 @@ def pin_in_place(t: torch.Tensor) -> bool:
     """
     if not torch.cuda.is_available() or t.numel() == 0:
         return False
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    # cudaHostRegisterPortable: page-locked for every GPU's context (a split model uploads to each)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1)
     if int(rc) != 0:
         raise RuntimeError(f"cudaHostRegister failed with error {int(rc)}")
     return True
