@@ -4,6 +4,7 @@
 #   OSTINATO_COMMIT=<hash> OSTINATO_DIRTY=0 bash scripts/device/run.sh PHASE...
 # (the copied tree has no .git: the commit comes from whoever sends it). Phases:
 #   env        machine facts (GPUs, CPU, NUMA, memory, versions)
+#   native     the native CPU expert kernel builds and runs here (else the call stops)
 #   tests      the GPU-marked tests (kernel oracles, graph bitwise equality, policies on CUDA)
 #   skew       [A] the skew figure of $MODEL on the development / held-out split; saves the profiles
 #   generate   [A] 64 tokens with every expert in the GPU pool (decode graph)
@@ -59,8 +60,15 @@ phase_env() {
 'transformers',transformers.__version__)"; } > "$R/env.txt" 2>&1
   cat "$R/env.txt" >> "$LOG"
 }
-phase_tests() {
-  run 200 "$R/tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 tests/
+phase_native() {  # the native CPU expert kernel must build and run here, or the hybrid numbers mean nothing
+  { grep -o -w 'avx512f\|avx512bw\|avx512vl\|avx512_bf16\|amx_bf16\|amx_tile' /proc/cpuinfo | sort | uniq -c
+    python3 -c "from ostinato.layers.moe.cpu_experts import _native_unavailable as u; r = u('auto'); \
+print('native CPU experts:', r or 'available'); raise SystemExit(1 if r else 0)"; } 2>&1 | tee -a "$R/env.txt" "$LOG"
+  (( PIPESTATUS[0] == 0 )) || { say "no native CPU experts: stopping"; DEADLINE=$SECONDS; }
+}
+phase_tests() {  # the GPU-marked tests (test_server needs the openai client, not on the GPU image)
+  run 200 "$R/tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 tests/test_graph.py \
+    tests/test_gpu_experts.py tests/test_hybrid.py tests/test_multi_device.py tests/test_policies.py
 }
 phase_skew() {
   $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1

@@ -37,9 +37,10 @@ int64_t now_ns() {
       .count();
 }
 
-// Memory the GPU writes: atomic accesses through plain int32 storage.
-int32_t load_acquire(int32_t* p) { return std::atomic_ref<int32_t>(*p).load(std::memory_order_acquire); }
-void store_release(int32_t* p, int32_t v) { std::atomic_ref<int32_t>(*p).store(v, std::memory_order_release); }
+// Memory the GPU writes: atomic accesses through plain int32 storage (the GCC/Clang builtins:
+// std::atomic_ref is C++20, and torch 2.11's extension builder compiles C++17).
+int32_t load_acquire(int32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void store_release(int32_t* p, int32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
 // a is a later step than b (wrap-around safe).
 bool newer_than(int32_t a, int32_t b) { return int32_t(uint32_t(a) - uint32_t(b)) > 0; }
