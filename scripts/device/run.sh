@@ -5,7 +5,8 @@
 # (the copied tree has no .git: the commit comes from whoever sends it). Phases:
 #   env        machine facts (GPUs, CPU, NUMA, memory, versions)
 #   native     the native CPU expert kernel builds and runs here (else the call stops)
-#   tests      the GPU-marked tests (kernel oracles, graph bitwise equality, policies on CUDA)
+#   tests      GPU-marked tests: decode graphs bitwise equal to the synchronous path, the two-GPU split
+#   tests_kernels  GPU-marked tests: kernel oracles, hybrid paths, every policy on CUDA
 #   skew       [A] the skew figure of $MODEL on the development / held-out split; saves the profiles
 #   generate   [A] 64 tokens with every expert in the GPU pool (decode graph)
 #   micro      [B] GPU branch kernels (scripts/bench_gpu_experts.py)
@@ -66,9 +67,14 @@ phase_native() {  # the native CPU expert kernel must build and run here, or the
 print('native CPU experts:', r or 'available'); raise SystemExit(1 if r else 0)"; } 2>&1 | tee -a "$R/env.txt" "$LOG"
   (( PIPESTATUS[0] == 0 )) || { say "no native CPU experts: stopping"; DEADLINE=$SECONDS; }
 }
-phase_tests() {  # the GPU-marked tests (test_server needs the openai client, not on the GPU image)
-  run 200 "$R/tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 tests/test_graph.py \
-    tests/test_gpu_experts.py tests/test_hybrid.py tests/test_multi_device.py tests/test_policies.py
+# the GPU-marked tests (test_server needs the openai client, which the GPU image lacks)
+phase_tests() {  # decode graphs bitwise equal to the synchronous path; the split over two GPUs
+  run 200 "$R/tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
+    tests/test_multi_device.py
+}
+phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
+  run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
+    tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py
 }
 phase_skew() {
   $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1
