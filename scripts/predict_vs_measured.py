@@ -39,7 +39,6 @@ def pick_sessions(spec: str, split: str, n: int):
 def replay(runner, streams, max_steps: int, sync) -> tuple[list[float], list[list[bool]], list[int], float]:
     """Prefill prompt runs, decode output runs token by token; -> (step seconds, timed mask per
     stream, positions of the timed steps, cold routes counted by the engine during them)."""
-    h = runner.experts
     steps, masks, positions, cold = [], [], [], 0
     for st in streams:
         mask = [False] * len(st.ids)
@@ -54,13 +53,13 @@ def replay(runner, streams, max_steps: int, sync) -> tuple[list[float], list[lis
                 for p in range(i, j):
                     if len(steps) >= max_steps:
                         break
-                    before = h.counters.get("cold_routes", 0)
+                    before = runner.placement_stats().get("cold_routes", 0)  # graph steps count on the device
                     sync()
                     t0 = time.perf_counter()
                     runner.forward([st.ids[p]], p)
                     sync()
                     steps.append(time.perf_counter() - t0)
-                    cold += h.counters.get("cold_routes", 0) - before
+                    cold += runner.placement_stats().get("cold_routes", 0) - before
                     mask[p] = True
                     positions.append(p)
             i = j
@@ -75,17 +74,14 @@ def count_routes(loaded, streams, masks):
     runner, cfg = loaded.runner, loaded.runner.config
     counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
     counter = CountingExperts(runner.experts, counts)
-    runner.model.set_experts(counter)
     chunk = runner.settings.prefill_chunk
-    try:
+    with runner.experts_swapped(counter):  # host-driven: a one-token chunk must not replay a graph
         for st, mask in zip(streams, masks):
             end = max((p for p, m in enumerate(mask) if m), default=-1) + 1
             for i in range(0, end, chunk):
                 counter.is_output = torch.tensor(mask[i:min(i + chunk, end)], dtype=torch.bool, device=runner.device)
                 runner.forward(st.ids[i:min(i + chunk, end)], i)
             counts.tokens["decode"] += sum(mask)
-    finally:
-        runner.model.set_experts(runner.experts)
     counts.decode = {l: c.cpu() for l, c in counts.decode.items()}
     counts.prefill = {l: c.cpu() for l, c in counts.prefill.items()}
     return counts
