@@ -141,6 +141,7 @@ phase_bench() {
 }
 phase_multi() {
   # the same 40% of experts hot, split over the GPUs: against the one-GPU reference and hybrid40
+  [[ -f $R/ref.pt ]] || check all "$R/all.json"
   check split2 "$R/r40x2.json" --gpu-memory "$CAP_PER_GPU"
   # alone: in phase tests it failed at load with a CUDA error left over from the test before it
   run 60 "$R/tests_alone.txt" python3 -m pytest -q -p no:cacheprovider \
