@@ -319,6 +319,7 @@ def run_bench(bs: BenchSettings) -> dict:
         s = entry["summary"]
         _say(bs, f"[{time.perf_counter() - t_start:.0f} s] {name}: TTFT after tool {s['ttft_ms']['median']['tool']} "
                  f"ms, TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s")
+        backend = None  # nothing but the engine may hold it: release() must free its pool for the next
     release(loaded)
     result = {
         "kind": "ostinato.bench", **environment(loaded, bs), "budget": p.budget,

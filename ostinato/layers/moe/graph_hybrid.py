@@ -67,6 +67,7 @@ class GraphHybridExperts:
         self.hybrid.before_prefill()
 
     def close(self) -> None:
+        atexit.unregister(self.close)  # the registration holds this backend, and so its pool, alive
         if self.worker.running:
             torch.cuda.synchronize(self.device)  # no replay may be left waiting on the worker
             self.worker.stop()
