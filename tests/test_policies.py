@@ -251,3 +251,31 @@ def test_policies_in_the_whole_model(tiny_dir, device):
         assert ((step - want_step).abs().max() / want_step.abs().max()) < 1e-4, name
         assert loaded.runner.placement_stats()["routes"] > 0
     use_policy(loaded, make_policy("cpu", loaded.source, settings, ps))  # closes (and unpins) the last one
+
+
+def test_release_frees_the_backend_at_once(tiny_dir, tmp_path):
+    """bench builds each policy's pool after releasing the last one: the old backend (with its
+    borrowing, a reference cycle) must be gone by then, not at some later garbage collection."""
+    import gc
+    import weakref
+
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.placement import PlacementSettings
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.loader.source import CheckpointSource
+    from ostinato.policies.factory import release
+    from tests.test_hybrid import _residency_for
+
+    _residency_for(CheckpointSource(tiny_dir), 0.5).save(tmp_path / "half.json")
+    loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=256),
+                         PlacementSettings(residency=str(tmp_path / "half.json"), cpu_threads=1, borrow=True))
+    backend = loaded.runner.experts
+    assert backend.borrow is not None  # the cycle: hybrid -> borrowing -> hybrid
+    ref = weakref.ref(backend)
+    del backend
+    gc.disable()  # only release() may collect
+    try:
+        release(loaded)
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -29,14 +29,14 @@ def _git(*args: str) -> str | None:
 
 
 def source_state() -> dict:
-    """The commit this code came from and whether it had uncommitted changes. A copied tree
-    without .git (the GPU machine's) reads OSTINATO_COMMIT and OSTINATO_DIRTY, which the
-    scripts under scripts/device/ are given by whoever sent the tree."""
+    """The commit this code came from and whether it had uncommitted changes: OSTINATO_COMMIT
+    and OSTINATO_DIRTY where set (the GPU machine's copy of the tree, whose .git, if any, is
+    not the sender's: scripts/device/ are given them), else git."""
+    if os.environ.get("OSTINATO_COMMIT"):  # first: a copied tree may carry a stale .git
+        dirty = os.environ.get("OSTINATO_DIRTY")
+        return {"commit": os.environ["OSTINATO_COMMIT"], "dirty": None if dirty is None else dirty not in ("0", "")}
     commit = _git("rev-parse", "HEAD")
-    if commit:
-        return {"commit": commit, "dirty": bool(_git("status", "--porcelain"))}
-    dirty = os.environ.get("OSTINATO_DIRTY")
-    return {"commit": os.environ.get("OSTINATO_COMMIT"), "dirty": None if dirty is None else dirty not in ("0", "")}
+    return {"commit": commit, "dirty": bool(_git("status", "--porcelain")) if commit else None}
 
 
 def cpu_name() -> str:

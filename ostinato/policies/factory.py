@@ -118,6 +118,9 @@ def release(loaded) -> None:
     old = runner.experts
     runner.set_experts(None)
     close_backend(old)
+    # the backend's reference cycles (hybrid <-> borrowing <-> graph backend) are collected only
+    # once nothing here names it: on the H200 the next policy's pool failed to fit beside it
+    del old
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -68,6 +68,8 @@ class GraphHybridExperts:
 
     def close(self) -> None:
         atexit.unregister(self.close)  # the registration holds this backend, and so its pool, alive
+        if self.hybrid.borrow is not None:
+            self.hybrid.borrow.on_switch = None  # no cycle through the closed worker
         if self.worker.running:
             torch.cuda.synchronize(self.device)  # no replay may be left waiting on the worker
             self.worker.stop()
