@@ -62,9 +62,10 @@ PRESETS = {"tiny": TINY, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 # Router bias scale (see synth/weights.py) of each preset, chosen so that the 40-45% of
 # experts most routed in development sessions receive 80-85% of held-out routes:
-# tiny: 1.0 measured with `ostinato skew` (40.6% -> 81.3%); qwen3-30b-a3b: 0.75 measured 88.4%
-# on the H200, and 0.5 is the per-layer fit of that run (scripts/skew_fit.py, 82.0% at 42%),
-# to be confirmed by `ostinato skew` on the GPU. Measurements: results/2026-11-29-h200/.
+# tiny: 1.0 measured with `ostinato skew` (40.6% -> 81.3%). qwen3-30b-a3b: 0.75 measured 88.4% at
+# 40% on the H200 (results/2026-11-29-h200/); 0.5, chosen from a per-layer fit of that run, measured
+# 76.7% at 40% and 80.2% at 44% of held-out tau2 / SWE-agent routes (results/2026-11-29-h200x2/):
+# inside BENCHMARK.md's 80-85% for 40-45% only at its upper end of experts.
 DEFAULT_SKEW = {"tiny": 1.0, "qwen3-30b-a3b": 0.5}
 
 # Tokenizer vocabulary trained for each preset; the embedding keeps the preset's size.
