@@ -66,7 +66,8 @@ def ms(steps: list[float]) -> dict:
 def ablation(runner, tokens: list[int], pos: int, first: torch.Tensor) -> dict:
     """The decode step without its parts, on the same tokens at the same positions (the KV
     written there is rewritten identically): graph without borrowed memory (captured again
-    with borrowing off), then the per-layer branches (host-driven, no graph)."""
+    with borrowing off), the per-layer branches (host-driven, no graph), then the graph with
+    fresh borrowing again (against order effects)."""
     from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
 
     graphed = runner.experts
@@ -83,6 +84,14 @@ def ablation(runner, tokens: list[int], pos: int, first: torch.Tensor) -> dict:
     with runner.experts_swapped(hybrid):  # no graph: every layer's branches joined from Python
         steps, eager = decode_steps(runner, tokens, pos)
     out["per_layer"] = {**ms(steps), "max_abs_diff_vs_graph": float((eager - logits).abs().max())}
+    # borrowing once more, fresh, last: the first measurement also paid for whatever warms up
+    from ostinato.layers.moe.borrow import Borrowing
+
+    runner.experts.close()
+    hybrid.borrow = Borrowing(hybrid)
+    runner.set_experts(hybrid)
+    steps, _ = decode_steps(runner, tokens, pos)
+    out["graph_borrow_again"] = ms(steps)
     runner.experts.close()
     return out
 
