@@ -321,3 +321,24 @@ def test_targets_of_a_bench_result():
     assert got["held-out sessions sooner than under every baseline"] == ("1/2", False)
     assert got["total request time speed-up vs the best baseline"] == (1.3, True)
     assert got["total request time speed-up vs llama.cpp"] == (None, None)
+
+
+def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
+    import json
+
+    from ostinato.bench.bench import BenchSettings, _earlier
+    from ostinato.config import ConfigError
+
+    base = {"model": "m", "dtype": "bfloat16", "max_context": 8, "cap": 1, "budget": {"pool_slots": 5},
+            "split": {"held_out": 2}, "np": {"value": 512}}
+    bs = BenchSettings(model="m", policies=("expert-cache",), out=tmp_path, merge=True)
+    assert _earlier(bs, base) == ({}, {}, [])  # nothing there yet
+    prev = {**base, "commit": "abc", "date": "d", "policies": {"ostinato": {"x": 1}, "expert-cache": {"x": 2}},
+            "turns": {"ostinato": [1], "expert-cache": [2]}}
+    (tmp_path / "results.json").write_text(json.dumps(prev))
+    policies, turns, src = _earlier(bs, base)
+    assert policies == {"ostinato": {"x": 1}} and turns == {"ostinato": [1]}  # expert-cache is measured again
+    assert src == [{"commit": "abc", "date": "d", "policies": ["ostinato"]}]
+    for key, other in (("budget", {"pool_slots": 6}), ("np", {"value": 64}), ("split", {"held_out": 3})):
+        with pytest.raises(ConfigError, match="--merge"):
+            _earlier(bs, {**base, key: other})

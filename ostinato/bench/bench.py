@@ -65,6 +65,7 @@ class BenchSettings:
     cpu_backend: str = "auto"
     upper_bound: bool = False  # run `gpu` even when all experts exceed the budget (logical memory only)
     out: Path = Path("ostinato-bench")
+    merge: bool = False  # add these policies to the results.json already in `out` (same model, budget, split)
     progress: bool = True
     log: object = None  # where progress lines go: None for sys.stderr (at the time), False for nowhere
 
@@ -300,8 +301,21 @@ def run_bench(bs: BenchSettings) -> dict:
         _say(bs, "no development session's first turn fits the context: offload thresholds stay untuned")
     sweep_plan = sweep_requests(loaded.tokenizer, p.dev, bs, loaded.engine.max_context)
     full_gpu = p.budget["total_experts"] + loaded.runner.config.num_experts_per_tok
-    policies: dict[str, dict] = {}
-    turns: dict[str, list] = {}
+    base = {
+        "kind": "ostinato.bench", **environment(loaded, bs), "budget": p.budget,
+        "split": {"sessions": bs.sessions, "development": len(p.dev), "held_out": len(p.held),
+                  "max_turns": bs.max_turns, "max_output": bs.max_output,
+                  "profiles": list(bs.profiles) if bs.profiles else None},
+        "skew": p.skew, "np": {**{k: v for k, v in p.np_info.items() if k != "calibration"},
+                               "calibration": _calibration_summary(p.np_info.get("calibration"))},
+    }
+    policies, turns, merged = _earlier(bs, base) if bs.merge else ({}, {}, [])
+
+    def write(with_plots: bool) -> dict:  # after every policy: a run cut short keeps what it measured
+        extra = {"merged_from": merged} if merged else {}
+        return finish_result({**base, **extra, "policies": dict(policies),
+                              "elapsed_s": round(time.perf_counter() - t_start, 1)}, dict(turns), bs.out, with_plots)
+
     for name in bs.policies:
         release(loaded)  # the previous backend's memory is free before the next one is built
         try:
@@ -320,17 +334,32 @@ def run_bench(bs: BenchSettings) -> dict:
         _say(bs, f"[{time.perf_counter() - t_start:.0f} s] {name}: TTFT after tool {s['ttft_ms']['median']['tool']} "
                  f"ms, TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s")
         backend = None  # nothing but the engine may hold it: release() must free its pool for the next
+        write(with_plots=False)
     release(loaded)
-    result = {
-        "kind": "ostinato.bench", **environment(loaded, bs), "budget": p.budget,
-        "split": {"sessions": bs.sessions, "development": len(p.dev), "held_out": len(p.held),
-                  "max_turns": bs.max_turns, "max_output": bs.max_output,
-                  "profiles": list(bs.profiles) if bs.profiles else None},
-        "skew": p.skew, "np": {**{k: v for k, v in p.np_info.items() if k != "calibration"},
-                               "calibration": _calibration_summary(p.np_info.get("calibration"))},
-        "policies": policies, "elapsed_s": round(time.perf_counter() - t_start, 1),
-    }
-    return finish_result(result, turns, bs.out)
+    return write(with_plots=True)
+
+
+MERGE_KEYS = ("model", "dtype", "max_context", "cap", "budget", "split")
+
+
+def _earlier(bs: BenchSettings, base: dict) -> tuple[dict, dict, list]:
+    """The policies and turns of the results.json already in bs.out, if its run measured the
+    same thing (MERGE_KEYS and Np); -> (policies, turns, [where they came from])."""
+    import json
+
+    path = bs.out / "results.json"
+    if not path.is_file():
+        return {}, {}, []
+    prev = json.loads(path.read_text())
+    differ = [k for k in MERGE_KEYS if prev.get(k) != base.get(k)]
+    if (prev.get("np") or {}).get("value") != base["np"]["value"]:
+        differ.append("Np")
+    if differ:
+        raise ConfigError(f"--merge: {path} was measured with other {', '.join(differ)}: use another --out")
+    src = [*prev.get("merged_from", []), {"commit": prev.get("commit"), "date": prev.get("date"),
+                                          "policies": [n for n in prev["policies"] if n not in bs.policies]}]
+    return ({n: e for n, e in prev["policies"].items() if n not in bs.policies},
+            {n: t for n, t in prev.get("turns", {}).items() if n not in bs.policies}, src)
 
 
 def _calibration_summary(cal: dict | None) -> dict | None:

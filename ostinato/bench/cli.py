@@ -122,7 +122,8 @@ def _bench_settings(a):
         thresholds=tuple(a.thresholds), sweep_sizes=tuple(a.sweep_sizes), sweep_output=a.sweep_output,
         sweep_prefixes=a.sweep_prefixes, sweep_prefix_tokens=a.sweep_prefix_tokens,
         upload_threshold=a.upload_threshold, calibration_from=a.calibration, cpu_threads=a.cpu_threads,
-        cpu_backend=a.cpu_backend, upper_bound=a.upper_bound, out=Path(a.out), progress=not a.no_progress)
+        cpu_backend=a.cpu_backend, upper_bound=a.upper_bound, out=Path(a.out), merge=a.merge,
+        progress=not a.no_progress)
 
 
 def cmd_bench(a) -> int:
@@ -201,6 +202,8 @@ def add_bench_commands(sub, add_model_args) -> None:
     p.add_argument("--upper-bound", action="store_true", help="run `gpu` even over the budget (logical memory)")
     p.add_argument("--cpu-backend", default="auto", choices=["auto", "native", "torch"])
     p.add_argument("--out", default="ostinato-bench", help="folder for report.md, results.json and plots")
+    p.add_argument("--merge", action="store_true", help="add these policies to the results.json in --out (a run "
+                   "of the same model, budget and split, e.g. the other policies in another call)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -262,16 +262,18 @@ def _gib(v):
     return "none (logical budget)" if v is None else f"{v / 2**30:.1f} GiB"
 
 
-def finish_result(result: dict, turns: dict, out: Path) -> dict:
-    """Adds the comparisons, writes results.json, report.md and the plots; returns the result."""
+def finish_result(result: dict, turns: dict, out: Path, with_plots: bool = True) -> dict:
+    """Adds the comparisons, writes results.json, report.md and (with_plots) the plots;
+    returns the result."""
     from ostinato.bench.plots import write_plots
 
     result["comparisons"] = comparisons(result["policies"])
     result["targets"] = targets(result)
+    plots: list[str] = []
     try:
-        plots = write_plots(result, turns, out)
+        if with_plots:
+            plots = write_plots(result, turns, out)
     except Exception as e:  # noqa: BLE001 - a plot must never cost the measurements
-        plots = []
         result["plot_error"] = f"{type(e).__name__}: {e}"
     result["files"] = {"report": str(out / "report.md"), "results": str(out / "results.json"),
                        "plots": [str(out / p) for p in plots]}
