@@ -52,15 +52,7 @@ def test_graph_replay_bitwise_equals_eager_all_gpu(tiny_dir, tmp_path):
     eager = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048, cuda_graph=False),
                         PlacementSettings(residency=str(tmp_path / "all.json")))
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
-    prompt = list(range(5, 105))
-    graphed.runner.forward(prompt, 0)
-    eager.runner.forward(prompt, 0)
-    token, pos = 7, len(prompt)
-    for _ in range(256):
-        a = graphed.runner.forward([token], pos)
-        b = eager.runner.decode_windowed(token, pos)
-        assert torch.equal(a, b)
-        token, pos = int(a.argmax()), pos + 1
+    replay_vs_eager(graphed, eager, steps=256)
 
 
 @pytest.mark.gpu
@@ -83,17 +75,28 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                      cuda_graph=False), place)
     assert isinstance(graphed.runner.experts, GraphHybridExperts) and graphed.runner.graphs is not None
-    prompt = list(range(5, 105))
-    graphed.runner.forward(prompt, 0)
-    sync.runner.forward(prompt, 0)
-    token, pos = 7, len(prompt)
-    for _ in range(256):
-        a = graphed.runner.forward([token], pos)
-        b = sync.runner.decode_windowed(token, pos)
-        sync.runner.experts.after_decode_step()  # the same borrowing decisions, at the same token
-        assert torch.equal(a, b)
-        token, pos = int(a.argmax()), pos + 1
+    replay_vs_eager(graphed, sync, steps=256)
     stats = graphed.runner.placement_stats()
     assert stats["graph_cold_routes"] > 0
     assert (stats.get("borrowed", 0) > 0) == borrow
     graphed.runner.experts.close()
+
+
+def replay_vs_eager(graphed, sync, steps=96, device=None):
+    """Greedy tokens of the graphed engine; every replay bitwise equal to the eager windowed
+    step of an engine without graphs (its hooks called after each step, as the graphed
+    runner calls them, so borrowing switches at the same tokens in both); device: where the
+    logits must come back."""
+    prompt = list(range(5, 105))
+    graphed.runner.forward(prompt, 0)
+    sync.runner.forward(prompt, 0)
+    token, pos, tokens = 7, len(prompt), []
+    for _ in range(steps):
+        a = graphed.runner.forward([token], pos)
+        b = sync.runner.decode_windowed(token, pos)
+        sync.runner.experts.after_decode_step()
+        assert a.device == b.device and (device is None or a.device == device)
+        assert torch.equal(a, b)
+        token, pos = int(a.argmax()), pos + 1
+        tokens.append(token)
+    return tokens

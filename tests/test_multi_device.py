@@ -18,6 +18,7 @@ from ostinato.layers.moe.pool import COLD
 from ostinato.planner.assign import assign_devices, assign_layers, layer_map
 from ostinato.planner.fill import fill, fill_per_device
 from ostinato.planner.residency import Residency, model_fingerprint
+from tests.test_graph import replay_vs_eager
 
 TWO = "cpu:0,cpu:1"
 PROMPT = list(range(5, 5 + 60))
@@ -260,25 +261,6 @@ def _two_gpu_engines(tiny_dir, tmp_path, fraction, borrow):
     return engine
 
 
-def _replay_vs_eager(graphed, sync, steps=96):
-    """Greedy tokens of the graphed engine; every replay bitwise equal to the eager windowed
-    step of an engine without graphs (its hooks called after each step, as the graphed
-    runner calls them, so borrowing switches at the same tokens in both)."""
-    prompt = list(range(5, 105))
-    graphed.runner.forward(prompt, 0)
-    sync.runner.forward(prompt, 0)
-    token, pos, tokens = 7, len(prompt), []
-    for _ in range(steps):
-        a = graphed.runner.forward([token], pos)
-        b = sync.runner.decode_windowed(token, pos)
-        sync.runner.experts.after_decode_step()
-        assert a.device == b.device == torch.device("cuda:0")
-        assert torch.equal(a, b)
-        token, pos = int(a.argmax()), pos + 1
-        tokens.append(token)
-    return tokens
-
-
 def _skip_without_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
@@ -303,7 +285,7 @@ def test_graph_per_gpu_with_cpu_workers_bitwise_equals_eager(tiny_dir, tmp_path,
     assert all(isinstance(b, GraphHybridExperts) for b in backends) and sync.runner.graphs is None
     assert backends[0].hybrid.cpu is backends[1].hybrid.cpu  # one CPU pool, two workers
     assert list(backends[0].index) == [0, 1] and list(backends[1].index) == [2, 3]
-    tokens = _replay_vs_eager(graphed, sync)
+    tokens = replay_vs_eager(graphed, sync, device=torch.device("cuda:0"))
     for b in backends:  # each device's worker served its own layers' cold routes
         s = b.worker.stats()
         assert s["cold_routes"] > 0 and s["errors"] == 0 and s["last_error"] == ""
@@ -325,7 +307,7 @@ def test_graph_per_gpu_all_resident_bitwise_equals_eager(tiny_dir, tmp_path):
     graphed = engine("two.json", True, devices="cuda:0,cuda:1")
     sync = engine("two.json", False, devices="cuda:0,cuda:1")
     assert graphed.runner.graphs is not None and len(graphed.runner.graphs.stages) == 2
-    tokens = _replay_vs_eager(graphed, sync)
+    tokens = replay_vs_eager(graphed, sync, device=torch.device("cuda:0"))
     one = engine("one.json", True, device="cuda:0")
     assert one.runner.graphs is not None
     assert _greedy_graphed(one.runner, len(tokens)) == tokens

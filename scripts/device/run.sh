@@ -33,6 +33,9 @@ S=${SESSIONS:-.carry/agent}; NS=${SKEW_SESSIONS:-8}; STEPS=${STEPS:-128}
 LOG=$OUT/log.txt
 DEADLINE=$((SECONDS + ${BUDGET_S:-565}))
 say() { echo "== [$SECONDS s] $*" | tee -a "$LOG"; }
+# field FILE EXPR: a Python expression over the JSON document d of FILE, printed ('' if missing or false)
+field() { python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print($2 or '')" "$1" 2>/dev/null; }
+att() { cat "$R/attention_scores.txt" 2>/dev/null || echo 1; }  # the capacity plan's attention share
 # run LIMIT FILE CMD...: at most LIMIT seconds (less if the deadline is nearer), output to FILE and the log
 run() {
   local limit=$1 file=$2; shift 2
@@ -111,9 +114,8 @@ phase_calib() {
     --cpu-threads "$THREADS" -o "$R/res-cap.json" || { echo 1 > "$R/attention_scores.txt"
     run 200 "$R/c_plan.txt" $O plan --model "$M" $P --gpu-memory "$CAP" --cpu-threads "$THREADS" -o "$R/res-cap.json"; }
   local small
-  small=$(python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(round(d['hot_experts']/(len(d['hot'])*\
-d['num_experts'])/2,4))" "$R/res-cap.json" 2>/dev/null || echo 0.2)
-  run 60 "$R/c_plan_small.txt" $O plan --model "$M" $P --hot-fraction "$small" --no-verify -o "$R/res-small.json"
+  small=$(field "$R/res-cap.json" "round(d['hot_experts'] / (len(d['hot']) * d['num_experts']) / 2, 4)")
+  run 60 "$R/c_plan_small.txt" $O plan --model "$M" $P --hot-fraction "${small:-0.2}" --no-verify -o "$R/res-small.json"
   run 240 "$R/c_calibrate.txt" $O calibrate --model "$M" --residency "$R/res-cap.json" --gpu-memory "$CAP" \
     --cpu-threads "$THREADS" --sessions "$S"
 }
@@ -129,15 +131,13 @@ phase_predict() {
 }
 phase_bench() {
   local cal=""  # the constants and Np of phase calib (same machine, model and cap); else bench calibrates
-  python3 -c "import json,sys;sys.exit(not json.load(open(sys.argv[1]))['calibration'].get('upload_threshold'))" \
-    "$R/res-cap.json" 2>/dev/null && cal="--calibration $R/res-cap.json"
+  [[ -n $(field "$R/res-cap.json" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $R/res-cap.json"
   local kv  # the KV cache the capacity plan holds (the longest development request)
-  kv=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['capacity'].get('kv_tokens') or '')" \
-    "$R/res-cap.json" 2>/dev/null)
+  kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" --cpu-threads "$THREADS" --sessions "$S" \
     ${kv:+--max-context $kv} \
     --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal --no-progress \
-    --attention-scores "$(cat "$R/attention_scores.txt" 2>/dev/null || echo 1)" --out "$R/bench" ${BENCH_ARGS:-}
+    --attention-scores "$(att)" --out "$R/bench" ${BENCH_ARGS:-}
 }
 phase_multi() {
   # the same 40% of experts hot, split over the GPUs: against the one-GPU reference and hybrid40
@@ -151,9 +151,8 @@ phase_multi_replay() {
   # the capacity plan per GPU, replayed as bench replays Ostinato (REPLAY_ARGS: bench's sizes)
   local P="--profile $R/profile-dev.json --held-out $R/profile-held-out.json" np
   run 90 "$R/g_plan_cap.txt" $O plan --model "$M" $P --gpu-memory "$CAP_PER_GPU" --devices "$DEVICES" \
-    --attention-scores "$(cat "$R/attention_scores.txt" 2>/dev/null || echo 1)" --no-verify -o "$R/r2cap.json"
-  np=$(python3 -c "import json,sys;print(json.load(open(sys.argv[1]))['calibration'].get('upload_threshold') or '')" \
-    "$R/res-cap.json" 2>/dev/null)
+    --attention-scores "$(att)" --no-verify -o "$R/r2cap.json"
+  np=$(field "$R/res-cap.json" "d['calibration'].get('upload_threshold')")
   run 300 "$R/g_replay_2gpu.txt" $O replay --model "$M" --sessions "$S" --cpu-threads "$THREADS" \
     --residency "$R/r2cap.json" --gpu-memory "$CAP_PER_GPU" ${np:+--upload-threshold $np} \
     ${REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32}
