@@ -21,6 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
     p.add_argument("--upload-threshold", type=int, help="Np: passes of at least this many tokens upload "
                    "cold experts (default: the calibrated value in the residency file)")
+    p.add_argument("--no-mixed", action="store_true", help="split passes send nothing over PCIe (DESIGN.md's "
+                   "split path); by default they upload their most-routed cold experts when the residency "
+                   "holds a calibration")
 
 
 def _runner_settings(a):
@@ -36,7 +39,7 @@ def _placement(a):
 
     cap = parse_bytes(a.gpu_memory) if getattr(a, "gpu_memory", None) else None
     return PlacementSettings(residency=a.residency, gpu_memory=cap, cpu_threads=a.cpu_threads,
-                             upload_threshold=a.upload_threshold)
+                             upload_threshold=a.upload_threshold, mixed=not getattr(a, "no_mixed", False))
 
 
 def cmd_synth(a) -> int:

@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--no-graph", action="store_true", help="decode host-driven, layer by layer")
     ap.add_argument("--no-borrow", action="store_true", help="do not lend the flex slots during decode")
     ap.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: the physical cores)")
+    ap.add_argument("--calibration", help="a residency file holding a calibration: the split-path prompt runs "
+                    "again as a split pass with uploads (layers/moe/hybrid.py, MixedPass), checked and timed")
     ap.add_argument("--ablation", action="store_true", help="then decode the same tokens again, in the same "
                     "process: graph without borrowed memory, and per-layer branches (no graph, no borrowing)")
     a = ap.parse_args()
@@ -126,6 +128,21 @@ def main() -> None:
     with torch.inference_mode():
         # split path: a pass of split_tokens (< Np); upload path: upload_tokens (>= Np)
         split_logits, res["split_prefill_s"] = timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)
+        mixed_logits = None
+        if a.calibration:
+            _, res["split_prefill_warm_s"] = timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)
+            from ostinato.layers.moe.hybrid import MixedPass
+            from ostinato.planner.residency import Residency
+            from ostinato.policies.ostinato import inner
+
+            mixed = MixedPass.from_calibration(Residency.load(a.calibration).calibration)
+            hybrids = [inner(b) for b in getattr(runner.experts, "backends", {"": runner.experts}).values()]
+            for h in hybrids:
+                h.mixed = mixed
+            timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)  # warm-up
+            mixed_logits, res["mixed_prefill_s"] = timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)
+            for h in hybrids:
+                h.mixed = None
         up_logits, res["upload_prefill_s"] = timed_forward(runner, ids, 0, all_logits=True)
         logits = up_logits[-1]
         if a.name == "all":
@@ -159,6 +176,8 @@ def main() -> None:
             return round(float((x - y).abs().max() / y.abs().max()), 5)
 
         res["rel_err_split"] = rel(split_logits[-64:].float().cpu(), ref["split"])
+        if mixed_logits is not None:
+            res["rel_err_mixed"] = rel(mixed_logits[-64:].float().cpu(), ref["split"])
         res["rel_err_upload"] = rel(up_logits[-64:].float().cpu(), ref["upload"])
         res["rel_err_decode"] = rel(dec, ref["decode"])
         res["greedy_agree"] = float((dec.argmax(-1) == ref["decode"].argmax(-1)).float().mean())

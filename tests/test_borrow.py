@@ -56,7 +56,7 @@ def test_full_slots_admit_only_a_clearly_better_newcomer():
     cold = _cold_ids(hybrid, layer, E)
     assert len(cold) > n_slots
     b.scores[layer, cold[:n_slots]] = 10.0
-    b.rebalance(max_new=n_slots)
+    b.rebalance()  # fills every free slot
     assert len(b.owner) == n_slots and not b.free_slots()
     newcomer = cold[n_slots]
     b.scores[layer, newcomer] = 15.0  # better, but not twice the weakest

@@ -21,22 +21,12 @@ import torch.nn.functional as F_
 from ostinato.layers.moe.gpu_experts import (DEFAULT_TUNING, align_routes, padded_size,
                                              slot_experts_forward,
                                              slot_experts_triton)
+from tests.triton_interpreter import capture, needs_cuda, run_interpreted
 
 REPO = Path(__file__).resolve().parents[1]
 D, F, K, E = 64, 32, 4, 16  # E: experts of the test layer, all resident
 ZERO_LO, ZERO_HI = 10, 10 + K  # zero slots sit inside the pool: hot slots on both sides
 N = E + K
-
-
-def has_cuda() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-needs_cuda = pytest.mark.skipif(not has_cuda(), reason="needs CUDA and triton")
 
 
 def make_pool(dtype, device, nan_zero_slots=False, seed=0):
@@ -206,29 +196,18 @@ def test_package_imports_without_triton():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
 
 
-INTERPRETER_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+INTERPRETER_SCRIPT = """
     import torch
-    import triton.runtime.interpreter as interp
-    # Triton 3.6's interpreter calls int() on 1-element arrays, an error since NumPy 2.4.
-    if hasattr(interp, "_patch_lang_tensor"):
-        _orig = interp._patch_lang_tensor
-        def _patched(tensor, scope):
-            _orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        interp._patch_lang_tensor = _patched
-    sys.path.insert(0, {tests!r})
     import test_gpu_experts as t
     from ostinato.layers.moe.gpu_experts import slot_experts_triton
-    ALIGN = {{"backend": "triton", "CHUNK": 32, "SUB": 16, "TILE": 16, "ROWS": 2,
-             "num_warps": 4, "scan_warps": 4}}
-    tiny = dict(decode_w13={{"BLOCK_F": 16, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3}},
-                decode_w2={{"BLOCK_D": 16, "BLOCK_F": 16, "num_warps": 4, "num_stages": 2}},
-                combine={{"BLOCK_D": 32, "num_warps": 4}},
+    ALIGN = {"backend": "triton", "CHUNK": 32, "SUB": 16, "TILE": 16, "ROWS": 2,
+             "num_warps": 4, "scan_warps": 4}
+    tiny = dict(decode_w13={"BLOCK_F": 16, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3},
+                decode_w2={"BLOCK_D": 16, "BLOCK_F": 16, "num_warps": 4, "num_stages": 2},
+                combine={"BLOCK_D": 32, "num_warps": 4},
                 align=ALIGN,
-                prefill={{"1": {{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16,
-                                 "num_warps": 4, "num_stages": 2}}}})
+                prefill={"1": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16,
+                                 "num_warps": 4, "num_stages": 2}})
     # The interpreter stores bf16 as uint16 and its tl.dot gets bf16 wrong, so prefill
     # (tl.dot) runs in fp32 and fp16 here; bf16 prefill is covered by the gpu tests.
     cases = [(torch.float32, p) for p in ("decode", "prefill")]
@@ -247,16 +226,12 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
                 assert not out.any()
     t.check_align_kernels("cpu", ALIGN)
     print("INTERPRETER_OK")
-""")
+"""
 
 
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
-    script = INTERPRETER_SCRIPT.format(tests=str(Path(__file__).parent))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and "INTERPRETER_OK" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(INTERPRETER_SCRIPT, timeout=600)
 
 
 @pytest.mark.gpu
@@ -305,15 +280,7 @@ def test_cuda_graph_replay_with_new_routing(path, T):
         slot_experts_triton(x, slots, weights, w13, w2, ZERO_LO, ZERO_HI, out,
                             max_distinct=E, tuning=tuning)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm the allocator outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for seed, hot in [(1, 0.5), (2, 1.0), (3, 0.0), (4, 0.25)]:
         new_slots, new_weights = make_routing(T, hot, "cuda", seed=seed)
         slots.copy_(new_slots)

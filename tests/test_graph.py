@@ -79,6 +79,10 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     stats = graphed.runner.placement_stats()
     assert stats["graph_cold_routes"] > 0
     assert (stats.get("borrowed", 0) > 0) == borrow
+    if borrow:  # the post kernel's scoring equals Borrowing.observe's: same scores, same switches
+        g, s = graphed.runner.experts.hybrid.borrow, sync.runner.experts.borrow
+        assert torch.equal(g.scores, s.scores) and int(g.hits) == int(s.hits) > 0
+        assert g.counters == s.counters
     graphed.runner.experts.close()
 
 

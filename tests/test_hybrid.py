@@ -9,11 +9,11 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.layers.moe.cpu_experts import CpuExperts
-from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
-from ostinato.layers.moe.types import ExpertWeights
+from ostinato.layers.moe.types import ExpertWeights, TopKOutput
 from ostinato.planner.residency import Residency, model_fingerprint
 
 E, K, D, F = 16, 4, 64, 32
@@ -25,14 +25,14 @@ def _experts(seed):
     return ExpertWeights(torch.randn(E, 2 * F, D, generator=g) / D ** 0.5, torch.randn(E, D, F, generator=g) / F ** 0.5)
 
 
-def _hybrid(hot_fraction, upload_threshold, backend="torch"):
+def _hybrid(hot_fraction, upload_threshold, backend="torch", device="cpu", dtype=torch.float32):
     weights = {l: _experts(l) for l in LAYERS}
     n_hot = round(hot_fraction * E)
     g = torch.Generator().manual_seed(7)
     hot = {l: torch.randperm(E, generator=g)[:n_hot].tolist() for l in LAYERS}
     cold = {l: sorted(set(range(E)) - set(hot[l])) for l in LAYERS}
-    pool = ExpertPool(hot, 3, E, K, max(len(c) for c in cold.values()), (2 * F, D), (D, F), "cpu", torch.float32)
-    host = HostExperts(cold, E, (2 * F, D), (D, F), torch.float32)
+    pool = ExpertPool(hot, 3, E, K, max(len(c) for c in cold.values()), (2 * F, D), (D, F), device, dtype)
+    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
     for l in LAYERS:
         pool.fill_layer(l, weights[l])
         host.fill_layer(l, weights[l])
@@ -40,25 +40,67 @@ def _hybrid(hot_fraction, upload_threshold, backend="torch"):
     return HybridExperts(pool, host, cpu, upload_threshold, max_tokens=512), weights
 
 
+# split with uploads: one upload costs about a CPU expert's routes, so passes of several
+# tokens upload some cold experts and compute the others on the CPU
+MIXED = MixedPass(upload_ms=0.2, alpha_ms=0.1, beta_expert_ms=0.05, beta_route_ms=0.05)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 512])
 @pytest.mark.parametrize("hot_fraction", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("path", ["split", "upload"])
-def test_hybrid_matches_reference(tokens, hot_fraction, path):
-    hybrid, weights = _hybrid(hot_fraction, upload_threshold=1 if path == "upload" else 10**9)
+@pytest.mark.parametrize("path", ["split", "upload", "mixed"])
+def test_hybrid_matches_reference(tokens, hot_fraction, path, device):
+    """CPU: fp32 and the torch CPU backend; CUDA: bf16, the Triton slot kernels and the
+    native CPU kernel (torch where it cannot build), against the fp32 reference."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    hybrid, weights = _hybrid(hot_fraction, upload_threshold=1 if path == "upload" else 10**9,
+                              backend="torch" if device == "cpu" else "auto", device=device, dtype=dtype)
+    if path == "mixed":
+        hybrid.mixed = MIXED
     g = torch.Generator().manual_seed(tokens)
     for layer in LAYERS:
         x = torch.randn(tokens, D, generator=g)
         topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
-        got = hybrid(layer, x, topk)
-        want = moe_forward(x, topk, weights[layer])
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+        if device == "cpu":
+            got = hybrid(layer, x, topk)
+            want = moe_forward(x, topk, weights[layer])
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+            continue
+        xb = x.to(dtype)  # the reference on the same bf16 inputs and weights, in fp32
+        w = weights[layer]
+        rounded = type(w)(w.w13.to(dtype).float(), w.w2.to(dtype).float())
+        want = moe_forward(xb.float(), topk, rounded)
+        got = hybrid(layer, xb.to(device), TopKOutput(topk.ids.to(device), topk.weights.to(device))).float().cpu()
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 2e-2, err
     stats = hybrid.stats()
     assert stats["routes"] == 2 * tokens * K
     if hot_fraction == 1.0:
         assert stats.get("cold_routes", 0) == 0 and stats.get("bytes_uploaded", 0) == 0
     if hot_fraction == 0.0:
         assert stats["cold_routes"] == 2 * tokens * K
-        assert (stats.get("bytes_uploaded", 0) > 0) == (path == "upload")
+        assert (stats.get("bytes_uploaded", 0) > 0) == (path == "upload" or path == "mixed" and tokens > 1)
+    if path == "mixed" and hot_fraction < 1.0:  # decode never uploads; a pass of 7+ tokens does
+        assert stats.get("mixed_passes", 0) == (2 if tokens > 1 else 0)
+        if tokens == 7:  # both links: some cold experts uploaded, the others on the CPU
+            assert 0 < stats["uploaded_experts"] and stats["cpu_experts"] > 0
+
+
+def test_mixed_pass_choice_balances_the_two_links():
+    m = MixedPass(upload_ms=1.0, alpha_ms=0.0, beta_expert_ms=0.0, beta_route_ms=1.0)
+    assert m.choose([1, 1, 1, 1], limit=10) == 2  # 2 uploads || 2 CPU routes
+    assert m.choose([6, 1, 1], limit=10) == 1  # the busiest expert goes over PCIe
+    assert m.choose([6, 1, 1], limit=0) == 0  # no free flex slot: the plain split path
+    assert m.choose([1], limit=10) == 0  # a tie keeps the CPU (no transfer)
+    slow_cpu = MixedPass(upload_ms=1.0, alpha_ms=0.0, beta_expert_ms=0.0, beta_route_ms=100.0)
+    assert slow_cpu.choose([3, 2, 1], limit=10) == 3  # the upload path's transfers
+    fast_cpu = MixedPass(upload_ms=100.0, alpha_ms=0.0, beta_expert_ms=0.0, beta_route_ms=1.0)
+    assert fast_cpu.choose([3, 2, 1], limit=10) == 0
+    for routes in ([5, 3, 3, 2, 1], [9, 1], [2, 2, 2]):  # choose = the minimum of cost_ms
+        k = m.choose(routes, limit=10)
+        assert m.cost_ms(routes, k) == min(m.cost_ms(routes, j) for j in range(len(routes) + 1))
 
 
 def test_zero_slots_and_table():

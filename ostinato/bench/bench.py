@@ -249,6 +249,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1, cpu_threads=bs.cpu_threads,
                            cpu_backend=bs.cpu_backend)
     loaded = load_engine(bs.model, bs.runner, experts_factory=_probe_factory(probe))
+    _say(bs, f"[{time.perf_counter() - t_start:.0f} s] model {bs.model} loaded")
     if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
         from ostinato.planner.profile import RouteCounts
 
@@ -317,6 +318,7 @@ def run_bench(bs: BenchSettings) -> dict:
                               "elapsed_s": round(time.perf_counter() - t_start, 1)}, dict(turns), bs.out, with_plots)
 
     for name in bs.policies:
+        t_build = time.perf_counter()  # building the policy's placement (pool fill) and its graphs
         release(loaded)  # the previous backend's memory is free before the next one is built
         try:
             backend = make_policy(name, loaded.source, bs.runner, p.base)
@@ -326,13 +328,16 @@ def run_bench(bs: BenchSettings) -> dict:
             continue
         use_policy(loaded, backend)
         warm_up(loaded)
+        t_build = time.perf_counter() - t_build
         entry = _run_policy(loaded, backend, name, bs, p.held, tune_set, sweep_plan, np_)
         entry["over_budget"] = name == "gpu" and p.budget["pool_slots"] < full_gpu
+        entry["wall_s"]["build"] = round(t_build, 1)
         turns[name] = entry.pop("turns")
         policies[name] = entry
         s = entry["summary"]
         _say(bs, f"[{time.perf_counter() - t_start:.0f} s] {name}: TTFT after tool {s['ttft_ms']['median']['tool']} "
-                 f"ms, TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s")
+                 f"ms, TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s (wall: "
+                 + ", ".join(f"{k} {v} s" for k, v in entry["wall_s"].items()) + ")")
         backend = None  # nothing but the engine may hold it: release() must free its pool for the next
         write(with_plots=False)
     release(loaded)
@@ -397,7 +402,7 @@ def _probe_factory(probe: PolicySettings):
 
 def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_plan, np_) -> dict:
     """Tune (where the policy has a threshold), replay the held-out sessions, run the sweep."""
-    from ostinato.policies.ostinato import resident_experts
+    from ostinato.policies.ostinato import inner, resident_experts
 
     entry: dict = {"resident_experts": resident_experts(backend), "decode_graph": loaded.runner.graphs is not None}
     if bs.tune and name in TUNED and tune_set:
@@ -410,9 +415,13 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         entry["offload_threshold"] = backend.offload_threshold
     if name == "ostinato":
         entry["upload_threshold"] = backend.upload_threshold
+        entry["split_uploads"] = inner(backend).mixed is not None  # Np unused then (layers/moe/hybrid.py)
     loaded.engine.reset()
+    t0 = time.perf_counter()
     results = _replay_with_progress(loaded, held, bs, name)
+    t1 = time.perf_counter()
     sweep = run_sweep(InProcessTarget(loaded), sweep_plan)
+    entry["wall_s"] = {"replay": round(t1 - t0, 1), "sweep": round(time.perf_counter() - t1, 1)}
     cfg = loaded.runner.config
     entry["summary"] = summarize(results, len(cfg.moe_layers))
     entry["sweep"] = sweep_summary(sweep, np_)

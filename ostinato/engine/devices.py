@@ -219,7 +219,7 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
     """One ExpertPool + HybridExperts per device (the hot experts of its layers), one HostExperts
     and one CpuExperts for all (the cold experts of every layer, one CPU pool)."""
     from ostinato.config import ConfigError
-    from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD, apply_memory_cap
+    from ostinato.engine.placement import apply_memory_cap, configure, upload_threshold
     from ostinato.layers.moe.cpu_experts import CpuExperts
     from ostinato.layers.moe.hybrid import HybridExperts
     from ostinato.layers.moe.pool import ExpertPool, HostExperts
@@ -251,17 +251,13 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
     cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)
-    np_ = place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
+    np_ = upload_threshold(place, residency)
     backends = {}
     for name, pool in pools.items():
         with device_scope(pool.device):
             layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
-            hybrid = HybridExperts(pool, host, cpu, int(np_), max_tokens, layers=layers)
-            if place.borrow and pool.num_slots > pool.flex_lo:
-                from ostinato.layers.moe.borrow import Borrowing
-
-                hybrid.borrow = Borrowing(hybrid, wait_copies=place.borrow_wait_copies)
-        backends[name] = hybrid
+            backends[name] = configure(HybridExperts(pool, host, cpu, np_, max_tokens, layers=layers), place,
+                                       residency)
     return SplitExperts(backends, layer_devices)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.loader.build import load_experts
 from ostinato.planner.residency import Residency
@@ -26,6 +26,7 @@ class PlacementSettings:
     cpu_backend: str = "auto"
     borrow: bool = True  # lend the flex slots to cold experts during decode (DESIGN.md "Borrowed memory")
     borrow_wait_copies: bool = False  # switch borrowed experts in at the boundary their copy starts (tests)
+    mixed: bool = True  # split passes upload their most-routed cold experts (needs a calibration: hybrid.py)
 
 
 DEFAULT_UPLOAD_THRESHOLD = 512  # used only until `ostinato calibrate` has measured Np
@@ -66,12 +67,23 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
     cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)
-    np_ = place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
-    hybrid = HybridExperts(pool, host, cpu, int(np_), max_tokens)
-    if place.borrow and pool.num_slots > pool.flex_lo:
+    return configure(HybridExperts(pool, host, cpu, upload_threshold(place, residency), max_tokens), place,
+                     residency)
+
+
+def upload_threshold(place: PlacementSettings, residency: Residency) -> int:
+    """Np: the setting, else the residency's calibrated one, else the default."""
+    return int(place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD)
+
+
+def configure(hybrid: HybridExperts, place: PlacementSettings, residency: Residency) -> HybridExperts:
+    """The placement's options on a built HybridExperts: borrowed memory, split with uploads."""
+    if place.borrow and hybrid.pool.num_slots > hybrid.pool.flex_lo:
         from ostinato.layers.moe.borrow import Borrowing
 
         hybrid.borrow = Borrowing(hybrid, wait_copies=place.borrow_wait_copies)
+    if place.mixed and hybrid.on_cuda:  # a CPU-only machine has no second link to balance
+        hybrid.mixed = MixedPass.from_calibration(residency.calibration)
     return hybrid
 
 

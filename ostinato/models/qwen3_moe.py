@@ -75,6 +75,8 @@ class Attention(nn.Module):
         q_ = q.transpose(0, 1)  # [H, T, Hd]
         k_ = kv.k[:end].transpose(0, 1)  # [Hkv, L, Hd]
         v_ = kv.v[:end].transpose(0, 1)
+        if T == 1 and q.is_cuda:  # eager decode (the baselines' steps): the decode kernel too
+            return self._attend_one(q, kv, torch.full((1,), start, device=q.device), end)
         if T == 1:
             o = F.scaled_dot_product_attention(q_, k_, v_, enable_gqa=True)
         elif start == 0:
@@ -90,18 +92,29 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q_[None], k_[None], v_[None], attn_mask=bias)[0]
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.hd))
 
+    def _attend_one(self, q, kv: LayerKV, position: torch.Tensor, size: int) -> torch.Tensor:
+        """CUDA: one token over cache rows 0..position (< size), position on the device. SDPA's
+        fused kernels parallelise over heads only (Hkv programs for one query), so most of the
+        GPU idles: with SDPA (enable_gqa) the graph's step on the H200 grew by 2.2 ms per 1k
+        tokens of context over 48 layers (results/2026-11-29-h200x2/). The split-K kernel
+        spreads the window over up to Hkv * 64 programs (scripts/bench_decode_attention.py)."""
+        from ostinato.kernels.triton.decode_attention import decode_attention
+
+        o = decode_attention(q, kv.k, kv.v, position, size)  # [1, H, Hd]
+        return self.o_proj(o.reshape(1, self.h * self.hd))
+
     def _decode_window(self, q, k, v, kv: LayerKV, window: "DecodeWindow") -> torch.Tensor:
         """One token whose position lives on the device: write its KV there and attend over a
         fixed window of the cache, masking what lies beyond it. No host value depends on the
         position, so a captured graph replays it for every token within the window."""
         kv.k.index_copy_(0, window.position, k)
         kv.v.index_copy_(0, window.position, v)
+        if q.is_cuda:
+            return self._attend_one(q, kv, window.position, window.size)
+        # CPU: SDPA with the window's mask. The query heads of a KV head are its queries (query
+        # head h reads KV head h // G), so the window is read once per KV head, never repeated.
         k_ = kv.k[:window.size].transpose(0, 1)[None]  # [1, Hkv, W, Hd]
         v_ = kv.v[:window.size].transpose(0, 1)[None]
-        # the query heads of a KV head are its queries (query head h reads KV head h // G), so
-        # the window is read once per KV head and never repeated per query head, whichever kernel
-        # torch picks for the mask. With enable_gqa instead, the graph's step on the H200 grew by
-        # 2.2 ms per 1k tokens of context (results/2026-11-29-h200x2/); this form is not yet timed.
         q_ = q.reshape(1, self.hkv, self.h // self.hkv, self.hd)  # [1, Hkv, G, Hd]
         o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=window.mask)  # mask [1, W]
         return self.o_proj(o.reshape(1, self.h * self.hd))

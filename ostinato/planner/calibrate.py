@@ -23,7 +23,8 @@ goes through its own objects, so the numbers include what serving pays:
   passes   HybridExperts.split_path and .upload_path on n-token passes (n in --sizes) of a few
            layers, with the routing of real prompts; the host's part of the split path and
            the GPU branches apart, to fit the prefill model; Np = the one-switch rule on
-           the measured curves.
+           the measured curves. On CUDA, then the split path with uploads (hybrid.py's
+           MixedPass, from the fitted CPU pass and the upload bandwidth) on the same passes.
 
 Everything lands in residency.calibration as data, with the device, date and versions.
 
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
+from ostinato.layers.moe.hybrid import MixedPass
 from ostinato.layers.moe.types import TopKOutput
 from ostinato.planner import cost_model as cm
 
@@ -434,7 +436,27 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, s: Calibrate
             curves[k].append(statistics.fmean(v))
     np_, crossings = cm.one_switch(sizes, curves["split_ms"], curves["upload_ms"])
     return {"sizes": sizes, "layers": layers, **curves, "upload_threshold": np_, "crossings": crossings,
-            "cpu_points": points}
+            "cpu_points": points, "routing": routing}
+
+
+def measure_mixed(h, routing, passes: dict, mixed, clock: Clock, s: CalibrateSettings) -> list[float]:
+    """The split path with uploads (HybridExperts.mixed) on the passes of measure_passes:
+    per size, the mean over its layers of the median wall time (ms)."""
+    before, h.mixed = h.mixed, mixed
+    try:
+        out = []
+        for n in passes["sizes"]:
+            per_layer = []
+            for layer in passes["layers"]:
+                xa, ta = routing[layer]
+                x, topk = xa[:n], TopKOutput(ta.ids[:n], ta.weights[:n])
+                h.split_path(layer, x, topk)  # warm-up
+                per_layer.append(statistics.median(clock.wall(lambda: h.split_path(layer, x, topk))
+                                                   for _ in range(s.pass_reps)))
+            out.append(statistics.fmean(per_layer))
+        return out
+    finally:
+        h.mixed = before
 
 
 def fit_cpu_pass(points: list[tuple[int, int, float]], layers: dict[int, dict]) -> dict:
@@ -471,8 +493,6 @@ def cpu_model() -> str:
 
 def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool = True) -> dict:
     """Measure every constant of the cost model in this engine; -> the calibration dict."""
-    from tqdm import tqdm
-
     from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
 
     runner = loaded.runner
@@ -480,11 +500,21 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
     h = graph.hybrid if graph is not None else runner.experts  # the branches are timed on the hybrid itself
     if not hasattr(h, "pool"):
         raise ValueError("calibrate needs the hybrid engine: load it with a residency")
-    cfg = runner.config
-    K, D = cfg.num_experts_per_tok, cfg.hidden_size
     clock = Clock(h.device)
     gen = torch.Generator().manual_seed(s.seed)
     t0 = time.perf_counter()
+    mixed_before, h.mixed = h.mixed, None  # the plain paths are measured, then the split with uploads
+    try:
+        return _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0)
+    finally:
+        h.mixed = mixed_before
+
+
+def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
+    from tqdm import tqdm
+
+    cfg = runner.config
+    K, D = cfg.num_experts_per_tok, cfg.hidden_size
     with torch.inference_mode():
         layers = {l: measure_layer(h, l, K, D, runner.dtype, clock, s, gen)
                   for l in tqdm(cfg.moe_layers, desc="calibrate layers", disable=not progress)}
@@ -503,6 +533,11 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
         pick = sorted(set(pick))
         passes = measure_passes(runner, h, loaded.tokenizer, pick, clock, s, sizes) if sizes and pick else {}
     cpu_pass = fit_cpu_pass(passes.pop("cpu_points", []), layers)
+    routing = passes.pop("routing", None)
+    mixed = MixedPass.from_calibration({"cpu_pass": cpu_pass, "upload_gbps": gbps, "expert_bytes": eb})
+    if passes and h.on_cuda and mixed is not None:  # with a PCIe link beside the CPU: split with uploads
+        with torch.inference_mode():
+            passes["mixed_ms"] = measure_mixed(h, routing, passes, mixed, clock, s)
     np_ = passes.get("upload_threshold")
     if passes and np_ is None:
         np_ = max(sizes) + 1  # upload never cheaper up to the largest pass the runner makes

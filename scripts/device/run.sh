@@ -11,6 +11,7 @@
 #   generate   [A] 64 tokens with every expert in the GPU pool (decode graph)
 #   micro      [B] GPU branch kernels (scripts/bench_gpu_experts.py)
 #   micro_cpu  [B] CPU branch kernel against host read bandwidth (scripts/bench_cpu_experts.py)
+#   micro_attn [F] decode attention over a device-side length: Triton split-K against SDPA
 #   plans      residencies from the profiles: all, cold, 40% hot, and 40% over two GPUs
 #   check      [B][F] whole model: all-GPU reference, 40% hot under $CAP (+ decode ablation), all CPU
 #   calib      [C] plan under $CAP (capacity test), a half-size pool, calibrate in the engine
@@ -77,7 +78,7 @@ phase_tests() {  # decode graphs bitwise equal to the synchronous path; the spli
 }
 phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
-    tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py
+    tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py tests/test_decode_attention.py
 }
 phase_skew() {
   $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1
@@ -89,6 +90,7 @@ phase_generate() {
     --prompt "Check the order status for order #W2378156 and tell me the delivery date."
 }
 phase_micro() { run 150 "$R/b_bench_gpu.txt" python3 scripts/bench_gpu_experts.py; }
+phase_micro_attn() { run 90 "$R/f_bench_attention.txt" python3 scripts/bench_decode_attention.py; }
 phase_micro_cpu() {
   run 120 "$R/b_bench_cpu.txt" python3 scripts/bench_cpu_experts.py --layers 24 --threads "$THREADS"
 }
@@ -102,7 +104,9 @@ phase_plans() {
 phase_check() {
   rm -f "$R/check.jsonl"
   check all "$R/all.json"
-  check hybrid40 "$R/r40.json" --gpu-memory "$CAP" --ablation
+  local cal=""  # the split-path prompt again with uploads, by the calibrated costs (phase calib)
+  [[ -f $R/res-cap.json ]] && cal="--calibration $R/res-cap.json"
+  check hybrid40 "$R/r40.json" --gpu-memory "$CAP" --ablation $cal
   check cpu "$R/cold.json" --gpu-memory "$CAP"
 }
 phase_calib() {

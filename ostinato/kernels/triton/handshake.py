@@ -5,6 +5,8 @@ Inside the captured decode step, per MoE layer:
             page-locked, device-mapped host memory, write has_cold (does any routed expert
             map to "cold" in the device index table?), then publish post_flag = seq with
             release semantics at system scope, so the worker sees the data before the flag;
+            with borrowed memory it also scores the layer's cold routes and counts its
+            borrowed hits (Borrowing.observe's arithmetic, in the same kernel: no launch);
   (the GPU branch runs here, concurrently with the CPU worker)
   wait_add  if has_cold: spin until done_flag == seq (acquire, system scope), then add the
             worker's fp32 partial to the GPU branch's fp32 partial and round once to the
@@ -41,8 +43,8 @@ def _bump(seq_ptr):
 
 @triton.jit
 def _post(ids_ptr, w_ptr, x_ptr, table_ptr, seq_ptr,
-          h_ids, h_w, h_x, h_has_cold, h_post,
-          K: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+          h_ids, h_w, h_x, h_has_cold, h_post, scores_ptr, hits_ptr, flex_lo,
+          K: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SCORE: tl.constexpr):
     k = tl.arange(0, K)
     ids = tl.load(ids_ptr + k)
     tl.store(h_ids + k, ids.to(tl.int32))
@@ -53,6 +55,9 @@ def _post(ids_ptr, w_ptr, x_ptr, table_ptr, seq_ptr,
     slot = tl.load(table_ptr + ids)
     seq = tl.load(seq_ptr)
     has_cold = tl.max((slot < 0).to(tl.int32), axis=0)
+    if SCORE:  # one program and distinct ids: plain loads and stores, each score added once
+        tl.store(scores_ptr + ids, tl.load(scores_ptr + ids) + (slot < 0).to(tl.float32))
+        tl.store(hits_ptr, tl.load(hits_ptr) + tl.sum((slot >= flex_lo).to(tl.int64), axis=0))
     tl.store(h_has_cold, has_cold * seq)  # 0, or the step: lets the worker see it fell behind
     tl.debug_barrier()  # every thread's stores are done before the flag goes out
     tl.atomic_xchg(h_post, seq, sem="release", scope="sys")
@@ -75,12 +80,14 @@ def bump(seq: torch.Tensor) -> None:
     _bump[(1,)](seq)
 
 
-def post(ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post) -> None:
+def post(ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post, score=None) -> None:
     """ids [1, K] int64, weights [1, K] fp32, x [1, D], table_row [E] int32 (device);
-    the h_* are this layer's HostPointer views of the shared buffers (GraphHandshake)."""
+    the h_* are this layer's HostPointer views of the shared buffers (GraphHandshake).
+    score: (scores_row [E] fp32, hits [] int64, flex_lo) of borrowed memory, or None."""
     K, D = ids.shape[1], x.shape[1]
-    _post[(1,)](ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post,
-                K=K, D=D, BLOCK_D=1024, num_warps=4)
+    scores, hits, flex_lo = score if score is not None else (table_row, seq, 0)  # unread without SCORE
+    _post[(1,)](ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post, scores, hits, flex_lo,
+                K=K, D=D, BLOCK_D=1024, SCORE=score is not None, num_warps=4)
 
 
 def wait_add(gpu_out, h_out, h_has_cold, h_done, seq, y) -> None:

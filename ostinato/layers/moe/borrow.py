@@ -9,8 +9,10 @@ expert (no thrashing). A finished copy takes effect at a token boundary, where t
 index table (GPU branch) and the host compact table (CPU branch, and the graph worker's)
 switch together. A prefill calls `release_all` first: its upload path needs the slots.
 
-Scores and hits are device tensors updated by capturable ops, so observation also runs
-inside a captured decode step.
+Scores and hits are device tensors. The synchronous path updates them with `observe`; inside
+a captured decode step the handshake's post kernel (kernels/triton/handshake.py) does the same
+arithmetic on the routing it already loads, so scoring adds no kernel to the graph (as torch
+ops it added about 300 launches a step: borrowing then cost more than it saved).
 
 Legend: L layers (model indexing), E experts per layer.
 """
@@ -59,8 +61,10 @@ class Borrowing:
         busy = set(self.owner) | {p[0] for p in self.pending}
         return [s for s in self.slots if s not in busy]
 
-    def rebalance(self, max_new: int = 4) -> None:
-        """Between tokens: start copies for the best-scored cold experts; apply finished ones."""
+    def rebalance(self, max_replace: int = 4) -> None:
+        """Between tokens: start copies for the best-scored cold experts, into every free slot
+        (after a prefill returned them all, the first rebalance refills them at once) and in
+        place of at most max_replace weaker borrowed ones; apply finished copies."""
         self._apply_finished()
         scores = self.scores.cpu()
         table = self.pool.table_host
@@ -70,13 +74,16 @@ class Borrowing:
         if not cold.any():
             return
         flat = torch.where(cold, scores, torch.zeros_like(scores)).flatten()
-        order = torch.argsort(flat, descending=True)[:max_new]
+        order = torch.argsort(flat, descending=True)[:len(self.free_slots()) + max_replace]
         for i in order.tolist():
             l, e = divmod(i, scores.shape[1])
             if flat[i] <= 0:
                 break
             free = self.free_slots()
             if not free:
+                if max_replace == 0 or not self.owner:  # every slot taken by a copy in flight
+                    break
+                max_replace -= 1
                 weakest = min(self.owner, key=lambda s: scores[self.owner[s]])
                 if flat[i] < self.margin * scores[self.owner[weakest]]:
                     break

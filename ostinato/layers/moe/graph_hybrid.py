@@ -85,10 +85,10 @@ class GraphHybridExperts:
         pool = self.hybrid.pool
         if torch.cuda.is_current_stream_capturing():
             self.hybrid.count_captured(layer, topk.ids)
-        if self.hybrid.borrow is not None:
-            self.hybrid.borrow.observe(layer, topk.ids)
+        borrow = self.hybrid.borrow  # the post kernel scores the routes as borrow.observe would
+        score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done = self.views[self.index[layer]]
-        self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post)
+        self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post, score)
         slots = pool.slots_for(layer, topk.ids)
         gpu = slot_experts_forward(x, slots, topk.weights, pool.w13, pool.w2, pool.zero_lo, pool.zero_hi,
                                    out_dtype=torch.float32)

@@ -1,0 +1,205 @@
+"""Benchmark the split-K decode attention kernel against the masked SDPA call it replaces.
+
+Legend: H query heads, Hkv KV heads, Hd head dim, W window, c context (cached tokens with
+the new one), L layers measured. Default shapes are Qwen3-30B-A3B's: H=32, Hkv=4, Hd=128,
+bf16, 48 layers per decode step.
+
+For each context c the window is the decode graph's: the next power of two >= c (at least
+1024), and the position c - 1 (the token being decoded). Per method, a CUDA graph of L
+attention calls, each over its own layer's cache (so one call's K and V are not in L2 from
+the one before), replayed with CUDA events; us = replay time / L, the time of one layer's
+attention in a captured decode step (the KV writes, the same for all methods, excluded).
+- kernel: kernels/triton/decode_attention.decode_attention (what _decode_window runs on CUDA).
+- sdpa: _decode_window's former CUDA call, q [1, Hkv, G, Hd] with the [1, W] bool mask.
+- sdpa_gqa: the form before it, q [1, H, 1, Hd] with enable_gqa (the 2.2 ms per 1k tokens
+  per step of results/2026-11-29-h200x2/).
+The masks are computed once per graph, as DecodeWindow.refresh does once per pass. GB/s:
+K and V bytes of the c valid keys over the kernel's time. --sweep also times block and split
+variants of the kernel per context. Prints a table; the last line is one JSON document.
+Usage: python scripts/bench_decode_attention.py [--contexts 1024 4096 8192 16384] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ostinato.bench.report import source_state  # noqa: E402
+
+H, HKV, HD = 32, 4, 128
+STEP_LAYERS = 48  # layers of a Qwen3-30B-A3B decode step, for the per-step column
+
+
+def window_for(context: int) -> int:
+    w = 1024
+    while w < context:
+        w *= 2
+    return w
+
+
+def graph_us(calls, reps: int, per: int) -> float:
+    """Median replay time of one graph holding `calls` (in order), over `per`, in us."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile and warm the allocator outside the capture
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 5)
+    del graph
+    return 1e3 * statistics.median(times) / per
+
+
+class Rig:
+    """L layers' caches [W, Hkv, Hd] (bf16), one query per layer, the position on the device."""
+
+    def __init__(self, window: int, context: int, layers: int):
+        self.window, self.layers = window, layers
+        self.k = [torch.randn(window, HKV, HD, device="cuda").bfloat16() for _ in range(layers)]
+        self.v = [torch.randn(window, HKV, HD, device="cuda").bfloat16() for _ in range(layers)]
+        self.q = [torch.randn(1, H, HD, device="cuda").bfloat16() for _ in range(layers)]
+        self.position = torch.tensor([context - 1], device="cuda")
+        self.cols = torch.arange(window, device="cuda")[None, :]
+        self.mask = None
+
+    def kernel_calls(self, **cfg):
+        from ostinato.kernels.triton.decode_attention import decode_attention
+
+        return [lambda i=i: decode_attention(self.q[i], self.k[i], self.v[i], self.position,
+                                             self.window, **cfg) for i in range(len(self.q))]
+
+    def refresh(self):
+        self.mask = self.cols <= self.position  # [1, W]
+
+    def sdpa(self, i):
+        q_ = self.q[i].reshape(1, HKV, H // HKV, HD)
+        k_ = self.k[i].transpose(0, 1)[None]  # [1, Hkv, W, Hd]
+        v_ = self.v[i].transpose(0, 1)[None]
+        return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=self.mask).reshape(1, H, HD)
+
+    def sdpa_gqa(self, i):
+        q_ = self.q[i].transpose(0, 1)[None]  # [1, H, 1, Hd]
+        k_ = self.k[i].transpose(0, 1)[None]
+        v_ = self.v[i].transpose(0, 1)[None]
+        return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=self.mask,
+                                              enable_gqa=True).transpose(1, 2)
+
+    def sdpa_calls(self, gqa: bool):
+        fn = self.sdpa_gqa if gqa else self.sdpa
+        return [self.refresh] + [lambda i=i: fn(i) for i in range(len(self.q))]
+
+
+def max_err(rig: Rig) -> float:
+    """Kernel against the masked SDPA call, both bf16, relative to the output's scale."""
+    got = rig.kernel_calls()[0]()
+    rig.refresh()
+    want = rig.sdpa(0)
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def sweep(rig: Rig, reps: int) -> list[dict]:
+    import triton
+
+    from ostinato.kernels.triton.decode_attention import split_plan
+
+    rows = []
+    for block_n, warps, stages, splits in itertools.product([32, 64, 128], [2, 4, 8], [2, 3],
+                                                            [32, 64, 128]):
+        chunk = max(block_n, triton.cdiv(triton.cdiv(rig.window, splits), block_n) * block_n)
+        cfg = dict(chunk=chunk, block_n=block_n, num_warps=warps, num_stages=stages)
+        try:
+            us = graph_us(rig.kernel_calls(**cfg), reps, rig.layers)
+        except Exception as e:  # a config the device cannot run (e.g. shared memory)
+            print(f"    {cfg}: failed ({type(e).__name__})")
+            continue
+        rows.append({**cfg, "splits": split_plan(rig.window, chunk, block_n)[1], "us": us})
+        print(f"    chunk {chunk:5d} block_n {block_n:3d} warps {warps} stages {stages}: "
+              f"{us:7.2f} us")
+    return sorted(rows, key=lambda r: r["us"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    ap.add_argument("--layers", type=int, default=STEP_LAYERS, help="layers (caches) per graph")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true", help="also time kernel block/split variants")
+    ap.add_argument("--no-gqa", action="store_true", help="skip the enable_gqa SDPA baseline")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode_attention: needs a CUDA device (torch.cuda.is_available() is "
+                 "False); the kernel's CPU check is tests/test_decode_attention.py")
+    try:
+        import triton
+    except ImportError:
+        sys.exit("bench_decode_attention: needs triton")
+    from ostinato.kernels.triton.decode_attention import (BLOCK_N, NUM_STAGES, NUM_WARPS,
+                                                          split_plan)
+
+    torch.manual_seed(0)
+    rows, sweeps = [], {}
+    print(f"decode attention, H={H} Hkv={HKV} Hd={HD} bf16, {args.layers} layers per graph, "
+          f"{torch.cuda.get_device_name()}")
+    head = (f"{'context':>8} {'window':>7} {'splits':>6} {'kernel us':>10} {'sdpa us':>9} "
+            f"{'gqa us':>8} {'speedup':>8} {'GB/s':>7} {'step ms':>8} {'sdpa ms':>8} {'err':>8}")
+    print(head)
+    for c in args.contexts:
+        w = window_for(c)
+        rig = Rig(w, c, args.layers)
+        chunk, splits = split_plan(w)
+        err = max_err(rig)
+        kernel = graph_us(rig.kernel_calls(), args.reps, args.layers)
+        sdpa = graph_us(rig.sdpa_calls(gqa=False), args.reps, args.layers)
+        gqa = None if args.no_gqa else graph_us(rig.sdpa_calls(gqa=True), args.reps, args.layers)
+        gbps = c * HKV * HD * 2 * 2 / kernel / 1e3  # K and V, bf16
+        row = {"context": c, "window": w, "position": c - 1, "chunk": chunk, "splits": splits,
+               "kernel_us": kernel, "sdpa_us": sdpa, "sdpa_gqa_us": gqa, "kernel_gbps": gbps,
+               "step_kernel_ms": kernel * STEP_LAYERS / 1e3,
+               "step_sdpa_ms": sdpa * STEP_LAYERS / 1e3, "max_rel_err": err}
+        rows.append(row)
+        print(f"{c:>8} {w:>7} {splits:>6} {kernel:>10.2f} {sdpa:>9.2f} "
+              f"{'-' if gqa is None else f'{gqa:.2f}':>8} {sdpa / kernel:>7.1f}x {gbps:>7.0f} "
+              f"{row['step_kernel_ms']:>8.3f} {row['step_sdpa_ms']:>8.3f} {err:>8.1e}")
+        if args.sweep:
+            print(f"  sweep at context {c} (window {w}):")
+            sweeps[str(c)] = sweep(rig, max(5, args.reps // 3))
+            best = sweeps[str(c)][0]
+            print(f"  best: {best}")
+        del rig
+        torch.cuda.empty_cache()
+    result = {"bench": "decode_attention", **source_state(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__,
+              "shape": {"H": H, "Hkv": HKV, "Hd": HD, "dtype": "bf16"},
+              "layers_per_graph": args.layers,
+              "defaults": {"block_n": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+              "rows": rows}
+    if sweeps:
+        result["sweep"] = sweeps
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
