@@ -34,8 +34,9 @@ def _hybrid(hot_fraction, upload_threshold, backend="torch", device="cpu", dtype
     pool = ExpertPool(hot, 3, E, K, max(len(c) for c in cold.values()), (2 * F, D), (D, F), device, dtype)
     host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
     for l in LAYERS:
-        pool.fill_layer(l, weights[l])
-        host.fill_layer(l, weights[l])
+        w = ExpertWeights(weights[l].w13.to(dtype), weights[l].w2.to(dtype))
+        pool.fill_layer(l, w)
+        host.fill_layer(l, w)
     cpu = CpuExperts(host.layers, num_threads=1, backend=backend)
     return HybridExperts(pool, host, cpu, upload_threshold, max_tokens=512), weights
 

@@ -100,14 +100,9 @@ def usable_slots(spec: ModelExperts, slots: int, staging: int, policy: str) -> i
 
 
 def unpin(host: HostExperts | None) -> None:
-    """Undo pin_in_place (cudaHostRegister) before the host buffers are freed, so that a later
-    policy in the same process can register memory at the same addresses again."""
-    if host is None or not getattr(host, "pinned", False):
-        return
-    for t in (host.w13_all, host.w2_all):
-        if t.numel():
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-    host.pinned = False
+    """HostExperts.unpin, for a backend that may have no host experts."""
+    if host is not None:
+        host.unpin()
 
 
 def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dict[int, list[int]], flex: int,

@@ -16,6 +16,8 @@ Legend: S hot slots, K top-k, U flexible slots, E experts, F expert FFN, D hidde
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ostinato.layers.moe.types import ExpertWeights
@@ -78,20 +80,23 @@ class ExpertPool:
         return torch.where(slot >= 0, slot, self.zero_of_position[: ids.shape[1]])
 
 
-def pin_in_place(t: torch.Tensor) -> bool:
+def pin_in_place(t: torch.Tensor) -> weakref.finalize | None:
     """Page-lock an existing host tensor without copying it (cudaHostRegister).
 
     torch's pinned allocator rounds every block up to a power of two, which would cost
     tens of GB on top of the 35 GB of cold experts; registering the memory we already
-    have costs nothing extra. Returns False where there is no CUDA.
+    have costs nothing extra. Returns the unregistration (call it to unpin early; it runs
+    by itself when t is collected, so freed memory never stays registered: a later
+    registration at the same address would fail with "already mapped"), or None where
+    there is no CUDA.
     """
     if not torch.cuda.is_available() or t.numel() == 0:
-        return False
+        return None
     # cudaHostRegisterPortable: page-locked for every GPU's context (a split model uploads to each)
     rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1)
     if int(rc) != 0:
         raise RuntimeError(f"cudaHostRegister failed with error {int(rc)}")
-    return True
+    return weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
 
 
 class HostExperts:
@@ -102,7 +107,8 @@ class HostExperts:
         total = sum(len(v) for v in cold.values())
         self.w13_all = torch.empty((total, *shape13), dtype=dtype)
         self.w2_all = torch.empty((total, *shape2), dtype=dtype)
-        self.pinned = pin_in_place(self.w13_all) and pin_in_place(self.w2_all)
+        self._pins = [p for p in (pin_in_place(self.w13_all), pin_in_place(self.w2_all)) if p is not None]
+        self.pinned = len(self._pins) == 2
         self.layers: dict[int, ExpertWeights] = {}
         self.compact: dict[int, torch.Tensor] = {}
         start = 0
@@ -114,6 +120,13 @@ class HostExperts:
             c[ids] = torch.arange(n, dtype=torch.int32)
             self.compact[layer] = c
             start += n
+
+    def unpin(self) -> None:
+        """Unregister the page-locked buffers now (before they are freed, so that a later
+        placement in the same process can register memory at the same addresses)."""
+        for p in self._pins:
+            p()
+        self._pins, self.pinned = [], False
 
     def fill_layer(self, layer: int, experts: ExpertWeights) -> None:
         c = self.compact[layer]
