@@ -135,7 +135,7 @@ def main() -> None:
             from ostinato.planner.residency import Residency
             from ostinato.policies.ostinato import inner
 
-            mixed = MixedPass.from_calibration(Residency.load(a.calibration).calibration)
+            mixed = MixedPass.from_calibration(Residency.load(a.calibration).calibration, measured=False)
             hybrids = [inner(b) for b in getattr(runner.experts, "backends", {"": runner.experts}).values()]
             for h in hybrids:
                 h.mixed = mixed

@@ -167,3 +167,14 @@ def test_residency_file_checks(tiny_dir, tmp_path):
         Residency.load(tmp_path / "v.json")
     with pytest.raises(ConfigError, match="no such residency"):
         Residency.load(tmp_path / "missing.json")
+
+
+def test_mixed_pass_only_where_the_calibration_measured_a_gain():
+    cal = {"cpu_pass": {"alpha_ms": 1.0, "beta_expert_ms": 0.04, "beta_route_ms": 0.01}, "upload_gbps": 50.0,
+           "expert_bytes": 9_437_184, "passes": {"split_ms": [5.0, 17.0], "upload_ms": [10.0, 13.0]}}
+    assert MixedPass.from_calibration(cal) is None  # never timed
+    assert MixedPass.from_calibration(cal, measured=False).upload_ms == pytest.approx(9_437_184 / 50e9 * 1e3)
+    cal["passes"]["mixed_ms"] = [7.8, 15.0]  # slower than the better path in sum (22.8 > 18)
+    assert MixedPass.from_calibration(cal) is None
+    cal["passes"]["mixed_ms"] = [3.5, 9.0]
+    assert MixedPass.from_calibration(cal) is not None

@@ -53,6 +53,7 @@ class Stage:
         # (e.g. the handshake's sequence bump); after_step() once the step is recorded or run
         self.before_step = getattr(backend, "before_step", None)
         self.after_step = getattr(backend, "after_step", None)
+        self.after_capture = getattr(backend, "after_capture", None)  # once the warm-up steps are done
         self.token = torch.zeros(1, dtype=torch.long, device=dev) if seg.first else None
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
         self.inputs: tuple[torch.Tensor, ...] = ()  # allocated at the first hand-off
@@ -165,6 +166,8 @@ class DecodeGraphs:
         for stage in self.stages:
             with device_scope(stage.device):
                 torch.cuda.synchronize()
+            if stage.after_capture is not None:
+                stage.after_capture()
 
     def window_for(self, position: int) -> int | None:
         return next((s for s in self.sizes if position < s), None)

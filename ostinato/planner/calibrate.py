@@ -534,7 +534,8 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
         passes = measure_passes(runner, h, loaded.tokenizer, pick, clock, s, sizes) if sizes and pick else {}
     cpu_pass = fit_cpu_pass(passes.pop("cpu_points", []), layers)
     routing = passes.pop("routing", None)
-    mixed = MixedPass.from_calibration({"cpu_pass": cpu_pass, "upload_gbps": gbps, "expert_bytes": eb})
+    mixed = MixedPass.from_calibration({"cpu_pass": cpu_pass, "upload_gbps": gbps, "expert_bytes": eb},
+                                       measured=False)
     if passes and h.on_cuda and mixed is not None:  # with a PCIe link beside the CPU: split with uploads
         with torch.inference_mode():
             passes["mixed_ms"] = measure_mixed(h, routing, passes, mixed, clock, s)

@@ -50,6 +50,11 @@ class Borrowing:
         self.scores[layer].index_add_(0, ids[0], (slot < 0).to(torch.float32))
         self.hits += (slot >= self.pool.flex_lo).sum()
 
+    def forget(self) -> None:
+        """Scores and hits back to zero (what was observed was not decode, e.g. warm-up steps)."""
+        self.scores.zero_()
+        self.hits.zero_()
+
     def end_step(self) -> None:
         """After every decode step (a token boundary)."""
         self.scores.mul_(self.decay)

@@ -60,6 +60,11 @@ class GraphHybridExperts:
     def after_step(self) -> None:
         self.in_step = False
 
+    def after_capture(self) -> None:
+        """The warm-up steps before a capture ran on token 0 at position 0: they are not decode."""
+        if self.hybrid.borrow is not None:
+            self.hybrid.borrow.forget()
+
     def after_decode_step(self) -> None:
         self.hybrid.after_decode_step()
 

@@ -46,10 +46,17 @@ class MixedPass:
     beta_route_ms: float
 
     @classmethod
-    def from_calibration(cls, cal: dict) -> "MixedPass | None":
+    def from_calibration(cls, cal: dict, measured: bool = True) -> "MixedPass | None":
+        """The costs of a calibration; None without them, or (measured) unless the calibration
+        timed the split path with uploads (passes.mixed_ms) and it beat the cheaper of split
+        and upload over the measured sizes: the engine uses it only where it was shown to pay."""
         cp, gbps, nbytes = cal.get("cpu_pass") or {}, cal.get("upload_gbps"), cal.get("expert_bytes")
         if not (gbps and nbytes and cp.get("beta_route_ms")):
             return None
+        if measured:
+            p = cal.get("passes") or {}
+            if not p.get("mixed_ms") or sum(p["mixed_ms"]) >= sum(map(min, p["split_ms"], p["upload_ms"])):
+                return None
         return cls(nbytes / (gbps * 1e9) * 1e3, cp["alpha_ms"], cp["beta_expert_ms"], cp["beta_route_ms"])
 
     def cost_ms(self, routes: list[int], k: int) -> float:
@@ -189,6 +196,15 @@ class HybridExperts:
         if k == 0:
             return gpu, cold
         up = experts[order[:k]]
+        # the uploaded routes' slots, built on the host: nothing here may wait for the GPU, or
+        # the CPU branch would start only after the copies (measured so: no overlap at all)
+        lookup = torch.full((pool.table.shape[1],), -1, dtype=torch.int32)
+        lookup[up] = torch.arange(pool.flex_lo, pool.flex_lo + k, dtype=torch.int32)
+        slot = lookup[ids_h]
+        zero = torch.arange(pool.zero_lo, pool.zero_hi, dtype=torch.int32)[: ids_h.shape[1]]
+        slots = torch.where(slot >= 0, slot, zero)
+        if self.on_cuda:
+            slots = slots.pin_memory().to(self.device, non_blocking=True)
         stream = self.copy_stream if self.on_cuda else None
         if stream is not None:
             stream.wait_event(ready)
@@ -196,11 +212,6 @@ class HybridExperts:
             nbytes = sum(pool.upload(pool.flex_lo + i, self.host, layer, int(e)) for i, e in enumerate(up))
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
-        lookup = torch.full_like(pool.table[layer], -1)
-        lookup[up.to(self.device)] = torch.arange(pool.flex_lo, pool.flex_lo + k, dtype=lookup.dtype,
-                                                  device=self.device)
-        slot = lookup[topk.ids]
-        slots = torch.where(slot >= 0, slot, pool.zero_of_position[: topk.ids.shape[1]])
         gpu = gpu + slot_experts_forward(x, slots, topk.weights, pool.w13, pool.w2, pool.zero_lo, pool.zero_hi,
                                          out_dtype=torch.float32)
         self.counters["uploaded_experts"] += k
