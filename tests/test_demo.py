@@ -36,3 +36,13 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
         assert (out / f).is_file(), f
     full = json.loads((out / "results.json").read_text())
     assert full["turns"]["ostinato"] and "| ostinato |" in (out / "report.md").read_text()
+    assert full["policies"]["ostinato"]["wall_s"].keys() == {"replay", "sweep", "build"}
+
+    # `ostinato report` writes the report and plots again from results.json alone
+    for f in ("report.md", "ttft_cdf.png"):
+        (out / f).unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "ttft_cdf.png").is_file() and "| ostinato |" in (out / "report.md").read_text()
+    again = json.loads((out / "results.json").read_text())
+    assert again["policies"] == full["policies"] and again["turns"] == full["turns"]
+    assert main(["report", str(tmp_path / "nowhere")]) == 2  # a clear error, not a traceback

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ostinato.config import ConfigError, parse_bytes
 from ostinato.policies.settings import OFFLOAD_THRESHOLDS, POLICIES, PolicySettings
@@ -102,7 +103,6 @@ def _in_process(a):
 
 
 def _bench_settings(a):
-    from pathlib import Path
 
     from ostinato.bench.bench import BenchSettings
     from ostinato.cli import _runner_settings
@@ -134,6 +134,25 @@ def cmd_bench(a) -> int:
     print(format_table(result))
     print(f"report: {result['files']['report']}")
     print(json.dumps(result))
+    return 0
+
+
+def cmd_report(a) -> int:
+    """The report and plots of a bench folder again, from its results.json (e.g. a run cut
+    short by a time limit, which writes its plots only at the end)."""
+    from ostinato.bench.report import finish_result, format_table
+
+    out = Path(a.folder)
+    path = out / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no results.json (the --out folder of `ostinato bench`)")
+    result = json.loads(path.read_text())
+    turns = result.pop("turns", {})
+    for k in ("comparisons", "targets", "files", "plot_error"):
+        result.pop(k, None)
+    result = finish_result(result, turns, out, with_plots=True)
+    print(format_table(result))
+    print(f"report: {result['files']['report']}; plots: {len(result['files']['plots'])}")
     return 0
 
 
@@ -206,6 +225,10 @@ def add_bench_commands(sub, add_model_args) -> None:
                    "of the same model, budget and split, e.g. the other policies in another call)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("report", help="write a bench folder's report.md and plots again from its results.json")
+    p.add_argument("folder", help="the --out folder of `ostinato bench`")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("demo", help="the benchmark on the embedded default (tiny model, generated sessions)")
     p.add_argument("--out", default="ostinato-demo", help="folder for the report (default ./ostinato-demo)")

@@ -46,7 +46,7 @@ from ostinato.layers.moe.hybrid import MixedPass
 from ostinato.layers.moe.types import TopKOutput
 from ostinato.planner import cost_model as cm
 
-DEFAULT_SIZES = (64, 128, 256, 512, 1024, 2048)
+DEFAULT_SIZES = (64, 128, 256, 384, 512, 768, 1024, 2048)  # the crossing on the H200 lay between 256 and 512
 
 
 @dataclass(frozen=True)
