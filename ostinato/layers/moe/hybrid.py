@@ -14,7 +14,10 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
   path, all of them the upload path's transfers (its GPU sum in two launches, not one).
   DESIGN.md's split path sends nothing over PCIe; on the H200 machine a 512-token pass
   took 16.7 ms per layer split and 12.9 ms uploaded, where either link alone is idle
-  half the time. Decode never uploads (an upload exposes its whole transfer).
+  half the time. Measured there, it did not pay (7.0 against 7.5 ms at 256 tokens, worse
+  from 512: results/2026-11-29-h200x2-s3/), so it stays off unless a calibration shows
+  a gain (MixedPass.from_calibration). Decode never uploads (an upload exposes its whole
+  transfer).
 
 Both branches accumulate in fp32; the layer output is rounded to the activations'
 dtype once, after the sum. On a machine without CUDA the "GPU" side runs on the CPU
@@ -59,20 +62,23 @@ class MixedPass:
                 return None
         return cls(nbytes / (gbps * 1e9) * 1e3, cp["alpha_ms"], cp["beta_expert_ms"], cp["beta_route_ms"])
 
+    def _ms(self, uploads: int, cpu_experts: int, cpu_routes: int) -> float:
+        if not cpu_experts:
+            return uploads * self.upload_ms
+        cpu = self.alpha_ms + self.beta_expert_ms * cpu_experts + self.beta_route_ms * cpu_routes
+        return max(uploads * self.upload_ms, cpu)
+
     def cost_ms(self, routes: list[int], k: int) -> float:
         """Upload the first k experts (routes: cold routes per expert, most first), CPU the rest."""
-        rest = routes[k:]
-        cpu = self.alpha_ms + self.beta_expert_ms * len(rest) + self.beta_route_ms * sum(rest) if rest else 0.0
-        return max(k * self.upload_ms, cpu)
+        return self._ms(k, len(routes) - k, sum(routes[k:]))
 
     def choose(self, routes: list[int], limit: int) -> int:
         """How many of the most-routed cold experts to upload (at most limit flex slots)."""
-        best, best_k = self.cost_ms(routes, 0), 0
-        rest, n = sum(routes), len(routes)
+        n, rest = len(routes), sum(routes)
+        best, best_k = self._ms(0, n, rest), 0
         for k in range(1, min(n, limit) + 1):
             rest -= routes[k - 1]
-            cpu = self.alpha_ms + self.beta_expert_ms * (n - k) + self.beta_route_ms * rest if k < n else 0.0
-            t = max(k * self.upload_ms, cpu)
+            t = self._ms(k, n - k, rest)
             if t < best:
                 best, best_k = t, k
         return best_k
