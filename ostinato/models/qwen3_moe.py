@@ -72,11 +72,11 @@ class Attention(nn.Module):
         end = start + T
         kv.k[start:end] = k
         kv.v[start:end] = v
+        if T == 1 and q.is_cuda:  # eager decode (the baselines' steps): the decode kernel too
+            return self._attend_one(q, kv, torch.full((1,), start, device=q.device), end)
         q_ = q.transpose(0, 1)  # [H, T, Hd]
         k_ = kv.k[:end].transpose(0, 1)  # [Hkv, L, Hd]
         v_ = kv.v[:end].transpose(0, 1)
-        if T == 1 and q.is_cuda:  # eager decode (the baselines' steps): the decode kernel too
-            return self._attend_one(q, kv, torch.full((1,), start, device=q.device), end)
         if T == 1:
             o = F.scaled_dot_product_attention(q_, k_, v_, enable_gqa=True)
         elif start == 0:

@@ -28,6 +28,7 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
+from ostinato.layers.moe.hybrid import to_host
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.layers.moe.types import ExpertWeights, TopKOutput
 
@@ -207,13 +208,7 @@ class SlotExperts:
         if plan is not None and plan.slot_dev is not None and plan.all_gpu:
             self.last_plan = plan
             return self._gpu_branch(x, topk, plan.slot_dev).to(x.dtype)
-        ids_h = topk.ids.to("cpu", non_blocking=self.on_cuda)
-        w_h = topk.weights.to("cpu", non_blocking=self.on_cuda)
-        x_h = self.x_host[:T]
-        x_h.copy_(x, non_blocking=self.on_cuda)
-        ready = torch.cuda.Event() if self.on_cuda else None
-        if ready is not None:
-            ready.record()
+        ids_h, w_h, x_h, ready = to_host(topk, x, self.x_host, self.on_cuda)
         gpu = None
         if plan is not None and plan.slot_dev is not None:
             gpu = self._gpu_branch(x, topk, plan.slot_dev)  # runs while the routing goes to the host

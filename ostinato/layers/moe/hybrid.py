@@ -38,6 +38,20 @@ from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.layers.moe.types import TopKOutput
 
 
+def to_host(topk: TopKOutput, x: torch.Tensor, x_host: torch.Tensor, on_cuda: bool):
+    """Start copying a pass's routing and activations to the host (x into the page-locked
+    x_host) -> (ids, weights, x on the host, an event recorded after the copies, or None
+    off CUDA). Synchronise on the event before reading them; the GPU may go on meanwhile."""
+    ids_h = topk.ids.to("cpu", non_blocking=on_cuda)
+    w_h = topk.weights.to("cpu", non_blocking=on_cuda)
+    x_h = x_host[:x.shape[0]]
+    x_h.copy_(x, non_blocking=on_cuda)
+    done = torch.cuda.Event() if on_cuda else None
+    if done is not None:
+        done.record()
+    return ids_h, w_h, x_h, done
+
+
 @dataclass(frozen=True)
 class MixedPass:
     """Calibrated costs (ms) that split a pass's cold experts between PCIe and the CPU:
@@ -161,13 +175,7 @@ class HybridExperts:
         if T == 1 and self.borrow is not None:
             self.borrow.observe(layer, topk.ids)
         compact = self.host.compact[layer]
-        ids_h = topk.ids.to("cpu", non_blocking=self.on_cuda)
-        w_h = topk.weights.to("cpu", non_blocking=self.on_cuda)
-        x_h = self.x_host[:T]
-        x_h.copy_(x, non_blocking=self.on_cuda)
-        done = torch.cuda.Event() if self.on_cuda else None
-        if done is not None:
-            done.record()
+        ids_h, w_h, x_h, done = to_host(topk, x, self.x_host, self.on_cuda)
         slots = self.pool.slots_for(layer, topk.ids)
         gpu = slot_experts_forward(x, slots, topk.weights, self.pool.w13, self.pool.w2,
                                    self.pool.zero_lo, self.pool.zero_hi, out_dtype=torch.float32)
