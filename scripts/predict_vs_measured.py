@@ -137,8 +137,8 @@ def measure(a) -> dict:
         "cold_routes_per_token_layer_predicted": round(pred.cold_routes_per_layer, 4),
     }
     out["error_pct"] = round(100 * (out["predicted_ms"] / out["measured_ms_mean"] - 1), 2)
-    if cal.get("host_read_gbps") and cal.get("expert_bytes"):  # BENCHMARK.md's bound on this routing
-        out["bound_ms"] = round(cm.decode_bound(pred, costs, cal["expert_bytes"], cal["host_read_gbps"]), 3)
+    if cm.read_gbps(cal) and cal.get("expert_bytes"):  # BENCHMARK.md's bound on this routing
+        out["bound_ms"] = round(cm.decode_bound(pred, costs, cal["expert_bytes"], cm.read_gbps(cal)), 3)
         out["measured_over_bound"] = round(out["measured_ms_median"] / out["bound_ms"], 3)
     if a.profile:
         prof = RouteCounts.load(a.profile)

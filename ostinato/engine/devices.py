@@ -223,7 +223,7 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
     from ostinato.layers.moe.cpu_experts import CpuExperts
     from ostinato.layers.moe.hybrid import HybridExperts
     from ostinato.layers.moe.pool import ExpertPool, HostExperts
-    from ostinato.loader.build import load_experts
+    from ostinato.loader.build import load_experts_staged
 
     cfg = source.config
     residency.check(source)
@@ -246,8 +246,7 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
     host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
     for layer in cfg.moe_layers:
         pool = pools[layer_devices[layer]]
-        staging = pool.device if getattr(source, "generate_on", None) == pool.device.type else "cpu"
-        experts = load_experts(source, layer, device=staging, dtype=dtype)
+        experts = load_experts_staged(source, layer, pool.device, dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
     cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)

@@ -13,7 +13,7 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
-from ostinato.loader.build import load_experts
+from ostinato.loader.build import load_experts_staged
 from ostinato.planner.residency import Residency
 
 
@@ -60,10 +60,8 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
         raise ConfigError(f"the expert pool ({sum(map(len, hot.values())) + flex} slots) does not fit the GPU "
                           "memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
     host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
-    # a synthetic source generates on the GPU: stage each layer there instead of in host memory
-    staging = device if getattr(source, "generate_on", None) == device.type else "cpu"
     for layer in cfg.moe_layers:
-        experts = load_experts(source, layer, device=staging, dtype=dtype)
+        experts = load_experts_staged(source, layer, device, dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
     cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)

@@ -97,6 +97,26 @@ class Clock:
         self.sync()
         return 1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t0)
 
+    def graphed(self, fn, reps: int = 20) -> float:
+        """ms of one fn as a captured CUDA graph replays it: fn captured reps times in one
+        graph, timed by events (no launch gaps: what fn costs inside a decode graph). The
+        wall clock of one call on a CPU-only machine."""
+        if not self.cuda:
+            return self.wall(fn)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up (Triton compiles, allocator pools) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        g.replay()
+        ms = self.device(g.replay) / reps
+        del g
+        return ms
+
     def device(self, fn) -> float:
         if not self.cuda:
             return self.wall(fn)
@@ -176,6 +196,7 @@ def measure_layer(h, layer: int, K: int, D: int, dtype, clock: Clock, s: Calibra
     g_ids = g_ids.to(dev)
     gpu_branch(h, layer, x, g_ids, w)  # warm-up
     G = statistics.median(clock.device(lambda: gpu_branch(h, layer, x, g_ids, w)) for _ in range(s.gpu_reps))
+    G_graph = statistics.median(clock.graphed(lambda: gpu_branch(h, layer, x, g_ids, w)) for _ in range(3))
     samples: dict[int, list[float]] = {r: [] for r in range(K + 1)}
     for rep in range(s.reps + 1):
         for r in range(K + 1):
@@ -187,7 +208,7 @@ def measure_layer(h, layer: int, K: int, D: int, dtype, clock: Clock, s: Calibra
             if rep:  # the first round warms up
                 samples[r].append(ms)
     C = [statistics.median(v) if v else None for r, v in sorted(samples.items())]
-    return {"G_ms": G, "C_ms": C, "hot": int(hot.numel()), "cold": int(cold.numel())}
+    return {"G_ms": G, "G_graph_ms": G_graph, "C_ms": C, "hot": int(hot.numel()), "cold": int(cold.numel())}
 
 
 def fit_decode(layers: dict[int, dict]) -> dict:
@@ -196,7 +217,8 @@ def fit_decode(layers: dict[int, dict]) -> dict:
     g_alpha, g_beta = fit_line(pooled)
     g0 = [d["C_ms"][0] for d in layers.values() if d["C_ms"][0] is not None]
     glob = {"gamma0_ms": statistics.median(g0) if g0 else 0.0, "alpha_ms": g_alpha, "beta_ms": g_beta,
-            "G_ms": statistics.median(d["G_ms"] for d in layers.values())}
+            "G_ms": statistics.median(d["G_ms"] for d in layers.values()),
+            "G_graph_ms": statistics.median(d["G_graph_ms"] for d in layers.values())}
     for d in layers.values():
         pts = [(r, c) for r, c in enumerate(d["C_ms"]) if r >= 1 and c is not None]
         if len(pts) >= 2:
@@ -405,8 +427,9 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, s: Calibrate
     pool = h.pool
     routing = capture_routing(runner, prompt_ids(tok, s.sessions, max(sizes)), layers)
     med = lambda f: statistics.median(f() for _ in range(s.pass_reps))  # noqa: E731
-    points, curves = [], {k: [] for k in ("split_ms", "upload_ms", "cpu_ms", "gpu_hot_ms", "gpu_all_ms",
-                                          "cold_routes", "distinct_cold")}
+    points, detail = [], []
+    curves = {k: [] for k in ("split_ms", "upload_ms", "cpu_ms", "cpu_alone_ms", "gpu_hot_ms", "gpu_all_ms",
+                              "cold_routes", "distinct_cold")}
     for n in sizes:
         row = {k: [] for k in curves}
         for layer in layers:
@@ -420,6 +443,10 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, s: Calibrate
             h.split_path(layer, x, topk)  # warm-up
             both = [clock.both(lambda: h.split_path(layer, x, topk)) for _ in range(s.pass_reps)]
             row["cpu_ms"].append(statistics.median(b[0] for b in both))  # the host's part: launch + CPU branch
+            split_stats = h.cpu.last_stats()
+            alone_ms, alone_stats = cpu_alone(h, layer, x, topk, clock, s.pass_reps)
+            row["cpu_alone_ms"].append(alone_ms)
+            detail.append({"n": n, "layer": layer, "split": split_stats, "alone": alone_stats, "alone_ms": alone_ms})
             row["split_ms"].append(statistics.median(b[1] for b in both))
             row["upload_ms"].append(med(lambda: clock.wall(lambda: h.upload_path(layer, x, topk))))
             row["gpu_hot_ms"].append(med(lambda: clock.device(lambda: gpu_branch(h, layer, x, topk.ids,
@@ -436,7 +463,28 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, s: Calibrate
             curves[k].append(statistics.fmean(v))
     np_, crossings = cm.one_switch(sizes, curves["split_ms"], curves["upload_ms"])
     return {"sizes": sizes, "layers": layers, **curves, "upload_threshold": np_, "crossings": crossings,
-            "cpu_points": points, "routing": routing}
+            "cpu_points": points, "cpu_detail": detail, "routing": routing}
+
+
+def cpu_alone(h, layer: int, x: torch.Tensor, topk: TopKOutput, clock: Clock, reps: int) -> tuple[float, dict]:
+    """The split path's CPU branch alone: the same cold routes from the same page-locked
+    staging buffers, with nothing else running (against split_path's host part, it shows
+    what the GPU branch and the copies beside it cost the CPU) -> (median ms, native stats)."""
+    ids_h, w_h = topk.ids.cpu(), topk.weights.cpu()
+    x_h = h.x_host[:x.shape[0]]
+    x_h.copy_(x)
+    cid = h.host.compact[layer][ids_h]
+    cold = cid >= 0
+    tok, eids, wts = cold.nonzero()[:, 0].to(torch.int32), cid[cold], w_h[cold]
+    out = h.out_host[:x.shape[0]]
+
+    def run():
+        h.cpu.submit(layer, x_h, tok, eids, wts, out)
+        h.cpu.wait()
+
+    run()
+    ms = statistics.median(clock.wall(run) for _ in range(reps))
+    return ms, h.cpu.last_stats()
 
 
 def measure_mixed(h, routing, passes: dict, mixed, clock: Clock, s: CalibrateSettings) -> list[float]:
@@ -519,7 +567,8 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
         layers = {l: measure_layer(h, l, K, D, runner.dtype, clock, s, gen)
                   for l in tqdm(cfg.moe_layers, desc="calibrate layers", disable=not progress)}
         glob = fit_decode(layers)
-        costs = {l: cm.LayerCost(d["G_ms"], d["gamma0_ms"], d["alpha_ms"], d["beta_ms"], h.on_cuda)
+        g_key = "G_graph_ms" if graph is not None else "G_ms"  # the GPU branch as decode pays it
+        costs = {l: cm.LayerCost(d[g_key], d["gamma0_ms"], d["alpha_ms"], d["beta_ms"], h.on_cuda)
                  for l, d in layers.items()}
         with_cold = [l for l in cfg.moe_layers if layers[l]["cold"] > 0]
         gbps, eb = measure_upload(h, with_cold[:: max(1, len(with_cold) // 4)][:4], clock)
@@ -570,8 +619,8 @@ def model_checks(cal: dict, counts, hot: dict[int, list[int]], cfg) -> dict:
     pred = cm.predict_decode_step(counts.decode, counts.tokens["decode"], hot, costs, K, cm.dense_ms(cal, context))
     out = {"decode_step_ms": pred.total_ms, "decode_moe_ms": pred.moe_ms, "context": context,
            "cold_routes_per_token_layer": pred.cold_routes_per_layer}
-    if cal.get("host_read_gbps") and cal.get("expert_bytes"):
-        out["decode_bound_ms"] = cm.decode_bound(pred, costs, cal["expert_bytes"], cal["host_read_gbps"])
+    if cm.read_gbps(cal) and cal.get("expert_bytes"):
+        out["decode_bound_ms"] = cm.decode_bound(pred, costs, cal["expert_bytes"], cm.read_gbps(cal))
     passes = cal.get("passes") or {}
     if passes.get("sizes"):
         pc = cm.PassCosts.from_calibration(cal)

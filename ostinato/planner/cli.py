@@ -310,8 +310,10 @@ def print_calibration(cal: dict) -> None:
           f"C(r): gamma0 {g['gamma0_ms']:.3f} ms, alpha {g['alpha_ms']:.3f} ms + beta {g['beta_ms']:.3f} ms per route")
     if cal.get("graph_fit"):
         f = cal["graph_fit"]
-        print(f"  decode steps replayed as CUDA graphs: the CPU branch through the worker alpha {f['alpha_ms']:.3f} ms "
-              f"+ beta {f['beta_ms']:.3f} ms per route (used by the model instead of the host-side fit)")
+        gg = f" (G {g['G_graph_ms']:.3f} ms inside a graph)" if "G_graph_ms" in g else ""
+        print(f"  decode steps replayed as CUDA graphs{gg}: the CPU branch through the worker alpha "
+              f"{f['alpha_ms']:.3f} ms + beta {f['beta_ms']:.3f} ms per route (used by the model instead of the "
+              "host-side fit)")
     print(f"  dense part of a decode step {cal['dense_step_ms']:.2f} ms (+{cal['dense_ms_per_1k_context']:.3f} ms "
           f"per 1k tokens of context); upload {cal['upload_gbps']:.1f} GB/s")
     fs = cal["forced_steps"]
@@ -328,13 +330,17 @@ def print_calibration(cal: dict) -> None:
             extra += f"  {mixed[i]:12.3f}" if mixed else ""
             print(f"  {'':32}{n:5d} {p['split_ms'][i]:8.3f} {p['upload_ms'][i]:8.3f}  "
                   f"{'upload' if p['upload_ms'][i] < p['split_ms'][i] else 'split':>7}{extra}")
+    if p.get("cpu_alone_ms"):
+        print("  the split passes' CPU branch, host part / alone (nothing else running), per layer (ms): " + ", ".join(
+            f"n={n}: {c:.2f} / {a:.2f}" for n, c, a in zip(p["sizes"], p["cpu_ms"], p["cpu_alone_ms"])))
     note = f" ({p.get('crossings')} crossings: the last one)" if p.get("crossings", 0) > 1 else ""
     print(f"  Np (upload_threshold) measured: {cal['upload_threshold']}{note}"
           + (f"; model: {m.get('upload_threshold')} (on the measured sizes {m.get('upload_threshold_on_sizes')})"
              if "upload_threshold" in m else ""))
     if m:
+        bound = f"; bound {m['decode_bound_ms']:.2f} ms" if m.get("decode_bound_ms") else ""
         print(f"  predicted decode step {m['decode_step_ms']:.2f} ms ({m['decode_moe_ms']:.2f} ms in MoE layers, "
-              f"{m['cold_routes_per_token_layer']:.2f} cold routes per token and layer; profile {m['profile']})")
+              f"{m['cold_routes_per_token_layer']:.2f} cold routes per token and layer; profile {m['profile']}){bound}")
 
 
 def add_planner_commands(sub, add_model_args) -> None:

@@ -191,15 +191,17 @@ def expected_layer_time(dist: torch.Tensor, cost: LayerCost, has_cold: bool = Tr
 
 def layer_costs(calibration: dict, layers: list[int]) -> dict[int, LayerCost]:
     """LayerCost of every layer from a residency's calibration (global values where a layer lacks
-    its own; the graph fit's CPU-branch constants, where the calibration has one, for every layer)."""
+    its own; the graph fit's CPU-branch constants, where the calibration has one, for every layer,
+    with the GPU branch as timed inside a captured graph)."""
     glob = calibration.get("global") or {}
     per = calibration.get("layers") or {}
     graph = calibration.get("graph_fit") or {}  # a graph decode: the CPU branch as the worker serves it
     out, overlapped = {}, calibration.get("overlapped", True)
     for l in layers:
         d = {**glob, **(per.get(str(l)) or per.get(l) or {}), **graph}
+        g_key = "G_graph_ms" if graph and "G_graph_ms" in d else "G_ms"  # a graph step pays no launches
         try:
-            out[l] = LayerCost(d["G_ms"], d["gamma0_ms"], d["alpha_ms"], d["beta_ms"], overlapped)
+            out[l] = LayerCost(d[g_key], d["gamma0_ms"], d["alpha_ms"], d["beta_ms"], overlapped)
         except KeyError as e:
             raise ValueError(f"the calibration lacks {e.args[0]!r} for layer {l}: run `ostinato calibrate`") from None
     return out
@@ -245,6 +247,17 @@ def predict_decode_step(counts: dict[int, torch.Tensor], tokens: int, hot: dict[
         pred.cold_routes[l] = expected_cold_routes(dist)
     pred.total_ms = dense_ms + pred.moe_ms
     return pred
+
+
+def read_gbps(cal: dict) -> float | None:
+    """The host read bandwidth the bound divides cold bytes by, GB/s: the faster of the host
+    read probe and the CPU branch's own rate per cold route (expert bytes / beta; the native
+    kernel out-read the torch-sum probe on the H200 machine: 107 against 93 GB/s), so that
+    the bound stays below every step the kernels could have made."""
+    eb, probe = cal.get("expert_bytes"), cal.get("host_read_gbps")
+    beta = (cal.get("graph_fit") or cal.get("global") or {}).get("beta_ms")
+    rates = [r for r in (probe, eb / (beta * 1e6) if eb and beta else None) if r]
+    return max(rates) if rates else None
 
 
 def decode_bound(pred: StepPrediction, costs: dict[int, LayerCost], expert_bytes: int, read_gbps: float) -> float:

@@ -61,14 +61,14 @@ class ModelExperts:
 
     @classmethod
     def from_source(cls, source, runner_settings) -> "ModelExperts":
-        from ostinato.loader.build import load_experts
+        from ostinato.loader.build import load_experts_staged
 
         cfg = source.config
         dtype = runner_settings.torch_dtype(cfg.torch_dtype)
+        device = runner_settings.torch_device()
         return cls(cfg.num_hidden_layers, list(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok,
-                   cfg.hidden_size, cfg.moe_intermediate_size, runner_settings.torch_device(), dtype,
-                   lambda layer: load_experts(source, layer, device="cpu", dtype=dtype),
-                   runner_settings.prefill_chunk)
+                   cfg.hidden_size, cfg.moe_intermediate_size, device, dtype,
+                   lambda layer: load_experts_staged(source, layer, device, dtype), runner_settings.prefill_chunk)
 
 
 @dataclass(frozen=True)
