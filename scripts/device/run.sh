@@ -134,8 +134,11 @@ phase_predict() {
     --calibration "$R/res-cap.json" 2>&1 | tee "$R/c_result.txt" >> "$LOG"
 }
 phase_bench() {
-  local cal=""  # the constants and Np of phase calib (same machine, model and cap); else bench calibrates
-  [[ -n $(field "$R/res-cap.json" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $R/res-cap.json"
+  local cal="" f=$R/res-cap.json  # the constants and Np of phase calib (same machine, model and cap); else bench
+  # calibrates. --merge needs the Np of the run it adds to: a calibration with another Np gives way to BENCH_CAL
+  if [[ ${BENCH_ARGS:-} == *--merge* && -n ${BENCH_CAL:-} && $(field "$f" "d['calibration'].get('upload_threshold')") != \
+        $(field "$R/bench/results.json" "d['np']['value']") ]]; then f=$BENCH_CAL; say "bench: Np of $f (--merge)"; fi
+  [[ -n $(field "$f" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
   local kv  # the KV cache the capacity plan holds (the longest development request)
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" --cpu-threads "$THREADS" --sessions "$S" \
