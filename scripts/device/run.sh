@@ -17,6 +17,7 @@
 #   calib      [C] plan under $CAP (capacity test), a half-size pool, calibrate in the engine
 #   predict    [C][F] predicted against measured decode step of both pools, and the bound
 #   bench      [E] `ostinato bench` on the held-out sessions (sizes: BENCH_ARGS)
+#   split      [B][E] where a split pass's time goes (scripts/split_interference.py)
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 # Results gather in $R (default /tmp/res; kept while the machine stays warm, else restored from
@@ -145,6 +146,10 @@ phase_bench() {
     ${kv:+--max-context $kv} \
     --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal --no-progress \
     --attention-scores "$(att)" --out "$R/bench" ${BENCH_ARGS:-}
+}
+phase_split() {  # where a split pass's time goes: split_path against its CPU branch alone and in parts
+  run 240 "$R/b_split.txt" python3 scripts/split_interference.py --model "$M" --residency "$R/res-cap.json" \
+    --gpu-memory "$CAP" --cpu-threads "$THREADS" --sessions "$S" ${SPLIT_ARGS:-}
 }
 phase_multi() {
   # the same 40% of experts hot, split over the GPUs: against the one-GPU reference and hybrid40
