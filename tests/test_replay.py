@@ -342,3 +342,20 @@ def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
     for key, other in (("budget", {"pool_slots": 6}), ("np", {"value": 64}), ("split", {"held_out": 3})):
         with pytest.raises(ConfigError, match="--merge"):
             _earlier(bs, {**base, key: other})
+    # another Np is fine when Ostinato, the only policy that uses it, is measured again
+    again = BenchSettings(model="m", policies=("ostinato",), out=tmp_path, merge=True)
+    assert _earlier(again, {**base, "np": {"value": 1024}})[0] == {"expert-cache": {"x": 2}}
+
+
+def test_sweep_slopes_below_this_runs_np():
+    """A baseline merged from a run with another Np: its slope is taken below this run's Np."""
+    from ostinato.bench.report import comparisons
+
+    def entry(ttft_ms):  # sweep points at 128, 512 and 1024 new tokens
+        pts = [{"size": n, "new_tokens": float(n), "ttft_ms": t} for n, t in zip((128, 512, 1024), ttft_ms)]
+        return {"summary": _summary(20.0, 100.0, 10.0, {"a": 4.0}), "sweep": {"points": pts,
+                                                                          "slope_below_np_ms_per_token": None}}
+
+    policies = {"ostinato": entry([100.0, 200.0, 900.0]), "expert-cache": entry([100.0, 500.0, 600.0])}
+    assert comparisons(policies, np_=1000)["expert-cache"]["sweep_slope_ratio"] == 0.25  # 128 and 512 only
+    assert comparisons(policies)["expert-cache"]["sweep_slope_ratio"] is None  # each run's own: not measured

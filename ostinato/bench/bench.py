@@ -349,7 +349,8 @@ MERGE_KEYS = ("model", "dtype", "max_context", "cap", "budget", "split")
 
 def _earlier(bs: BenchSettings, base: dict) -> tuple[dict, dict, list]:
     """The policies and turns of the results.json already in bs.out, if its run measured the
-    same thing (MERGE_KEYS and Np); -> (policies, turns, [where they came from])."""
+    same thing (MERGE_KEYS, and Np unless this run measures Ostinato again: no baseline uses
+    Np); -> (policies, turns, [where they came from])."""
     import json
 
     path = bs.out / "results.json"
@@ -357,7 +358,7 @@ def _earlier(bs: BenchSettings, base: dict) -> tuple[dict, dict, list]:
         return {}, {}, []
     prev = json.loads(path.read_text())
     differ = [k for k in MERGE_KEYS if prev.get(k) != base.get(k)]
-    if (prev.get("np") or {}).get("value") != base["np"]["value"]:
+    if (prev.get("np") or {}).get("value") != base["np"]["value"] and "ostinato" not in bs.policies:
         differ.append("Np")
     if differ:
         raise ConfigError(f"--merge: {path} was measured with other {', '.join(differ)}: use another --out")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ostinato.bench.metrics import wins
+from ostinato.bench.metrics import slope, wins
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,8 +68,9 @@ def _ratio(a, b):
     return None if a is None or b is None or b == 0 else round(a / b, 3)
 
 
-def comparisons(policies: dict, ours: str = "ostinato") -> dict:
-    """Ostinato against every baseline: speed-ups (baseline / ours for times) and session wins."""
+def comparisons(policies: dict, ours: str = "ostinato", np_: int | None = None) -> dict:
+    """Ostinato against every baseline: speed-ups (baseline / ours for times), session wins, and
+    the length-sweep slopes below Ostinato's Np (np_; default: each sweep's own)."""
     me = policies.get(ours, {}).get("summary")
     if me is None:
         return {}
@@ -84,7 +85,7 @@ def comparisons(policies: dict, ours: str = "ostinato") -> dict:
             "ttft_tool_ratio": _ratio(me["ttft_ms"]["median"]["tool"], s["ttft_ms"]["median"]["tool"]),
             "request_time_speedup": _ratio(s["request_s"]["total"], me["request_s"]["total"]),
             "sessions_won": [won, both],
-            "sweep_slope_ratio": _ratio(entry_slope(policies[ours]), entry_slope(entry)),
+            "sweep_slope_ratio": _ratio(entry_slope(policies[ours], np_), entry_slope(entry, np_)),
         }
     return out
 
@@ -133,9 +134,15 @@ def targets(result: dict, ours: str = "ostinato") -> list[dict]:
     return rows
 
 
-def entry_slope(entry: dict):
+def entry_slope(entry: dict, np_: int | None = None):
+    """A policy's length-sweep TTFT slope (ms per new token) below np_, from its sweep points
+    (a baseline merged from a run with another Np gets the slope below this run's), or the
+    slope below the Np of its own run."""
     sw = entry.get("sweep") or {}
-    return sw.get("slope_below_np_ms_per_token")
+    if np_ is None:
+        return sw.get("slope_below_np_ms_per_token")
+    return slope([(p["new_tokens"], p["ttft_ms"] / 1000) for p in sw.get("points", [])
+                  if p.get("ttft_ms") is not None and p["new_tokens"] < np_])
 
 
 def _f(v, fmt="{:.1f}"):
@@ -213,7 +220,8 @@ def markdown(result: dict, plots: list[str]) -> str:
     lines += ["", "## Length sweep", "", "Median TTFT (ms) after a fixed development prefix, by new prompt tokens.", ""]
     sizes = sorted({p["size"] for e in result["policies"].values() for p in (e.get("sweep") or {}).get("points", [])})
     if sizes:
-        lines.append("| policy | " + " | ".join(map(str, sizes)) + " | slope ms/token (below Np) |")
+        np_ = (result.get("np") or {}).get("value")
+        lines.append("| policy | " + " | ".join(map(str, sizes)) + f" | slope ms/token (below Np = {np_}) |")
         lines.append("|" + "---|" * (len(sizes) + 2))
         for name, e in result["policies"].items():
             sw = e.get("sweep")
@@ -221,7 +229,7 @@ def markdown(result: dict, plots: list[str]) -> str:
                 continue
             by = {p["size"]: p["ttft_ms"] for p in sw["points"]}
             lines.append(f"| {name} | " + " | ".join(_f(by.get(n)) for n in sizes) +
-                         f" | {_f(sw['slope_below_np_ms_per_token'], '{:.3f}')} |")
+                         f" | {_f(entry_slope(e, np_), '{:.3f}')} |")
     if result.get("targets"):
         lines += ["", "## Targets (BENCHMARK.md)", "", "| what | target | measured | met |", "|---|---|---|---|"]
         for t in result["targets"]:
@@ -267,7 +275,7 @@ def finish_result(result: dict, turns: dict, out: Path, with_plots: bool = True)
     returns the result."""
     from ostinato.bench.plots import write_plots
 
-    result["comparisons"] = comparisons(result["policies"])
+    result["comparisons"] = comparisons(result["policies"], np_=(result.get("np") or {}).get("value"))
     result["targets"] = targets(result)
     plots: list[str] = []
     try:

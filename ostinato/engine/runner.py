@@ -12,6 +12,7 @@ Legend: T tokens of a pass, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,22 @@ from ostinato.engine import devices as split
 from ostinato.engine.kv_cache import KVCache
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import build_model, load_all_experts
+
+
+_host = threading.local()
+
+
+def one_host_thread() -> None:
+    """Set torch's intra-op threads to one in the calling thread (once per thread). A runner
+    on CUDA calls it before every pass: its host-side torch ops are bookkeeping of a few
+    thousand elements, and torch's pool, spinning after such an op, took the cores of the
+    CPU experts' pinned workers (on the H200 machine the CPU branch of a 384-token split
+    pass took 15.4 ms after torch's gathers on 32 threads, 6.5 ms on one:
+    results/2026-11-29-h200x2-s4/b_split.txt). Per thread, because torch keeps a thread's
+    setting once that thread has run a parallel op."""
+    if not getattr(_host, "single", False):
+        torch.set_num_threads(1)
+        _host.single = True
 
 
 def default_device() -> torch.device:
@@ -149,6 +166,8 @@ class ModelRunner:
         (or of every token [T, V] with all_logits)."""
         if start + len(tokens) > self.max_context:
             raise ValueError(f"{start + len(tokens)} tokens exceed the context of {self.max_context}")
+        if self.device.type == "cuda":
+            one_host_thread()
         decode = len(tokens) == 1 and not all_logits
         if not decode and hasattr(self.experts, "before_prefill"):
             self.experts.before_prefill()  # borrowed slots go back to the upload path first

@@ -548,6 +548,10 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
     h = graph.hybrid if graph is not None else runner.experts  # the branches are timed on the hybrid itself
     if not hasattr(h, "pool"):
         raise ValueError("calibrate needs the hybrid engine: load it with a residency")
+    if h.on_cuda:
+        from ostinato.engine.runner import one_host_thread
+
+        one_host_thread()  # as the runner serves: torch's host ops on one thread (not the CPU experts' cores)
     clock = Clock(h.device)
     gen = torch.Generator().manual_seed(s.seed)
     t0 = time.perf_counter()

@@ -15,6 +15,7 @@
 #   plans      residencies from the profiles: all, cold, 40% hot, and 40% over two GPUs
 #   check      [B][F] whole model: all-GPU reference, 40% hot under $CAP (+ decode ablation), all CPU
 #   calib      [C] plan under $CAP (capacity test), a half-size pool, calibrate in the engine
+#   recalib    [C] calibrate only, on the plan phase calib left
 #   predict    [C][F] predicted against measured decode step of both pools, and the bound
 #   bench      [E] `ostinato bench` on the held-out sessions (sizes: BENCH_ARGS)
 #   split      [B][E] where a split pass's time goes (scripts/split_interference.py)
@@ -121,6 +122,10 @@ phase_calib() {
   local small
   small=$(field "$R/res-cap.json" "round(d['hot_experts'] / (len(d['hot']) * d['num_experts']) / 2, 4)")
   run 60 "$R/c_plan_small.txt" $O plan --model "$M" $P --hot-fraction "${small:-0.2}" --no-verify -o "$R/res-small.json"
+  run 240 "$R/c_calibrate.txt" $O calibrate --model "$M" --residency "$R/res-cap.json" --gpu-memory "$CAP" \
+    --cpu-threads "$THREADS" --sessions "$S"
+}
+phase_recalib() {  # calibrate again on the plan of phase calib (kept in .carry/res): no capacity test
   run 240 "$R/c_calibrate.txt" $O calibrate --model "$M" --residency "$R/res-cap.json" --gpu-memory "$CAP" \
     --cpu-threads "$THREADS" --sessions "$S"
 }
