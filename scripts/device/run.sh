@@ -19,6 +19,7 @@
 #   predict    [C][F] predicted against measured decode step of both pools, and the bound
 #   bench      [E] `ostinato bench` on the held-out sessions (sizes: BENCH_ARGS)
 #   split      [B][E] where a split pass's time goes (scripts/split_interference.py)
+#   llama      [E] llama.cpp (llama-server, GGUF bf16) against Ostinato on the 16-layer model, same turns
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 # Results gather in $R (default /tmp/res; kept while the machine stays warm, else restored from
@@ -173,6 +174,39 @@ phase_multi_replay() {
   run 300 "$R/g_replay_2gpu.txt" $O replay --model "$M" --sessions "$S" --cpu-threads "$THREADS" \
     --residency "$R/r2cap.json" --gpu-memory "$CAP_PER_GPU" ${np:+--upload-threshold $np} \
     ${REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32}
+}
+
+phase_llama() {
+  # [E] llama.cpp on the same weights (BENCHMARK.md): the 16-layer model written to disk, converted to GGUF
+  # bf16 by llama.cpp's own converter, served by llama-server with the experts of the first $NCMOE layers in
+  # host memory (-ngl 99 --n-cpu-moe), 16 threads; then Ostinato's bench on the same checkpoint under $LCAP;
+  # both replay the same held-out turns (LLAMA_ARGS). $LLAMA: a folder with llama-server (or .xz), its
+  # libraries in lib/, convert.py and the converter's sources in src/ (not in this repository)
+  local K=${LLAMA:-.carry/llama} ck=${L16:-/tmp/l16} gguf=${L16:-/tmp/l16}.gguf n=${NCMOE:-8} port=8090 nv pid
+  local A=${LLAMA_ARGS:---max-sessions 3 --max-turns 4 --max-output 32}
+  nv=$(python3 -c "import glob,site,os;print(':'.join(sorted({os.path.dirname(p) for sp in site.getsitepackages()
+for p in glob.glob(os.path.join(sp,'nvidia','**','libcu*.so.13'),recursive=True)})))")
+  export LD_LIBRARY_PATH=$K/lib:$nv:${LD_LIBRARY_PATH:-}
+  [[ -x $K/llama-server ]] || { xz -dc "$K/llama-server.xz" > "$K/llama-server" && chmod +x "$K/llama-server"; }
+  ldd "$K/llama-server" | grep "not found" | tee -a "$LOG"
+  [[ -f $ck/config.json ]] || run 200 "$R/l_synth.txt" $O synth ${L16_SYNTH:---preset qwen3-30b-a3b --layers 16} --out "$ck"
+  [[ -f $gguf ]] || run 300 "$R/l_convert.txt" python3 "$K/convert.py" "$K/src" "$ck" --outtype bf16 --outfile "$gguf"
+  [[ -f $gguf ]] || { say "no GGUF: llama.cpp not measured"; return 1; }
+  "$K/llama-server" -m "$gguf" -ngl 99 --n-cpu-moe "$n" -t 16 -tb 16 -c 9216 -np 1 --host 127.0.0.1 --port $port \
+    --no-webui > "$R/l_server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 150); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
+    sleep 1
+  done
+  { say "llama-server --n-cpu-moe $n: GPU memory"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv; } \
+    2>&1 | tee -a "$R/l_memory.txt" "$LOG"
+  run 240 "$R/l_llama.txt" $O replay --endpoint http://127.0.0.1:$port --endpoint-kind openai --first-token text \
+    --tokenizer "$ck" --sessions "$S" $A
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>&1 | tee -a "$R/l_memory.txt" "$LOG"
+  kill $pid; wait $pid 2>/dev/null
+  run 300 "$R/l_ostinato.txt" $O bench --model "$ck" --gpu-memory "${LCAP:-12GiB}" --cpu-threads "$THREADS" \
+    --sessions "$S" --policies ostinato $A --no-tune --sweep-prefixes 0 --no-progress --out "$R/bench_l16"
 }
 
 say "phases: $* (model $M, cap $CAP, $THREADS CPU expert workers, sessions $S)"
