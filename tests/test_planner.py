@@ -357,3 +357,17 @@ def test_graph_step_fit_recovers_the_constants_it_was_built_from():
     layer = cm.layer_costs({"global": {"G_ms": 0.02, "gamma0_ms": 0.03, "alpha_ms": 0.5, "beta_ms": 0.5},
                             "graph_fit": out["graph_fit"]}, [0])[0]
     assert layer.cpu(2) == pytest.approx(alpha + 2 * beta) and layer.cpu(0) == 0.0
+    # and the GPU branch as timed inside a graph, where the calibration has it; host-driven, the eager one
+    glob = {"G_ms": 0.25, "G_graph_ms": 0.03, "gamma0_ms": 0.03, "alpha_ms": 0.5, "beta_ms": 0.5}
+    assert cm.layer_costs({"global": glob, "graph_fit": out["graph_fit"]}, [0])[0].G == 0.03
+    assert cm.layer_costs({"global": glob}, [0])[0].G == 0.25
+
+
+def test_bound_reads_at_the_best_measured_rate():
+    eb = 9_437_184
+    # the kernel's own rate per cold route (eb / beta) beat the probe: the bound takes it
+    cal = {"expert_bytes": eb, "host_read_gbps": 80.0, "graph_fit": {"beta_ms": 0.077}, "global": {"beta_ms": 0.5}}
+    assert cm.read_gbps(cal) == pytest.approx(eb / 0.077e6)
+    assert cm.read_gbps({**cal, "host_read_gbps": 200.0}) == 200.0
+    assert cm.read_gbps({"expert_bytes": eb, "global": {"beta_ms": 0.1}}) == pytest.approx(eb / 0.1e6)
+    assert cm.read_gbps({}) is None

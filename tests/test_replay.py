@@ -323,6 +323,27 @@ def test_targets_of_a_bench_result():
     assert got["total request time speed-up vs llama.cpp"] == (None, None)
 
 
+def test_an_engine_replayed_over_http_joins_the_report():
+    from ostinato.bench.report import add_external, comparisons, targets
+    from ostinato.config import ConfigError
+
+    ours = {**_summary(10.0, 100.0, 4.0, {"a": 1.0, "b": 3.0}), "turns": 8}
+    result = {"policies": {"ostinato": {"summary": ours}}, "np": {}}
+    replay = {"kind": "ostinato.replay", "engine": "openai@http://127.0.0.1:8090",
+              "summary": {**_summary(11.0, 1600.0, 40.0, {"a": 15.0, "b": 25.0}), "turns": 8}}
+    add_external(result, "llama.cpp", replay, "l_llama.txt")
+    result["comparisons"] = comparisons(result["policies"])
+    got = {t["what"].split(" (")[0]: (t["measured"], t["met"]) for t in targets(result)}
+    assert got["total request time speed-up vs llama.cpp"] == (10.0, True)
+    # an engine is no placement policy: the policy targets leave it out
+    assert got["total request time speed-up vs the best baseline"] == (None, None)
+    other = {**replay, "summary": {**replay["summary"], "session_s": {"a": 15.0, "c": 25.0}}}
+    with pytest.raises(ConfigError, match="not the same turns"):
+        add_external(result, "x", other, "f")
+    with pytest.raises(ConfigError, match="JSON line"):
+        add_external(result, "x", {"kind": "ostinato.bench"}, "f")
+
+
 def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
     import json
 
@@ -345,6 +366,18 @@ def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
     # another Np is fine when Ostinato, the only policy that uses it, is measured again
     again = BenchSettings(model="m", policies=("ostinato",), out=tmp_path, merge=True)
     assert _earlier(again, {**base, "np": {"value": 1024}})[0] == {"expert-cache": {"x": 2}}
+
+
+def test_provenance_of_merged_policies():
+    from ostinato.bench.report import provenance
+
+    result = {"commit": "c3", "date": "d3", "policies": dict.fromkeys(["ostinato", "layers", "cpu", "fixed"], {}),
+              "merged_from": [{"commit": "c1", "date": "d1", "policies": ["ostinato", "layers"]},
+                              {"commit": "c2", "date": "d2", "policies": ["ostinato", "layers", "cpu"]},
+                              {"commit": "c2b", "date": "d2b", "policies": ["cpu", "fixed"]}]}
+    # run c3 measured ostinato and layers again; cpu came from run c2, fixed from run c2b
+    assert provenance(result) == {"ostinato": ("c3", "d3"), "layers": ("c3", "d3"), "cpu": ("c2", "d2"),
+                                  "fixed": ("c2b", "d2b")}
 
 
 def test_sweep_slopes_below_this_runs_np():

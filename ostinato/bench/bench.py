@@ -129,7 +129,7 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
     """Np: --upload-threshold; else measured by the planner's calibration in this engine, on
     Ostinato's own placement (so its constants land in the residency); else the default."""
     from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD
-    from ostinato.policies.factory import make_policy, release
+    from ostinato.policies.factory import make_policy, release, use_policy
 
     if bs.upload_threshold:
         return {"value": bs.upload_threshold, "how": "--upload-threshold"}
@@ -148,9 +148,8 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
 
     release(loaded)
     backend = make_policy("ostinato", loaded.source, bs.runner, base.with_(upload_threshold=DEFAULT_UPLOAD_THRESHOLD))
+    use_policy(loaded, backend)  # the engine as it serves: decode steps replayed as graphs where it captures them
     runner = loaded.runner
-    runner.experts = backend  # calibrate times HybridExperts itself, host-driven (no decode graph)
-    runner.model.set_experts(backend)
     try:
         cal = calibrate(loaded, bs.calibration or CalibrateSettings(), progress=bs.progress)
     except Exception as e:  # noqa: BLE001 - a failed calibration leaves the default Np, said in the report

@@ -140,7 +140,7 @@ def cmd_bench(a) -> int:
 def cmd_report(a) -> int:
     """The report and plots of a bench folder again, from its results.json (e.g. a run cut
     short by a time limit, which writes its plots only at the end)."""
-    from ostinato.bench.report import finish_result, format_table
+    from ostinato.bench.report import add_external, finish_result, format_table
 
     out = Path(a.folder)
     path = out / "results.json"
@@ -150,6 +150,14 @@ def cmd_report(a) -> int:
     turns = result.pop("turns", {})
     for k in ("comparisons", "targets", "files", "plot_error"):
         result.pop(k, None)
+    for spec in a.engine or []:
+        name, _, file = spec.partition("=")
+        if not (name and file):
+            raise ConfigError(f"--engine {spec!r}: give NAME=FILE")
+        lines = [ln for ln in Path(file).read_text().splitlines() if ln.startswith("{")]
+        if not lines:
+            raise ConfigError(f"--engine {spec}: {file} holds no JSON line")
+        add_external(result, name, json.loads(lines[-1]), file)
     result = finish_result(result, turns, out, with_plots=True)
     print(format_table(result))
     print(f"report: {result['files']['report']}; plots: {len(result['files']['plots'])}")
@@ -228,6 +236,9 @@ def add_bench_commands(sub, add_model_args) -> None:
 
     p = sub.add_parser("report", help="write a bench folder's report.md and plots again from its results.json")
     p.add_argument("folder", help="the --out folder of `ostinato bench`")
+    p.add_argument("--engine", action="append", metavar="NAME=FILE",
+                   help="add an engine replayed over HTTP on the same turns: FILE holds the output of `ostinato "
+                        "replay --endpoint` (its last JSON line); NAME llama.cpp fills the llama.cpp target")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("demo", help="the benchmark on the embedded default (tiny model, generated sessions)")

@@ -97,7 +97,7 @@ def targets(result: dict, ours: str = "ostinato") -> list[dict]:
     me = pol.get(ours, {}).get("summary")
     if me is None:
         return []
-    base = {n: c for n, c in comp.items() if not pol[n].get("over_budget")}
+    base = {n: c for n, c in comp.items() if not pol[n].get("over_budget") and not pol[n].get("external")}
     rows = []
 
     def add(what, target, value, met):
@@ -112,6 +112,9 @@ def targets(result: dict, ours: str = "ostinato") -> list[dict]:
         return v, None if v is None else v <= x
 
     bound = (result["np"].get("predicted") or {}).get("decode_bound_ms")
+    cal = result["np"].get("calibration") or {}
+    if pol[ours].get("decode_graph") and cal.get("decode_mode") != "graph":
+        bound = None  # a host-driven calibration's dense part is not what a graph step pays: no bound
     over = _ratio(me["tpot_ms"]["median"], bound)
     add("decode TPOT vs its bound (x)", "<= 1.25", over, None if over is None else over <= 1.25)
     add("decode TPOT speed-up vs layers (x)", ">= 1.8", *at_least("layers", "tpot_speedup", 1.8))
@@ -130,8 +133,28 @@ def targets(result: dict, ours: str = "ostinato") -> list[dict]:
     speedups = [c["request_time_speedup"] for c in base.values() if c.get("request_time_speedup") is not None]
     add("total request time speed-up vs the best baseline (x)", ">= 1.25", min(speedups) if speedups else None,
         min(speedups) >= 1.25 if speedups else None)
-    add("total request time speed-up vs llama.cpp (x)", ">= 1.5", None, None)
+    llama = (comp.get(LLAMA) or {}).get("request_time_speedup")
+    add("total request time speed-up vs llama.cpp (x)", ">= 1.5", llama, None if llama is None else llama >= 1.5)
     return rows
+
+
+LLAMA = "llama.cpp"  # the engine name `ostinato report --engine` gives llama-server's replay
+
+
+def add_external(result: dict, name: str, replay: dict, source: str) -> None:
+    """Another engine replayed over HTTP on the same held-out turns (`ostinato replay --endpoint`;
+    its last JSON line is `replay`) as a row of this bench: compared like a policy, kept out of
+    the policy targets, and checked to have replayed the same sessions and turns."""
+    from ostinato.config import ConfigError
+
+    if replay.get("kind") != "ostinato.replay":
+        raise ConfigError(f"{source}: not the JSON line of `ostinato replay`")
+    s = replay["summary"]
+    ours = (result["policies"].get("ostinato") or {}).get("summary")
+    if ours is not None and (set(s["session_s"]) != set(ours["session_s"]) or s["turns"] != ours["turns"]):
+        raise ConfigError(f"{source}: replayed {s['turns']} turns of {sorted(s['session_s'])}, this bench "
+                          f"{ours['turns']} of {sorted(ours['session_s'])}: not the same turns")
+    result["policies"][name] = {"summary": s, "external": {"engine": replay.get("engine"), "file": source}}
 
 
 def entry_slope(entry: dict, np_: int | None = None):
@@ -143,6 +166,31 @@ def entry_slope(entry: dict, np_: int | None = None):
         return sw.get("slope_below_np_ms_per_token")
     return slope([(p["new_tokens"], p["ttft_ms"] / 1000) for p in sw.get("points", [])
                   if p.get("ttft_ms") is not None and p["new_tokens"] < np_])
+
+
+def provenance(result: dict) -> dict[str, tuple[str, str]]:
+    """policy -> (commit, date) of the run that measured it, through the --merge records (each
+    names the policies it kept from the run before, so a record's own are those its
+    predecessor did not hold)."""
+    src = result.get("merged_from") or []
+    kept = set(src[-1]["policies"]) if src else set()
+    out = {n: (result.get("commit"), result.get("date")) for n in result["policies"] if n not in kept}
+    for k in range(len(src) - 1, -1, -1):
+        inherited = set(src[k - 1]["policies"]) if k else set()
+        for n in src[k]["policies"]:
+            if n not in inherited and n not in out:
+                out[n] = (src[k]["commit"], src[k]["date"])
+    return out
+
+
+def _merged_note(result: dict) -> list[str]:
+    runs: dict[tuple, list[str]] = {}
+    for name, run in provenance(result).items():
+        runs.setdefault(run, []).append(name)
+    if len(runs) < 2:
+        return []
+    return ["- measured over several runs (`--merge`): " + "; ".join(
+        f"{', '.join(names)} at `{(commit or '?')[:7]}` ({date})" for (commit, date), names in runs.items())]
 
 
 def _f(v, fmt="{:.1f}"):
@@ -163,7 +211,7 @@ def table_rows(result: dict) -> list[list[str]]:
         s = e["summary"]
         pl = s["placement"].get("decode", {})
         up = s["placement"].get("all", {}).get("bytes_uploaded", 0)
-        label = name + (" (over budget)" if e.get("over_budget") else "")
+        label = name + (" (over budget)" if e.get("over_budget") else "") + (" (HTTP)" if e.get("external") else "")
         w = comp.get(name, {}).get("sessions_won")
         rows.append([label, _f(s["ttft_ms"]["median"]["tool"]), _f(s["tpot_ms"]["median"], "{:.2f}"),
                      _f(s["request_s"]["total"], "{:.2f}"), _f(pl.get("cold_routes_per_token_layer"), "{:.2f}"),
@@ -199,7 +247,8 @@ def markdown(result: dict, plots: list[str]) -> str:
              f"receive {100 * result['skew']['held_out_all_share']:.1f}% of held-out routes "
              f"(decode {100 * result['skew']['held_out_decode_share']:.1f}%, prefill "
              f"{100 * result['skew']['held_out_prefill_share']:.1f}%)",
-             f"- Np = {result['np']['value']} ({result['np']['how']}){_predicted(result)}", *_cpu_note(result), "",
+             f"- Np = {result['np']['value']} ({result['np']['how']}){_predicted(result)}", *_cpu_note(result),
+             *_merged_note(result), "",
              "## Held-out sessions", "",
              "Medians per turn (TTFT after tool outputs, TPOT); total request time of all turns; cold routes "
              "(not served from the pool) and CPU experts per decoded token and MoE layer; bytes uploaded in "
@@ -217,6 +266,9 @@ def markdown(result: dict, plots: list[str]) -> str:
             lines.append(f"- {name}: offload threshold {t['chosen']} (development sessions: {grid})")
         elif "offload_threshold" in e:
             lines.append(f"- {name}: offload threshold {e['offload_threshold']}")
+        elif "external" in e:
+            lines.append(f"- {name}: another engine, replayed over HTTP on the same turns ({e['external']['engine']}; "
+                         f"`{e['external']['file']}`): max_tokens = the recorded length, end of sequence ignored")
     lines += ["", "## Length sweep", "", "Median TTFT (ms) after a fixed development prefix, by new prompt tokens.", ""]
     sizes = sorted({p["size"] for e in result["policies"].values() for p in (e.get("sweep") or {}).get("points", [])})
     if sizes:

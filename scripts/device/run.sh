@@ -192,8 +192,9 @@ for p in glob.glob(os.path.join(sp,'nvidia','**','libcu*.so.13'),recursive=True)
   [[ -f $ck/config.json ]] || run 200 "$R/l_synth.txt" $O synth ${L16_SYNTH:---preset qwen3-30b-a3b --layers 16} --out "$ck"
   [[ -f $gguf ]] || run 300 "$R/l_convert.txt" python3 "$K/convert.py" "$K/src" "$ck" --outtype bf16 --outfile "$gguf"
   [[ -f $gguf ]] || { say "no GGUF: llama.cpp not measured"; return 1; }
-  "$K/llama-server" -m "$gguf" -ngl 99 --n-cpu-moe "$n" -t 16 -tb 16 -c 9216 -np 1 --host 127.0.0.1 --port $port \
-    --no-webui > "$R/l_server.log" 2>&1 &
+  # one GPU, as Ostinato (llama.cpp splits the layers over every visible GPU)
+  CUDA_VISIBLE_DEVICES=${LLAMA_GPU:-0} "$K/llama-server" -m "$gguf" -ngl 99 --n-cpu-moe "$n" -t 16 -tb 16 -c 9216 \
+    -np 1 --host 127.0.0.1 --port $port --no-webui > "$R/l_server.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 150); do
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
@@ -206,7 +207,8 @@ for p in glob.glob(os.path.join(sp,'nvidia','**','libcu*.so.13'),recursive=True)
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>&1 | tee -a "$R/l_memory.txt" "$LOG"
   kill $pid; wait $pid 2>/dev/null
   run 300 "$R/l_ostinato.txt" $O bench --model "$ck" --gpu-memory "${LCAP:-12GiB}" --cpu-threads "$THREADS" \
-    --sessions "$S" --policies ostinato $A --no-tune --sweep-prefixes 0 --no-progress --out "$R/bench_l16"
+    --sessions "$S" --policies ostinato $A --no-tune --sweep-prefixes 0 --no-progress --attention-scores 0 \
+    --max-context 9216 --out "$R/bench_l16"
 }
 
 say "phases: $* (model $M, cap $CAP, $THREADS CPU expert workers, sessions $S)"
