@@ -241,3 +241,16 @@ def test_default_threads_leave_the_caller_a_core():
     firsts, _ = physical_cpus()
     assert firsts
     assert CpuExperts([make_layer(torch.float32, d=32, f=32, e=2)], backend="torch").num_threads == max(1, len(firsts) - 1)
+
+
+def test_torch_backend_runs_on_its_own_threads():
+    """The torch fallback computes on num_threads torch threads in its worker, whatever the
+    runner's thread set (a CUDA runner keeps its own at one: engine/runner.py)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cpu = CpuExperts([make_layer(torch.float32, d=32, f=32, e=2)], num_threads=2, backend="torch")
+        assert cpu._executor.submit(torch.get_num_threads).result() == 2
+        cpu.close()
+    finally:
+        torch.set_num_threads(before)

@@ -128,8 +128,9 @@ class CpuExperts:
             cpus += [-1] * (self.num_threads - len(cpus))  # more workers than CPUs: unpinned
             self._native = ext.ColdExperts(cpus, int(spin_us))
             self._args = {i: _layer_args(ext, w, isa, amx_min_tokens) for i, w in self.layers.items()}
-        else:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
+        else:  # torch's intra-op pool on num_threads in its worker (a CUDA runner keeps its own threads at one)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts",
+                                                initializer=torch.set_num_threads, initargs=(self.num_threads,))
         self._pending: tuple | None = None
         self._future: Future | None = None
 
