@@ -28,6 +28,11 @@ set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OSTINATO_CACHE=${OSTINATO_CACHE:-/tmp/ocache}
 # the synthetic tokenizer is trained on the recorded workloads, as beside a checkout here
 [[ -d .carry/workloads ]] && export OSTINATO_WORKLOADS=${OSTINATO_WORKLOADS:-$PWD/.carry/workloads}
+# the replayed sessions: tau2 and SWE-agent, made here from the carried workloads (carrying both copies
+# would not leave room for the llama.cpp kit under the 64 MiB limit)
+if [[ -d .carry/workloads && ! -d .carry/agent ]]; then
+  mkdir -p .carry/agent && cp -r .carry/workloads/tau2 .carry/workloads/swe-agent .carry/agent/
+fi
 OUT=${OUT:-/tmp/out}; R=${R:-/tmp/res}; mkdir -p "$OUT" "$R"
 if [[ -d .carry/res && ! -f $R/.restored ]]; then cp -rn .carry/res/. "$R"/; touch "$R/.restored"; fi
 O="python3 -m ostinato.cli"
