@@ -71,17 +71,10 @@ def split_timeline(h, layer, x, topk) -> dict:
 
 def variants(h, layer, x, topk):
     """name -> a callable of one pass."""
-    from ostinato.planner.calibrate import gpu_branch
+    from ostinato.planner.calibrate import cpu_branch_call, gpu_branch
 
     ids_h, w_h = topk.ids.cpu(), topk.weights.cpu()
-    x_h = h.x_host[:x.shape[0]]
-    x_h.copy_(x)
-    tok, eids, wts = cold_routes(h, layer, ids_h, w_h)
-    out_h = h.out_host[:x.shape[0]]
-
-    def cpu():
-        h.cpu.submit(layer, x_h, tok, eids, wts, out_h)
-        h.cpu.wait()
+    cpu = cpu_branch_call(h, layer, x, topk)
 
     def gpu_par_cpu():
         gpu_branch(h, layer, x, topk.ids, topk.weights)
@@ -102,7 +95,7 @@ def variants(h, layer, x, topk):
         cpu()
 
     def gather_cpu():
-        cold_routes(h, layer, ids_h, w_h)
+        _, eids, _ = cold_routes(h, layer, ids_h, w_h)
         torch.unique(eids)
         cpu()
 

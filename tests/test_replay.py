@@ -342,6 +342,8 @@ def test_an_engine_replayed_over_http_joins_the_report():
         add_external(result, "x", other, "f")
     with pytest.raises(ConfigError, match="JSON line"):
         add_external(result, "x", {"kind": "ostinato.bench"}, "f")
+    with pytest.raises(ConfigError, match="JSON line"):  # a replay line without its summary
+        add_external(result, "x", {"kind": "ostinato.replay", "summary": {"turns": 8}}, "f")
 
 
 def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):

@@ -147,9 +147,9 @@ def add_external(result: dict, name: str, replay: dict, source: str) -> None:
     the policy targets, and checked to have replayed the same sessions and turns."""
     from ostinato.config import ConfigError
 
-    if replay.get("kind") != "ostinato.replay":
+    s = replay.get("summary") or {}
+    if replay.get("kind") != "ostinato.replay" or not {"session_s", "turns", "tpot_ms"} <= set(s):
         raise ConfigError(f"{source}: not the JSON line of `ostinato replay`")
-    s = replay["summary"]
     ours = (result["policies"].get("ostinato") or {}).get("summary")
     if ours is not None and (set(s["session_s"]) != set(ours["session_s"]) or s["turns"] != ours["turns"]):
         raise ConfigError(f"{source}: replayed {s['turns']} turns of {sorted(s['session_s'])}, this bench "

@@ -466,10 +466,9 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, s: Calibrate
             "cpu_points": points, "cpu_detail": detail, "routing": routing}
 
 
-def cpu_alone(h, layer: int, x: torch.Tensor, topk: TopKOutput, clock: Clock, reps: int) -> tuple[float, dict]:
-    """The split path's CPU branch alone: the same cold routes from the same page-locked
-    staging buffers, with nothing else running (against split_path's host part, it shows
-    what the GPU branch and the copies beside it cost the CPU) -> (median ms, native stats)."""
+def cpu_branch_call(h, layer: int, x: torch.Tensor, topk: TopKOutput):
+    """A callable running the split path's CPU branch alone: the same cold routes from the same
+    page-locked staging buffers, with nothing else running."""
     ids_h, w_h = topk.ids.cpu(), topk.weights.cpu()
     x_h = h.x_host[:x.shape[0]]
     x_h.copy_(x)
@@ -482,6 +481,13 @@ def cpu_alone(h, layer: int, x: torch.Tensor, topk: TopKOutput, clock: Clock, re
         h.cpu.submit(layer, x_h, tok, eids, wts, out)
         h.cpu.wait()
 
+    return run
+
+
+def cpu_alone(h, layer: int, x: torch.Tensor, topk: TopKOutput, clock: Clock, reps: int) -> tuple[float, dict]:
+    """cpu_branch_call timed (against split_path's host part, it shows what the GPU branch and
+    the copies beside it cost the CPU) -> (median ms, native stats)."""
+    run = cpu_branch_call(h, layer, x, topk)
     run()
     ms = statistics.median(clock.wall(run) for _ in range(reps))
     return ms, h.cpu.last_stats()
