@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -18,7 +19,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, help="KV cache size in tokens")
     p.add_argument("--residency", help="residency file from `ostinato plan`: hybrid CPU-GPU experts")
     p.add_argument("--gpu-memory", help="GPU memory cap, e.g. 32GiB (the engine never allocates past it)")
-    p.add_argument("--cpu-threads", type=int, help="CPU expert threads (default: physical cores)")
+    p.add_argument("--cpu-threads", type=int, help="CPU expert workers (default: every physical core left "
+                   "after the host thread and one graph poller per GPU; a count that does not fit is run with a "
+                   "note, workers sharing cores)")
     p.add_argument("--upload-threshold", type=int, help="Np: passes of at least this many tokens upload "
                    "cold experts (default: the calibrated value in the residency file)")
     p.add_argument("--no-mixed", action="store_true", help="split passes send nothing over PCIe (DESIGN.md's "
@@ -30,7 +33,7 @@ def _runner_settings(a):
     from ostinato.engine.runner import RunnerSettings
 
     return RunnerSettings(device=a.device, dtype=a.dtype, max_context=a.max_context,
-                          devices=getattr(a, "devices", None))
+                          devices=getattr(a, "devices", None), cpu_threads=getattr(a, "cpu_threads", None))
 
 
 def _placement(a):
@@ -38,8 +41,7 @@ def _placement(a):
     from ostinato.engine.placement import PlacementSettings
 
     cap = parse_bytes(a.gpu_memory) if getattr(a, "gpu_memory", None) else None
-    return PlacementSettings(residency=a.residency, gpu_memory=cap, cpu_threads=a.cpu_threads,
-                             upload_threshold=a.upload_threshold, mixed=not getattr(a, "no_mixed", False))
+    return PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold, mixed=not getattr(a, "no_mixed", False))
 
 
 def cmd_synth(a) -> int:
@@ -119,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log = logging.getLogger("ostinato")  # start-up facts (the thread layout) on stderr
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("ostinato: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:

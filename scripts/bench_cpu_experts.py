@@ -33,7 +33,8 @@ import torch.nn.functional as nnf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
 
 from ostinato.bench.report import source_state
-from ostinato.layers.moe.cpu_experts import CpuExperts, physical_cpus, torch_reference
+from ostinato.engine.threads import Topology
+from ostinato.layers.moe.cpu_experts import CpuExperts, torch_reference
 from ostinato.layers.moe.types import ExpertWeights
 
 
@@ -88,8 +89,8 @@ def hardware() -> dict:
             model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    firsts, siblings = physical_cpus()
-    return {"cpu": model, "physical_cores": len(firsts), "logical_cpus": len(firsts) + len(siblings),
+    topo = Topology.read()
+    return {"cpu": model, "physical_cores": len(topo.cores()), "logical_cpus": len(topo.cpus),
             "l3_mib": l3_bytes() >> 20, "mem_available_gib": round(meminfo_bytes("MemAvailable") / 2**30, 1)}
 
 

@@ -117,9 +117,10 @@ def main() -> None:
     a = ap.parse_args()
     cap = parse_bytes(a.gpu_memory) if a.gpu_memory else None
     t0 = time.perf_counter()
-    loaded = load_engine(a.model, RunnerSettings(max_context=4096, prefill_chunk=2048, cuda_graph=not a.no_graph),
+    loaded = load_engine(a.model, RunnerSettings(max_context=4096, prefill_chunk=2048, cuda_graph=not a.no_graph,
+                                                    cpu_threads=a.cpu_threads),
                          PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold,
-                                           borrow=not a.no_borrow, cpu_threads=a.cpu_threads))
+                                           borrow=not a.no_borrow))
     load_s = time.perf_counter() - t0
     runner, tok = loaded.runner, loaded.tokenizer
     ids = prompt_ids(tok, a.upload_tokens)

@@ -103,8 +103,8 @@ def measure(a) -> dict:
     cap = parse_bytes(a.gpu_memory) if a.gpu_memory else res.gpu_memory
     kv = a.max_context or res.capacity.get("kv_tokens") or 16384
     t0 = time.perf_counter()
-    loaded = load_engine(a.model, RunnerSettings(max_context=kv),
-                         PlacementSettings(residency=a.residency, gpu_memory=cap, cpu_threads=a.cpu_threads))
+    loaded = load_engine(a.model, RunnerSettings(max_context=kv, cpu_threads=a.cpu_threads),
+                         PlacementSettings(residency=a.residency, gpu_memory=cap))
     load_s = time.perf_counter() - t0
     runner, cfg = loaded.runner, loaded.runner.config
     cuda = runner.device.type == "cuda"

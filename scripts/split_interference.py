@@ -132,8 +132,8 @@ def main(argv=None) -> int:
     from ostinato.layers.moe.types import TopKOutput
     from ostinato.planner.calibrate import Clock, capture_routing, prompt_ids
 
-    loaded = load_engine(a.model, RunnerSettings(cuda_graph=not a.no_graph),
-                         PlacementSettings(residency=a.residency, cpu_threads=a.cpu_threads,
+    loaded = load_engine(a.model, RunnerSettings(cuda_graph=not a.no_graph, cpu_threads=a.cpu_threads),
+                         PlacementSettings(residency=a.residency,
                                            gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None))
     runner = loaded.runner
     h = getattr(runner.experts, "hybrid", runner.experts)

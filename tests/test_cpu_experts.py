@@ -13,7 +13,8 @@ import torch
 
 from ostinato.kernels.cpu import build
 from ostinato.layers.moe import cpu_experts as ce_mod
-from ostinato.layers.moe.cpu_experts import CpuExperts, physical_cpus, torch_reference
+from ostinato.engine.threads import process_layout
+from ostinato.layers.moe.cpu_experts import CpuExperts, torch_reference
 from ostinato.layers.moe.types import ExpertWeights
 
 E, K, D, F = 16, 8, 256, 128
@@ -237,10 +238,14 @@ def test_fallbacks(monkeypatch, layers):
         CpuExperts([layers[torch.float32]], backend="native")
 
 
-def test_default_threads_leave_the_caller_a_core():
-    firsts, _ = physical_cpus()
-    assert firsts
-    assert CpuExperts([make_layer(torch.float32, d=32, f=32, e=2)], backend="torch").num_threads == max(1, len(firsts) - 1)
+def test_default_workers_are_the_host_driven_layouts():
+    """Without cpus, the pool takes the workers of a host-driven process's thread layout: every
+    physical core but the caller's (which waits as the last worker)."""
+    cpu = CpuExperts([make_layer(torch.float32, d=32, f=32, e=2)], backend="torch")
+    assert cpu.cpus == process_layout().workers
+    assert process_layout().host[0] not in cpu.cpus or process_layout().physical == 1
+    with pytest.raises(ValueError, match="disagree"):
+        CpuExperts([make_layer(torch.float32, d=32, f=32, e=2)], num_threads=3, backend="torch", cpus=[0])
 
 
 def test_torch_backend_runs_on_its_own_threads():

@@ -69,7 +69,7 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     from tests.test_hybrid import _residency_for
 
     _residency_for(CheckpointSource(tiny_dir), 0.5).save(tmp_path / "half.json")
-    place = PlacementSettings(residency=str(tmp_path / "half.json"), cpu_threads=2, borrow=borrow,
+    place = PlacementSettings(residency=str(tmp_path / "half.json"), borrow=borrow,
                               borrow_wait_copies=True)
     graphed = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048), place)
     sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,

@@ -334,19 +334,3 @@ def test_stats_and_bad_inputs(native):
     torch_cpu = CpuExperts(model.host.layers, backend="torch")
     with pytest.raises(RuntimeError, match="native"):
         GraphWorker(hs, torch_cpu, model.host.compact, LAYERS)
-
-
-def test_default_core_gives_each_worker_its_own_free_core(monkeypatch):
-    """One graph worker per GPU of a split model: the nth worker takes the nth core the CPU
-    pool leaves free, the first free one when fewer are free, none (-1) when none is."""
-    from types import SimpleNamespace
-
-    from ostinato.layers.moe import graph_worker
-
-    monkeypatch.setattr(graph_worker, "physical_cpus", lambda: ([0, 1, 2, 3], [4, 5, 6, 7]))
-    pool = SimpleNamespace(num_threads=3)  # pins 1, 2, 3; 0 is left to the caller
-    assert [graph_worker.default_core(pool, n) for n in range(3)] == [0, 4, 5]
-    pool.num_threads = 7
-    assert [graph_worker.default_core(pool, n) for n in range(2)] == [7, 7]
-    pool.num_threads = 8
-    assert graph_worker.default_core(pool, 1) == -1

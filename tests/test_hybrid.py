@@ -137,7 +137,7 @@ def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold):
     res = _residency_for(ref.source, 0.5)
     res.save(tmp_path / "r.json")
     hyb = load_engine(str(tiny_dir), settings, PlacementSettings(residency=str(tmp_path / "r.json"),
-                                                                 upload_threshold=threshold, cpu_threads=1))
+                                                                 upload_threshold=threshold))
     ids = list(range(5, 5 + 100))
     a = ref.runner.forward(ids, 0, all_logits=True)
     b = hyb.runner.forward(ids, 0, all_logits=True)

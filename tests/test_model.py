@@ -109,28 +109,3 @@ def test_clear_errors(tiny_dir, tmp_path):
     (missing / "config.json").unlink()
     with pytest.raises(ConfigError, match="config.json"):
         CheckpointSource(missing)
-
-
-def test_one_host_thread_sets_each_calling_thread_once():
-    """A CUDA runner calls it before every pass: torch's intra-op pool goes to one thread in
-    the thread that runs the model, also one that ran a parallel op before (a server's worker)."""
-    import threading
-
-    from ostinato.engine import runner as runner_mod
-
-    before = torch.get_num_threads()
-    seen = {}
-
-    def worker():
-        torch.ones(1 << 20).sum()  # a parallel op first: torch keeps this thread's setting from now on
-        runner_mod.one_host_thread()
-        runner_mod.one_host_thread()  # once per thread
-        seen["threads"] = torch.get_num_threads()
-
-    try:
-        t = threading.Thread(target=worker)
-        t.start()
-        t.join()
-        assert seen["threads"] == 1
-    finally:
-        torch.set_num_threads(before)

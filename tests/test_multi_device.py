@@ -108,7 +108,7 @@ def test_split_hybrid_matches_one_device(tiny_dir, tmp_path, threshold):
     from ostinato.loader.source import open_source
 
     hot = _split_residency(open_source(tiny_dir), tmp_path)
-    place = dict(upload_threshold=threshold, cpu_threads=1, cpu_backend="torch", borrow_wait_copies=True)
+    place = dict(upload_threshold=threshold, cpu_backend="torch", borrow_wait_copies=True)
     one = load_engine(str(tiny_dir), _settings(), PlacementSettings(residency=str(tmp_path / "one.json"), **place))
     # the residency's devices place the layers; no flag needed
     two = load_engine(str(tiny_dir), _settings(), PlacementSettings(residency=str(tmp_path / "two.json"), **place))
@@ -136,7 +136,7 @@ def test_devices_must_match_the_plan(tiny_dir, tmp_path):
     _split_residency(open_source(tiny_dir), tmp_path)
     with pytest.raises(ConfigError, match="planned for devices"):
         load_engine(str(tiny_dir), _settings(devices="cpu:1,cpu:0"),
-                    PlacementSettings(residency=str(tmp_path / "two.json"), cpu_threads=1, cpu_backend="torch"))
+                    PlacementSettings(residency=str(tmp_path / "two.json"), cpu_backend="torch"))
 
 
 def test_plan_per_device(tiny_dir, tmp_path, capsys):
@@ -174,7 +174,7 @@ def test_plan_per_device(tiny_dir, tmp_path, capsys):
 
     one = load_engine(str(tiny_dir), _settings())
     two = load_engine(str(tiny_dir), RunnerSettings(dtype="fp32", prefill_chunk=32, cuda_graph=False),
-                      PlacementSettings(residency=str(out), cpu_threads=1, cpu_backend="torch"))
+                      PlacementSettings(residency=str(out), cpu_backend="torch"))
     assert two.runner.max_context == 128 and two.runner.layer_devices == ["cpu:0", "cpu:0", "cpu:1", "cpu:1"]
     _check_same(one, two)
 
@@ -201,7 +201,7 @@ def test_split_experts_hooks_per_device():
     a, b = Backend(True), Backend(False)
     split = SplitExperts({"cpu:0": a, "cpu:1": b}, ["cpu:0", "cpu:1", "cpu:1"])
     assert not split.capturable
-    split.wrap(lambda backend, i: Backend(True) if i == 1 else backend)
+    split.wrap(lambda backend, name: Backend(True) if name == "cpu:1" else backend)
     assert split.capturable and split.backends["cpu:0"] is a
     split.after_decode_step()
     assert a.calls == ["after"] and split.backends["cpu:1"].calls == ["after"]
@@ -234,7 +234,7 @@ def test_decode_stages_equal_the_eager_windowed_step(tiny_dir, tmp_path, residen
         two = load_engine(str(tiny_dir), _settings(devices="cpu:0,cpu:1,cpu:2"))
         assert sorted(set(two.runner.layer_devices)) == ["cpu:0", "cpu:1", "cpu:2"]
     else:
-        place = PlacementSettings(residency=str(tmp_path / residency), cpu_threads=1, cpu_backend="torch")
+        place = PlacementSettings(residency=str(tmp_path / residency), cpu_backend="torch")
         two = load_engine(str(tiny_dir), _settings(), place)
         backends = two.runner.experts.backends
         assert list(backends["cpu:0"].has_cold) == [0] and list(backends["cpu:1"].has_cold) == [1, 2, 3]
@@ -251,7 +251,7 @@ def _two_gpu_engines(tiny_dir, tmp_path, fraction, borrow):
     res.save(tmp_path / "one.json")
     Residency(res.fingerprint, res.num_experts, res.hot, devices={"cuda:0": [0, 1], "cuda:1": [2, 3]}).save(
         tmp_path / "two.json")
-    place = dict(cpu_threads=2, borrow=borrow, borrow_wait_copies=True)
+    place = dict(borrow=borrow, borrow_wait_copies=True)
     settings = dict(dtype="bf16", max_context=2048)
 
     def engine(residency, graphs, **kw):

@@ -320,7 +320,7 @@ def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys)
     for key in ("device", "date", "torch", "global", "cpu_pass", "dense_step_ms"):
         assert key in cal
     loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64),
-                         PlacementSettings(residency=str(res_path), cpu_threads=1, cpu_backend="torch"))
+                         PlacementSettings(residency=str(res_path), cpu_backend="torch"))
     assert loaded.runner.experts.upload_threshold == cal["upload_threshold"]  # the engine uses the measured Np
 
 

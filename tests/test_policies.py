@@ -51,7 +51,7 @@ def _residency(hot_per_layer=8):
 
 def _settings(**kw):
     base = dict(expert_slots=SLOTS, profile=_counts(), residency=_residency(), upload_threshold=32,
-                offload_threshold=32, cpu_threads=1, cpu_backend="torch", allow_over_budget=True)
+                offload_threshold=32, cpu_backend="torch", allow_over_budget=True)
     return PolicySettings(**{**base, **kw})
 
 
@@ -238,7 +238,7 @@ def test_policies_in_the_whole_model(tiny_dir, device):
         counts.decode[l] = torch.arange(cfg.num_experts, 0, -1)
     counts.tokens["decode"] = 10
     ps = PolicySettings(expert_slots=cfg.num_experts * len(cfg.moe_layers) // 2 + 20, profile=counts,
-                        offload_threshold=32, cpu_threads=1, cpu_backend="torch", allow_over_budget=True)
+                        offload_threshold=32, cpu_backend="torch", allow_over_budget=True)
     loaded = load_engine(str(tiny_dir), settings, experts_factory=policy_factory("layers", ps))
     hot = fill({l: torch.arange(cfg.num_experts, 0, -1) for l in cfg.moe_layers}, 24)
     ps = ps.with_(residency=Residency(model_fingerprint(loaded.source), cfg.num_experts, hot), upload_threshold=32)
@@ -268,7 +268,7 @@ def test_release_frees_the_backend_at_once(tiny_dir, tmp_path):
 
     _residency_for(CheckpointSource(tiny_dir), 0.5).save(tmp_path / "half.json")
     loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=256),
-                         PlacementSettings(residency=str(tmp_path / "half.json"), cpu_threads=1, borrow=True))
+                         PlacementSettings(residency=str(tmp_path / "half.json"), borrow=True))
     backend = loaded.runner.experts
     assert backend.borrow is not None  # the cycle: hybrid -> borrowing -> hybrid
     ref = weakref.ref(backend)

@@ -206,7 +206,7 @@ def tiny_engine(tiny_dir):
     from ostinato.policies.factory import policy_factory
     from ostinato.policies.settings import PolicySettings
 
-    ps = PolicySettings(expert_slots=40, offload_threshold=64, cpu_threads=1, cpu_backend="torch")
+    ps = PolicySettings(expert_slots=40, offload_threshold=64, cpu_backend="torch")
     return load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=4096, prefill_chunk=512),
                        experts_factory=policy_factory("layers", ps))
 

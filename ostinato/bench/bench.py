@@ -61,7 +61,6 @@ class BenchSettings:
     calibration_from: str | None = None  # a residency file calibrated on this machine: its constants and Np
     calibrate: bool = True
     calibration: object = None  # planner.calibrate.CalibrateSettings (None: its defaults)
-    cpu_threads: int | None = None
     cpu_backend: str = "auto"
     upper_bound: bool = False  # run `gpu` even when all experts exceed the budget (logical memory only)
     out: Path = Path("ostinato-bench")
@@ -245,7 +244,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
 
     dev, held = select_sessions(bs.sessions, bs.max_sessions)
     _say(bs, f"sessions: {len(dev)} development, {len(held)} held-out ({bs.sessions})")
-    probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1, cpu_threads=bs.cpu_threads,
+    probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1,
                            cpu_backend=bs.cpu_backend)
     loaded = load_engine(bs.model, bs.runner, experts_factory=_probe_factory(probe))
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] model {bs.model} loaded")
@@ -276,7 +275,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
                           profile={"path": str(bs.out / "profile-dev.json"), "sessions": counts.sessions},
                           notes={"pool_slots": budget["pool_slots"], "budget": budget["sized_by"]})
     base = PolicySettings(expert_slots=budget["pool_slots"], gpu_memory=bs.gpu_memory, profile=counts,
-                          residency=residency, cpu_threads=bs.cpu_threads, cpu_backend=bs.cpu_backend,
+                          residency=residency, cpu_backend=bs.cpu_backend,
                           allow_over_budget=bs.upper_bound)
     np_info = calibrate_np(loaded, bs, base, counts)
     residency.calibration = {**np_info.get("calibration", {}), "upload_threshold": np_info["value"]}
@@ -405,6 +404,9 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
     from ostinato.policies.ostinato import inner, resident_experts
 
     entry: dict = {"resident_experts": resident_experts(backend), "decode_graph": loaded.runner.graphs is not None}
+    cpu = getattr(inner(backend), "cpu", None)
+    if cpu is not None:  # the pool's workers (a host-driven baseline's host thread is its last worker)
+        entry["cpu_workers"] = list(cpu.cpus)
     if bs.tune and name in TUNED and tune_set:
         turns = bs.tune_max_turns or bs.max_turns
         totals = tune_threshold(loaded, backend, tune_set, bs.thresholds, turns, _log(bs), bs.max_output)

@@ -26,7 +26,7 @@ def _policy_settings(a) -> PolicySettings:
         budget_bytes=parse_bytes(a.expert_budget) if a.expert_budget else None,
         gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None, offload_threshold=a.offload_threshold,
         cache_max_tokens=a.cache_max_tokens, decay=a.decay, profile=a.profile, residency=a.residency,
-        upload_threshold=a.upload_threshold, cpu_threads=a.cpu_threads, cpu_backend=a.cpu_backend)
+        upload_threshold=a.upload_threshold, cpu_backend=a.cpu_backend)
 
 
 def _print_summary(summary: dict) -> None:
@@ -121,7 +121,7 @@ def _bench_settings(a):
         profiles=tuple(a.profiles) if a.profiles else None, tune=not a.no_tune, tune_sessions=a.tune_sessions,
         thresholds=tuple(a.thresholds), sweep_sizes=tuple(a.sweep_sizes), sweep_output=a.sweep_output,
         sweep_prefixes=a.sweep_prefixes, sweep_prefix_tokens=a.sweep_prefix_tokens,
-        upload_threshold=a.upload_threshold, calibration_from=a.calibration, cpu_threads=a.cpu_threads,
+        upload_threshold=a.upload_threshold, calibration_from=a.calibration,
         cpu_backend=a.cpu_backend, upper_bound=a.upper_bound, out=Path(a.out), merge=a.merge,
         progress=not a.no_progress)
 

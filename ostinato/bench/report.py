@@ -50,18 +50,19 @@ def cpu_name() -> str:
 
 
 def hardware() -> dict:
-    from ostinato.layers.moe.cpu_experts import physical_cpus
+    from ostinato.engine.threads import Topology
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"gpu": gpu, "gpu_memory": torch.cuda.get_device_properties(0).total_memory if gpu else None,
-            "cpu": cpu_name(), "logical_cpus": os.cpu_count(), "physical_cores": len(physical_cpus()[0]),
+            "cpu": cpu_name(), "logical_cpus": os.cpu_count(), "physical_cores": len(Topology.read().cores()),
             "torch": torch.__version__}
 
 
 def environment(loaded, bs) -> dict:
     return {**source_state(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware(),
             "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(
-                "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory}
+                "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory,
+            "threads": loaded.runner.threads.as_dict()}
 
 
 def _ratio(a, b):

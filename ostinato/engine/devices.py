@@ -38,6 +38,14 @@ def physical(name: str) -> torch.device:
     return torch.device("cpu") if dev.type == "cpu" else dev
 
 
+def cuda_index(name: str) -> int:
+    """The CUDA device index of a device name ("cuda" is the current device)."""
+    dev = torch.device(name)
+    if dev.index is not None:
+        return dev.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 def parse_devices(spec) -> list[str]:
     """'cuda:0,cuda:1' (or a sequence) -> ['cuda:0', 'cuda:1']; names are checked by torch."""
     names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s) for s in spec]
@@ -175,12 +183,12 @@ class SplitExperts:
         return all(getattr(b, "capturable", False) for b in self.backends.values())
 
     def wrap(self, fn) -> None:
-        """Replace each device's backend b by fn(b, i), i its place in device order (the runner
-        wraps a hybrid backend in its graph backend; the i-th worker gets the i-th free core)."""
+        """Replace each device's backend b by fn(b, name) (the runner wraps a hybrid backend in
+        its graph backend, with that GPU's poller core)."""
         wrapped = {}
-        for i, (name, b) in enumerate(self.backends.items()):
+        for name, b in self.backends.items():
             with device_scope(physical(name)):
-                wrapped[name] = fn(b, i)
+                wrapped[name] = fn(b, name)
         self.backends = wrapped
 
     def _each(self, hook: str) -> None:
@@ -215,9 +223,10 @@ def backend_of(experts, seg: Segment):
 
 
 def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype: torch.dtype,
-                       max_tokens: int) -> SplitExperts:
+                       max_tokens: int, threads) -> SplitExperts:
     """One ExpertPool + HybridExperts per device (the hot experts of its layers), one HostExperts
-    and one CpuExperts for all (the cold experts of every layer, one CPU pool)."""
+    for all (the cold experts of every layer), and a CPU pool per worker group of the thread
+    layout: one for every GPU, or one per NUMA node where the GPUs sit on different nodes."""
     from ostinato.config import ConfigError
     from ostinato.engine.placement import apply_memory_cap, configure, upload_threshold
     from ostinato.layers.moe.cpu_experts import CpuExperts
@@ -249,14 +258,20 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
         experts = load_experts_staged(source, layer, pool.device, dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
-    cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)
+    order = in_order(layer_devices)
+    gpu_of = {n: i for i, n in enumerate(n for n in order if physical(n).type == "cuda")}
+    group = {name: threads.group_of(gpu_of.get(name, 0)) for name in pools}
+    cpus = {}
+    for g in dict.fromkeys(group.values()):
+        mine = {l: w for l, w in host.layers.items() if group[layer_devices[l]] is g}
+        cpus[g] = CpuExperts(mine, backend=place.cpu_backend, cpus=g.cpus)
     np_ = upload_threshold(place, residency)
     backends = {}
     for name, pool in pools.items():
         with device_scope(pool.device):
             layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
-            backends[name] = configure(HybridExperts(pool, host, cpu, np_, max_tokens, layers=layers), place,
-                                       residency)
+            backends[name] = configure(HybridExperts(pool, host, cpus[group[name]], np_, max_tokens, layers=layers),
+                                       place, residency)
     return SplitExperts(backends, layer_devices)
 
 

@@ -3,14 +3,18 @@ source, runner, placement and session slot together (generate, serve, replay, be
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from ostinato.engine.placement import PlacementSettings, hybrid_factory
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
+from ostinato.engine.threads import claim_host_thread
 from ostinato.loader.source import open_source
 from ostinato.loader.tokenizer import ChatTokenizer
 from ostinato.planner.residency import Residency
+
+log = logging.getLogger("ostinato")
 
 
 @dataclass
@@ -39,6 +43,9 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
             settings = dataclasses.replace(settings, max_context=int(kv_tokens))
     source = open_source(model)
     tok = ChatTokenizer.from_dir(source.tokenizer_dir)
+    if settings.torch_device().type == "cuda":  # the host thread on its core before the experts load
+        claim_host_thread(settings.thread_layout())  # (its page-locked copies land on that core's node)
     experts = experts_factory(source, settings) if experts_factory else None
     runner = ModelRunner(source, settings, experts=experts)
+    log.info(runner.threads.describe())
     return Loaded(Engine(runner, set(tok.eos_ids)), tok, source, str(model))

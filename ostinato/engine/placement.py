@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.engine.threads import ThreadLayout
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.loader.build import load_experts_staged
@@ -21,7 +22,6 @@ from ostinato.planner.residency import Residency
 class PlacementSettings:
     residency: str | None = None
     gpu_memory: int | None = None  # bytes; the engine never allocates past it
-    cpu_threads: int | None = None  # default: the CPU experts' own default (physical cores)
     upload_threshold: int | None = None  # Np; default: the residency's calibrated one, else 512
     cpu_backend: str = "auto"
     borrow: bool = True  # lend the flex slots to cold experts during decode (DESIGN.md "Borrowed memory")
@@ -43,7 +43,8 @@ def apply_memory_cap(device: torch.device, cap: int | None) -> None:
 
 
 def build_hybrid(source, residency: Residency, place: PlacementSettings, device: torch.device,
-                 dtype: torch.dtype, max_tokens: int) -> HybridExperts:
+                 dtype: torch.dtype, max_tokens: int, threads: ThreadLayout) -> HybridExperts:
+    """threads: the process's thread layout (its CPU pool's workers)."""
     from ostinato.layers.moe.cpu_experts import CpuExperts
 
     cfg = source.config
@@ -64,7 +65,7 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
         experts = load_experts_staged(source, layer, device, dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
-    cpu = CpuExperts(host.layers, num_threads=place.cpu_threads, backend=place.cpu_backend)
+    cpu = CpuExperts(host.layers, backend=place.cpu_backend, cpus=threads.workers)
     return configure(HybridExperts(pool, host, cpu, upload_threshold(place, residency), max_tokens), place,
                      residency)
 
@@ -99,9 +100,11 @@ def hybrid_factory(place: PlacementSettings, residency: Residency | None = None)
         dtype = runner_settings.torch_dtype(cfg.torch_dtype)
         kv_tokens = runner_settings.max_context or min(16384, cfg.max_position_embeddings)
         layer_devices = resolve_layer_devices(cfg, runner_settings.device_names(), residency, kv_tokens, dtype)
+        threads = runner_settings.thread_layout(layer_devices)
         if layer_devices is not None:  # MoE layers split across devices: a pool on each
-            return build_split_hybrid(source, residency, place, layer_devices, dtype, runner_settings.prefill_chunk)
+            return build_split_hybrid(source, residency, place, layer_devices, dtype, runner_settings.prefill_chunk,
+                                      threads)
         device = runner_settings.torch_device()
-        return build_hybrid(source, residency, place, device, dtype, runner_settings.prefill_chunk)
+        return build_hybrid(source, residency, place, device, dtype, runner_settings.prefill_chunk, threads)
 
     return make

@@ -12,31 +12,16 @@ Legend: T tokens of a pass, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ostinato.engine import devices as split
 from ostinato.engine.kv_cache import KVCache
+from ostinato.engine.threads import ThreadLayout, claim_host_thread, process_layout
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import build_model, load_all_experts
-
-
-_host = threading.local()
-
-
-def one_host_thread() -> None:
-    """Set torch's intra-op threads to one in the calling thread (once per thread). A runner
-    on CUDA calls it before every pass: its host-side torch ops are bookkeeping of a few
-    thousand elements, and torch's pool, spinning after such an op, took the cores of the
-    CPU experts' pinned workers (on the H200 machine the CPU branch of a 384-token split
-    pass took 15.4 ms after torch's gathers on 32 threads, 6.5 ms on one:
-    results/2026-11-29-h200x2-s4/b_split.txt). Per thread, because torch keeps a thread's
-    setting once that thread has run a parallel op."""
-    if not getattr(_host, "single", False):
-        torch.set_num_threads(1)
-        _host.single = True
 
 
 def default_device() -> torch.device:
@@ -51,6 +36,14 @@ class RunnerSettings:
     prefill_chunk: int = 2048
     cuda_graph: bool = True  # decode as captured graphs (one per device), when the experts backend allows it
     devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": MoE layers split across them, in order
+    cpu_threads: int | None = None  # CPU expert workers; default: every physical core the layout leaves
+
+    def thread_layout(self, layer_devices: Sequence[str] | None = None, graphs: bool = True) -> ThreadLayout:
+        """The process's thread layout (engine/threads.py) for these devices (default: the
+        settings'); graphs: the backend decodes through the graph handshake when it can."""
+        names = split.in_order(list(layer_devices)) if layer_devices else self.device_names()
+        gpus = [split.cuda_index(n) for n in names if split.physical(n).type == "cuda"]
+        return process_layout(gpus, graphs and self.cuda_graph and bool(gpus), self.cpu_threads)
 
     def device_names(self) -> list[str]:
         """The devices in layer order; `device` may itself be a comma list."""
@@ -80,6 +73,12 @@ class ModelRunner:
         max_context = settings.max_context or min(16384, self.config.max_position_embeddings)
         self.layer_devices = getattr(experts, "layer_devices", None) or split.resolve_layer_devices(
             self.config, settings.device_names(), None, max_context, self.dtype)
+        self.threads = settings.thread_layout(self.layer_devices)
+        self._step_done = None  # a blocking event, where the host thread shares a poller's core
+        if self.device.type == "cuda":
+            claim_host_thread(self.threads)
+            if self.threads.host_shares_poller:
+                self._step_done = torch.cuda.Event(blocking=True)
         if self.layer_devices is not None:
             self._init_split(source, experts, max_context)
             return
@@ -147,14 +146,21 @@ class ModelRunner:
         from ostinato.layers.moe.graph_hybrid import for_graphs
 
         if isinstance(self.experts, split.SplitExperts):
-            self.experts.wrap(for_graphs)
+            self.experts.wrap(lambda backend, name: for_graphs(backend, self.poller_core(name)))
         elif self.layer_devices is None:
-            self.experts = for_graphs(self.experts)
+            self.experts = for_graphs(self.experts, self.poller_core(str(self.device)))
         self.model.set_experts(self.experts)
         if not getattr(self.experts, "capturable", False):
             return
         self.graphs = DecodeGraphs(self)
         self.graphs.capture()
+
+    def poller_core(self, device: str) -> int:
+        """The CPU of the graph poller that serves `device`'s layers (-1: none reserved)."""
+        names = split.in_order(self.layer_devices) if self.layer_devices else [str(self.device)]
+        gpus = [n for n in names if split.physical(n).type == "cuda"]
+        pollers = self.threads.pollers
+        return pollers[gpus.index(device)] if device in gpus and gpus.index(device) < len(pollers) else -1
 
     @property
     def max_context(self) -> int:
@@ -167,12 +173,15 @@ class ModelRunner:
         if start + len(tokens) > self.max_context:
             raise ValueError(f"{start + len(tokens)} tokens exceed the context of {self.max_context}")
         if self.device.type == "cuda":
-            one_host_thread()
+            claim_host_thread(self.threads)
         decode = len(tokens) == 1 and not all_logits
         if not decode and hasattr(self.experts, "before_prefill"):
             self.experts.before_prefill()  # borrowed slots go back to the upload path first
         if decode and self.graphs is not None and self.graphs.window_for(start) is not None:
             logits = self.graphs.replay(tokens[0], start).to(self.device, copy=True)  # from the last device
+            if self._step_done is not None:  # sleep, not spin, beside the poller on its core
+                self._step_done.record()
+                self._step_done.synchronize()
             self._after_decode_step()
             return logits
         outs = []

@@ -41,12 +41,19 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.config import ConfigError
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.hybrid import MixedPass
 from ostinato.layers.moe.types import TopKOutput
 from ostinato.planner import cost_model as cm
 
 DEFAULT_SIZES = (64, 128, 256, 384, 512, 768, 1024, 2048)  # the crossing on the H200 lay between 256 and 512
+# A graph step's CPU branch costs alpha per layer with a cold route beyond its routes' work: the
+# handshake, a few microseconds when the poller has its core (0.02 ms on the H200 machine). A
+# poller that shares its core waits for the scheduler instead (3.5 ms there: issue [H]). Above
+# either limit the layout is wrong, and a plan on these constants would be too.
+STARVED_ALPHA_MS = 0.2
+STARVED_ALPHA_RATIO = 10.0  # against the host-driven alpha of the same layers
 
 
 @dataclass(frozen=True)
@@ -555,9 +562,9 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
     if not hasattr(h, "pool"):
         raise ValueError("calibrate needs the hybrid engine: load it with a residency")
     if h.on_cuda:
-        from ostinato.engine.runner import one_host_thread
+        from ostinato.engine.threads import claim_host_thread
 
-        one_host_thread()  # as the runner serves: torch's host ops on one thread (not the CPU experts' cores)
+        claim_host_thread(runner.threads)  # as the runner serves: the host thread on its own core
     clock = Clock(h.device)
     gen = torch.Generator().manual_seed(s.seed)
     t0 = time.perf_counter()
@@ -585,6 +592,7 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
         read_gbps = measure_host_read(h.cpu.num_threads + 1)  # the workers and the caller
         step = measure_steps(runner, h, costs, clock, s.step_reps, gen,
                              tuple(sorted({0, 1, 2, K // 2, K})), graph=graph)
+        check_handshake(step, glob, runner.threads)
         limit = min(runner.settings.prefill_chunk, h.x_host.shape[0], runner.max_context - 1)
         sizes = sorted({n for n in s.sizes if n <= limit})
         pick = [with_cold[round(i * (len(with_cold) - 1) / max(1, s.pass_layers - 1))]
@@ -605,6 +613,7 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
     return {
         "version": 1, "device": device_name(h.device), "cpu": cpu_model(), "date": now, "torch": torch.__version__,
         "dtype": str(runner.dtype).removeprefix("torch."), "cpu_threads": h.cpu.num_threads,
+        "threads": {**runner.threads.as_dict(), "cpu_workers": list(h.cpu.cpus)},
         "cpu_backend": h.cpu.backend, "hot_experts": h.pool.num_hot, "units": "ms, GB/s, bytes",
         "overlapped": h.on_cuda,
         "global": glob,
@@ -617,6 +626,24 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
         "upload_threshold_crossings": passes.get("crossings", 0),
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def check_handshake(step: dict, glob: dict, threads) -> None:
+    """A graph calibration whose CPU branch costs far more per layer than the handshake can is a
+    misconfiguration (a starved poller), not a constant to plan on: refuse it, saying why."""
+    fit = step.get("graph_fit")
+    if not fit:
+        return
+    alpha, host = fit["alpha_ms"], glob["alpha_ms"]
+    if alpha > STARVED_ALPHA_MS or (host > 0 and alpha > STARVED_ALPHA_RATIO * host):
+        fs = step["forced_steps"]
+        steps = ", ".join(f"r={r}: {m:.2f} ms" for r, m in zip(fs["r"], fs["measured_ms"]))
+        raise ConfigError(
+            f"the CPU branch inside the decode graph costs alpha {alpha:.3f} ms per layer (host-driven "
+            f"{host:.3f} ms; forced steps {steps}): the graph poller is starved of its core, so this "
+            f"calibration is not saved. The layout was:\n{threads.describe()}\nLeave --cpu-threads out (the "
+            "default gives the poller and the host thread cores of their own), or lower it, and check that "
+            "nothing else runs busy threads on these CPUs")
 
 
 def model_checks(cal: dict, counts, hot: dict[int, list[int]], cfg) -> dict:

@@ -257,12 +257,13 @@ def verify_capacity(model: str, residency_path: str, cap: Capacity, cpu_threads:
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
 
-    settings = RunnerSettings(device=device, dtype=dtype, max_context=cap.kv_tokens, prefill_chunk=cap.pass_tokens)
+    settings = RunnerSettings(device=device, dtype=dtype, max_context=cap.kv_tokens, prefill_chunk=cap.pass_tokens,
+                              cpu_threads=cpu_threads)
     if settings.torch_device().type != "cuda":
         return {"skipped": "no CUDA device here (or the plan is for the CPU): the plan was not run under the cap"}
     try:
         loaded = load_engine(model, settings,
-                             PlacementSettings(residency=residency_path, gpu_memory=cap.budget, cpu_threads=cpu_threads))
+                             PlacementSettings(residency=residency_path, gpu_memory=cap.budget))
     except (torch.OutOfMemoryError, ConfigError) as e:
         return {"ok": False, "tokens": cap.kv_tokens, "error": f"failed to load: {str(e).splitlines()[0]}",
                 "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}

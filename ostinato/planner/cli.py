@@ -102,7 +102,7 @@ def _plan_profile(a, cfg):
         from ostinato.engine.runner import RunnerSettings
         from ostinato.planner.run_profile import profile_sessions
 
-        loaded = load_engine(a.model, RunnerSettings(device=a.device, dtype=a.dtype))
+        loaded = load_engine(a.model, RunnerSettings(device=a.device, dtype=a.dtype, cpu_threads=a.cpu_threads))
         prof = profile_sessions(loaded, _sessions(a.sessions, None))
         path = f"{a.output}.profile.json"
         prof.save(path)
@@ -262,9 +262,8 @@ def _plan_split(a, cfg, counts, prof, names: list[str]):
 def cmd_calibrate(a) -> int:
     import dataclasses
 
-    from ostinato.cli import _placement
+    from ostinato.cli import _placement, _runner_settings
     from ostinato.engine.factory import load_engine
-    from ostinato.engine.runner import RunnerSettings
     from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
     from ostinato.planner.profile import RouteCounts
     from ostinato.planner.residency import Residency
@@ -277,7 +276,7 @@ def cmd_calibrate(a) -> int:
         place = dataclasses.replace(place, gpu_memory=res.gpu_memory)  # the cap it was planned for
     place = dataclasses.replace(place, cpu_backend=a.cpu_backend)
     kv = a.max_context or res.capacity.get("kv_tokens") or None
-    settings = RunnerSettings(device=a.device, dtype=a.dtype, max_context=kv)
+    settings = dataclasses.replace(_runner_settings(a), max_context=kv)
     loaded = load_engine(a.model, settings, place)
     sizes = tuple(int(x) for x in a.sizes.split(",")) if a.sizes else CalibrateSettings.sizes
     cs = CalibrateSettings(reps=a.reps, sizes=sizes, pass_layers=a.pass_layers, sessions=a.sessions or "embedded:4")
@@ -306,6 +305,10 @@ def print_calibration(cal: dict) -> None:
     Gs = sorted(d["G_ms"] for d in layers)
     print(f"calibrated on {cal['device']}, {cal['cpu_threads']} CPU threads ({cal['cpu_backend']}), "
           f"{cal['dtype']}, torch {cal['torch']}, in {cal['seconds']} s")
+    t = cal.get("threads")
+    if t:
+        print(f"  threads: host on CPU {t['host']}, graph pollers on {t['pollers'] or 'none'}, {t['num_workers']} CPU "
+              f"expert workers on {t['cpu_workers']} ({t['physical_cores']} physical cores)")
     print(f"  decode, per MoE layer: G {Gs[0]:.3f} / {Gs[len(Gs) // 2]:.3f} / {Gs[-1]:.3f} ms (min / median / max); "
           f"C(r): gamma0 {g['gamma0_ms']:.3f} ms, alpha {g['alpha_ms']:.3f} ms + beta {g['beta_ms']:.3f} ms per route")
     if cal.get("graph_fit"):

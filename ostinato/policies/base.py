@@ -30,6 +30,7 @@ from ostinato.config import ConfigError
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.hybrid import to_host
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
+from ostinato.engine.threads import ThreadLayout
 from ostinato.layers.moe.types import ExpertWeights, TopKOutput
 
 CPU = -1  # a plan's slot for "computed on the CPU"
@@ -49,6 +50,7 @@ class ModelExperts:
     dtype: torch.dtype
     load: Callable[[int], ExpertWeights]  # one layer's stacked experts, on the host
     max_tokens: int  # the largest pass (the runner's prefill chunk)
+    threads: ThreadLayout | None = None  # whose workers the CPU pool takes (None: a host-driven process's)
 
     @property
     def expert_bytes(self) -> int:
@@ -68,7 +70,8 @@ class ModelExperts:
         device = runner_settings.torch_device()
         return cls(cfg.num_hidden_layers, list(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok,
                    cfg.hidden_size, cfg.moe_intermediate_size, device, dtype,
-                   lambda layer: load_experts_staged(source, layer, device, dtype), runner_settings.prefill_chunk)
+                   lambda layer: load_experts_staged(source, layer, device, dtype), runner_settings.prefill_chunk,
+                   runner_settings.thread_layout(graphs=False))  # the baselines decode host-driven
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def unpin(host: HostExperts | None) -> None:
 
 
 def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dict[int, list[int]], flex: int,
-                cpu_threads: int | None, cpu_backend: str):
+                cpu_backend: str):
     """The pool (resident experts packed, K zero slots, `flex` slots for caches and staging),
     page-locked host copies of `on_host`, and a CPU pool over them, from one load of each layer."""
     from ostinato.layers.moe.cpu_experts import CpuExperts
@@ -124,7 +127,8 @@ def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dic
         if layer in host_sets:
             host.fill_layer(layer, w)
         del w
-    cpu = CpuExperts(host.layers, num_threads=cpu_threads, backend=cpu_backend) if host.layers else None
+    cpus = spec.threads.workers if spec.threads is not None else None
+    cpu = CpuExperts(host.layers, backend=cpu_backend, cpus=cpus) if host.layers else None
     return pool, host, cpu
 
 

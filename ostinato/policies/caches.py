@@ -39,7 +39,7 @@ from ostinato.policies.base import CPU, ModelExperts, PassPlan, SlotExperts, bui
 def _all_on_host(spec: ModelExperts, cache: int, settings):
     every = list(range(spec.num_experts))
     flex = cache + spec.num_experts  # the cache, then one layer of staging
-    return build_parts(spec, {}, {l: every for l in spec.moe_layers}, flex, settings.cpu_threads,
+    return build_parts(spec, {}, {l: every for l in spec.moe_layers}, flex,
                        settings.cpu_backend)
 
 

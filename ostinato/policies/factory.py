@@ -69,7 +69,7 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
             raise ConfigError("policy ostinato needs a residency file (--residency, from `ostinato plan`)")
         _check_budget(spec, settings, residency)
         np_ = settings.upload_threshold or residency.calibration.get("upload_threshold") or _default_np()
-        return hybrid_from_parts(spec, residency.hot, int(np_), settings.cpu_threads, settings.cpu_backend)
+        return hybrid_from_parts(spec, residency.hot, int(np_), settings.cpu_backend)
     return CLASSES[name].build(spec, expert_slots(spec, settings), settings, load_profile(settings.profile))
 
 
@@ -84,9 +84,10 @@ def make_policy(name: str, source, runner_settings, settings: PolicySettings = P
         if residency is None:
             raise ConfigError("policy ostinato needs a residency file (--residency, from `ostinato plan`)")
         _check_budget(spec, settings, residency)
-        place = PlacementSettings(gpu_memory=settings.gpu_memory, cpu_threads=settings.cpu_threads,
-                                  upload_threshold=settings.upload_threshold, cpu_backend=settings.cpu_backend)
-        return build_hybrid(source, residency, place, spec.device, spec.dtype, spec.max_tokens)
+        place = PlacementSettings(gpu_memory=settings.gpu_memory, upload_threshold=settings.upload_threshold,
+                                  cpu_backend=settings.cpu_backend)
+        return build_hybrid(source, residency, place, spec.device, spec.dtype, spec.max_tokens,
+                            runner_settings.thread_layout())
     apply_memory_cap(spec.device, settings.gpu_memory)
     try:
         return build_policy(name, spec, settings)

@@ -21,11 +21,11 @@ from ostinato.policies.base import ModelExperts, build_parts, unpin
 
 
 def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int,
-                      cpu_threads=None, cpu_backend="auto") -> HybridExperts:
+                      cpu_backend="auto") -> HybridExperts:
     """Wired like build_hybrid, from a spec (tests, models without a weight source)."""
     cold = {l: sorted(set(range(spec.num_experts)) - set(hot.get(l, []))) for l in spec.moe_layers}
     flex = max((len(v) for v in cold.values()), default=0)
-    pool, host, cpu = build_parts(spec, hot, cold, flex, cpu_threads, cpu_backend)
+    pool, host, cpu = build_parts(spec, hot, cold, flex, cpu_backend)
     for l in spec.moe_layers:  # HybridExperts reads every layer's host table, resident-only layers too
         host.compact.setdefault(l, torch.full((spec.num_experts,), -1, dtype=torch.int32))
     return HybridExperts(pool, host, cpu, upload_threshold, spec.max_tokens)

@@ -38,7 +38,6 @@ class PolicySettings:
     profile: object = None
     residency: object = None  # ostinato: a Residency or a path
     upload_threshold: int | None = None  # ostinato's Np (default: the residency's calibrated value)
-    cpu_threads: int | None = None
     cpu_backend: str = "auto"  # CpuExperts backend: auto | native | torch
     allow_over_budget: bool = False  # gpu: run although all experts exceed the budget (an upper bound only)
 

@@ -38,7 +38,7 @@ class CpuPolicy(SlotExperts):
     @classmethod
     def build(cls, spec: ModelExperts, slots: int, settings, counts=None) -> "CpuPolicy":
         every = {l: list(range(spec.num_experts)) for l in spec.moe_layers}
-        pool, host, cpu = build_parts(spec, {}, every, 0, settings.cpu_threads, settings.cpu_backend)
+        pool, host, cpu = build_parts(spec, {}, every, 0, settings.cpu_backend)
         return cls(spec, pool, host, cpu)
 
     def __init__(self, spec, pool, host, cpu):
@@ -71,7 +71,7 @@ class GpuPolicy(_FixedResidency):
                               f"budget of {slots} expert slots ({slots * spec.expert_bytes / 2**30:.2f} GiB); "
                               "give a larger --gpu-memory or compare against another policy")
         every = {l: list(range(spec.num_experts)) for l in spec.moe_layers}
-        pool, host, cpu = build_parts(spec, every, {}, 0, settings.cpu_threads, settings.cpu_backend)
+        pool, host, cpu = build_parts(spec, every, {}, 0, settings.cpu_backend)
         return cls(spec, pool, host, cpu)
 
 
@@ -96,7 +96,7 @@ class FixedPerLayerPolicy(_FixedResidency):
         n = min(spec.num_experts, usable_slots(spec, slots, 0, cls.name) // max(1, len(spec.moe_layers)))
         resident = per_layer_top(counts.total("all"), spec.moe_layers, n)
         rest = {l: sorted(set(range(spec.num_experts)) - set(v)) for l, v in resident.items()}
-        pool, host, cpu = build_parts(spec, resident, rest, 0, settings.cpu_threads, settings.cpu_backend)
+        pool, host, cpu = build_parts(spec, resident, rest, 0, settings.cpu_backend)
         return cls(spec, pool, host, cpu)
 
 
@@ -116,7 +116,7 @@ class LayersPolicy(SlotExperts):
         resident = {l: every for l in gpu_layers}
         on_host = {l: every for l in spec.moe_layers if l not in resident}
         staging = spec.num_experts if on_host else 0
-        pool, host, cpu = build_parts(spec, resident, on_host, staging, settings.cpu_threads, settings.cpu_backend)
+        pool, host, cpu = build_parts(spec, resident, on_host, staging, settings.cpu_backend)
         return cls(spec, pool, host, cpu, settings.offload_threshold)
 
     def __init__(self, spec, pool, host, cpu, offload_threshold: int):

@@ -22,6 +22,7 @@
 #   llama      [E] llama.cpp (llama-server, GGUF bf16) against Ostinato on the 16-layer model, same turns
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
+#   threads    [H] decode steps and replayed TPOT under several thread layouts (scripts/thread_sweep.py)
 # Results gather in $R (default /tmp/res; kept while the machine stays warm, else restored from
 # .carry/res); the call ends by packing $R into $OUT/res.tgz beside $OUT/log.txt.
 set -uo pipefail
@@ -37,7 +38,7 @@ OUT=${OUT:-/tmp/out}; R=${R:-/tmp/res}; mkdir -p "$OUT" "$R"
 if [[ -d .carry/res && ! -f $R/.restored ]]; then cp -rn .carry/res/. "$R"/; touch "$R/.restored"; fi
 O="python3 -m ostinato.cli"
 M=${MODEL:-synth:qwen3-30b-a3b}; CAP=${CAP:-32GiB}; CAP_PER_GPU=${CAP_PER_GPU:-16GiB}; DEVICES=${DEVICES:-cuda:0,cuda:1}
-THREADS=${THREADS:-15}  # CPU expert workers; with the calling thread, 16 threads
+THREADS=${THREADS:-}  # CPU expert workers; empty: the engine's thread layout (engine/threads.py) chooses
 S=${SESSIONS:-.carry/agent}; NS=${SKEW_SESSIONS:-8}; STEPS=${STEPS:-128}
 LOG=$OUT/log.txt
 DEADLINE=$((SECONDS + ${BUDGET_S:-565}))
@@ -60,7 +61,7 @@ run() {
 check() {  # check NAME RESIDENCY [ARGS...]: scripts/check_hybrid.py against the all-GPU reference
   local name=$1 res=$2; shift 2
   run 150 "$R/check_$name.log" python3 scripts/check_hybrid.py --model "$M" --name "$name" --residency "$res" \
-    --ref "$R/ref.pt" --steps "$STEPS" --cpu-threads "$THREADS" "$@"
+    --ref "$R/ref.pt" --steps "$STEPS" ${THREADS:+--cpu-threads $THREADS} "$@"
   grep '^{' "$R/check_$name.log" >> "$R/check.jsonl"
 }
 
@@ -100,7 +101,7 @@ phase_generate() {
 phase_micro() { run 150 "$R/b_bench_gpu.txt" python3 scripts/bench_gpu_experts.py; }
 phase_micro_attn() { run 90 "$R/f_bench_attention.txt" python3 scripts/bench_decode_attention.py; }
 phase_micro_cpu() {
-  run 120 "$R/b_bench_cpu.txt" python3 scripts/bench_cpu_experts.py --layers 24 --threads "$THREADS"
+  run 120 "$R/b_bench_cpu.txt" python3 scripts/bench_cpu_experts.py --layers 24 ${THREADS:+--threads $THREADS}
 }
 phase_plans() {
   local P="--profile $R/profile-dev.json --held-out $R/profile-held-out.json"
@@ -123,23 +124,23 @@ phase_calib() {
   # if it fails, plan again with the materialised scores counted
   echo 0 > "$R/attention_scores.txt"
   run 200 "$R/c_plan.txt" $O plan --model "$M" $P --gpu-memory "$CAP" --attention-scores 0 \
-    --cpu-threads "$THREADS" -o "$R/res-cap.json" || { echo 1 > "$R/attention_scores.txt"
-    run 200 "$R/c_plan.txt" $O plan --model "$M" $P --gpu-memory "$CAP" --cpu-threads "$THREADS" -o "$R/res-cap.json"; }
+    ${THREADS:+--cpu-threads $THREADS} -o "$R/res-cap.json" || { echo 1 > "$R/attention_scores.txt"
+    run 200 "$R/c_plan.txt" $O plan --model "$M" $P --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} -o "$R/res-cap.json"; }
   local small
   small=$(field "$R/res-cap.json" "round(d['hot_experts'] / (len(d['hot']) * d['num_experts']) / 2, 4)")
   run 60 "$R/c_plan_small.txt" $O plan --model "$M" $P --hot-fraction "${small:-0.2}" --no-verify -o "$R/res-small.json"
   run 240 "$R/c_calibrate.txt" $O calibrate --model "$M" --residency "$R/res-cap.json" --gpu-memory "$CAP" \
-    --cpu-threads "$THREADS" --sessions "$S"
+    ${THREADS:+--cpu-threads $THREADS} --sessions "$S"
 }
 phase_recalib() {  # calibrate again on the plan of phase calib (kept in .carry/res): no capacity test
   run 240 "$R/c_calibrate.txt" $O calibrate --model "$M" --residency "$R/res-cap.json" --gpu-memory "$CAP" \
-    --cpu-threads "$THREADS" --sessions "$S"
+    ${THREADS:+--cpu-threads $THREADS} --sessions "$S"
 }
 phase_predict() {
   for name in cap small; do
     run 150 "$R/c_predict_$name.txt" python3 scripts/predict_vs_measured.py --model "$M" \
       --residency "$R/res-$name.json" --calibration "$R/res-cap.json" --profile "$R/profile-held-out.json" \
-      --gpu-memory "$CAP" --cpu-threads "$THREADS" --sessions "$S" --split held-out --max-sessions 4 \
+      --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" --split held-out --max-sessions 4 \
       --max-steps 192 --name "$name" --json-out "$R/pvm-$name.json"
   done
   python3 scripts/predict_vs_measured.py --compare "$R/pvm-cap.json" "$R/pvm-small.json" \
@@ -153,14 +154,14 @@ phase_bench() {
   [[ -n $(field "$f" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
   local kv  # the KV cache the capacity plan holds (the longest development request)
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
-  run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" --cpu-threads "$THREADS" --sessions "$S" \
+  run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" \
     ${kv:+--max-context $kv} \
     --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal --no-progress \
     --attention-scores "$(att)" --out "$R/bench" ${BENCH_ARGS:-}
 }
 phase_split() {  # where a split pass's time goes: split_path against its CPU branch alone and in parts
   run 240 "$R/b_split.txt" python3 scripts/split_interference.py --model "$M" --residency "$R/res-cap.json" \
-    --gpu-memory "$CAP" --cpu-threads "$THREADS" --sessions "$S" ${SPLIT_ARGS:-}
+    --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" ${SPLIT_ARGS:-}
 }
 phase_multi() {
   # the same 40% of experts hot, split over the GPUs: against the one-GPU reference and hybrid40
@@ -176,9 +177,14 @@ phase_multi_replay() {
   run 90 "$R/g_plan_cap.txt" $O plan --model "$M" $P --gpu-memory "$CAP_PER_GPU" --devices "$DEVICES" \
     --attention-scores "$(att)" --no-verify -o "$R/r2cap.json"
   np=$(field "$R/res-cap.json" "d['calibration'].get('upload_threshold')")
-  run 300 "$R/g_replay_2gpu.txt" $O replay --model "$M" --sessions "$S" --cpu-threads "$THREADS" \
+  run 300 "$R/g_replay_2gpu.txt" $O replay --model "$M" --sessions "$S" ${THREADS:+--cpu-threads $THREADS} \
     --residency "$R/r2cap.json" --gpu-memory "$CAP_PER_GPU" ${np:+--upload-threshold $np} \
     ${REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32}
+}
+
+phase_threads() {  # [H] the default layout against explicit worker counts and 5a8b237's layout, one process
+  run 420 "$R/h_threads.txt" python3 scripts/thread_sweep.py --model "$M" --residency "$R/res-cap.json" \
+    --gpu-memory "$CAP" --sessions "$S" --json-out "$R/h_threads.json" ${THREADS_ARGS:-}
 }
 
 phase_llama() {
@@ -211,12 +217,12 @@ for p in glob.glob(os.path.join(sp,'nvidia','**','libcu*.so.13'),recursive=True)
     --tokenizer "$ck" --sessions "$S" $A
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>&1 | tee -a "$R/l_memory.txt" "$LOG"
   kill $pid; wait $pid 2>/dev/null
-  run 300 "$R/l_ostinato.txt" $O bench --model "$ck" --gpu-memory "${LCAP:-12GiB}" --cpu-threads "$THREADS" \
+  run 300 "$R/l_ostinato.txt" $O bench --model "$ck" --gpu-memory "${LCAP:-12GiB}" ${THREADS:+--cpu-threads $THREADS} \
     --sessions "$S" --policies ostinato $A --no-tune --sweep-prefixes 0 --no-progress --attention-scores 0 \
     --max-context 9216 --out "$R/bench_l16"
 }
 
-say "phases: $* (model $M, cap $CAP, $THREADS CPU expert workers, sessions $S)"
+say "phases: $* (model $M, cap $CAP, CPU expert workers ${THREADS:-by the default layout}, sessions $S)"
 for p in "$@"; do
   if (( DEADLINE - SECONDS < 30 )); then say "skipped phase $p: no time left"; continue; fi
   say "phase $p"

@@ -22,14 +22,13 @@ backend (no compiler, no AVX-512, or asked for) runs `torch_reference` on a work
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 import torch.nn.functional as nnf
 
+from ostinato.engine.threads import process_layout
 from ostinato.layers.moe.types import ExpertWeights
 
 ISAS = {"auto": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
@@ -66,30 +65,14 @@ def torch_reference(
     return out
 
 
-def physical_cpus() -> tuple[list[int], list[int]]:
-    """Allowed logical CPUs: one per physical core, then their SMT siblings."""
-    firsts: list[int] = []
-    siblings: list[int] = []
-    seen: set[tuple[str, str]] = set()
-    for cpu in sorted(os.sched_getaffinity(0)):
-        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            key = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
-        except OSError:
-            key = ("cpu", str(cpu))
-        (siblings if key in seen else firsts).append(cpu)
-        seen.add(key)
-    return firsts, siblings
-
-
 class CpuExperts:
     """Cold experts of several MoE layers on a resident CPU thread pool.
 
     layers: {layer index: ExpertWeights} or a list (index = position); bf16 or fp32,
-    contiguous, on the CPU. num_threads: pool workers, each pinned to its own physical
-    core; the default leaves one core free (physical cores - 1) because the thread that
-    calls wait() takes tasks as the last worker (a spinning waiter beside a worker on
-    every core oversubscribes the CPU and stalls phases for a scheduler tick).
+    contiguous, on the CPU. cpus: the logical CPU of each pool worker (a thread layout's
+    workers, engine/threads.py); without it, the layout of a host-driven process with
+    num_threads workers (default: every physical core but the caller's, since the thread
+    that calls wait() takes tasks as the last worker).
     backend: "native" (the C++ kernels; raises if unavailable), "torch", or "auto".
     isa: cap on the native path ("auto" = best available). spin_us: how long idle workers
     spin before sleeping (microseconds). amx_min_tokens: fewest routes of one expert that
@@ -103,6 +86,7 @@ class CpuExperts:
         num_threads: int | None = None,
         backend: str = "auto",
         *,
+        cpus: Sequence[int] | None = None,
         isa: str = "auto",
         spin_us: int = 2000,
         amx_min_tokens: int = 4,
@@ -113,8 +97,12 @@ class CpuExperts:
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {sorted(ISAS)}, not {isa!r}")
-        firsts, siblings = physical_cpus()
-        self.num_threads = int(num_threads or max(1, len(firsts) - 1))
+        if cpus is None:
+            cpus = process_layout(cpu_threads=num_threads).workers
+        elif num_threads is not None and num_threads != len(cpus):
+            raise ValueError(f"num_threads {num_threads} and {len(cpus)} cpus disagree")
+        self.cpus = tuple(int(c) for c in cpus)
+        self.num_threads = len(self.cpus)
         self.fallback_reason: str | None = None
         self._native = None
         if backend != "torch":
@@ -124,9 +112,7 @@ class CpuExperts:
         self.backend = "torch" if backend == "torch" or self.fallback_reason else "native"
         if self.backend == "native":
             ext = _extension()
-            cpus = (firsts[1:] + firsts[:1] + siblings)[: self.num_threads]  # first core: the caller
-            cpus += [-1] * (self.num_threads - len(cpus))  # more workers than CPUs: unpinned
-            self._native = ext.ColdExperts(cpus, int(spin_us))
+            self._native = ext.ColdExperts(list(self.cpus), int(spin_us))
             self._args = {i: _layer_args(ext, w, isa, amx_min_tokens) for i, w in self.layers.items()}
         else:  # torch's intra-op pool on num_threads in its worker (a CUDA runner keeps its own threads at one)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts",

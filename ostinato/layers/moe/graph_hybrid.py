@@ -18,7 +18,7 @@ import atexit
 import torch
 
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
-from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker, default_core
+from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts
 from ostinato.layers.moe.types import TopKOutput
 
@@ -26,9 +26,8 @@ from ostinato.layers.moe.types import TopKOutput
 class GraphHybridExperts:
     capturable = True
 
-    def __init__(self, hybrid: HybridExperts, worker: int = 0):
-        """worker: this handshake's place among the process's graph workers (one per GPU of a
-        split model), so each worker gets a core of its own where one is free."""
+    def __init__(self, hybrid: HybridExperts, core: int = -1):
+        """core: the CPU of this GPU's poller (the thread layout's, engine/threads.py; -1 unpinned)."""
         from ostinato.kernels.triton import handshake as hs
 
         self.hybrid, self.hs, self.device = hybrid, hs, hybrid.device
@@ -38,8 +37,7 @@ class GraphHybridExperts:
         top_k, hidden = pool.zero_hi - pool.zero_lo, pool.w2.shape[1]
         self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
         self.shared = GraphHandshake(len(layers), top_k, hidden, x_dtype=pool.w13.dtype)
-        self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers,
-                                  core=default_core(hybrid.cpu, worker))
+        self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers, core=core)
         self.seq = torch.zeros(1, dtype=torch.int32, device=hybrid.device)
         P = hs.HostPointer
         sh, S = self.shared, 16  # flag stride (int32 elements)
@@ -102,9 +100,10 @@ class GraphHybridExperts:
         return y
 
 
-def for_graphs(backend, worker: int = 0):
+def for_graphs(backend, core: int = -1):
     """The backend a decode graph can capture: a HybridExperts with cold experts gets the
-    mapped-memory handshake (native CPU backend only); any other backend as it is."""
+    mapped-memory handshake (native CPU backend only), its poller on `core`; any other
+    backend as it is."""
     if isinstance(backend, HybridExperts) and not backend.capturable and backend.cpu.backend == "native":
-        return GraphHybridExperts(backend, worker)
+        return GraphHybridExperts(backend, core)
     return backend

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ostinato.layers.moe.cpu_experts import CpuExperts, physical_cpus
+from ostinato.layers.moe.cpu_experts import CpuExperts
 
 FLAG_STRIDE = 16  # int32 elements: 64 bytes
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -69,7 +69,7 @@ class GraphWorker:
     compact_tables: {model layer: int32 [E]} cold expert -> index in that layer's host stack
     (-1 hot), e.g. HostExperts.compact; layer_order: model layer ids in execution order
     (position i of the handshake); a layer without a table is all hot. core: the CPU to pin
-    the worker to; default the first core the CpuExperts pool leaves to its caller.
+    the worker to (the thread layout's poller core, engine/threads.py; -1 unpinned).
 
     The worker shares the CpuExperts pool: while decode steps run it is the pool's only
     submitter. Use cpu_experts synchronously (prefill) only between steps, then call
@@ -77,7 +77,7 @@ class GraphWorker:
     """
 
     def __init__(self, handshake: GraphHandshake, cpu_experts: CpuExperts,
-                 compact_tables: Mapping[int, torch.Tensor], layer_order: Sequence[int], core: int | None = None,
+                 compact_tables: Mapping[int, torch.Tensor], layer_order: Sequence[int], core: int = -1,
                  *, spin_us: int = 2000, sleep_us: int = 20, idle_sleep_us: int = 1000):
         if cpu_experts._native is None:
             raise RuntimeError("the graph worker needs the native CPU experts, not the "
@@ -94,7 +94,7 @@ class GraphWorker:
         self.num_experts = next(iter(compact_tables.values())).numel()
         args = [cpu_experts._args.get(int(layer)) or ext.ColdArgs() for layer in layer_order]  # E = 0: no host stack
         opts = ext.GraphWorkerOptions()
-        opts.cpu = default_core(cpu_experts) if core is None else int(core)
+        opts.cpu = int(core)
         opts.spin_us, opts.sleep_us, opts.idle_sleep_us = int(spin_us), int(sleep_us), int(idle_sleep_us)
         self._native = ext.GraphWorker(cpu_experts._native, handshake.native(ext), args, self.num_experts, opts)
         self.core = opts.cpu
@@ -143,13 +143,3 @@ class GraphWorker:
         native = getattr(self, "_native", None)
         if native is not None:
             native.stop()
-
-
-def default_core(cpu_experts: CpuExperts, nth: int = 0) -> int:
-    """The nth CPU the pool does not pin a worker to (CpuExperts leaves its caller the first
-    physical core), the first such CPU when fewer are free, or -1 (unpinned) when the pool
-    takes them all. nth > 0: the other graph workers of a split model."""
-    firsts, siblings = physical_cpus()
-    taken = set((firsts[1:] + firsts[:1] + siblings)[: cpu_experts.num_threads])
-    free = [c for c in firsts + siblings if c not in taken]
-    return free[nth] if nth < len(free) else free[0] if free else -1
