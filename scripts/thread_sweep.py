@@ -135,6 +135,8 @@ def main() -> int:
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument("--max-output", type=int, default=64)
     ap.add_argument("--step-reps", type=int, default=16)
+    ap.add_argument("--old-turns", type=int, default=1, help="turns per session replayed under an old layout "
+                    "(it decodes ~9x slower)")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     res = Residency.load(a.residency)
@@ -148,7 +150,7 @@ def main() -> int:
     loaded = load_engine(a.model, settings, PlacementSettings(residency=a.residency, gpu_memory=cap))
     print(f"loaded in {time.perf_counter() - t0:.0f} s; {loaded.runner.threads.describe()}", flush=True)
     _, held = select_sessions(a.sessions, a.max_sessions)
-    rows = []
+    rows, sample = [], {}
     for name in a.layouts:
         if name == "default":
             layout = settings.thread_layout()
@@ -161,7 +163,8 @@ def main() -> int:
         steps = forced_steps(loaded, cal, a.step_reps)
         ctx = role_switches(before, switches(), layout)
         t1 = time.perf_counter()
-        results = replay_sessions(InProcessTarget(loaded), held, tokenizer=loaded.tokenizer, max_turns=a.max_turns,
+        turns = a.old_turns if name.startswith("old") else a.max_turns
+        results = replay_sessions(InProcessTarget(loaded), held, tokenizer=loaded.tokenizer, max_turns=turns,
                                   max_output=a.max_output)
         s = summarize(results, len(loaded.runner.config.moe_layers))
         row = {"layout": name, "threads": layout.as_dict(), "forced": steps, "nonvoluntary_switches": ctx,
@@ -169,9 +172,11 @@ def main() -> int:
                "turns": s["turns"], "output_tokens": s["output_tokens"]["total"],
                "replay_s": round(time.perf_counter() - t1, 1)}
         rows.append(row)
+        if not name.startswith("old"):
+            sample = {"sessions": len({r.session for r in results}), "turns": s["turns"]}
         m = steps["measured_ms"]
         print(f"{name:>8}: {len(layout.workers):2d} workers, poller {layout.pollers}, host {_short(layout.host)} | "
-              f"forced r=0/1/2 {m[0]:.2f}/{m[1]:.2f}/{m[2]:.2f} ms, graph alpha {steps['graph_alpha_ms']} ms | "
+              f"forced r=0/1/2 {m[0]:.2f}/{m[1]:.2f}/{m[2]:.2f} ms, graph alpha {_ms(steps['graph_alpha_ms'])} ms | "
               f"switches host {ctx['host']} poller {ctx['poller']} workers {ctx['workers']} | TPOT median "
               f"{s['tpot_ms']['median']:.2f} ms, TTFT tool {s['ttft_ms']['median'].get('tool')}, total "
               f"{s['request_s']['total']:.2f} s ({s['turns']} turns)", flush=True)
@@ -179,8 +184,7 @@ def main() -> int:
     numbered = {k: v for k, v in tpots.items() if k.isdigit()}
     doc = {"kind": "ostinato.thread_sweep", **source_state(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "hardware": hardware(), "model": a.model, "cap": cap, "residency": a.residency,
-           "sample": {"sessions": len({r.session for r in results}), "max_turns": a.max_turns,
-                      "max_output": a.max_output, "split": "held-out"},
+           "sample": {**sample, "max_turns": a.max_turns, "max_output": a.max_output, "split": "held-out"},
            "rows": rows}
     if "default" in tpots and numbered:
         best = min(numbered, key=numbered.get)
@@ -191,6 +195,10 @@ def main() -> int:
         Path(a.json_out).write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc))
     return 0
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _short(cpus) -> str:
