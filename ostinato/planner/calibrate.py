@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -260,12 +262,16 @@ def measure_upload(h, layers: list[int], clock: Clock, reps: int = 3) -> tuple[f
     return (statistics.median(rates) if rates else 0.0), eb
 
 
-def measure_host_read(threads: int, gib: float = 2.0, reps: int = 3) -> float:
+def measure_host_read(cpus: Sequence[int], gib: float = 2.0, reps: int = 3) -> float:
     """Host-memory read bandwidth, GB/s: a torch sum over a buffer far larger than the caches,
-    on `threads` threads (BENCHMARK.md's bound divides cold bytes by this)."""
+    on one thread per CPU of `cpus` (BENCHMARK.md's bound divides cold bytes by this). The
+    calling thread may be pinned to one core (the host thread's): torch's threads, started
+    from it, would inherit that, so it takes `cpus` for the measurement."""
     buf = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(len(set(cpus)))
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
     try:
         buf.sum()  # first touch and thread start-up
         best = float("inf")
@@ -275,6 +281,7 @@ def measure_host_read(threads: int, gib: float = 2.0, reps: int = 3) -> float:
             best = min(best, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
+        os.sched_setaffinity(0, pinned)
     return round(buf.numel() * 2 / best / 1e9, 2)
 
 
@@ -589,7 +596,7 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
                  for l, d in layers.items()}
         with_cold = [l for l in cfg.moe_layers if layers[l]["cold"] > 0]
         gbps, eb = measure_upload(h, with_cold[:: max(1, len(with_cold) // 4)][:4], clock)
-        read_gbps = measure_host_read(h.cpu.num_threads + 1)  # the workers and the caller
+        read_gbps = measure_host_read(set(h.cpu.cpus) | set(runner.threads.host))  # the workers and the caller
         step = measure_steps(runner, h, costs, clock, s.step_reps, gen,
                              tuple(sorted({0, 1, 2, K // 2, K})), graph=graph)
         check_handshake(step, glob, runner.threads)
