@@ -119,3 +119,36 @@ def borrow_state(engine) -> list:
         if borrow is not None:
             out.append((round(float(borrow.scores.sum()), 3), int(borrow.hits), sorted(borrow.owner.values())))
     return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["layers", "fixed-per-layer", "fixed-uniform", "ktransformers", "cpu"])
+def test_static_baselines_decode_as_one_graph_bitwise(tiny_dir, name):
+    """Every static baseline runs on the one executor and decodes as one CUDA graph with the
+    handshake, exactly as Ostinato does: bitwise equal to its own synchronous path."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+    from ostinato.planner.fill import fill
+    from ostinato.planner.profile import RouteCounts
+    from ostinato.planner.residency import Residency, model_fingerprint
+    from ostinato.policies.factory import policy_factory
+    from ostinato.policies.settings import PolicySettings
+
+    def engine(graphs):
+        settings = RunnerSettings(device="cuda", dtype="bf16", max_context=2048, cuda_graph=graphs)
+        return load_engine(str(tiny_dir), settings, experts_factory=policy_factory(name, ps))
+
+    probe = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64))
+    cfg = probe.source.config
+    counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts)
+    for l in cfg.moe_layers:
+        counts.decode[l] = torch.arange(cfg.num_experts, 0, -1)
+    counts.tokens["decode"] = 10
+    hot = fill({l: torch.arange(cfg.num_experts, 0, -1) for l in cfg.moe_layers}, cfg.num_experts)
+    ps = PolicySettings(expert_slots=cfg.num_experts * len(cfg.moe_layers) // 2 + 20, profile=counts,
+                        residency=Residency(model_fingerprint(probe.source), cfg.num_experts, hot), offload_threshold=32)
+    graphed, sync = engine(True), engine(False)
+    assert isinstance(graphed.runner.experts, GraphHybridExperts) and graphed.runner.graphs is not None
+    replay_vs_eager(graphed, sync, steps=64)
+    assert graphed.runner.placement_stats()["graph_cold_routes"] > 0
+    graphed.runner.experts.close()

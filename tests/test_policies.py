@@ -14,7 +14,7 @@ from ostinato.planner.profile import RouteCounts
 from ostinato.planner.residency import Residency
 from ostinato.policies.base import ModelExperts
 from ostinato.policies.factory import build_policy, expert_slots
-from ostinato.policies.ostinato import close_backend, resident_experts
+from ostinato.policies.ostinato import close_backend, resident_experts, set_offload_threshold
 from ostinato.policies.settings import POLICIES, PolicySettings
 
 E, K, D, F = 16, 4, 64, 32
@@ -84,7 +84,7 @@ def test_policy_matches_reference(name, tokens, device):
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (name, (got - want).abs().max())
     stats = policy.stats()
     assert stats["routes"] == 2 * len(LAYERS) * tokens * K
-    if name != "ostinato":  # HybridExperts' own counters are the engine's
+    if name in ("expert-cache", "decaying-cache"):  # the static placements count as HybridExperts does
         assert stats["token_layers"] == 2 * len(LAYERS) * tokens
         assert stats["pool_hits"] == stats["routes"] - stats.get("cold_routes", 0)
     close_backend(policy)
@@ -95,7 +95,7 @@ def test_cpu_policy_computes_every_route_on_the_cpu():
     p(0, _x(2), _routing([[0, 1, 2, 3], [2, 3, 4, 5]]))
     s = p.stats()
     assert s["cold_routes"] == 8 and s["cpu_experts"] == 6 and s.get("bytes_uploaded", 0) == 0
-    assert all(p.last_plan.where(e) == "cpu" for e in range(E))
+    assert all(bool((p.pool.table_host[l] < 0).all()) for l in LAYERS)  # nothing resident
     p(0, _x(64), _routing([[e % E, (e + 1) % E, (e + 2) % E, (e + 3) % E] for e in range(64)]))
     assert p.stats().get("uploaded_experts", 0) == 0
 
@@ -106,17 +106,18 @@ def test_gpu_policy_fits_or_fails_clearly():
     p = build_policy("gpu", _spec(), _settings(expert_slots=3 * E + K, allow_over_budget=False))
     p(2, _x(3), _routing([[0, 1, 2, 3]] * 3))
     s = p.stats()
-    assert s.get("cold_routes", 0) == 0 and s["pool_hits"] == 12 and p.resident_experts() == 3 * E
-    assert p.capturable  # every step from the pool, no host sync: the runner may capture decode
+    assert s.get("cold_routes", 0) == 0 and s["routes"] == 12 and resident_experts(p) == 3 * E
+    assert p.capturable  # every step from the pool: the runner captures decode without a handshake
 
 
 def test_layers_policy_places_whole_layers_and_offloads_large_passes():
     p = build_policy("layers", _spec(), _settings(offload_threshold=32))
-    assert p.gpu_layers == [3]  # 36 slots = 4 zero + 16 staging + one layer of 16 experts, the last
-    assert not p.capturable  # host layers need the routing on the host
+    # 36 slots = 4 zero + 16 staging + one layer of 16 experts, the last
+    assert [l for l in LAYERS if not p.has_cold[l]] == [3] and p.pool.num_slots - p.pool.flex_lo == E
+    assert not p.capturable  # host layers decode through the graph handshake (the runner's wrapper)
     routing = [[0, 1, 2, 3], [1, 2, 3, 4]]
     p(3, _x(2), _routing(routing))
-    assert p.stats().get("cold_routes", 0) == 0 and p.last_plan.where(7) == "pool"
+    assert p.stats().get("cold_routes", 0) == 0
     p(0, _x(2), _routing(routing))  # host layer, below the threshold: every expert on the CPU
     s = p.stats()
     assert s["cold_routes"] == 8 and s["cpu_experts"] == 5 and s.get("uploaded_experts", 0) == 0
@@ -124,9 +125,8 @@ def test_layers_policy_places_whole_layers_and_offloads_large_passes():
     p(0, _x(64), _routing(big))
     s = p.stats()
     assert s["uploaded_experts"] == 8 and s["bytes_uploaded"] == 8 * 3 * D * F * 4
-    assert {p.last_plan.where(e) for e in range(8)} == {"upload"} and p.last_plan.where(9) == "cpu"
     assert s["cpu_experts"] == 5  # unchanged: nothing of the large pass ran on the CPU
-    p.offload_threshold = 128  # tuned higher: the same pass stays on the CPU
+    set_offload_threshold(p, 128)  # tuned higher: the same pass stays on the CPU
     p(0, _x(64), _routing(big))
     assert p.stats()["uploaded_experts"] == 8 and p.stats()["cpu_experts"] == 13
 
@@ -185,13 +185,40 @@ def test_decaying_cache_warm_start_and_admission():
 
 def test_fixed_per_layer_ranks_each_layer_by_the_profile():
     p = build_policy("fixed-per-layer", _spec(), _settings())
-    assert p.resident_experts() == 30  # (36 - 4 zero slots) // 3 = 10 per layer: experts 0..9 (the most routed)
+    assert resident_experts(p) == 30  # (36 - 4 zero slots) // 3 = 10 per layer: experts 0..9 (the most routed)
     p(0, _x(64), _routing([[0, 9, 10, 15]] * 64))  # large pass: no upload, cold on the CPU
     s = p.stats()
     assert s.get("uploaded_experts", 0) == 0 and s["cold_routes"] == 128 and s["cpu_experts"] == 2
-    assert [p.last_plan.where(e) for e in (0, 9, 10, 15)] == ["pool", "pool", "cpu", "cpu"]
+    assert [int(p.pool.table_host[0][e]) >= 0 for e in (0, 9, 10, 15)] == [True, True, False, False]
     with pytest.raises(ConfigError, match="profile"):
         build_policy("fixed-per-layer", _spec(), _settings(profile=None))
+
+
+def test_fixed_uniform_keeps_the_same_ids_in_every_layer_without_a_profile():
+    counts = _counts()
+    for l in LAYERS:  # a profile that ranks the last experts first: uniform ignores it
+        counts.prefill[l] = torch.arange(E)
+    p = build_policy("fixed-uniform", _spec(), _settings(profile=counts))
+    assert resident_experts(p) == 30 and p.pool.num_slots - p.pool.flex_lo == 0  # no upload path
+    for l in LAYERS:
+        assert (p.pool.table_host[l] >= 0).nonzero()[:, 0].tolist() == list(range(10))
+    p(2, _x(40), _routing([[0, 1, 12, 13]] * 40))
+    assert p.stats().get("uploaded_experts", 0) == 0 and p.stats()["cpu_experts"] == 2
+
+
+def test_ktransformers_runs_the_cross_layer_residency_by_its_rules():
+    """Ostinato's residency; below the threshold the cold routes on the CPU, at or above it the
+    layer's every cold expert uploaded (not only the pass's), all on the GPU."""
+    p = build_policy("ktransformers", _spec(), _settings(offload_threshold=32))
+    assert resident_experts(p) == 24 and not p.capturable
+    p(0, _x(8), _routing([[0, 1, 8, 9]] * 8))  # below the threshold: split
+    s = p.stats()
+    assert s["cpu_experts"] == 2 and s.get("uploaded_experts", 0) == 0
+    p(0, _x(32), _routing([[0, 1, 8, 9]] * 32))  # at the threshold: all 8 cold experts of layer 0
+    s = p.stats()
+    assert s["uploaded_experts"] == 8 and s["cpu_experts"] == 2
+    with pytest.raises(ConfigError, match="residency"):
+        build_policy("ktransformers", _spec(), _settings(residency=None))
 
 
 def test_ostinato_policy_split_and_upload_paths():
@@ -242,7 +269,8 @@ def test_policies_in_the_whole_model(tiny_dir, device):
     loaded = load_engine(str(tiny_dir), settings, experts_factory=policy_factory("layers", ps))
     hot = fill({l: torch.arange(cfg.num_experts, 0, -1) for l in cfg.moe_layers}, 24)
     ps = ps.with_(residency=Residency(model_fingerprint(loaded.source), cfg.num_experts, hot), upload_threshold=32)
-    for name in ("layers", "expert-cache", "decaying-cache", "fixed-per-layer", "cpu", "gpu", "ostinato"):
+    for name in ("layers", "expert-cache", "decaying-cache", "fixed-per-layer", "fixed-uniform", "ktransformers",
+                 "cpu", "gpu", "ostinato"):
         if name != "layers":
             use_policy(loaded, make_policy(name, loaded.source, settings, ps))
         got = loaded.runner.forward(ids, 0, all_logits=True)

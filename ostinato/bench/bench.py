@@ -207,17 +207,20 @@ def run_sweep(target, plan) -> list[TurnResult]:
     return results
 
 
-def tune_threshold(loaded, backend, sessions, thresholds, max_turns, log=None, max_output=None) -> dict[int, float]:
+def tune_threshold(loaded, backend, name, sessions, thresholds, max_turns, log=None,
+                   max_output=None) -> dict[int, float]:
     """Total request time of the development tuning sessions for each offload threshold."""
+    from ostinato.policies.ostinato import set_offload_threshold
+
     target = InProcessTarget(loaded)
     totals = {}
     for thr in thresholds:
-        backend.offload_threshold = thr
+        set_offload_threshold(backend, thr)
         loaded.engine.reset()
         rs = replay_sessions(target, sessions, tokenizer=loaded.tokenizer, max_turns=max_turns, max_output=max_output)
         totals[thr] = round(sum(r.request_s or 0.0 for r in rs), 4)
         if log is not None:
-            print(f"  tune {backend.name}: offload threshold {thr}: {totals[thr]:.3f} s", file=log, flush=True)
+            print(f"  tune {name}: offload threshold {thr}: {totals[thr]:.3f} s", file=log, flush=True)
     return totals
 
 
@@ -401,7 +404,7 @@ def _probe_factory(probe: PolicySettings):
 
 def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_plan, np_) -> dict:
     """Tune (where the policy has a threshold), replay the held-out sessions, run the sweep."""
-    from ostinato.policies.ostinato import inner, resident_experts
+    from ostinato.policies.ostinato import inner, offload_threshold, resident_experts, set_offload_threshold
 
     entry: dict = {"resident_experts": resident_experts(backend), "decode_graph": loaded.runner.graphs is not None}
     cpu = getattr(inner(backend), "cpu", None)
@@ -409,12 +412,12 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         entry["cpu_workers"] = list(cpu.cpus)
     if bs.tune and name in TUNED and tune_set:
         turns = bs.tune_max_turns or bs.max_turns
-        totals = tune_threshold(loaded, backend, tune_set, bs.thresholds, turns, _log(bs), bs.max_output)
+        totals = tune_threshold(loaded, backend, name, tune_set, bs.thresholds, turns, _log(bs), bs.max_output)
         best = min(totals, key=totals.get)
-        backend.offload_threshold = best
+        set_offload_threshold(backend, best)
         entry["tuning"] = {"offload_threshold": totals, "chosen": best}
-    if hasattr(backend, "offload_threshold"):
-        entry["offload_threshold"] = backend.offload_threshold
+    if name != "ostinato" and offload_threshold(backend) is not None:
+        entry["offload_threshold"] = offload_threshold(backend)
     if name == "ostinato":
         entry["upload_threshold"] = backend.upload_threshold
         entry["split_uploads"] = inner(backend).mixed is not None  # Np unused then (layers/moe/hybrid.py)

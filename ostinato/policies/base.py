@@ -1,7 +1,9 @@
-"""What every baseline policy shares: one expert pool, host experts, a CPU pool, and the
-executor of a pass plan, so that policies differ only in where they put experts.
+"""What every baseline policy shares: the model's experts as a spec, one expert pool, host
+experts and a CPU pool built from one load (build_parts); and, for the caches, the executor of
+a pass plan. The static placements (policies/static.py) run on HybridExperts, Ostinato's
+executor; only a cache, whose placement changes with every pass, needs its own.
 
-A policy answers one question per MoE layer and forward pass: which pool slot serves each
+A cache answers one question per MoE layer and forward pass: which pool slot serves each
 expert of the layer in this pass (-1: the CPU computes it), and which experts to copy from
 page-locked host memory into which slots first. That answer is a `PassPlan`. The executor
 then runs the same seams as the hybrid backend (layers/moe/hybrid.py): the GPU branch is
@@ -62,7 +64,8 @@ class ModelExperts:
         return len(self.moe_layers) * self.num_experts
 
     @classmethod
-    def from_source(cls, source, runner_settings) -> "ModelExperts":
+    def from_source(cls, source, runner_settings, graphs: bool = True) -> "ModelExperts":
+        """graphs: the policy decodes through the graph handshake (a poller core is kept for it)."""
         from ostinato.loader.build import load_experts_staged
 
         cfg = source.config
@@ -71,7 +74,7 @@ class ModelExperts:
         return cls(cfg.num_hidden_layers, list(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok,
                    cfg.hidden_size, cfg.moe_intermediate_size, device, dtype,
                    lambda layer: load_experts_staged(source, layer, device, dtype), runner_settings.prefill_chunk,
-                   runner_settings.thread_layout(graphs=False))  # the baselines decode host-driven
+                   runner_settings.thread_layout(graphs=graphs))
 
 
 @dataclass(frozen=True)
@@ -186,10 +189,6 @@ class SlotExperts:
 
     def all_cpu_plan(self) -> PassPlan:
         return PassPlan(torch.full((self.spec.num_experts,), CPU, dtype=torch.int32))
-
-    def resident_plan(self, layer: int) -> PassPlan:
-        """The pool's index table row: resident experts from their slots, the rest on the CPU."""
-        return PassPlan(self.pool.table_host[layer].clone(), self.pool.table[layer])
 
     def staging_plan(self, ids: torch.Tensor, base: torch.Tensor | None = None) -> PassPlan:
         """Upload every expert this pass uses that `base` does not place in the pool, each once,

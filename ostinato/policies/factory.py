@@ -20,10 +20,12 @@ from ostinato.policies.base import ModelExperts
 from ostinato.policies.caches import DecayingCachePolicy, ExpertCachePolicy
 from ostinato.policies.ostinato import close_backend, hybrid_from_parts
 from ostinato.policies.settings import PolicySettings, check_policy
-from ostinato.policies.static import CpuPolicy, FixedPerLayerPolicy, GpuPolicy, LayersPolicy
+from ostinato.policies.static import BUILDERS
 
-CLASSES = {"layers": LayersPolicy, "expert-cache": ExpertCachePolicy, "decaying-cache": DecayingCachePolicy,
-           "fixed-per-layer": FixedPerLayerPolicy, "cpu": CpuPolicy, "gpu": GpuPolicy}
+# policy -> build(spec, expert slots, settings, development counts); the static placements run on
+# the one executor (HybridExperts) and decode as one CUDA graph per GPU; the caches decide per pass
+BUILD = {**BUILDERS, "expert-cache": ExpertCachePolicy.build, "decaying-cache": DecayingCachePolicy.build}
+CACHES = ("expert-cache", "decaying-cache")
 
 
 def load_profile(profile) -> RouteCounts | None:
@@ -70,7 +72,10 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
         _check_budget(spec, settings, residency)
         np_ = settings.upload_threshold or residency.calibration.get("upload_threshold") or _default_np()
         return hybrid_from_parts(spec, residency.hot, int(np_), settings.cpu_backend)
-    return CLASSES[name].build(spec, expert_slots(spec, settings), settings, load_profile(settings.profile))
+    settings = settings.with_(residency=load_residency(settings.residency))
+    if name == "ktransformers" and settings.residency is not None:
+        _check_budget(spec, settings, settings.residency)
+    return BUILD[name](spec, expert_slots(spec, settings), settings, load_profile(settings.profile))
 
 
 def make_policy(name: str, source, runner_settings, settings: PolicySettings = PolicySettings()):
@@ -78,7 +83,7 @@ def make_policy(name: str, source, runner_settings, settings: PolicySettings = P
     from ostinato.engine.placement import PlacementSettings, apply_memory_cap, build_hybrid
 
     check_policy(name)
-    spec = ModelExperts.from_source(source, runner_settings)
+    spec = ModelExperts.from_source(source, runner_settings, graphs=name not in CACHES)
     if name == "ostinato":
         residency = load_residency(settings.residency)
         if residency is None:

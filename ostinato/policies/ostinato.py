@@ -20,20 +20,36 @@ from ostinato.layers.moe.hybrid import HybridExperts
 from ostinato.policies.base import ModelExperts, build_parts, unpin
 
 
-def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int,
-                      cpu_backend="auto") -> HybridExperts:
-    """Wired like build_hybrid, from a spec (tests, models without a weight source)."""
+def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int | None,
+                      cpu_backend="auto", flex: int | None = None, upload_all: bool = False) -> HybridExperts:
+    """A static placement over the one executor, from a spec: `hot` resident, `flex` slots for
+    the upload path (default: the most cold experts of a layer; 0 without an upload path)."""
     cold = {l: sorted(set(range(spec.num_experts)) - set(hot.get(l, []))) for l in spec.moe_layers}
-    flex = max((len(v) for v in cold.values()), default=0)
+    if flex is None:
+        flex = max((len(v) for v in cold.values()), default=0)
     pool, host, cpu = build_parts(spec, hot, cold, flex, cpu_backend)
     for l in spec.moe_layers:  # HybridExperts reads every layer's host table, resident-only layers too
         host.compact.setdefault(l, torch.full((spec.num_experts,), -1, dtype=torch.int32))
-    return HybridExperts(pool, host, cpu, upload_threshold, spec.max_tokens)
+    return HybridExperts(pool, host, cpu, upload_threshold, spec.max_tokens, upload_all=upload_all)
 
 
 def inner(backend):
     """The HybridExperts inside the runner's graph wrapper (or the backend itself)."""
     return getattr(backend, "hybrid", backend)
+
+
+def offload_threshold(backend) -> int | None:
+    """Passes of at least this many tokens take the backend's upload path (None: none has one)."""
+    h = inner(backend)
+    return h.upload_threshold if isinstance(h, HybridExperts) else getattr(h, "offload_threshold", None)
+
+
+def set_offload_threshold(backend, n: int) -> None:
+    h = inner(backend)
+    if isinstance(h, HybridExperts):
+        h.upload_threshold = n
+    else:
+        h.offload_threshold = n
 
 
 def close_backend(backend) -> None:

@@ -14,12 +14,13 @@ from dataclasses import dataclass, replace
 
 from ostinato.config import ConfigError
 
-POLICIES = ("ostinato", "layers", "expert-cache", "decaying-cache", "fixed-per-layer", "cpu", "gpu")
+POLICIES = ("ostinato", "ktransformers", "layers", "expert-cache", "decaying-cache", "fixed-per-layer",
+            "fixed-uniform", "cpu", "gpu")
 BASELINES = POLICIES[1:]
 # llama.cpp's op-offload threshold (GGML_OP_OFFLOAD_MIN_BATCH) defaults to 32 tokens; the
 # values a tuning run chooses from (the reference paper found 512 best for its caches).
 OFFLOAD_THRESHOLDS = (32, 128, 512, 1024)
-TUNED = ("layers", "expert-cache", "decaying-cache")  # the policies with an offload threshold
+TUNED = ("ktransformers", "layers", "expert-cache", "decaying-cache")  # the policies with an offload threshold
 
 
 @dataclass(frozen=True)

@@ -98,13 +98,32 @@ class MixedPass:
         return best_k
 
 
+def choose_path(T: int, has_cold: bool, upload_threshold: int | None, mixed: MixedPass | None) -> str:
+    """The path of a pass of T tokens through a layer (DESIGN.md, "Three execution paths"):
+    "gpu" (every expert of the layer resident), "upload" (T >= upload_threshold; never with
+    None; a split pass with uploads takes over from the upload path when `mixed` is set, except
+    for one token), or "split" (GPU branch || CPU branch; with `mixed`, split with uploads)."""
+    if not has_cold:
+        return "gpu"
+    if upload_threshold is not None and T >= upload_threshold and (mixed is None or T == 1):
+        return "upload"
+    return "split"
+
+
 class HybridExperts:
-    def __init__(self, pool: ExpertPool, host: HostExperts, cpu, upload_threshold: int, max_tokens: int,
-                 layers: list[int] | None = None):
+    """The one executor of a static placement (Ostinato and the static baselines): the pool's
+    resident experts on the GPU in every pass, the rest by the pass's path (choose_path).
+    upload_threshold: Np, or None for a placement without an upload path; upload_all: the upload
+    path copies every cold expert of the layer, not only those the pass routes to
+    (KTransformers' rule)."""
+
+    def __init__(self, pool: ExpertPool, host: HostExperts, cpu, upload_threshold: int | None, max_tokens: int,
+                 layers: list[int] | None = None, upload_all: bool = False):
         """layers: the MoE layers this backend serves (default: every layer of the host tables;
         a device of a split model serves its own range, its HostExperts holds every layer's)."""
         self.pool, self.host, self.cpu = pool, host, cpu
         self.upload_threshold = upload_threshold  # Np
+        self.upload_all = upload_all
         self.device = pool.device
         self.on_cuda = self.device.type == "cuda"
         D = pool.w2.shape[1]
@@ -158,9 +177,10 @@ class HybridExperts:
             self.count_captured(layer, topk.ids)
         else:
             self.counters["routes"] += T * K
-        if not self.has_cold[layer]:
+        path = choose_path(T, self.has_cold[layer], self.upload_threshold, self.mixed)
+        if path == "gpu":
             return self._gpu_only(layer, x, topk)
-        if T >= self.upload_threshold and (self.mixed is None or T == 1):
+        if path == "upload":
             return self.upload_path(layer, x, topk)
         return self.split_path(layer, x, topk)
 
@@ -238,11 +258,15 @@ class HybridExperts:
         return part, cold & ~torch.isin(ids_h, up)
 
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        """Upload path: each distinct cold expert once into a flex slot, all on the GPU."""
+        """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once
+        into a flex slot, all on the GPU."""
         pool = self.pool
         table = pool.table[layer]
         slot = table[topk.ids]
-        cold_ids = torch.unique(topk.ids[slot < 0]).cpu()
+        if self.upload_all:
+            cold_ids = (self.host.compact[layer] >= 0).nonzero()[:, 0]
+        else:
+            cold_ids = torch.unique(topk.ids[slot < 0]).cpu()
         n = cold_ids.numel()
         if n > pool.num_slots - pool.flex_lo:
             raise RuntimeError(f"upload path: {n} cold experts exceed the {pool.num_slots - pool.flex_lo} flex slots")
