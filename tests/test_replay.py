@@ -394,3 +394,21 @@ def test_sweep_slopes_below_this_runs_np():
     policies = {"ostinato": entry([100.0, 200.0, 900.0]), "expert-cache": entry([100.0, 500.0, 600.0])}
     assert comparisons(policies, np_=1000)["expert-cache"]["sweep_slope_ratio"] == 0.25  # 128 and 512 only
     assert comparisons(policies)["expert-cache"]["sweep_slope_ratio"] is None  # each run's own: not measured
+
+
+def test_forced_output_waits_for_every_steps_logits(tiny_dir, monkeypatch):
+    """A replay forces the recorded tokens, but each decode step still brings its logits to the
+    host (sampling them), as a real decode does: otherwise a backend that never syncs would
+    queue its steps on the GPU and its TPOT would time launches, not steps."""
+    from ostinato.engine import session as session_mod
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.engine.sampling import SamplingParams
+
+    calls = []
+    real = session_mod.Sampler.__call__
+    monkeypatch.setattr(session_mod.Sampler, "__call__", lambda self, logits: calls.append(1) or real(self, logits))
+    loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=256))
+    forced = [11, 12, 13, 14, 15]
+    out = list(loaded.engine.generate(list(range(5, 25)), SamplingParams(max_tokens=8), forced=forced))
+    assert out == forced and len(calls) == len(forced)

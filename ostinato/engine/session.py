@@ -89,7 +89,8 @@ class Engine:
         t0 = time.perf_counter()
         logits, stats.cached_tokens = self._prefill(prompt)
         for i in range(limit):
-            token = forced[i] if forced is not None else sampler(logits)
+            sampled = sampler(logits)  # the step's logits reach the host, as in any decode; a forced
+            token = forced[i] if forced is not None else sampled  # replay that skipped it would time launches
             now = time.perf_counter()
             if i == 0:
                 stats.prefill_s = now - t0
