@@ -163,14 +163,21 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
     return {"value": int(np_), "how": "calibrated", "calibration": cal, "predicted": checks}
 
 
-def warm_up(loaded) -> None:
-    """One short generation, so lazy initialisation is not in the first measured turn."""
+def warm_up(loaded, sizes: tuple[int, ...] = (64, 512)) -> None:
+    """Passes of these sizes and of the runner's largest chunk, each with two decode steps, so
+    that lazy initialisation and kernel compilation (per shape bucket and path) are not in the
+    first measured turn: a short warm-up left them to the first policy's first long turn
+    (results/2026-12-01-h200-s5/README.md, "Static baselines as graphs")."""
     from ostinato.engine.sampling import SamplingParams
+    from ostinato.planner.calibrate import prompt_ids
 
-    prompt = loaded.tokenizer.render_ids([{"role": "user", "content": "Hello"}])
-    for _ in loaded.engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0)):
-        pass
-    loaded.engine.reset()
+    runner = loaded.runner
+    largest = min(runner.settings.prefill_chunk, runner.max_context - 4)
+    for n in sorted({min(s, largest) for s in sizes} | {largest}):
+        prompt = prompt_ids(loaded.tokenizer, "embedded:2", n)
+        for _ in loaded.engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0)):
+            pass
+        loaded.engine.reset()
 
 
 def sweep_requests(tok, dev, bs: BenchSettings, max_context: int) -> list[tuple[TurnRequest, list[TurnRequest]]]:
