@@ -30,7 +30,7 @@ from ostinato.bench.metrics import TurnResult, summarize, sweep_summary
 from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions
 from ostinato.config import ConfigError
 from ostinato.engine.runner import RunnerSettings
-from ostinato.policies.settings import OFFLOAD_THRESHOLDS, POLICIES, TUNED, PolicySettings
+from ostinato.policies.settings import OFFLOAD_THRESHOLDS, OSTINATO_STEPS, POLICIES, TUNED, PolicySettings
 
 DEFAULT_HOT_FRACTION = 0.4  # used only when nothing else sizes the budget (the paper's GPU held ~40%)
 
@@ -423,11 +423,12 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         best = min(totals, key=totals.get)
         set_offload_threshold(backend, best)
         entry["tuning"] = {"offload_threshold": totals, "chosen": best}
-    if name != "ostinato" and offload_threshold(backend) is not None:
+    if name not in OSTINATO_STEPS and offload_threshold(backend) is not None:
         entry["offload_threshold"] = offload_threshold(backend)
-    if name == "ostinato":
-        entry["upload_threshold"] = backend.upload_threshold
+    if name in OSTINATO_STEPS:
+        entry["upload_threshold"] = inner(backend).upload_threshold
         entry["split_uploads"] = inner(backend).mixed is not None  # Np unused then (layers/moe/hybrid.py)
+        entry["borrowing"] = inner(backend).borrow is not None
     loaded.engine.reset()
     t0 = time.perf_counter()
     results = _replay_with_progress(loaded, held, bs, name)

@@ -19,7 +19,7 @@ from ostinato.planner.residency import Residency
 from ostinato.policies.base import ModelExperts
 from ostinato.policies.caches import DecayingCachePolicy, ExpertCachePolicy
 from ostinato.policies.ostinato import close_backend, hybrid_from_parts
-from ostinato.policies.settings import PolicySettings, check_policy
+from ostinato.policies.settings import OSTINATO_STEPS, PolicySettings, check_policy
 from ostinato.policies.static import BUILDERS
 
 # policy -> build(spec, expert slots, settings, development counts); the static placements run on
@@ -65,13 +65,11 @@ def expert_slots(spec: ModelExperts, settings: PolicySettings) -> int:
 def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
     """A policy over a model described by `spec` (no weight-source checks)."""
     check_policy(name)
-    if name == "ostinato":
-        residency = load_residency(settings.residency)
-        if residency is None:
-            raise ConfigError("policy ostinato needs a residency file (--residency, from `ostinato plan`)")
-        _check_budget(spec, settings, residency)
+    if name in OSTINATO_STEPS:
+        residency = _ostinato_residency(spec, settings, name)
         np_ = settings.upload_threshold or residency.calibration.get("upload_threshold") or _default_np()
-        return hybrid_from_parts(spec, residency.hot, int(np_), settings.cpu_backend)
+        upload = OSTINATO_STEPS[name][0]
+        return hybrid_from_parts(spec, residency.hot, int(np_) if upload else None, settings.cpu_backend)
     settings = settings.with_(residency=load_residency(settings.residency))
     if name == "ktransformers" and settings.residency is not None:
         _check_budget(spec, settings, settings.residency)
@@ -84,15 +82,16 @@ def make_policy(name: str, source, runner_settings, settings: PolicySettings = P
 
     check_policy(name)
     spec = ModelExperts.from_source(source, runner_settings, graphs=name not in CACHES)
-    if name == "ostinato":
-        residency = load_residency(settings.residency)
-        if residency is None:
-            raise ConfigError("policy ostinato needs a residency file (--residency, from `ostinato plan`)")
-        _check_budget(spec, settings, residency)
+    if name in OSTINATO_STEPS:
+        residency = _ostinato_residency(spec, settings, name)
+        upload, mixed, borrow = OSTINATO_STEPS[name]
         place = PlacementSettings(gpu_memory=settings.gpu_memory, upload_threshold=settings.upload_threshold,
-                                  cpu_backend=settings.cpu_backend)
-        return build_hybrid(source, residency, place, spec.device, spec.dtype, spec.max_tokens,
-                            runner_settings.thread_layout())
+                                  cpu_backend=settings.cpu_backend, mixed=mixed, borrow=borrow)
+        h = build_hybrid(source, residency, place, spec.device, spec.dtype, spec.max_tokens,
+                         runner_settings.thread_layout())
+        if not upload:
+            h.upload_threshold = None
+        return h
     apply_memory_cap(spec.device, settings.gpu_memory)
     try:
         return build_policy(name, spec, settings)
@@ -130,6 +129,14 @@ def release(loaded) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _ostinato_residency(spec: ModelExperts, settings: PolicySettings, name: str) -> Residency:
+    residency = load_residency(settings.residency)
+    if residency is None:
+        raise ConfigError(f"policy {name} needs a residency file (--residency, from `ostinato plan`)")
+    _check_budget(spec, settings, residency)
+    return residency
 
 
 def _check_budget(spec: ModelExperts, settings: PolicySettings, residency: Residency) -> None:

@@ -14,9 +14,21 @@ from dataclasses import dataclass, replace
 
 from ostinato.config import ConfigError
 
+# Ostinato with the later steps of its design off, for the ablation: its residency and decode
+# graph with the split path alone, + the upload path at Np, + split passes with uploads; the
+# full design adds borrowed memory. Variant -> (upload path, mixed uploads, borrowing).
+OSTINATO_STEPS = {"ostinato-split": (False, False, False), "ostinato-upload": (True, False, False),
+                  "ostinato-mixed": (True, True, False), "ostinato": (True, True, True)}
 POLICIES = ("ostinato", "ktransformers", "layers", "expert-cache", "decaying-cache", "fixed-per-layer",
-            "fixed-uniform", "cpu", "gpu")
-BASELINES = POLICIES[1:]
+            "fixed-uniform", "cpu", "gpu", "ostinato-split", "ostinato-upload", "ostinato-mixed")
+BASELINES = tuple(p for p in POLICIES if p not in OSTINATO_STEPS)
+# the report's ablation, from nothing resident to the full design (BENCHMARK.md)
+ABLATION = (("cpu", "nothing resident"), ("layers", "whole layers (llama.cpp's fit)"),
+            ("fixed-uniform", "the same ids in every layer (KTransformers' uniform)"),
+            ("fixed-per-layer", "each layer's most routed (per-layer frequency)"),
+            ("ktransformers", "cross-layer fill, KTransformers' rules"),
+            ("ostinato-split", "Ostinato's split prefill"), ("ostinato-upload", "+ upload path"),
+            ("ostinato-mixed", "+ mixed uploads"), ("ostinato", "+ borrowed memory (Ostinato)"))
 # llama.cpp's op-offload threshold (GGML_OP_OFFLOAD_MIN_BATCH) defaults to 32 tokens; the
 # values a tuning run chooses from (the reference paper found 512 best for its caches).
 OFFLOAD_THRESHOLDS = (32, 128, 512, 1024)

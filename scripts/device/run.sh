@@ -45,7 +45,10 @@ DEADLINE=$((SECONDS + ${BUDGET_S:-565}))
 say() { echo "== [$SECONDS s] $*" | tee -a "$LOG"; }
 # field FILE EXPR: a Python expression over the JSON document d of FILE, printed ('' if missing or false)
 field() { python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print($2 or '')" "$1" 2>/dev/null; }
-att() { cat "$R/attention_scores.txt" 2>/dev/null || echo 1; }  # the capacity plan's attention share
+# the capacity plan's attention share (phase calib writes it; without it the plan's budget is not known:
+# 1, the materialised scores counted, a smaller pool than the plan's; restore all of a call's res.tgz)
+att() { cat "$R/attention_scores.txt" 2>/dev/null || { echo "note: no $R/attention_scores.txt: budget with the \
+attention scores counted" >> "$LOG"; echo 1; }; }
 # run LIMIT FILE CMD...: at most LIMIT seconds (less if the deadline is nearer), output to FILE and the log
 run() {
   local limit=$1 file=$2; shift 2
