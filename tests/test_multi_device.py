@@ -191,7 +191,9 @@ def test_segments_of_layer_devices():
 
 
 def test_split_experts_hooks_per_device():
-    class Backend:
+    from ostinato.layers.moe.backend import MoEBackend
+
+    class Backend(MoEBackend):
         def __init__(self, capturable):
             self.capturable, self.calls = capturable, []
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ostinato.layers.moe.backend import MoEBackend
 from ostinato.models.qwen3_moe import DecodeWindow
 
 
@@ -167,7 +168,7 @@ def forward_split(model, parts: list[Segment], input_ids: torch.Tensor, position
     return model.model.norm(x)
 
 
-class SplitExperts:
+class SplitExperts(MoEBackend):
     """The experts backend of a split model: each layer goes to its device's backend."""
 
     def __init__(self, backends: dict[str, object], layer_devices: list[str]):
@@ -180,7 +181,7 @@ class SplitExperts:
     @property
     def capturable(self) -> bool:
         """A decode graph per device can be captured when every device's backend allows it."""
-        return all(getattr(b, "capturable", False) for b in self.backends.values())
+        return all(b.capturable for b in self.backends.values())
 
     def wrap(self, fn) -> None:
         """Replace each device's backend b by fn(b, name) (the runner wraps a hybrid backend in
@@ -191,29 +192,25 @@ class SplitExperts:
                 wrapped[name] = fn(b, name)
         self.backends = wrapped
 
-    def _each(self, hook: str) -> None:
+    def _each(self, hook) -> None:
         for b in self.backends.values():
-            fn = getattr(b, hook, None)
-            dev = getattr(b, "device", None)
-            if fn is not None:
-                with device_scope(dev) if dev is not None else contextlib.nullcontext():
-                    fn()
+            with device_scope(b.device) if b.device is not None else contextlib.nullcontext():
+                hook(b)
 
     def before_prefill(self) -> None:
-        self._each("before_prefill")
+        self._each(lambda b: b.before_prefill())
 
     def after_decode_step(self) -> None:
-        self._each("after_decode_step")
+        self._each(lambda b: b.after_decode_step())
 
     def close(self) -> None:
         """Stop each device's graph worker (the CPU pool they share is left as it is)."""
-        self._each("close")
+        self._each(lambda b: b.close())
 
     def stats(self) -> dict[str, float]:
         total: Counter = Counter()
         for b in self.backends.values():
-            if callable(getattr(b, "stats", None)):
-                total.update(b.stats())
+            total.update(b.stats())
         return dict(total)
 
 

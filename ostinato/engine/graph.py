@@ -28,6 +28,7 @@ import contextlib
 import torch
 
 from ostinato.engine.devices import Segment, backend_of, device_scope
+from ostinato.layers.moe.backend import MoEBackend
 from ostinato.models.qwen3_moe import DecodeWindow
 
 
@@ -49,11 +50,9 @@ class Stage:
         self.model, self.kv, self.seg = model, kv, seg
         dev = self.device = seg.device
         self.cuda = dev.type == "cuda"
-        # hooks of the segment's own backend: before_step() is the first thing of its graph
-        # (e.g. the handshake's sequence bump); after_step() once the step is recorded or run
-        self.before_step = getattr(backend, "before_step", None)
-        self.after_step = getattr(backend, "after_step", None)
-        self.after_capture = getattr(backend, "after_capture", None)  # once the warm-up steps are done
+        # the segment's own backend (none on a device without MoE layers): its before_step() is the
+        # first thing of the graph (the handshake's sequence bump), after_step() once it ran
+        self.backend = backend if backend is not None else MoEBackend()
         self.token = torch.zeros(1, dtype=torch.long, device=dev) if seg.first else None
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
         self.inputs: tuple[torch.Tensor, ...] = ()  # allocated at the first hand-off
@@ -80,8 +79,7 @@ class Stage:
     def step(self, window: DecodeWindow) -> tuple[torch.Tensor, ...]:
         """The stage's part of a decode step: what is captured (the same modules in the same
         order as the eager pass, devices.forward_split / the model's forward)."""
-        if self.before_step is not None:
-            self.before_step()
+        self.backend.before_step()
         model, seg = self.model, self.seg
         try:
             if seg.first:
@@ -94,8 +92,7 @@ class Stage:
                 return (model.logits(model.model.norm(x))[0],)  # [V] fp32
             return x, cos, sin
         finally:
-            if self.after_step is not None:
-                self.after_step()
+            self.backend.after_step()
 
     @contextlib.contextmanager
     def eagerly(self):
@@ -166,8 +163,7 @@ class DecodeGraphs:
         for stage in self.stages:
             with device_scope(stage.device):
                 torch.cuda.synchronize()
-            if stage.after_capture is not None:
-                stage.after_capture()
+            stage.backend.after_capture()
 
     def window_for(self, position: int) -> int | None:
         return next((s for s in self.sizes if position < s), None)

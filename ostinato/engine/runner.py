@@ -150,7 +150,7 @@ class ModelRunner:
         elif self.layer_devices is None:
             self.experts = for_graphs(self.experts, self.poller_core(str(self.device)))
         self.model.set_experts(self.experts)
-        if not getattr(self.experts, "capturable", False):
+        if not self.experts.capturable:
             return
         self.graphs = DecodeGraphs(self)
         self.graphs.capture()
@@ -175,7 +175,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             claim_host_thread(self.threads)
         decode = len(tokens) == 1 and not all_logits
-        if not decode and hasattr(self.experts, "before_prefill"):
+        if not decode:
             self.experts.before_prefill()  # borrowed slots go back to the upload path first
         if decode and self.graphs is not None and self.graphs.window_for(start) is not None:
             logits = self.graphs.replay(tokens[0], start).to(self.device, copy=True)  # from the last device
@@ -197,9 +197,7 @@ class ModelRunner:
         return logits
 
     def _after_decode_step(self) -> None:
-        hook = getattr(self.experts, "after_decode_step", None)
-        if hook is not None:
-            hook()
+        self.experts.after_decode_step()
 
     @torch.inference_mode()
     def decode_windowed(self, token: int, position: int) -> torch.Tensor:
@@ -216,5 +214,4 @@ class ModelRunner:
     def placement_stats(self) -> dict[str, float]:
         """Cumulative counters of the experts placement (routes, cold routes, CPU experts, bytes
         uploaded, pool hits), for /metrics and reports; empty for the all-on-one-device backend."""
-        stats = getattr(self.experts, "stats", None)
-        return dict(stats()) if callable(stats) else {}
+        return dict(self.experts.stats()) if self.experts is not None else {}

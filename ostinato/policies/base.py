@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.hybrid import to_host
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
@@ -135,7 +136,7 @@ def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dic
     return pool, host, cpu
 
 
-class SlotExperts:
+class SlotExperts(MoEBackend):
     """An experts backend over a pool, host experts and a CPU pool; subclasses choose the plan."""
 
     name = "slots"

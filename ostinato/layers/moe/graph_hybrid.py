@@ -17,13 +17,14 @@ import atexit
 
 import torch
 
+from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts
 from ostinato.layers.moe.types import TopKOutput
 
 
-class GraphHybridExperts:
+class GraphHybridExperts(MoEBackend):
     capturable = True
 
     def __init__(self, hybrid: HybridExperts, core: int = -1):

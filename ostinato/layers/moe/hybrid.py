@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.layers.moe.types import TopKOutput
@@ -110,7 +111,7 @@ def choose_path(T: int, has_cold: bool, upload_threshold: int | None, mixed: Mix
     return "split"
 
 
-class HybridExperts:
+class HybridExperts(MoEBackend):
     """The one executor of a static placement (Ostinato and the static baselines): the pool's
     resident experts on the GPU in every pass, the rest by the pass's path (choose_path).
     upload_threshold: Np, or None for a placement without an upload path; upload_all: the upload

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.types import ExpertWeights, TopKOutput
 
 
@@ -40,7 +41,7 @@ def moe_forward(x: torch.Tensor, topk: TopKOutput, experts: ExpertWeights) -> to
     return out
 
 
-class ReferenceExperts:
+class ReferenceExperts(MoEBackend):
     """Experts backend holding every layer's stacked experts on one device."""
 
     def __init__(self, layers: dict[int, ExpertWeights]):
