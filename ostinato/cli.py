@@ -41,7 +41,8 @@ def _placement(a):
     from ostinato.engine.placement import PlacementSettings
 
     cap = parse_bytes(a.gpu_memory) if getattr(a, "gpu_memory", None) else None
-    return PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold, mixed=not getattr(a, "no_mixed", False))
+    return PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold,
+                             mixed=not getattr(a, "no_mixed", False))
 
 
 def cmd_synth(a) -> int:

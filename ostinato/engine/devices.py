@@ -39,6 +39,12 @@ def physical(name: str) -> torch.device:
     return torch.device("cpu") if dev.type == "cpu" else dev
 
 
+def gpus_in_order(names: list[str]) -> list[str]:
+    """The distinct CUDA devices among these names (a layer map or a device list), in order:
+    the GPUs of a thread layout, position i for the i-th."""
+    return [n for n in in_order(names) if physical(n).type == "cuda"]
+
+
 def cuda_index(name: str) -> int:
     """The CUDA device index of a device name ("cuda" is the current device)."""
     dev = torch.device(name)
@@ -255,8 +261,7 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
         experts = load_experts_staged(source, layer, pool.device, dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
-    order = in_order(layer_devices)
-    gpu_of = {n: i for i, n in enumerate(n for n in order if physical(n).type == "cuda")}
+    gpu_of = {n: i for i, n in enumerate(gpus_in_order(layer_devices))}
     group = {name: threads.group_of(gpu_of.get(name, 0)) for name in pools}
     cpus = {}
     for g in dict.fromkeys(group.values()):

@@ -41,8 +41,7 @@ class RunnerSettings:
     def thread_layout(self, layer_devices: Sequence[str] | None = None, graphs: bool = True) -> ThreadLayout:
         """The process's thread layout (engine/threads.py) for these devices (default: the
         settings'); graphs: the backend decodes through the graph handshake when it can."""
-        names = split.in_order(list(layer_devices)) if layer_devices else self.device_names()
-        gpus = [split.cuda_index(n) for n in names if split.physical(n).type == "cuda"]
+        gpus = [split.cuda_index(n) for n in split.gpus_in_order(list(layer_devices or self.device_names()))]
         return process_layout(gpus, graphs and self.cuda_graph and bool(gpus), self.cpu_threads)
 
     def device_names(self) -> list[str]:
@@ -157,8 +156,7 @@ class ModelRunner:
 
     def poller_core(self, device: str) -> int:
         """The CPU of the graph poller that serves `device`'s layers (-1: none reserved)."""
-        names = split.in_order(self.layer_devices) if self.layer_devices else [str(self.device)]
-        gpus = [n for n in names if split.physical(n).type == "cuda"]
+        gpus = split.gpus_in_order(self.layer_devices or [str(self.device)])
         pollers = self.threads.pollers
         return pollers[gpus.index(device)] if device in gpus and gpus.index(device) < len(pollers) else -1
 

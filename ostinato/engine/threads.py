@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 _SYS = Path("/sys/devices/system/cpu")
 
 
@@ -52,6 +54,8 @@ class Topology:
     @staticmethod
     @functools.cache
     def read() -> "Topology":
+        """Read once per process: the first layout is computed at load, before any thread is
+        pinned (sched_getaffinity reads the calling thread's CPUs)."""
         cpus = []
         for c in sorted(os.sched_getaffinity(0)):
             topo = _SYS / f"cpu{c}" / "topology"
@@ -213,8 +217,6 @@ def thread_layout(topo: Topology, gpu_nodes: Sequence[int] = (), graphs: bool = 
 
 def gpu_node(index: int) -> int:
     """The NUMA node of CUDA device `index` (sysfs, from its PCI address), -1 if unknown."""
-    import torch
-
     try:
         p = torch.cuda.get_device_properties(index)
         addr = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
@@ -237,9 +239,7 @@ def claim_host_thread(layout: ThreadLayout | None) -> None:
     thousand elements, and torch's pool, spinning after such an op, took the cores of the CPU
     experts' pinned workers (results/2026-11-29-h200x2-s4/b_split.txt). Once per thread and
     layout: torch keeps a thread's setting once that thread has run a parallel op."""
-    import torch
-
-    if getattr(_host, "layout", None) is layout and getattr(_host, "single", False):
+    if getattr(_host, "layout", None) == layout and getattr(_host, "single", False):
         return
     if not getattr(_host, "single", False):
         torch.set_num_threads(1)
