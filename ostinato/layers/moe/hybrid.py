@@ -161,6 +161,7 @@ class HybridExperts(MoEBackend):
         routes, cold = self.graph_counts.tolist()
         out["routes"] += routes
         out["cold_routes"] += cold
+        out["cpu_experts"] += cold  # a graph step is one token: each cold route is one expert on the CPU
         out = dict(out)
         if self.borrow is not None:
             out |= self.borrow.stats()
