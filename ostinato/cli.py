@@ -7,42 +7,11 @@ import logging
 import sys
 import time
 
+from ostinato.bench.cli import add_bench_commands
 from ostinato.config import ConfigError
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory or synth:PRESET[?seed=S&layers=N]")
-    p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if present)")
-    p.add_argument("--devices", help="cuda:0,cuda:1,...: MoE layers split across these devices, in order "
-                   "(a residency planned for several devices sets this itself)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--max-context", type=int, help="KV cache size in tokens")
-    p.add_argument("--residency", help="residency file from `ostinato plan`: hybrid CPU-GPU experts")
-    p.add_argument("--gpu-memory", help="GPU memory cap, e.g. 32GiB (the engine never allocates past it)")
-    p.add_argument("--cpu-threads", type=int, help="CPU expert workers (default: every physical core left "
-                   "after the host thread and one graph poller per GPU; a count that does not fit is run with a "
-                   "note, workers sharing cores)")
-    p.add_argument("--upload-threshold", type=int, help="Np: passes of at least this many tokens upload "
-                   "cold experts (default: the calibrated value in the residency file)")
-    p.add_argument("--no-mixed", action="store_true", help="split passes send nothing over PCIe (DESIGN.md's "
-                   "split path); by default they upload their most-routed cold experts when the residency "
-                   "holds a calibration")
-
-
-def _runner_settings(a):
-    from ostinato.engine.runner import RunnerSettings
-
-    return RunnerSettings(device=a.device, dtype=a.dtype, max_context=a.max_context,
-                          devices=getattr(a, "devices", None), cpu_threads=getattr(a, "cpu_threads", None))
-
-
-def _placement(a):
-    from ostinato.config import parse_bytes
-    from ostinato.engine.placement import PlacementSettings
-
-    cap = parse_bytes(a.gpu_memory) if getattr(a, "gpu_memory", None) else None
-    return PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold,
-                             mixed=not getattr(a, "no_mixed", False))
+from ostinato.model_args import add_model_args, placement_settings, runner_settings
+from ostinato.planner.cli import add_planner_commands
+from ostinato.server.cli import add_server_commands
 
 
 def cmd_synth(a) -> int:
@@ -61,7 +30,7 @@ def cmd_generate(a) -> int:
     from ostinato.engine.session import GenerationStats
 
     t0 = time.perf_counter()
-    loaded = load_engine(a.model, _runner_settings(a), _placement(a))
+    loaded = load_engine(a.model, runner_settings(a), placement_settings(a))
     load_s = time.perf_counter() - t0
     tok = loaded.tokenizer
     prompt = tok.encode(a.prompt) if a.raw else tok.render_ids([{"role": "user", "content": a.prompt}])
@@ -100,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("generate", help="generate text from a prompt")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -110,13 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print token ids and timings as JSON")
     p.set_defaults(func=cmd_generate)
 
-    from ostinato.bench.cli import add_bench_commands
-    from ostinato.planner.cli import add_planner_commands
-    from ostinato.server.cli import add_server_commands
-
-    add_planner_commands(sub, _add_model_args)
-    add_server_commands(sub, _add_model_args)
-    add_bench_commands(sub, _add_model_args)
+    add_planner_commands(sub)
+    add_server_commands(sub)
+    add_bench_commands(sub)
     return ap
 
 

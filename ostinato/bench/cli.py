@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from ostinato.config import ConfigError, parse_bytes
+from ostinato.model_args import add_model_args, placement_settings, runner_settings
 from ostinato.policies.settings import OFFLOAD_THRESHOLDS, POLICIES, PolicySettings
 
 
@@ -85,14 +86,13 @@ def cmd_replay(a) -> int:
 def _in_process(a):
     from ostinato.bench.bench import warm_up
     from ostinato.bench.replay import InProcessTarget
-    from ostinato.cli import _placement, _runner_settings
     from ostinato.engine.factory import load_engine
     from ostinato.policies.factory import policy_factory
 
-    rs = _runner_settings(a)
+    rs = runner_settings(a)
     name = a.policy
     if name is None:
-        loaded = load_engine(a.model, rs, _placement(a))
+        loaded = load_engine(a.model, rs, placement_settings(a))
         engine = "ostinato" if a.residency else "reference"
     else:
         settings = _policy_settings(a)
@@ -105,7 +105,6 @@ def _in_process(a):
 def _bench_settings(a):
 
     from ostinato.bench.bench import BenchSettings
-    from ostinato.cli import _runner_settings
 
     if a.residency:
         raise ConfigError("bench plans its own residency from the development sessions: drop --residency")
@@ -113,7 +112,7 @@ def _bench_settings(a):
     if unknown:
         raise ConfigError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)})")
     return BenchSettings(
-        model=a.model, runner=_runner_settings(a), sessions=a.sessions, policies=tuple(a.policies),
+        model=a.model, runner=runner_settings(a), sessions=a.sessions, policies=tuple(a.policies),
         gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None,
         expert_budget=parse_bytes(a.expert_budget) if a.expert_budget else None, hot_fraction=a.hot_fraction,
         attention_scores=a.attention_scores,
@@ -179,7 +178,7 @@ def _max_output_arg(p) -> None:
                    "prompt still holds the whole recorded message); default: all of them")
 
 
-def add_bench_commands(sub, add_model_args) -> None:
+def add_bench_commands(sub) -> None:
     p = sub.add_parser("replay", help="replay sessions turn by turn against an endpoint or an in-process engine")
     add_model_args(p)
     for action in p._actions:  # --model or --endpoint

@@ -7,6 +7,7 @@ import json
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.model_args import add_model_args, placement_settings, runner_settings
 
 
 def _sessions(spec: str | None, limit: int | None):
@@ -34,11 +35,10 @@ def spread(items: list, n: int) -> list:
 
 
 def cmd_profile(a) -> int:
-    from ostinato.cli import _placement, _runner_settings
     from ostinato.engine.factory import load_engine
     from ostinato.planner.run_profile import profile_sessions
 
-    loaded = load_engine(a.model, _runner_settings(a), _placement(a))
+    loaded = load_engine(a.model, runner_settings(a), placement_settings(a))
     counts = profile_sessions(loaded, _sessions(a.sessions, a.max_sessions))
     counts.save(a.output)
     print(f"profiled {counts.sessions} sessions: {counts.tokens['prefill']} prompt and "
@@ -61,12 +61,11 @@ def skew_summary(counts) -> str:
 
 def cmd_skew(a) -> int:
     from ostinato.bench.sessions import split_sessions
-    from ostinato.cli import _placement, _runner_settings
     from ostinato.engine.factory import load_engine
     from ostinato.planner.run_profile import profile_sessions
     from ostinato.planner.skew import hot_share, layer_ranges
 
-    loaded = load_engine(a.model, _runner_settings(a), _placement(a))
+    loaded = load_engine(a.model, runner_settings(a), placement_settings(a))
     dev, held = split_sessions(_sessions(a.sessions, None))
     if a.max_sessions:
         dev, held = spread(dev, a.max_sessions), spread(held, a.max_sessions)
@@ -262,7 +261,6 @@ def _plan_split(a, cfg, counts, prof, names: list[str]):
 def cmd_calibrate(a) -> int:
     import dataclasses
 
-    from ostinato.cli import _placement, _runner_settings
     from ostinato.engine.factory import load_engine
     from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
     from ostinato.planner.profile import RouteCounts
@@ -271,12 +269,12 @@ def cmd_calibrate(a) -> int:
     if not a.residency:
         raise ValueError("give --residency (a plan from `ostinato plan`)")
     res = Residency.load(a.residency)
-    place = _placement(a)
+    place = placement_settings(a)
     if place.gpu_memory is None and res.gpu_memory:
         place = dataclasses.replace(place, gpu_memory=res.gpu_memory)  # the cap it was planned for
     place = dataclasses.replace(place, cpu_backend=a.cpu_backend)
     kv = a.max_context or res.capacity.get("kv_tokens") or None
-    settings = dataclasses.replace(_runner_settings(a), max_context=kv)
+    settings = dataclasses.replace(runner_settings(a), max_context=kv)
     loaded = load_engine(a.model, settings, place)
     sizes = tuple(int(x) for x in a.sizes.split(",")) if a.sizes else CalibrateSettings.sizes
     cs = CalibrateSettings(reps=a.reps, sizes=sizes, pass_layers=a.pass_layers, sessions=a.sessions or "embedded:4")
@@ -346,7 +344,7 @@ def print_calibration(cal: dict) -> None:
               f"{m['cold_routes_per_token_layer']:.2f} cold routes per token and layer; profile {m['profile']}){bound}")
 
 
-def add_planner_commands(sub, add_model_args) -> None:
+def add_planner_commands(sub) -> None:
     p = sub.add_parser("plan", help="choose the resident experts: capacity test under a GPU memory cap, then fill")
     p.add_argument("--model", required=True)
     p.add_argument("--profile", help="development profile from `ostinato profile`")

@@ -9,6 +9,8 @@ import ipaddress
 import sys
 from pathlib import Path
 
+from ostinato.model_args import add_model_args, placement_settings, runner_settings
+
 
 def _is_loopback(host: str) -> bool:
     try:
@@ -20,13 +22,12 @@ def _is_loopback(host: str) -> bool:
 def cmd_serve(a) -> int:
     import uvicorn
 
-    from ostinato.cli import _placement, _runner_settings
     from ostinato.server.app import build_app
 
-    placement = _placement(a)  # a bad --gpu-memory fails here, before the port is bound
+    placement = placement_settings(a)  # a bad --gpu-memory fails here, before the port is bound
     if placement.residency and not Path(placement.residency).is_file():
         raise FileNotFoundError(f"--residency {placement.residency}: no such file (write one with `ostinato plan`)")
-    app = build_app(a.model, _runner_settings(a), placement, a.api_key, a.served_model_name)
+    app = build_app(a.model, runner_settings(a), placement, a.api_key, a.served_model_name)
     if not _is_loopback(a.host) and not a.api_key:
         print(f"ostinato: warning: serving on {a.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -34,7 +35,7 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def add_server_commands(sub, add_model_args) -> None:
+def add_server_commands(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (one session slot)")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

@@ -1,0 +1,40 @@
+"""The model and placement flags every engine-loading subcommand shares, and the settings they
+make: one place for the flags, so the subcommands' CLIs need not import the top-level one."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory or synth:PRESET[?seed=S&layers=N]")
+    p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if present)")
+    p.add_argument("--devices", help="cuda:0,cuda:1,...: MoE layers split across these devices, in order "
+                   "(a residency planned for several devices sets this itself)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--max-context", type=int, help="KV cache size in tokens")
+    p.add_argument("--residency", help="residency file from `ostinato plan`: hybrid CPU-GPU experts")
+    p.add_argument("--gpu-memory", help="GPU memory cap, e.g. 32GiB (the engine never allocates past it)")
+    p.add_argument("--cpu-threads", type=int, help="CPU expert workers (default: every physical core left "
+                   "after the host thread and one graph poller per GPU; a count that does not fit is run with a "
+                   "note, workers sharing cores)")
+    p.add_argument("--upload-threshold", type=int, help="Np: passes of at least this many tokens upload "
+                   "cold experts (default: the calibrated value in the residency file)")
+    p.add_argument("--no-mixed", action="store_true", help="split passes send nothing over PCIe (DESIGN.md's "
+                   "split path); by default they upload their most-routed cold experts when the residency "
+                   "holds a calibration")
+
+
+def runner_settings(a):
+    from ostinato.engine.runner import RunnerSettings
+
+    return RunnerSettings(device=a.device, dtype=a.dtype, max_context=a.max_context,
+                          devices=getattr(a, "devices", None), cpu_threads=getattr(a, "cpu_threads", None))
+
+
+def placement_settings(a):
+    from ostinato.config import parse_bytes
+    from ostinato.engine.placement import PlacementSettings
+
+    cap = parse_bytes(a.gpu_memory) if getattr(a, "gpu_memory", None) else None
+    return PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold,
+                             mixed=not getattr(a, "no_mixed", False))
