@@ -17,7 +17,7 @@ from ostinato.bench.metrics import (TurnResult, client_timing, percentile, sessi
                                     sweep_summary, wins)
 from ostinato.bench.replay import (FORCED_OUTPUT_FIELD, HttpTarget, InProcessTarget, TurnRequest, format_turn,
                                    replay_sessions)
-from ostinato.bench.sessions import Session, Turn
+from ostinato.bench.turns import Session, Turn
 from ostinato.engine.session import common_prefix
 
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from ostinato.bench.converters import convert
-from ostinato.bench.sessions import (
-    KINDS, Session, SessionFormatError, Turn, load_sessions, read_jsonl, session_from_json, session_to_json,
-    split_sessions, write_jsonl,
+from ostinato.bench.sessions import load_sessions, split_sessions
+from ostinato.bench.turns import (
+    KINDS, Session, SessionFormatError, Turn, read_jsonl, session_from_json, session_to_json, write_jsonl,
 )
 from ostinato.bench.session_stats import FAMILIES, QUANTILE_LEVELS, load_stats, measure_stats
 from ostinato.bench.synthetic import generate_sessions

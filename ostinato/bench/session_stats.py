@@ -1,6 +1,7 @@
 """Statistics of the recorded workloads, the shape the synthetic sessions follow.
 
-The recordings cannot ship inside the package, so `write_stats` measures them once per source
+The recordings cannot ship inside the package, so `write_stats` (bench/record_stats.py)
+measures them once per source
 family (tau2 and tau-bench customer service, SWE-agent coding): quantiles of the number of
 turns, of the characters newly appended before each request (by turn kind) and of the output
 length, and the shares of turn kinds and tool calls. They are written to
@@ -10,16 +11,14 @@ length, and the shares of turn kinds and tool calls. They are written to
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter, defaultdict
-from datetime import date
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ostinato.bench.sessions import KINDS, Session, load_sessions
+from ostinato.bench.turns import KINDS, Session
 from ostinato.bench.text import message_chars, messages_chars
 
 
@@ -76,36 +75,6 @@ def _family_stats(sessions: list[Session]) -> dict:
         "tool_call_session_share": round(len(calling) / max(len(sessions), 1), 4),
         "tools_chars": quantiles([len(json.dumps(s.tools)) if s.tools else 0 for s in sessions]),
     }
-
-
-def default_workloads_dir() -> Path:
-    """`../shared/workloads` next to the repository that holds this package."""
-    return Path(__file__).resolve().parents[3] / "shared" / "workloads"
-
-
-def write_stats(path: str | Path = STATS_PATH, workloads: str | Path | None = None) -> dict:
-    """Measure the recorded workloads and write the statistics the generator samples from."""
-    root = Path(workloads) if workloads else default_workloads_dir()
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".json", ".traj", ".jsonl"))
-    sessions: list[Session] = []
-    sources = []
-    for file in files:
-        loaded = load_sessions(file)
-        sessions += loaded
-        digest = hashlib.sha256(file.read_bytes()).hexdigest()
-        sources.append({"path": file.relative_to(root).as_posix(), "sha256": digest, "sessions": len(loaded)})
-    stats = {
-        "measured_on": date.today().isoformat(),
-        "workloads": "../shared/workloads (see its README for origins and licenses)",
-        "written_by": "ostinato.bench.session_stats.write_stats",
-        "units": "characters of message text (content, tool-call names and JSON arguments); about 4 per token",
-        "quantile_levels": list(QUANTILE_LEVELS),
-        "sources": sources,
-        "families": measure_stats(sessions),
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
-    return stats
 
 
 @lru_cache(maxsize=1)

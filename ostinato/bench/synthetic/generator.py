@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from ostinato.bench.session_stats import FAMILIES, load_stats
-from ostinato.bench.sessions import Session, Turn
+from ostinato.bench.turns import Session, Turn
 from ostinato.bench.synthetic.common import _Lengths
 from ostinato.bench.synthetic.service import _service_session
 from ostinato.bench.synthetic.swe import _swe_session

@@ -8,7 +8,7 @@ import random
 import string
 from typing import Any, Callable
 
-from ostinato.bench.sessions import Message
+from ostinato.bench.turns import Message
 from ostinato.bench.synthetic.common import _Built, _Lengths, _call, _lines, _prose
 
 

@@ -7,7 +7,7 @@ import json
 import random
 from typing import Iterator
 
-from ostinato.bench.sessions import Message
+from ostinato.bench.turns import Message
 from ostinato.bench.synthetic.common import _Built, _Lengths, _call, _fit, _lines, _prose
 
 
