@@ -1,4 +1,4 @@
-"""Where weights come from: a Hugging Face checkpoint directory, or a synthetic model.
+"""Where weights come from: a Hugging Face checkpoint directory, or a synthetic model (synth/source.py).
 
 Both give the same interface: a `ModelConfig`, tensor names and shapes, and `load_`
 that writes a named tensor into memory the caller allocated (so experts land straight
@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.layers.moe.types import expert_views
+from ostinato.synth.build import synth_source
 
 
 class CheckpointSource:
@@ -78,39 +79,6 @@ class CheckpointSource:
             self.load_(name, view)
 
 
-class SynthSource:
-    """A synthetic model generated on demand (see ostinato.synth)."""
-
-    def __init__(self, spec, tokenizer_dir: Path, config: dict):
-        self.spec = spec
-        self.tokenizer_dir = tokenizer_dir
-        self.config = ModelConfig.from_dict(config)
-        self.generate_on = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def names(self) -> list[str]:
-        return list(self.spec.shapes)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.spec.shapes[name]
-
-    def load_(self, name: str, out: torch.Tensor) -> torch.Tensor:
-        if out.device.type == self.generate_on:
-            return self.spec.fill_(name, out)
-        return out.copy_(self.spec.tensor(name, device=self.generate_on, dtype=out.dtype))
-
-    def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        if w13.device.type == self.generate_on:
-            return self.spec.fill_experts_(layer, w13, w2)
-        # generate on the GPU a few experts at a time, copy to host memory
-        step = 8
-        for e in range(0, w13.shape[0], step):
-            a = torch.empty_like(w13[e:e + step], device=self.generate_on)
-            b = torch.empty_like(w2[e:e + step], device=self.generate_on)
-            self.spec.fill_experts_(layer, a, b, first=e)
-            w13[e:e + step].copy_(a)
-            w2[e:e + step].copy_(b)
-
-
 def parse_synth(text: str) -> tuple[str, dict]:
     """'synth:tiny?seed=1&layers=2' -> ('tiny', {'seed': 1, 'layers': 2})."""
     body = text[len("synth:"):]
@@ -128,8 +96,6 @@ def open_source(model: str | Path):
     """A model argument -> a weight source."""
     text = str(model)
     if text.startswith("synth:"):
-        from ostinato.synth.build import synth_source
-
         preset, opts = parse_synth(text)
         return synth_source(preset, **opts)
     return CheckpointSource(text)

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from ostinato.synth.presets import TOKENIZER_VOCAB, preset_config
+from ostinato.synth.source import SynthSource
 from ostinato.synth.weights import SynthSpec
 
 SHARD_BYTES = 4 * 2**30
@@ -93,8 +94,6 @@ def tokenizer_vocab_size(tok_dir: Path) -> int:
 
 
 def synth_source(preset: str, seed: int = 0, layers: int | None = None, skew: float | None = None):
-    from ostinato.loader.source import SynthSource
-
     preset_config(preset, layers)  # a clear error for an unknown preset or layer count, before training
     tok = cached_tokenizer(preset)
     spec = SynthSpec(preset, layers, seed, skew, active_vocab=tokenizer_vocab_size(tok))

@@ -1,0 +1,44 @@
+"""A synthetic model as a weight source: the loader's interface (loader/source.py) over tensors
+generated on demand with deterministic per-tensor seeds (synth/weights.py), on the GPU where
+there is one and copied to where the caller allocated them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ostinato.config import ModelConfig
+
+
+class SynthSource:
+    """A synthetic model generated on demand (see ostinato.synth)."""
+
+    def __init__(self, spec, tokenizer_dir: Path, config: dict):
+        self.spec = spec
+        self.tokenizer_dir = tokenizer_dir
+        self.config = ModelConfig.from_dict(config)
+        self.generate_on = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def names(self) -> list[str]:
+        return list(self.spec.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.spec.shapes[name]
+
+    def load_(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        if out.device.type == self.generate_on:
+            return self.spec.fill_(name, out)
+        return out.copy_(self.spec.tensor(name, device=self.generate_on, dtype=out.dtype))
+
+    def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        if w13.device.type == self.generate_on:
+            return self.spec.fill_experts_(layer, w13, w2)
+        # generate on the GPU a few experts at a time, copy to host memory
+        step = 8
+        for e in range(0, w13.shape[0], step):
+            a = torch.empty_like(w13[e:e + step], device=self.generate_on)
+            b = torch.empty_like(w2[e:e + step], device=self.generate_on)
+            self.spec.fill_experts_(layer, a, b, first=e)
+            w13[e:e + step].copy_(a)
+            w2[e:e + step].copy_(b)
