@@ -4,9 +4,10 @@ Each decoder layer lives on one device (contiguous ranges, planned by planner/as
 and stored in the residency file): its dense weights, its KV cache and the pool slots of
 its hot experts. The embedding sits on the first device, the final norm and lm_head on
 the last; a pass hands the hidden state (and cos/sin) to the next device at each range
-boundary. Every device has its own ExpertPool and index table and its own HybridExperts;
-all of them share one HostExperts and one CpuExperts, the CPU pool serving every GPU
-(layers run in order, so it serves one layer at a time). The model module stays pure:
+boundary. Every device has its own ExpertPool and index table and its own HybridExperts
+(engine/placement.py builds them); all of them share one HostExperts and a CpuExperts pool
+per worker group of the thread layout, one for every GPU unless the GPUs sit on different
+NUMA nodes (layers run in order, so a pool serves one layer at a time). The model module stays pure:
 the loop over devices that moves activations lives here, a `Segment` per device.
 
 Device names are logical: "cuda:1" is a GPU, "cpu:0" and "cpu:1" are two logical
@@ -29,8 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ostinato.config import ConfigError
+from ostinato.engine.kv_cache import LayerKV
 from ostinato.layers.moe.backend import MoEBackend
+from ostinato.layers.moe.reference import ReferenceExperts
+from ostinato.loader.build import load_experts
 from ostinato.models.qwen3_moe import DecodeWindow
+from ostinato.planner.assign import assign_devices, layer_map
 
 
 def physical(name: str) -> torch.device:
@@ -73,9 +79,6 @@ def resolve_layer_devices(cfg, names: list[str], residency, kv_tokens: int, dtyp
     """Each decoder layer's device, or None for a one-device run. A residency planned for
     several devices brings its own assignment (the names given, if any, must be its devices);
     otherwise several names get the balanced assignment of planner/assign.py, equal caps."""
-    from ostinato.config import ConfigError
-    from ostinato.planner.assign import assign_devices, layer_map
-
     planned = residency.layer_devices(cfg.num_hidden_layers) if residency is not None else None
     if planned is not None:
         if len(names) > 1 and names != list(residency.devices):
@@ -105,8 +108,6 @@ class SplitKV:
     """The KV cache of a split model: one [Ld, N, Hkv, Hd] block per device for its layers."""
 
     def __init__(self, cfg, max_tokens: int, layer_devices: list[str], dtype: torch.dtype):
-        from ostinato.engine.kv_cache import LayerKV
-
         self.max_tokens = max_tokens
         self.blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layers = []
@@ -139,8 +140,6 @@ class Segment:
 def segments(layer_devices: list[str]) -> list[Segment]:
     """Each decoder layer's device -> the segments in layer order (one device: one segment).
     A device must hold one contiguous range: its graph, KV block and worker serve it once a step."""
-    from ostinato.config import ConfigError
-
     bounds = [0] + [i for i in range(1, len(layer_devices)) if layer_devices[i] != layer_devices[i - 1]]
     bounds.append(len(layer_devices))
     names = [layer_devices[b] for b in bounds[:-1]]
@@ -225,62 +224,7 @@ def backend_of(experts, seg: Segment):
     return experts.backends.get(seg.name) if isinstance(experts, SplitExperts) else experts
 
 
-def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype: torch.dtype,
-                       max_tokens: int, threads) -> SplitExperts:
-    """One ExpertPool + HybridExperts per device (the hot experts of its layers), one HostExperts
-    for all (the cold experts of every layer), and a CPU pool per worker group of the thread
-    layout: one for every GPU, or one per NUMA node where the GPUs sit on different nodes."""
-    from ostinato.config import ConfigError
-    from ostinato.engine.placement import apply_memory_cap, configure, upload_threshold
-    from ostinato.layers.moe.cpu_experts import CpuExperts
-    from ostinato.layers.moe.hybrid import HybridExperts
-    from ostinato.layers.moe.pool import ExpertPool, HostExperts
-    from ostinato.loader.build import load_experts_staged
-
-    cfg = source.config
-    residency.check(source)
-    F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
-    hot = {l: residency.hot.get(l, []) for l in cfg.moe_layers}
-    cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
-    pools: dict[str, ExpertPool] = {}
-    for name in in_order(layer_devices):
-        layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
-        dev = physical(name)
-        apply_memory_cap(dev, place.gpu_memory)  # per device
-        if not layers:
-            continue
-        try:
-            pools[name] = ExpertPool({l: hot[l] for l in layers}, cfg.num_hidden_layers, E, cfg.num_experts_per_tok,
-                                     max(len(cold[l]) for l in layers), (2 * F, D), (D, F), dev, dtype)
-        except torch.OutOfMemoryError:
-            raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
-                              "--gpu-memory or --hot-fraction") from None
-    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
-    for layer in cfg.moe_layers:
-        pool = pools[layer_devices[layer]]
-        experts = load_experts_staged(source, layer, pool.device, dtype)
-        pool.fill_layer(layer, experts)
-        host.fill_layer(layer, experts)
-    gpu_of = {n: i for i, n in enumerate(gpus_in_order(layer_devices))}
-    group = {name: threads.group_of(gpu_of.get(name, 0)) for name in pools}
-    cpus = {}
-    for g in dict.fromkeys(group.values()):
-        mine = {l: w for l, w in host.layers.items() if group[layer_devices[l]] is g}
-        cpus[g] = CpuExperts(mine, backend=place.cpu_backend, cpus=g.cpus)
-    np_ = upload_threshold(place, residency)
-    backends = {}
-    for name, pool in pools.items():
-        with device_scope(pool.device):
-            layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
-            backends[name] = configure(HybridExperts(pool, host, cpus[group[name]], np_, max_tokens, layers=layers),
-                                       place, residency)
-    return SplitExperts(backends, layer_devices)
-
-
 def split_reference(source, layer_devices: list[str], dtype: torch.dtype):
     """Every expert resident, each layer's on its own device (no residency given)."""
-    from ostinato.layers.moe.reference import ReferenceExperts
-    from ostinato.loader.build import load_experts
-
     return ReferenceExperts({l: load_experts(source, l, device=physical(layer_devices[l]), dtype=dtype)
                              for l in source.config.moe_layers})

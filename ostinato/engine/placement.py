@@ -1,4 +1,6 @@
-"""Builds the hybrid placement from a residency file, under a GPU memory cap.
+"""Builds the hybrid placement from a residency file, under a GPU memory cap: on one device
+(build_hybrid), or a pool per device of a split model (build_split_hybrid; engine/devices.py
+runs it).
 
 Order matters: the cap is set first, then the expert pool and its flex slots are
 allocated before the dense model, the KV cache or any activation, so a prefill never
@@ -11,7 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.engine.devices import SplitExperts, device_scope, gpus_in_order, in_order, physical, resolve_layer_devices
 from ostinato.engine.threads import ThreadLayout
+from ostinato.layers.moe.borrow import Borrowing
+from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.loader.build import load_experts_staged
@@ -45,8 +50,6 @@ def apply_memory_cap(device: torch.device, cap: int | None) -> None:
 def build_hybrid(source, residency: Residency, place: PlacementSettings, device: torch.device,
                  dtype: torch.dtype, max_tokens: int, threads: ThreadLayout) -> HybridExperts:
     """threads: the process's thread layout (its CPU pool's workers)."""
-    from ostinato.layers.moe.cpu_experts import CpuExperts
-
     cfg = source.config
     residency.check(source)
     apply_memory_cap(device, place.gpu_memory)
@@ -78,8 +81,6 @@ def upload_threshold(place: PlacementSettings, residency: Residency) -> int:
 def configure(hybrid: HybridExperts, place: PlacementSettings, residency: Residency) -> HybridExperts:
     """The placement's options on a built HybridExperts: borrowed memory, split with uploads."""
     if place.borrow and hybrid.pool.num_slots > hybrid.pool.flex_lo:
-        from ostinato.layers.moe.borrow import Borrowing
-
         hybrid.borrow = Borrowing(hybrid, wait_copies=place.borrow_wait_copies)
     if place.mixed and hybrid.on_cuda:  # a CPU-only machine has no second link to balance
         hybrid.mixed = MixedPass.from_calibration(residency.calibration)
@@ -94,8 +95,6 @@ def hybrid_factory(place: PlacementSettings, residency: Residency | None = None)
     residency = residency or Residency.load(place.residency)
 
     def make(source, runner_settings):
-        from ostinato.engine.devices import build_split_hybrid, resolve_layer_devices
-
         cfg = source.config
         dtype = runner_settings.torch_dtype(cfg.torch_dtype)
         kv_tokens = runner_settings.max_context or min(16384, cfg.max_position_embeddings)
@@ -108,3 +107,48 @@ def hybrid_factory(place: PlacementSettings, residency: Residency | None = None)
         return build_hybrid(source, residency, place, device, dtype, runner_settings.prefill_chunk, threads)
 
     return make
+
+
+def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype: torch.dtype,
+                       max_tokens: int, threads) -> SplitExperts:
+    """One ExpertPool + HybridExperts per device (the hot experts of its layers), one HostExperts
+    for all (the cold experts of every layer), and a CPU pool per worker group of the thread
+    layout: one for every GPU, or one per NUMA node where the GPUs sit on different nodes."""
+    cfg = source.config
+    residency.check(source)
+    F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    hot = {l: residency.hot.get(l, []) for l in cfg.moe_layers}
+    cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
+    pools: dict[str, ExpertPool] = {}
+    for name in in_order(layer_devices):
+        layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
+        dev = physical(name)
+        apply_memory_cap(dev, place.gpu_memory)  # per device
+        if not layers:
+            continue
+        try:
+            pools[name] = ExpertPool({l: hot[l] for l in layers}, cfg.num_hidden_layers, E, cfg.num_experts_per_tok,
+                                     max(len(cold[l]) for l in layers), (2 * F, D), (D, F), dev, dtype)
+        except torch.OutOfMemoryError:
+            raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
+                              "--gpu-memory or --hot-fraction") from None
+    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
+    for layer in cfg.moe_layers:
+        pool = pools[layer_devices[layer]]
+        experts = load_experts_staged(source, layer, pool.device, dtype)
+        pool.fill_layer(layer, experts)
+        host.fill_layer(layer, experts)
+    gpu_of = {n: i for i, n in enumerate(gpus_in_order(layer_devices))}
+    group = {name: threads.group_of(gpu_of.get(name, 0)) for name in pools}
+    cpus = {}
+    for g in dict.fromkeys(group.values()):
+        mine = {l: w for l, w in host.layers.items() if group[layer_devices[l]] is g}
+        cpus[g] = CpuExperts(mine, backend=place.cpu_backend, cpus=g.cpus)
+    np_ = upload_threshold(place, residency)
+    backends = {}
+    for name, pool in pools.items():
+        with device_scope(pool.device):
+            layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
+            backends[name] = configure(HybridExperts(pool, host, cpus[group[name]], np_, max_tokens, layers=layers),
+                                       place, residency)
+    return SplitExperts(backends, layer_devices)

@@ -15,7 +15,7 @@
   point of "fill, count flex, refill").
 
 Everything here is a pure function of the config, the counts and the settings; the
-verification (`verify_capacity`) runs the largest pass of the longest request in the
+verification (planner/verify.py) runs the largest pass of the longest request in the
 engine under the cap and reads torch.cuda.max_memory_allocated.
 
 Legend: T tokens of a pass, N KV tokens, D hidden, H / Hkv query / KV heads, Hd head dim,
@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
+from ostinato.engine.kv_cache import KVCache
+from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
 from ostinato.planner.fill import fill
 
 GiB = 2**30
@@ -93,8 +95,6 @@ def itemsize(dtype: torch.dtype) -> int:
 
 def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Every parameter of the model (experts are not parameters) in the compute dtype."""
-    from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
-
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(cfg)
     return sum(p.numel() for p in model.parameters()) * itemsize(dtype)
@@ -106,8 +106,6 @@ def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
-    from ostinato.engine.kv_cache import KVCache
-
     return KVCache.bytes_needed(cfg, tokens, dtype)
 
 
@@ -188,8 +186,6 @@ _gib = fmt_bytes
 
 def dense_parts(cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int, int]:
     """(dense bytes of each decoder layer, embedding bytes, final norm + lm_head bytes)."""
-    from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
-
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(cfg)
     b = itemsize(dtype)
@@ -243,48 +239,3 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     hot = best if slots is None else slots
     return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, K, flex_slots(counts, hot, E), hot,
                     best, str(dtype).removeprefix("torch."), act)
-
-
-def verify_capacity(model: str, residency_path: str, cap: Capacity, cpu_threads: int | None = None,
-                    device: str | None = None, dtype: str | None = None) -> dict:
-    """Run the largest pass of the longest request (the last full chunk, attending to all
-    kv_tokens) and one decode step in the engine under the cap; report the peak allocation.
-
-    Earlier chunks of the request attend to fewer tokens and need less, so the synthetic
-    pass (random token ids, KV cache of zeros) bounds the request's peak.
-    """
-    from ostinato.engine.factory import load_engine
-    from ostinato.engine.placement import PlacementSettings
-    from ostinato.engine.runner import RunnerSettings
-
-    settings = RunnerSettings(device=device, dtype=dtype, max_context=cap.kv_tokens, prefill_chunk=cap.pass_tokens,
-                              cpu_threads=cpu_threads)
-    if settings.torch_device().type != "cuda":
-        return {"skipped": "no CUDA device here (or the plan is for the CPU): the plan was not run under the cap"}
-    try:
-        loaded = load_engine(model, settings,
-                             PlacementSettings(residency=residency_path, gpu_memory=cap.budget))
-    except (torch.OutOfMemoryError, ConfigError) as e:
-        return {"ok": False, "tokens": cap.kv_tokens, "error": f"failed to load: {str(e).splitlines()[0]}",
-                "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
-    runner = loaded.runner
-    n = cap.kv_tokens
-    T = min(cap.pass_tokens, max(n - 2, 0))  # start >= 1: a masked pass, as a later turn's prefill
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, runner.config.vocab_size, (n,), generator=g).tolist()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    result = {"device": torch.cuda.get_device_name(), "tokens": n, "pass_tokens": T, "budget": cap.budget,
-              "planned": cap.fixed - cap.margin + cap.pool_bytes}  # what the plan expects to allocate at most
-    try:
-        if T > 0:
-            runner.forward(ids[n - 1 - T:n - 1], n - 1 - T)
-        runner.forward(ids[n - 1:], n - 1)
-        torch.cuda.synchronize()
-        result["error"] = None
-    except torch.OutOfMemoryError as e:
-        result["error"] = f"out of memory: {str(e).splitlines()[0]}"
-    result["peak_allocated"] = torch.cuda.max_memory_allocated()
-    result["peak_reserved"] = torch.cuda.max_memory_reserved()
-    result["ok"] = result["error"] is None and result["peak_allocated"] <= cap.budget
-    return result

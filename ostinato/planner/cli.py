@@ -159,7 +159,8 @@ def _plan_capacity(a, cfg, counts, prof, device, slots):
 
 
 def _verify(a, res, cap, device) -> None:
-    from ostinato.planner.capacity import fmt_bytes, verify_capacity
+    from ostinato.planner.capacity import fmt_bytes
+    from ostinato.planner.verify import verify_capacity
 
     v = verify_capacity(a.model, a.output, cap, a.cpu_threads, device, a.dtype)
     res.capacity["verified"] = v

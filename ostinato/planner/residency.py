@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
+from ostinato.planner.assign import layer_map
 
 FORMAT = "ostinato.residency"
 VERSION = 1
@@ -60,8 +61,6 @@ class Residency:
     def layer_devices(self, num_layers: int) -> list[str] | None:
         """Each decoder layer's device under `devices` (a layer not listed goes with the one
         before it, leading ones with the first device); None for a plan of one device."""
-        from ostinato.planner.assign import layer_map
-
         return layer_map(self.devices, num_layers) if len(self.devices) > 1 else None
 
     def to_json(self) -> dict:
