@@ -16,8 +16,8 @@ devices on the host's one memory, so the same placement runs (and is tested) on 
 Decode is captured as one CUDA graph per GPU (engine/graph.py): each segment's graph
 replays on its device and the hidden state (and cos/sin) is copied between them, host-driven,
 one launch per device per step. Each device's hybrid backend gets its own mapped-memory
-handshake and native worker (GraphHybridExperts); the workers share the one CPU pool, and
-steps never overlap across devices, so the pool still has one submitter at a time.
+handshake and native worker (GraphHybridExperts); the workers of a worker group share its
+CPU pool, and steps never overlap across devices, so a pool still has one submitter at a time.
 
 Legend: T tokens, D hidden, L decoder layers.
 """

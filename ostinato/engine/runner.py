@@ -18,10 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.engine import devices as split
+from ostinato.engine.graph import DecodeGraphs, window_sizes
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.threads import ThreadLayout, claim_host_thread, process_layout
+from ostinato.layers.moe.graph_hybrid import for_graphs
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import build_model, load_all_experts
+from ostinato.models.qwen3_moe import DecodeWindow
 
 
 def default_device() -> torch.device:
@@ -141,9 +144,6 @@ class ModelRunner:
         """Capture decode steps when the placement allows it: every expert resident, or the
         hybrid placement through the mapped-memory handshake with the native CPU worker (a
         split model: each device's hybrid backend with a handshake and worker of its own)."""
-        from ostinato.engine.graph import DecodeGraphs
-        from ostinato.layers.moe.graph_hybrid import for_graphs
-
         if isinstance(self.experts, split.SplitExperts):
             self.experts.wrap(lambda backend, name: for_graphs(backend, self.poller_core(name)))
         elif self.layer_devices is None:
@@ -201,9 +201,6 @@ class ModelRunner:
     def decode_windowed(self, token: int, position: int) -> torch.Tensor:
         """The captured step's computation run eagerly (same attention window, same kernels):
         the synchronous reference the graph must equal bit for bit."""
-        from ostinato.engine.graph import window_sizes
-        from ostinato.models.qwen3_moe import DecodeWindow
-
         size = next(s for s in window_sizes(self.max_context) if position < s)
         pos = torch.tensor([position], device=self.device)
         hidden = self._hidden(torch.tensor([token], device=self.device), pos, 0, DecodeWindow(pos, size))

@@ -99,9 +99,7 @@ def layers_policy(spec: ModelExperts, slots: int, settings, counts=None) -> Hybr
 
 
 def ktransformers_policy(spec: ModelExperts, slots: int, settings, counts=None) -> HybridExperts:
-    from ostinato.policies.factory import load_residency
-
-    residency = load_residency(settings.residency)
+    residency = settings.residency  # read by the factory
     if residency is None:
         raise ConfigError("policy ktransformers runs Ostinato's residency by KTransformers' rules: give the "
                           "--residency (from `ostinato plan`)")
