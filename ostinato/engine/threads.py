@@ -239,7 +239,8 @@ def claim_host_thread(layout: ThreadLayout | None) -> None:
     thousand elements, and torch's pool, spinning after such an op, took the cores of the CPU
     experts' pinned workers (results/2026-11-29-h200x2-s4/b_split.txt). Once per thread and
     layout: torch keeps a thread's setting once that thread has run a parallel op."""
-    if getattr(_host, "layout", None) == layout and getattr(_host, "single", False):
+    done = getattr(_host, "layout", None)
+    if (done is layout or done == layout) and getattr(_host, "single", False):  # every pass: identity first
         return
     if not getattr(_host, "single", False):
         torch.set_num_threads(1)

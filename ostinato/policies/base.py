@@ -137,7 +137,9 @@ def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dic
 
 
 class SlotExperts(MoEBackend):
-    """An experts backend over a pool, host experts and a CPU pool; subclasses choose the plan."""
+    """An experts backend over a pool, host experts and a CPU pool; subclasses choose the plan.
+    A cache reads every decode step's routing on the host, so it is never capturable (MoEBackend's
+    default)."""
 
     name = "slots"
 
@@ -164,13 +166,6 @@ class SlotExperts(MoEBackend):
     def resident_experts(self) -> int:
         """Experts held in pool slots for reuse across passes (resident or cached)."""
         return self.pool.num_hot
-
-    @property
-    def capturable(self) -> bool:
-        """A decode step can be captured as one CUDA graph (engine/graph.py) when every layer's
-        one-token plan is routing-independent and all on the GPU: no host sync. The counters
-        then count the captured step once, not its replays."""
-        return all((p := self.static_plan(l, 1)) is not None and p.all_gpu for l in self.spec.moe_layers)
 
     def stats(self) -> dict[str, float]:
         d = dict(self.counters)
