@@ -86,6 +86,47 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     graphed.runner.experts.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["expert-cache", "decaying-cache"])
+def test_caches_decode_as_graph_segments_bitwise(tiny_dir, name):
+    """A cache's decode step replays as graph segments cut at each MoE layer, with its plan,
+    uploads and CPU branch on the host between them: bitwise equal to its synchronous path, the
+    cache evolving exactly as there (the capture's warm-up leaves it alone), the cuts timed."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.graph import GraphChain
+    from ostinato.planner.profile import RouteCounts
+    from ostinato.policies.factory import policy_factory
+    from ostinato.policies.settings import PolicySettings
+
+    probe = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64))
+    cfg = probe.source.config
+    counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts)
+    for l in cfg.moe_layers:
+        counts.decode[l] = torch.arange(cfg.num_experts, 0, -1)
+    counts.tokens["decode"] = 10
+    ps = PolicySettings(expert_slots=cfg.num_experts * len(cfg.moe_layers) // 4 + cfg.num_experts + 8,
+                        profile=counts, offload_threshold=32)
+
+    def engine(graphs):
+        settings = RunnerSettings(device="cuda", dtype="bf16", max_context=2048, cuda_graph=graphs)
+        return load_engine(str(tiny_dir), settings, experts_factory=policy_factory(name, ps))
+
+    graphed, sync = engine(True), engine(False)
+    chain = graphed.runner.graphs.stages[0].graphs[1024][0]
+    assert isinstance(chain, GraphChain) and len(chain.parts) == len(cfg.moe_layers) + 1
+    assert torch.equal(graphed.runner.experts.slot_of, sync.runner.experts.slot_of)  # warm-up left it alone
+    replay_vs_eager(graphed, sync, steps=64)
+    g, s = graphed.runner.experts, sync.runner.experts
+    assert torch.equal(g.slot_of, s.slot_of)
+    stats, ref = g.stats(), s.stats()
+    for k in ("routes", "cold_routes", "uploaded_experts", "cpu_experts", "evictions"):
+        assert stats.get(k, 0) == ref.get(k, 0), k
+    assert stats["uploaded_experts"] > 0
+    assert stats["segment_cuts"] == (64 // 8) * len(cfg.moe_layers) and stats["segment_gap_ms"] > 0
+    g.close()
+    s.close()
+
+
 def replay_vs_eager(graphed, sync, steps=96, device=None):
     """Greedy tokens of the graphed engine; every replay bitwise equal to the eager windowed
     step of an engine without graphs (its hooks called after each step, as the graphed

@@ -430,9 +430,13 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         entry["split_uploads"] = inner(backend).mixed is not None  # Np unused then (layers/moe/hybrid.py)
         entry["borrowing"] = inner(backend).borrow is not None
     loaded.engine.reset()
+    before = loaded.runner.placement_stats()
     t0 = time.perf_counter()
     results = _replay_with_progress(loaded, held, bs, name)
     t1 = time.perf_counter()
+    segments = segment_costs(before, loaded.runner.placement_stats())
+    if segments:
+        entry["graph_segments"] = segments
     sweep = run_sweep(InProcessTarget(loaded), sweep_plan)
     entry["wall_s"] = {"replay": round(t1 - t0, 1), "sweep": round(time.perf_counter() - t1, 1)}
     cfg = loaded.runner.config
@@ -440,6 +444,19 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
     entry["sweep"] = sweep_summary(sweep, np_)
     entry["turns"] = [r.to_json() for r in results + sweep]
     return entry
+
+
+def segment_costs(before: dict, after: dict) -> dict | None:
+    """A cache's decode steps replayed as graph segments (policies/base.py): what a cut cost
+    over the held-out replay, on the timed steps: the GPU's wait from the end of one segment to
+    the next one's inputs, over all cuts and over the cuts with no upload or CPU work (the sync
+    alone). None for a backend that does not cut its steps."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("segment_cuts", "segment_gap_ms", "sync_cuts", "sync_gap_ms")}
+    if not d["segment_cuts"]:
+        return None
+    return {"timed_cuts": int(d["segment_cuts"]), "gap_ms_per_cut": round(d["segment_gap_ms"] / d["segment_cuts"], 4),
+            "sync_cuts": int(d["sync_cuts"]),
+            "sync_ms_per_cut": round(d["sync_gap_ms"] / d["sync_cuts"], 4) if d["sync_cuts"] else None}
 
 
 def _replay_with_progress(loaded, sessions, bs: BenchSettings, name: str) -> list[TurnResult]:

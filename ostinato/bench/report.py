@@ -291,7 +291,13 @@ def markdown(result: dict, plots: list[str]) -> str:
             lines.append(f"- {name}: offload threshold {t['chosen']} (development sessions: {grid})")
         elif "offload_threshold" in e:
             lines.append(f"- {name}: offload threshold {e['offload_threshold']}")
-        elif "external" in e:
+        if "graph_segments" in e:
+            g = e["graph_segments"]
+            lines.append(f"- {name}: decode steps replayed as graph segments cut at each MoE layer; per cut (timed "
+                         f"steps, {g['timed_cuts']} cuts): {g['gap_ms_per_cut']:.3f} ms from a segment's end to the "
+                         f"next one's inputs, {_f(g['sync_ms_per_cut'], '{:.3f}')} ms where the cut had nothing to "
+                         f"upload or compute on the CPU ({g['sync_cuts']} cuts: the sync alone)")
+        if "external" in e:
             lines.append(f"- {name}: another engine, replayed over HTTP on the same turns ({e['external']['engine']}; "
                          f"`{e['external']['file']}`): max_tokens = the recorded length, end of sequence ignored")
     lines += ["", "## Length sweep", "", "Median TTFT (ms) after a fixed development prefix, by new prompt tokens.", ""]

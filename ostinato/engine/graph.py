@@ -10,6 +10,14 @@ its window; windows double in size up to the context, and a step uses the smalle
 holds it. The experts backend must itself be capturable (no host sync): the all-GPU pool
 path, or the hybrid backend with the mapped-memory handshake to the native CPU worker.
 
+A cache (policies/caches.py) must read each layer's routing on the host before it can say
+where the layer's experts are, as llama.cpp's expert cache does. Its step is captured as a
+`GraphChain`: the backend cuts the capture at each MoE layer (routing copied to page-locked
+memory at the end of one graph, the experts' GPU branch at the start of the next), and a
+replay runs the graphs in order with the backend's host work between them. All the GPU work
+of a step stays captured; the host work per layer is one sync, the cache's decision and
+its uploads.
+
 A model split across devices (engine/devices.py) is captured as one graph per device and
 window: a `Stage` per segment (its contiguous layers; the first also embeds the token and
 computes cos/sin, the last also runs the norm and lm_head), each with static inputs on its
@@ -38,6 +46,39 @@ def window_sizes(max_context: int, smallest: int = 1024) -> list[int]:
         sizes.append(w)
         w *= 2
     return sizes + [max_context]
+
+
+class GraphChain:
+    """A decode step captured as a sequence of graphs sharing one memory pool. The experts
+    backend calls `cut(between)` during the capture: the graph so far ends and the next
+    begins; at replay `between()` runs on the host after the graph before it was launched
+    (it synchronises itself when it needs the results). Graphs of one pool replay in the
+    order they were captured, as sharing the pool requires."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.parts: list[tuple[torch.cuda.CUDAGraph, object]] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.pool)
+
+    def cut(self, between) -> None:
+        self._graph.capture_end()
+        self.parts.append((self._graph, between))
+        self.begin()
+
+    def end(self) -> None:
+        self._graph.capture_end()
+        self.parts.append((self._graph, None))
+        self._graph = None
+
+    def replay(self) -> None:
+        for graph, between in self.parts:
+            graph.replay()
+            if between is not None:
+                between()
 
 
 class Stage:
@@ -116,13 +157,26 @@ class Stage:
 
     def capture(self, size: int) -> None:
         with device_scope(self.device):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.side):
-                out = self.step(self.window(size))
-            self.graphs[size] = (graph, out)
+            if not self.backend.segmented:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.side):
+                    out = self.step(self.window(size))
+                self.graphs[size] = (graph, out)
+                return
+            torch.cuda.synchronize()
+            chain = GraphChain(self.pool)
+            self.backend.chain = chain  # the backend cuts the capture where it needs the host
+            try:
+                with torch.cuda.stream(self.side):
+                    chain.begin()
+                    out = self.step(self.window(size))
+                    chain.end()
+            finally:
+                self.backend.chain = None
+            self.graphs[size] = (chain, out)
 
     def replay(self, size: int, token: int, position: int, prev: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        graph, out = self.graphs[size]
+        graph, out = self.graphs[size]  # a CUDAGraph or a GraphChain
         with device_scope(self.device):
             self.load(token, position, prev)
             graph.replay()  # on the device's current stream
@@ -155,6 +209,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every window's step on every device (before any request: warm-up steps
         write KV slot 0). Warm-up runs eagerly first (Triton compiles, allocators settle)."""
+        for stage in self.stages:
+            stage.backend.before_capture()
         for size in self.sizes:
             for _ in range(2):
                 self._run(size, 0, 0)

@@ -143,13 +143,14 @@ class ModelRunner:
     def enable_graphs(self) -> None:
         """Capture decode steps when the placement allows it: every expert resident, or the
         hybrid placement through the mapped-memory handshake with the native CPU worker (a
-        split model: each device's hybrid backend with a handshake and worker of its own)."""
+        split model: each device's hybrid backend with a handshake and worker of its own), or
+        a cache's step as graph segments between its per-layer host work."""
         if isinstance(self.experts, split.SplitExperts):
             self.experts.wrap(lambda backend, name: for_graphs(backend, self.poller_core(name)))
         elif self.layer_devices is None:
             self.experts = for_graphs(self.experts, self.poller_core(str(self.device)))
         self.model.set_experts(self.experts)
-        if not self.experts.capturable:
+        if not (self.experts.capturable or self.experts.segmented):
             return
         self.graphs = DecodeGraphs(self)
         self.graphs.capture()

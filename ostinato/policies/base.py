@@ -18,6 +18,16 @@ cold_routes (routes whose expert was not in the pool when the pass began: comput
 CPU or uploaded), cpu_experts (distinct experts the CPU computed, summed over calls),
 uploaded_experts, bytes_uploaded, evictions; pool_hits = routes - cold_routes.
 
+Decode steps are captured as graph segments (engine/graph.py GraphChain), as llama.cpp runs
+its cached layers: at each MoE layer the captured step copies the routing and activations to
+page-locked buffers and cuts; at replay the host then synchronises once, plans, starts the
+uploads, writes the pass's slot table (and the CPU branch's partial sum, computed meanwhile)
+to static device buffers, and the next segment runs the GPU branch from them. The same plan
+and kernels as the synchronous path, so a replayed step equals it bit for bit. Every eighth
+step the gaps are timed with events: segment_gap_ms over segment_cuts (from the end of a
+segment to the next one's inputs being on the device) and, for the cuts with nothing to
+upload or compute on the CPU, sync_gap_ms over sync_cuts: the cost of the sync itself.
+
 Legend: T tokens, K top-k, E experts per layer, D hidden, F expert FFN, L model layers.
 """
 from __future__ import annotations
@@ -136,12 +146,31 @@ def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dic
     return pool, host, cpu
 
 
+@dataclass
+class SegmentBuffers:
+    """What a captured decode step hands between its segments at one MoE layer (shared by all
+    layers: the host finishes with one before the next segment overwrites it)."""
+
+    ids: torch.Tensor  # [1, K] page-locked: the routing, copied by the segment before the cut
+    weights: torch.Tensor  # [1, K] page-locked
+    x: torch.Tensor  # [1, D] page-locked: the activations, for the CPU branch
+    slot_host: torch.Tensor  # [E] int32 page-locked: the plan's slot table, staged for the device
+    slot_dev: torch.Tensor  # [E] int32: read by the next segment's GPU branch
+    cpu_dev: torch.Tensor  # [1, D] fp32: the CPU branch's partial sum, added by the next segment
+    ready: torch.cuda.Event  # recorded after a segment: the host waits for the routing on it
+    cpu_dirty: bool = False  # cpu_dev holds a partial sum (zeroed before a layer without one)
+
+
+TIME_EVERY = 8  # decode steps between two timed ones (events around every cut of the step)
+
+
 class SlotExperts(MoEBackend):
     """An experts backend over a pool, host experts and a CPU pool; subclasses choose the plan.
-    A cache reads every decode step's routing on the host, so it is never capturable (MoEBackend's
-    default)."""
+    A cache reads every decode step's routing on the host: its decode steps are captured as
+    graph segments cut at each MoE layer (module docstring)."""
 
     name = "slots"
+    segmented = True
 
     def __init__(self, spec: ModelExperts, pool: ExpertPool, host: HostExperts, cpu):
         self.spec, self.pool, self.host, self.cpu = spec, pool, host, cpu
@@ -153,6 +182,12 @@ class SlotExperts(MoEBackend):
         pin = self.on_cuda
         self.x_host = torch.empty((spec.max_tokens, spec.hidden), dtype=spec.dtype, pin_memory=pin)
         self.out_host = torch.empty((spec.max_tokens, spec.hidden), dtype=torch.float32, pin_memory=pin)
+        self.chain = None  # set by the decode graph while it captures a step (engine/graph.py)
+        self.frozen = False  # the capture's warm-up: passes leave the policy's state alone
+        self._seg: SegmentBuffers | None = None
+        self._steps = 0  # replayed decode steps, for timing every TIME_EVERY-th
+        self._timing: list = []  # this step's (gap start, gap end, quiet) events; read at the next timed step
+        self._layer0 = spec.moe_layers[0]
 
     # -- what a policy decides -------------------------------------------------------------
     def static_plan(self, layer: int, T: int) -> PassPlan | None:
@@ -168,9 +203,16 @@ class SlotExperts(MoEBackend):
         return self.pool.num_hot
 
     def stats(self) -> dict[str, float]:
+        self._read_timing()
         d = dict(self.counters)
         d["pool_hits"] = d.get("routes", 0) - d.get("cold_routes", 0)
         return d
+
+    def before_capture(self) -> None:
+        self.frozen = True
+
+    def after_capture(self) -> None:
+        self.frozen = False
 
     def close(self) -> None:
         if self.cpu is not None:
@@ -180,8 +222,13 @@ class SlotExperts(MoEBackend):
 
     # -- helpers for plans -------------------------------------------------------------------
     def plan_of(self, slot: torch.Tensor, uploads=()) -> PassPlan:
-        slot = slot.to(torch.int32)
-        return PassPlan(slot, slot.to(self.device) if bool((slot >= 0).any()) else None, tuple(uploads))
+        """A plan of this pass only: its device table is made when the synchronous path needs it."""
+        return PassPlan(slot.to(torch.int32), None, tuple(uploads))
+
+    def _device_slots(self, plan: PassPlan) -> torch.Tensor | None:
+        if plan.slot_dev is not None or not bool((plan.slot >= 0).any()):
+            return plan.slot_dev
+        return plan.slot.to(self.device)
 
     def all_cpu_plan(self) -> PassPlan:
         return PassPlan(torch.full((self.spec.num_experts,), CPU, dtype=torch.int32))
@@ -201,6 +248,15 @@ class SlotExperts(MoEBackend):
     # -- the executor ------------------------------------------------------------------------
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         T, K = topk.ids.shape
+        if self.chain is not None and T == 1:
+            return self._captured(layer, x, topk)
+        if self.frozen:  # the capture's warm-up: run the kernels, keep the cache as it is
+            ids_h, w_h, x_h, ready = to_host(topk, x, self.x_host, self.on_cuda)
+            if ready is not None:
+                ready.synchronize()
+            plan = self.staging_plan(ids_h)
+            self._upload(layer, plan.uploads, count=False)
+            return self._gpu_branch(x, topk, self._device_slots(plan)).to(x.dtype)
         self.counters["routes"] += T * K
         self.counters["token_layers"] += T
         plan = self.static_plan(layer, T)
@@ -216,8 +272,9 @@ class SlotExperts(MoEBackend):
         if plan is None:
             plan = self.plan(layer, T, ids_h)
             self._upload(layer, plan.uploads)
-            if plan.slot_dev is not None:
-                gpu = self._gpu_branch(x, topk, plan.slot_dev)
+            slot_dev = self._device_slots(plan)
+            if slot_dev is not None:
+                gpu = self._gpu_branch(x, topk, slot_dev)
         self.last_plan = plan
         cpu = self._cpu_branch(layer, T, x_h, ids_h, w_h, plan)
         if cpu is None:
@@ -231,13 +288,81 @@ class SlotExperts(MoEBackend):
         return slot_experts_forward(x, slots, topk.weights, self.pool.w13, self.pool.w2, self.pool.zero_lo,
                                     self.pool.zero_hi, out_dtype=torch.float32)
 
-    def _upload(self, layer: int, uploads) -> None:
+    def _upload(self, layer: int, uploads, count: bool = True) -> None:
         if not uploads:
             return
         for e, s in uploads:  # one copy per expert, from page-locked host memory
             self.pool.upload(s, self.host, layer, e)
-        self.counters["uploaded_experts"] += len(uploads)
-        self.counters["bytes_uploaded"] += len(uploads) * self.expert_bytes
+        if count:
+            self.counters["uploaded_experts"] += len(uploads)
+            self.counters["bytes_uploaded"] += len(uploads) * self.expert_bytes
+
+    # -- a decode step as graph segments ---------------------------------------------------------
+    def _captured(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        """Inside the capture of a step: routing and activations to page-locked memory, the cut,
+        then (in the next segment) the GPU branch from the static slot table plus the CPU
+        branch's partial sum, both written by the host between the segments."""
+        seg = self._seg
+        if seg is None:
+            K, D, E = topk.ids.shape[1], x.shape[1], self.spec.num_experts
+            pinned = dict(device="cpu", pin_memory=True)
+            seg = self._seg = SegmentBuffers(
+                torch.empty((1, K), dtype=topk.ids.dtype, **pinned),
+                torch.empty((1, K), dtype=topk.weights.dtype, **pinned),
+                torch.empty((1, D), dtype=x.dtype, **pinned), torch.empty(E, dtype=torch.int32, **pinned),
+                torch.full((E,), CPU, dtype=torch.int32, device=self.device),
+                torch.zeros((1, D), dtype=torch.float32, device=self.device), torch.cuda.Event())
+        seg.ids.copy_(topk.ids, non_blocking=True)
+        seg.weights.copy_(topk.weights, non_blocking=True)
+        seg.x.copy_(x, non_blocking=True)
+        self.chain.cut(lambda: self._between(layer, seg))
+        return (self._gpu_branch(x, topk, seg.slot_dev) + seg.cpu_dev).to(x.dtype)
+
+    def _between(self, layer: int, seg: SegmentBuffers) -> None:
+        """At replay, after the segment that ends with this layer's routing was launched: wait
+        for it (the per-layer sync), plan, upload, hand the slot table and the CPU partial sum
+        to the next segment."""
+        timed = None
+        if layer == self._layer0:
+            self._steps += 1
+        if self._steps % TIME_EVERY == 0:
+            if layer == self._layer0:
+                self._read_timing()
+            timed = torch.cuda.Event(enable_timing=True)
+            timed.record()
+        seg.ready.record()
+        seg.ready.synchronize()
+        K = seg.ids.shape[1]
+        self.counters["routes"] += K
+        self.counters["token_layers"] += 1
+        plan = self.static_plan(layer, 1) or self.plan(layer, 1, seg.ids)
+        self.last_plan = plan
+        self._upload(layer, plan.uploads)
+        seg.slot_host.copy_(plan.slot)
+        seg.slot_dev.copy_(seg.slot_host, non_blocking=True)
+        cpu = self._cpu_branch(layer, 1, seg.x, seg.ids, seg.weights, plan)
+        if cpu is not None:
+            seg.cpu_dev.copy_(cpu, non_blocking=True)
+        elif seg.cpu_dirty:
+            seg.cpu_dev.zero_()
+        seg.cpu_dirty = cpu is not None
+        if timed is not None:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._timing.append((timed, done, not plan.uploads and cpu is None))
+
+    def _read_timing(self) -> None:
+        """Add the last timed step's gaps to the counters."""
+        if self._timing:
+            self._timing[-1][1].synchronize()  # long done when a step reads them; stats() may come sooner
+        for start, end, quiet in self._timing:
+            ms = start.elapsed_time(end)
+            self.counters["segment_cuts"] += 1
+            self.counters["segment_gap_ms"] += ms
+            if quiet:
+                self.counters["sync_cuts"] += 1
+                self.counters["sync_gap_ms"] += ms
+        self._timing = []
 
     def _cpu_branch(self, layer, T, x_h, ids_h, w_h, plan: PassPlan):
         """Counts the pass's cold routes and runs its CPU routes; the CPU partial sum [T, D] fp32

@@ -16,6 +16,7 @@ from ostinato.layers.moe.types import TopKOutput
 
 class MoEBackend:
     capturable = False  # a decode step through it may be captured as one CUDA graph as it is
+    segmented = False  # or as graph segments it cuts where it needs the host (engine/graph.py GraphChain)
     device: torch.device | None = None
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
@@ -33,6 +34,9 @@ class MoEBackend:
 
     def after_step(self) -> None:
         """Once a graph decode step is recorded or run."""
+
+    def before_capture(self) -> None:
+        """Before the warm-up steps of a capture (token 0 at position 0: not decode)."""
 
     def after_capture(self) -> None:
         """Once the warm-up steps of a capture are done (they were not decode)."""
