@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ostinato.config import ConfigError
@@ -98,7 +99,7 @@ class PassPlan:
     all_gpu: bool = False  # set from slot: every expert served from the pool (no host sync needed)
 
     def __post_init__(self):
-        object.__setattr__(self, "all_gpu", bool((self.slot >= 0).all()))
+        object.__setattr__(self, "all_gpu", bool((self.slot.numpy() >= 0).all()))
 
     def where(self, expert: int) -> str:
         """'upload', 'pool' or 'cpu': for tests and reports."""
@@ -366,21 +367,23 @@ class SlotExperts(MoEBackend):
 
     def _cpu_branch(self, layer, T, x_h, ids_h, w_h, plan: PassPlan):
         """Counts the pass's cold routes and runs its CPU routes; the CPU partial sum [T, D] fp32
-        (a host buffer reused by the next call) or None when the CPU has nothing to do."""
-        on_cpu = plan.slot[ids_h] < 0  # [T, K]
+        (a host buffer reused by the next call) or None when the CPU has nothing to do. The
+        bookkeeping is numpy: a decode step does it once per MoE layer, between two graph
+        segments, where torch's per-op overhead on [K]-sized tensors would be the cost."""
+        ids = ids_h.numpy()
+        on_cpu = plan.slot.numpy()[ids] < 0  # [T, K]
         r = int(on_cpu.sum())
         cold = r
         if plan.uploads:
-            uploaded = torch.zeros(self.spec.num_experts, dtype=torch.bool)
-            uploaded[[e for e, _ in plan.uploads]] = True
-            cold += int(uploaded[ids_h].sum())
+            cold += int(np.isin(ids, [e for e, _ in plan.uploads]).sum())
         self.counters["cold_routes"] += cold
         if r == 0:
             return None
-        eids = ids_h[on_cpu]
-        self.counters["cpu_experts"] += int(torch.unique(eids).numel())
-        tok = on_cpu.nonzero()[:, 0].to(torch.int32)
+        eids = ids[on_cpu]
+        self.counters["cpu_experts"] += len(np.unique(eids))
+        tok = torch.from_numpy(on_cpu.nonzero()[0].astype(np.int32))
         out_h = self.out_host[:T]
-        self.cpu.submit(layer, x_h, tok, self.host.compact[layer][eids], w_h[on_cpu], out_h)
+        self.cpu.submit(layer, x_h, tok, self.host.compact[layer][torch.from_numpy(eids)],
+                        w_h[torch.from_numpy(on_cpu)], out_h)
         self.cpu.wait()
         return out_h

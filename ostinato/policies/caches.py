@@ -25,12 +25,17 @@ copies notwithstanding (llama.cpp's op-offload copies the weights of the whole o
   (1 - decay) (its steady state), and the cache holds the highest-scored experts before
   the first request.
 
+The host-side state is numpy (views of the torch tensors the tests and reports read): a
+decode step plans once per MoE layer between two graph segments, and torch's per-op
+overhead on tensors of a few elements would be most of that host time.
+
 Legend: E experts per layer, C cache slots, T tokens of a pass.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from ostinato.policies.base import CPU, ModelExperts, PassPlan, SlotExperts, build_parts, usable_slots
@@ -50,6 +55,7 @@ class _CachePolicy(SlotExperts):
         self.capacity = cache_slots
         self.cache_lo = pool.flex_lo
         self.slot_of = torch.full((spec.num_layers, spec.num_experts), CPU, dtype=torch.int32)  # cached copies
+        self._slot = self.slot_of.numpy()  # the same memory
         self.free = list(range(self.cache_lo, self.cache_lo + cache_slots))
         self._cpu = self.all_cpu_plan()
 
@@ -57,7 +63,7 @@ class _CachePolicy(SlotExperts):
         return self.capacity
 
     def cached(self, layer: int) -> list[int]:
-        return (self.slot_of[layer] >= 0).nonzero().flatten().tolist()
+        return np.flatnonzero(self._slot[layer] >= 0).tolist()
 
     def uses_cache(self, T: int) -> bool:
         raise NotImplementedError
@@ -74,8 +80,8 @@ class _CachePolicy(SlotExperts):
 
     def _evict(self, layer_expert: tuple[int, int]) -> int:
         l, e = layer_expert
-        slot = int(self.slot_of[l, e])
-        self.slot_of[l, e] = CPU
+        slot = int(self._slot[l, e])
+        self._slot[l, e] = CPU
         self.counters["evictions"] += 1
         return slot
 
@@ -98,15 +104,15 @@ class ExpertCachePolicy(_CachePolicy):
         return T <= self.cache_max_tokens
 
     def cache_plan(self, layer: int, ids: torch.Tensor) -> PassPlan:
-        used = torch.unique(ids).tolist()
-        row = self.slot_of[layer]
+        used = sorted(set(ids.flatten().tolist()))
+        row = self._slot[layer]
         misses = []
         for e in used:
-            if int(row[e]) >= 0:
+            if row[e] >= 0:
                 self.lru.move_to_end((layer, e))
             else:
                 misses.append(e)
-        slot = row.clone()
+        slot = row.copy()
         uploads = []
         staging = self.pool.num_slots - self.spec.num_experts
         now = {(layer, e) for e in used}
@@ -120,11 +126,11 @@ class ExpertCachePolicy(_CachePolicy):
                 uploads.append((e, s))
                 slot[e] = s
                 continue
-            self.slot_of[layer, e] = s
+            row[e] = s
             self.lru[(layer, e)] = None
             uploads.append((e, s))
             slot[e] = s
-        return self.plan_of(slot, uploads)
+        return self.plan_of(torch.from_numpy(slot), uploads)
 
 
 class DecayingCachePolicy(_CachePolicy):
@@ -144,14 +150,21 @@ class DecayingCachePolicy(_CachePolicy):
         self.decay = decay
         # score = stored / gain: a step multiplies gain by 1/decay instead of every score by decay
         self.stored = torch.zeros((spec.num_layers, spec.num_experts), dtype=torch.float64)
+        self._stored = self.stored.numpy()  # the same memory
         self.gain = 1.0
         self._last_layer = None
+        # the (layer * E + expert) each cache slot holds (-1: free): the eviction candidates
+        self._owner = np.full(cache_slots, -1, dtype=np.int64)
 
     def uses_cache(self, T: int) -> bool:
         return T == 1
 
     def score(self, layer: int, expert: int) -> float:
-        return float(self.stored[layer, expert]) / self.gain
+        return float(self._stored[layer, expert]) / self.gain
+
+    def _place(self, layer: int, expert: int, slot: int) -> None:
+        self._slot[layer, expert] = slot
+        self._owner[slot - self.cache_lo] = layer * self.spec.num_experts + expert
 
     def warm(self, counts) -> None:
         """Scores from the development profile's decode routes; the cache filled with the top ones."""
@@ -167,7 +180,7 @@ class DecayingCachePolicy(_CachePolicy):
             if l not in moe or self.stored[l, e] <= 0:
                 continue
             s = self.free.pop()
-            self.slot_of[l, e] = s
+            self._place(l, e, s)
             self.pool.upload(s, self.host, l, e)
 
     def _step(self, layer: int) -> None:
@@ -175,39 +188,37 @@ class DecayingCachePolicy(_CachePolicy):
         if self._last_layer is not None and layer <= self._last_layer:
             self.gain /= self.decay
             if self.gain > 1e100:
-                self.stored /= self.gain
+                self._stored /= self.gain
                 self.gain = 1.0
         self._last_layer = layer
 
     def cache_plan(self, layer: int, ids: torch.Tensor) -> PassPlan:
         self._step(layer)
-        used = torch.unique(ids).tolist()
-        for e in used:
-            self.stored[layer, e] += self.gain
-        row = self.slot_of[layer]
-        slot = row.clone()
+        used = sorted(set(ids.flatten().tolist()))
+        self._stored[layer, used] += self.gain
+        row = self._slot[layer]
+        slot = row.copy()
         uploads = []
         for e in used:
-            if int(row[e]) >= 0:
+            if row[e] >= 0:
                 continue
             s = self._admit(layer, e, keep=used)
             if s is not None:
                 uploads.append((e, s))
                 slot[e] = s
-        return self.plan_of(slot, uploads)
+        return self.plan_of(torch.from_numpy(slot), uploads)
 
     def _admit(self, layer: int, expert: int, keep: list[int]) -> int | None:
         if self.free:
             s = self.free.pop()
-        else:
-            owners = (self.slot_of >= 0).nonzero()  # [C, 2] (layer, expert) of every cached entry
-            scores = self.stored[owners[:, 0], owners[:, 1]].clone()
-            mine = owners[:, 0] == layer
-            for e in keep:  # entries serving this pass stay
-                scores[mine & (owners[:, 1] == e)] = float("inf")
-            i = int(torch.argmin(scores))
-            if not self.stored[layer, expert] > scores[i]:
+        else:  # every slot holds an entry: the lowest-scored one not serving this pass goes
+            scores = self._stored.reshape(-1)[self._owner]
+            mine = self._slot[layer, keep]
+            scores[mine[mine >= 0] - self.cache_lo] = np.inf  # the entries serving this pass stay
+            low = scores.min()
+            if not self._stored[layer, expert] > low:
                 return None
-            s = self._evict((int(owners[i, 0]), int(owners[i, 1])))
-        self.slot_of[layer, expert] = s
+            victim = int(self._owner[scores == low].min())  # ties: the lowest (layer, expert)
+            s = self._evict(divmod(victim, self.spec.num_experts))
+        self._place(layer, expert, s)
         return s
