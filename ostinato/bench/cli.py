@@ -118,6 +118,7 @@ def _bench_settings(a):
         attention_scores=a.attention_scores,
         max_sessions=a.max_sessions, max_turns=a.max_turns, max_output=a.max_output,
         profiles=tuple(a.profiles) if a.profiles else None, tune=not a.no_tune, tune_sessions=a.tune_sessions,
+        tune_max_turns=a.tune_max_turns,
         thresholds=tuple(a.thresholds), sweep_sizes=tuple(a.sweep_sizes), sweep_output=a.sweep_output,
         sweep_prefixes=a.sweep_prefixes, sweep_prefix_tokens=a.sweep_prefix_tokens,
         upload_threshold=a.upload_threshold, calibration_from=a.calibration,
@@ -220,6 +221,8 @@ def add_bench_commands(sub) -> None:
                    "file (`ostinato calibrate` on this machine and model) instead of calibrating")
     p.add_argument("--no-tune", action="store_true", help="keep the offload threshold at 32")
     p.add_argument("--tune-sessions", type=int, default=3, help="development sessions to tune thresholds on")
+    p.add_argument("--tune-max-turns", type=int, default=None,
+                   help="turns per tuning session (default: --max-turns)")
     p.add_argument("--thresholds", type=int, nargs="+", default=list(OFFLOAD_THRESHOLDS))
     p.add_argument("--sweep-sizes", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     p.add_argument("--sweep-output", type=int, default=128)
