@@ -22,6 +22,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-mixed", action="store_true", help="split passes send nothing over PCIe (DESIGN.md's "
                    "split path); by default they upload their most-routed cold experts when the residency "
                    "holds a calibration")
+    p.add_argument("--borrow", action="store_true", help="decode lends the flex slots to the cold experts it "
+                   "keeps computing on the CPU (DESIGN.md's borrowed memory); off by default: measured slower "
+                   "on the held-out sessions")
 
 
 def runner_settings(a):
@@ -37,4 +40,4 @@ def placement_settings(a):
 
     cap = parse_bytes(a.gpu_memory) if getattr(a, "gpu_memory", None) else None
     return PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold,
-                             mixed=not getattr(a, "no_mixed", False))
+                             mixed=not getattr(a, "no_mixed", False), borrow=getattr(a, "borrow", False))

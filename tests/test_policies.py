@@ -270,7 +270,7 @@ def test_policies_in_the_whole_model(tiny_dir, device):
     hot = fill({l: torch.arange(cfg.num_experts, 0, -1) for l in cfg.moe_layers}, 24)
     ps = ps.with_(residency=Residency(model_fingerprint(loaded.source), cfg.num_experts, hot), upload_threshold=32)
     for name in ("layers", "expert-cache", "decaying-cache", "fixed-per-layer", "fixed-uniform", "ktransformers",
-                 "cpu", "gpu", "ostinato-split", "ostinato-upload", "ostinato-mixed", "ostinato"):
+                 "cpu", "gpu", "ostinato-split", "ostinato-upload", "ostinato", "ostinato-borrow"):
         if name != "layers":
             use_policy(loaded, make_policy(name, loaded.source, settings, ps))
         got = loaded.runner.forward(ids, 0, all_logits=True)

@@ -330,6 +330,8 @@ def markdown(result: dict, plots: list[str]) -> str:
                   "| baseline | TPOT speed-up | TTFT after tool (ours/theirs) | total time speed-up | sessions won |",
                   "|---|---|---|---|---|"]
         for name, c in result["comparisons"].items():
+            if name in OSTINATO_STEPS:  # Ostinato's own steps: in the ablation above
+                continue
             won, both = c["sessions_won"]
             lines.append(f"| {name} | {_f(c['tpot_speedup'], '{:.2f}x')} | {_f(c['ttft_tool_ratio'], '{:.2f}')} | "
                          f"{_f(c['request_time_speedup'], '{:.2f}x')} | {won}/{both} |")

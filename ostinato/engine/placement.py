@@ -29,7 +29,9 @@ class PlacementSettings:
     gpu_memory: int | None = None  # bytes; the engine never allocates past it
     upload_threshold: int | None = None  # Np; default: the residency's calibrated one, else 512
     cpu_backend: str = "auto"
-    borrow: bool = True  # lend the flex slots to cold experts during decode (DESIGN.md "Borrowed memory")
+    # lend the flex slots to cold experts during decode (DESIGN.md "Borrowed memory"): off by default,
+    # it decoded 6% slower than without on the held-out sessions (results/2026-12-01-h200-s6/README.md)
+    borrow: bool = False
     borrow_wait_copies: bool = False  # switch borrowed experts in at the boundary their copy starts (tests)
     mixed: bool = True  # split passes upload their most-routed cold experts (needs a calibration: hybrid.py)
 

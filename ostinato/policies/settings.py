@@ -14,13 +14,14 @@ from dataclasses import dataclass, replace
 
 from ostinato.config import ConfigError
 
-# Ostinato with the later steps of its design off, for the ablation: its residency and decode
-# graph with the split path alone, + the upload path at Np, + split passes with uploads; the
-# full design adds borrowed memory. Variant -> (upload path, mixed uploads, borrowing).
+# Ostinato with steps of its design off or on, for the ablation: its residency and decode graph
+# with the split path alone, + the upload path at Np, + split passes with uploads (Ostinato as it
+# runs by default), + borrowed memory (`--borrow`: it decoded 6% slower on the held-out sessions,
+# results/2026-12-01-h200-s6/README.md). Variant -> (upload path, mixed uploads, borrowing).
 OSTINATO_STEPS = {"ostinato-split": (False, False, False), "ostinato-upload": (True, False, False),
-                  "ostinato-mixed": (True, True, False), "ostinato": (True, True, True)}
+                  "ostinato": (True, True, False), "ostinato-borrow": (True, True, True)}
 POLICIES = ("ostinato", "ktransformers", "layers", "expert-cache", "decaying-cache", "fixed-per-layer",
-            "fixed-uniform", "cpu", "gpu", "ostinato-split", "ostinato-upload", "ostinato-mixed")
+            "fixed-uniform", "cpu", "gpu", "ostinato-split", "ostinato-upload", "ostinato-borrow")
 BASELINES = tuple(p for p in POLICIES if p not in OSTINATO_STEPS)
 # the report's ablation, from nothing resident to the full design (BENCHMARK.md)
 ABLATION = (("cpu", "nothing resident"), ("layers", "whole layers (llama.cpp's fit)"),
@@ -28,7 +29,7 @@ ABLATION = (("cpu", "nothing resident"), ("layers", "whole layers (llama.cpp's f
             ("fixed-per-layer", "each layer's most routed (per-layer frequency)"),
             ("ktransformers", "cross-layer fill, KTransformers' rules"),
             ("ostinato-split", "Ostinato's split prefill"), ("ostinato-upload", "+ upload path"),
-            ("ostinato-mixed", "+ mixed uploads"), ("ostinato", "+ borrowed memory (Ostinato)"))
+            ("ostinato", "+ mixed uploads (Ostinato)"), ("ostinato-borrow", "+ borrowed memory (`--borrow`)"))
 # llama.cpp's op-offload threshold (GGML_OP_OFFLOAD_MIN_BATCH) defaults to 32 tokens; the
 # values a tuning run chooses from (the reference paper found 512 best for its caches).
 OFFLOAD_THRESHOLDS = (32, 128, 512, 1024)
