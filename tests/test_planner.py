@@ -103,6 +103,37 @@ def test_capacity_is_the_flex_fixed_point(extra_slots, kv_tokens):
     assert bigger.hot_slots >= cap.hot_slots
 
 
+def test_pool_sizing_the_three_ways():
+    """planner/pipeline.py, which `plan` and `bench` share: a cap sizes the pool by the capacity
+    test, a hot fraction as its experts + K zero + flex slots (and must fit a cap given with it),
+    bytes for slots directly; with none of them it says what to give."""
+    from ostinato.config import ConfigError
+    from ostinato.planner.pipeline import size_pool
+
+    cfg = _tiny_cfg()
+    g = torch.Generator().manual_seed(3)
+    counts = {l: torch.randint(0, 100, (cfg.num_experts,), generator=g) for l in cfg.moe_layers}
+    K, E, total = cfg.num_experts_per_tok, cfg.num_experts, len(cfg.moe_layers) * cfg.num_experts
+    s = CapacitySettings(margin_bytes=0, margin_fraction=0.0, prefill_chunk=512)
+    probe = plan_capacity(cfg, counts, 2**40, 256, torch.float32, s)
+    budget = probe.fixed + (K + E + total // 2) * probe.expert_bytes
+    by_cap = size_pool(cfg, counts, torch.float32, gpu_memory=budget, kv_tokens=256, capacity=s)
+    cap = plan_capacity(cfg, counts, budget, 256, torch.float32, s)
+    assert by_cap.hot == cap.hot_slots and by_cap.pool_slots == (budget - cap.fixed) // cap.expert_bytes
+    assert by_cap.capacity == cap
+    by_f = size_pool(cfg, counts, torch.float32, hot_fraction=0.25)
+    hot = round(0.25 * total)
+    assert by_f.hot == hot and by_f.pool_slots == hot + K + flex_slots(counts, hot, E) and by_f.capacity is None
+    with pytest.raises(CapacityError, match="do not fit"):
+        size_pool(cfg, counts, torch.float32, hot_fraction=1.0, gpu_memory=budget, kv_tokens=256, capacity=s)
+    by_b = size_pool(cfg, counts, torch.float32, expert_budget=by_cap.pool_slots * by_cap.expert_bytes)
+    assert (by_b.pool_slots, by_b.hot) == (by_cap.pool_slots, by_cap.hot)
+    with pytest.raises(ConfigError, match="give --gpu-memory"):
+        size_pool(cfg, counts, torch.float32)
+    with pytest.raises(ConfigError, match="cannot hold"):
+        size_pool(cfg, counts, torch.float32, expert_budget=K * by_cap.expert_bytes)
+
+
 def test_capacity_fails_clearly_when_dense_and_kv_do_not_fit():
     cfg = ModelConfig.from_dict(preset_config("qwen3-30b-a3b"))
     counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}

@@ -9,12 +9,11 @@ where it has a threshold, and replayed on the held-out sessions. Steps:
 1. split the sessions by task into development and held-out (bench/sessions.py);
 2. profile development sessions (and held-out ones, for the skew figure) with the `layers`
    policy uploading every pass (threshold 1, no resident layer), which fits any budget;
-3. the budget in expert-sized pool slots, the same for every policy: --expert-budget
-   bytes, or the planner's capacity test on --gpu-memory (cap - dense - KV cache -
-   activations - margin), or the pool of a --hot-fraction residency (default 0.4);
-4. plan: the most-routed experts that fit the budget with Ostinato's zero and flex slots
-   (planner/fill.py, planner/capacity.py), saved as residency.json; Np calibrated in the
-   engine by planner/calibrate.py (or --upload-threshold);
+3. the budget in expert-sized pool slots, the same for every policy, and 4. the plan: the
+   most-routed experts that fit it with Ostinato's zero and flex slots, exactly as `ostinato
+   plan` makes it (planner/pipeline.py: --expert-budget bytes, or the pool of a --hot-fraction
+   residency, or the capacity test on --gpu-memory; 0.4 of all experts without any), saved as
+   residency.json; Np calibrated in the engine by planner/calibrate.py (or --upload-threshold);
 5. per policy: build, warm up, tune the offload threshold over {32, 128, 512, 1024} on
    development sessions (lowest total request time), replay held-out, run the sweep;
 6. report.md, results.json, PNG plots in --out; one JSON line last on stdout.
@@ -92,36 +91,21 @@ def select_sessions(spec: str, max_sessions: int | None):
     return dev, held
 
 
-def pool_budget(loaded, bs: BenchSettings, counts) -> dict:
-    """The budget in expert-sized pool slots, the hot experts Ostinato gets from it, and how
-    it was sized: --expert-budget bytes; else the planner's capacity test on --gpu-memory;
-    else --hot-fraction (or the default) of all experts, the budget being that residency's
-    pool (hot + K zero + flex slots)."""
-    from ostinato.planner.capacity import CapacitySettings, flex_slots, max_hot_slots, plan_capacity
-    from ostinato.policies.base import ModelExperts
+def pool_size(loaded, bs: BenchSettings, counts):
+    """The budget in expert-sized pool slots (the same for every policy) and the experts Ostinato
+    keeps resident in it, sized as `ostinato plan` sizes it (planner/pipeline.py): --expert-budget
+    bytes; else --hot-fraction; else the capacity test on --gpu-memory; else the default fraction."""
+    from ostinato.planner.capacity import CapacitySettings
+    from ostinato.planner.pipeline import size_pool
 
-    spec = ModelExperts.from_source(loaded.source, bs.runner)
-    K, E, total = spec.top_k, spec.num_experts, spec.total_experts
-    dev = counts.total("all")
-    out: dict = {"expert_bytes": spec.expert_bytes, "total_experts": total, "cap": bs.gpu_memory}
-    if bs.expert_budget is not None:
-        pool, how = int(bs.expert_budget // spec.expert_bytes), "--expert-budget"
-    elif bs.gpu_memory is not None and bs.hot_fraction is None:
-        cap = plan_capacity(loaded.runner.config, dev, bs.gpu_memory, loaded.engine.max_context, spec.dtype,
-                            CapacitySettings(prefill_chunk=bs.runner.prefill_chunk,
-                                             attention_score_share=bs.attention_scores))
-        pool, how = int((cap.budget - cap.fixed) // cap.expert_bytes), "capacity test on --gpu-memory"
-        out["capacity"] = cap.to_json()
-    else:
-        f = DEFAULT_HOT_FRACTION if bs.hot_fraction is None else bs.hot_fraction
-        hot = min(total, round(f * total))
-        pool, how = hot + K + flex_slots(dev, hot, E), f"hot fraction {f}"
-    hot = max_hot_slots(dev, pool, K, E)
-    if hot < 0:
-        raise ConfigError(f"a budget of {pool} expert slots cannot hold Ostinato's {K} zero slots and its flex "
-                          "slots: give a larger budget")
-    out.update(pool_slots=pool, hot=hot, sized_by=how, fraction=round(hot / total, 4))
-    return out
+    cfg = loaded.runner.config
+    f = bs.hot_fraction
+    if f is None and bs.expert_budget is None and bs.gpu_memory is None:
+        f = DEFAULT_HOT_FRACTION
+    return size_pool(cfg, counts.total("all"), loaded.runner.dtype, gpu_memory=bs.gpu_memory, hot_fraction=f,
+                     expert_budget=bs.expert_budget, kv_tokens=loaded.engine.max_context,
+                     capacity=CapacitySettings(prefill_chunk=bs.runner.prefill_chunk,
+                                               attention_score_share=bs.attention_scores))
 
 
 def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dict:
@@ -247,8 +231,7 @@ class Prepared:
 def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     """Steps 1-4: split, profile, budget and skew, plan and calibrate."""
     from ostinato.engine.factory import load_engine
-    from ostinato.planner.fill import fill
-    from ostinato.planner.residency import Residency, model_fingerprint
+    from ostinato.planner.pipeline import plan_residency
     from ostinato.planner.run_profile import profile_sessions
     from ostinato.planner.skew import hot_share
 
@@ -269,7 +252,9 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
         held_counts = profile_sessions(loaded, held, progress=bs.progress, desc="profile held-out")
     counts.save(bs.out / "profile-dev.json")
     held_counts.save(bs.out / "profile-held-out.json")
-    budget = pool_budget(loaded, bs, counts)
+    size = pool_size(loaded, bs, counts)
+    cfg = loaded.runner.config
+    budget = {**size.to_json(len(cfg.moe_layers) * cfg.num_experts), "cap": bs.gpu_memory}
     _say(bs, f"budget: {budget['pool_slots']} expert slots, sized by {budget['sized_by']}: Ostinato keeps "
              f"{budget['hot']} of {budget['total_experts']} experts resident ({100 * budget['fraction']:.1f}%)")
     skew = {"top_fraction": budget["fraction"]}
@@ -279,11 +264,9 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     _say(bs, f"skew: the top {100 * budget['fraction']:.1f}% of experts by development routes receive "
              f"{100 * skew['held_out_all_share']:.1f}% of held-out routes")
 
-    cfg = loaded.runner.config
-    residency = Residency(model_fingerprint(loaded.source), cfg.num_experts, fill(counts.total("all"), budget["hot"]),
-                          gpu_memory=bs.gpu_memory, capacity=budget.get("capacity") or {},
-                          profile={"path": str(bs.out / "profile-dev.json"), "sessions": counts.sessions},
-                          notes={"pool_slots": budget["pool_slots"], "budget": budget["sized_by"]})
+    residency = plan_residency(loaded.source, counts.total("all"), size, gpu_memory=bs.gpu_memory,
+                               profile={"path": str(bs.out / "profile-dev.json"), "sessions": counts.sessions},
+                               notes={"pool_slots": size.pool_slots, "budget": size.sized_by})
     base = PolicySettings(expert_slots=budget["pool_slots"], gpu_memory=bs.gpu_memory, profile=counts,
                           residency=residency, cpu_backend=bs.cpu_backend,
                           allow_over_budget=bs.upper_bound)

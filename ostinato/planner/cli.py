@@ -140,22 +140,27 @@ def _route_report(name: str, prof, hot: dict[int, list[int]], num_layers: int, t
             "cold_routes_per_token_layer": round(per_token, 4)}
 
 
-def _plan_capacity(a, cfg, counts, prof, device, slots):
+def _pool_size(a, cfg, counts, prof, device):
+    """The pool of a one-device plan (planner/pipeline.py), with the capacity test printed."""
     from ostinato.config import parse_bytes
     from ostinato.engine.runner import RunnerSettings
-    from ostinato.planner.capacity import CapacitySettings, fmt_bytes, plan_capacity
+    from ostinato.planner.capacity import CapacitySettings, fmt_bytes
+    from ostinato.planner.pipeline import size_pool
 
     dtype = RunnerSettings(device=device, dtype=a.dtype).torch_dtype(cfg.torch_dtype)
-    kv_tokens = a.max_context or (prof.max_tokens if prof else 0)
     settings = CapacitySettings(margin_bytes=parse_bytes(a.margin), margin_fraction=a.margin_fraction,
                                 prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores)
-    cap = plan_capacity(cfg, counts, parse_bytes(a.gpu_memory), kv_tokens, dtype, settings, slots)
-    print(f"capacity test, --gpu-memory {fmt_bytes(cap.budget)} ({cap.dtype}, one expert "
-          f"{fmt_bytes(cap.expert_bytes)}; the budget holds {cap.max_hot_slots} hot experts):")
-    for what, n in cap.table():
-        print(f"  {what:<44} {fmt_bytes(n):>11}")
-    print(f"  serve with --max-context {cap.kv_tokens} (the KV cache this plan holds)")
-    return cap
+    size = size_pool(cfg, counts, dtype, gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None,
+                     hot_fraction=a.hot_fraction, kv_tokens=a.max_context or (prof.max_tokens if prof else 0),
+                     capacity=settings)
+    cap = size.capacity
+    if cap is not None:
+        print(f"capacity test, --gpu-memory {fmt_bytes(cap.budget)} ({cap.dtype}, one expert "
+              f"{fmt_bytes(cap.expert_bytes)}; the budget holds {cap.max_hot_slots} hot experts):")
+        for what, n in cap.table():
+            print(f"  {what:<44} {fmt_bytes(n):>11}")
+        print(f"  serve with --max-context {cap.kv_tokens} (the KV cache this plan holds)")
+    return size
 
 
 def _verify(a, res, cap, device) -> None:
@@ -179,7 +184,7 @@ def _verify(a, res, cap, device) -> None:
 
 def cmd_plan(a) -> int:
     from ostinato.loader.source import open_source
-    from ostinato.planner.fill import fill
+    from ostinato.planner.pipeline import plan_residency
     from ostinato.planner.profile import RouteCounts
     from ostinato.planner.residency import Residency, model_fingerprint
 
@@ -194,20 +199,20 @@ def cmd_plan(a) -> int:
     L, E, K = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     prof, prof_path = _plan_profile(a, cfg)
     counts = prof.total("all") if prof else {l: torch.zeros(E) for l in cfg.moe_layers}
-    slots = round(a.hot_fraction * L * E) if a.hot_fraction is not None else None
+    profile = {"path": prof_path, "sessions": prof.sessions if prof else 0,
+               "tokens": prof.tokens if prof else {}, "max_tokens": prof.max_tokens if prof else 0}
+    notes = {"hot_fraction": a.hot_fraction} if a.hot_fraction is not None else {}
+    cap = None
     if len(names) > 1:  # one pool per GPU, each planned for its own layers under its own cap
         hot, devices, budget, capacity = _plan_split(a, cfg, counts, prof, names)
-        cap = None
+        res = Residency(model_fingerprint(source), E, hot, devices=devices, gpu_memory=budget, profile=profile,
+                        capacity=capacity, notes=notes)
     else:
-        cap = _plan_capacity(a, cfg, counts, prof, device, slots) if a.gpu_memory else None
-        hot = fill(counts, cap.hot_slots if cap else slots)
-        devices = {device: cfg.moe_layers} if device else {}
-        budget, capacity = (cap.budget if cap else None), (cap.to_json() if cap else {})
-    res = Residency(model_fingerprint(source), E, hot, devices=devices, gpu_memory=budget,
-                    profile={"path": prof_path, "sessions": prof.sessions if prof else 0,
-                             "tokens": prof.tokens if prof else {}, "max_tokens": prof.max_tokens if prof else 0},
-                    capacity=capacity,
-                    notes={"hot_fraction": a.hot_fraction} if a.hot_fraction is not None else {})
+        size = _pool_size(a, cfg, counts, prof, device)
+        cap = size.capacity
+        res = plan_residency(source, counts, size, devices={device: cfg.moe_layers} if device else {},
+                             profile=profile, notes=notes)
+        hot = res.hot
     print(f"{res.hot_count} hot experts of {L * E} ({100 * res.hot_count / (L * E):.1f}%) -> {a.output}")
     report = {"hot_experts": res.hot_count}
     if prof is not None:
