@@ -71,11 +71,11 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
     cpu = CpuExperts(host.layers, backend=place.cpu_backend, cpus=threads.workers)
-    return configure(HybridExperts(pool, host, cpu, upload_threshold(place, residency), max_tokens), place,
+    return configure(HybridExperts(pool, host, cpu, resolve_np(place, residency), max_tokens), place,
                      residency)
 
 
-def upload_threshold(place: PlacementSettings, residency: Residency) -> int:
+def resolve_np(place: PlacementSettings, residency: Residency) -> int:
     """Np: the setting, else the residency's calibrated one, else the default."""
     return int(place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD)
 
@@ -146,7 +146,7 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
     for g in dict.fromkeys(group.values()):
         mine = {l: w for l, w in host.layers.items() if group[layer_devices[l]] is g}
         cpus[g] = CpuExperts(mine, backend=place.cpu_backend, cpus=g.cpus)
-    np_ = upload_threshold(place, residency)
+    np_ = resolve_np(place, residency)
     backends = {}
     for name, pool in pools.items():
         with device_scope(pool.device):
