@@ -1,0 +1,420 @@
+"""MoE kernels over quantized expert pools: GGUF blocks dequantized inside the kernels.
+
+Legend: T tokens, K routes per token, D hidden size, F expert FFN size, N pool slots,
+R = T*K routes, G groups of lanes per tile step, L = 16 lanes per group.
+Pools (uint8, one qtype per tensor, a constexpr of the kernels): w13[N, 2F, row_bytes(qt, D)]
+(gate rows then up rows), w2[N, D, row_bytes(qt, F)]; blocks run along the input dimension.
+
+Lanes. The kernels never rebuild a row in its natural order. Each block is read as lanes: a
+lane is one payload byte (Q8_0: the bytes i and i + 16) that yields two values, "lo" and
+"hi", at element indices the lane knows; 16 consecutive lanes form a group whose values share
+their scales. A block is 1 group (Q8_0, MXFP4: 32 values) or 8 (K-quants: 256 values), so
+every format is a row of D / 32 groups, and a tile is rows x G groups x 16 lanes: payload
+bytes load contiguously, scales once per (row, group), and the activation (x or h) is
+gathered at the lanes' element indices instead. A dot product does not care about order: the
+matvecs sum lo * x[e_lo] + hi * x[e_hi]; the GEMMs run two tl.dots per step on [G*16]-deep
+tiles, one for the lo and one for the hi values. Dequantized values are fp32, computed as
+gguf.quants computes them ((d * sc) * q - dmin * m), so an interpreted run matches it bitwise
+(compiled, a fused multiply-add may round the last bit differently).
+
+- decode (T small; the same computation as moe_decode, memory bound):
+  _decode_w13_kernel, grid (R, F/BLOCK_F): gate and up rows of one route, silu(gate) * up
+  rounded to the activation dtype into h[R, F]; a zero-slot route returns before reading.
+  _decode_w2_kernel, grid (T, D/BLOCK_D): the K routes of a token as K * BLOCK_D rows of one
+  tile (loads in flight for all of them), zero-slot rows masked off (never read), a fixed-shape
+  sum over k (deterministic); writes out[T, D] once.
+- prefill: moe_prefill's route alignment and combine around two grouped GEMMs,
+  _prefill_w13_kernel and _prefill_w2_kernel, each dequantizing its weight tile [G*16, BLOCK_N]
+  in registers and multiplying it with tl.dot in the activation dtype (bf16 in the engine).
+- _dequant_kernel: rows of one qtype to fp32 (dequantize_rows): the lanes alone, for tests
+  and for whoever needs a dense copy on the GPU.
+Zero bytes dequantize to zeros in every format (d = dmin = 0; MXFP4 scale 2^-128 times 0),
+so a zero slot filled with zeros is harmless even where it is read (it never is here).
+Slot offsets are int64: N * 2F * row_bytes exceeds 2^31 for real pools.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ostinato.kernels.triton.moe_prefill import _combine_kernel
+
+LANES = tl.constexpr(16)  # lanes per group; its 32 values share their scales in every format
+
+
+@triton.jit
+def _fp16(ptr, mask):
+    """The little-endian fp16 at ptr, ptr + 1 as fp32 (byte loads: blocks are not aligned)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+    bits = lo | (hi << 8)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q8_0(row, gg, i, mask):
+    # 34 bytes: fp16 d, int8 q[32]; lane i holds q[i] (lo) and q[i + 16] (hi).
+    blk = row + gg * 34
+    d = _fp16(blk, mask)
+    e = gg * 32 + i
+    q_lo = tl.load(blk + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
+    q_hi = tl.load(blk + 18 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
+    return d * q_lo.to(tl.float32), d * q_hi.to(tl.float32), e, e + 16
+
+
+@triton.jit
+def _k_scale_min(p, j, mask):
+    """6-bit scale and min of sub-block j (0..7) from the 12 packed bytes at p (Q4_K, Q5_K)."""
+    low = j < 4
+    a = tl.load(p + j, mask=mask, other=0).to(tl.int32)
+    b = tl.load(p + j + 4, mask=mask, other=0).to(tl.int32)
+    c = tl.load(p + tl.where(low, j, j - 4), mask=mask, other=0).to(tl.int32)
+    sc = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4))
+    m = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
+    return sc.to(tl.float32), m.to(tl.float32)
+
+
+@triton.jit
+def _q45_k(row, gg, i, mask, FIVE: tl.constexpr):
+    # Q4_K, 144 bytes: fp16 d, fp16 dmin, scales[12], qs[128]. Q5_K, 176 bytes: the same with
+    # qh[32] before qs. Group gb covers qs bytes 16 gb..16 gb + 15 of 32-byte chunk c = gb // 2,
+    # whose low nibbles are sub-block 2c and high nibbles 2c + 1; Q5_K's fifth bits of value
+    # e are bit e // 32 of qh[e % 32].
+    gb = gg % 8
+    c = gb // 2
+    if FIVE:
+        blk = row + (gg // 8) * 176
+        q = tl.load(blk + 48 + gb * 16 + i, mask=mask, other=0).to(tl.int32)
+        qh = tl.load(blk + 16 + (gb % 2) * 16 + i, mask=mask, other=0).to(tl.int32)
+        q_lo = (q & 15) | (((qh >> (2 * c)) & 1) << 4)
+        q_hi = (q >> 4) | (((qh >> (2 * c + 1)) & 1) << 4)
+    else:
+        blk = row + (gg // 8) * 144
+        q = tl.load(blk + 16 + gb * 16 + i, mask=mask, other=0).to(tl.int32)
+        q_lo = q & 15
+        q_hi = q >> 4
+    d = _fp16(blk, mask)
+    dmin = _fp16(blk + 2, mask)
+    sc_lo, m_lo = _k_scale_min(blk + 4, 2 * c, mask)
+    sc_hi, m_hi = _k_scale_min(blk + 4, 2 * c + 1, mask)
+    lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * m_lo
+    hi = (d * sc_hi) * q_hi.to(tl.float32) - dmin * m_hi
+    e = (gg // 8) * 256 + c * 64 + (gb % 2) * 16 + i
+    return lo, hi, e, e + 32
+
+
+@triton.jit
+def _q6_k(row, gg, i, mask):
+    # 210 bytes: ql[128], qh[64], int8 scales[16], fp16 d. Half h = gb // 4 of the block (128
+    # values) has ql bytes 64h.., qh bytes 32h..; lane jj of the half holds value jj (low
+    # nibble) and jj + 64 (high nibble), their top two bits in qh[32h + jj % 32] at bits
+    # 2 (jj // 32) and 4 + 2 (jj // 32); one int8 scale per 16 values.
+    gb = gg % 8
+    half = gb // 4
+    gq = gb % 4
+    blk = row + (gg // 8) * 210
+    ql = tl.load(blk + gb * 16 + i, mask=mask, other=0).to(tl.int32)
+    qh = tl.load(blk + 128 + half * 32 + (gq % 2) * 16 + i, mask=mask, other=0).to(tl.int32)
+    shift = (gq // 2) * 2
+    q_lo = ((ql & 15) | (((qh >> shift) & 3) << 4)) - 32
+    q_hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
+    d = _fp16(blk + 208, mask)
+    sc_lo = tl.load(blk + 192 + half * 8 + gq, mask=mask, other=0).to(tl.int8, bitcast=True)
+    sc_hi = tl.load(blk + 196 + half * 8 + gq, mask=mask, other=0).to(tl.int8, bitcast=True)
+    lo = (d * sc_lo.to(tl.float32)) * q_lo.to(tl.float32)
+    hi = (d * sc_hi.to(tl.float32)) * q_hi.to(tl.float32)
+    e = (gg // 8) * 256 + half * 128 + gq * 16 + i
+    return lo, hi, e, e + 64
+
+
+@triton.jit
+def _e2m1x2(n):
+    """Twice the e2m1 value of nibble n (bit 3 the sign): 0, 1, 2, 3, 4, 6, 8, 12."""
+    m = n & 7
+    v = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+    return tl.where(n >= 8, -v, v).to(tl.float32)
+
+
+@triton.jit
+def _mxfp4(row, gg, i, mask):
+    # 17 bytes: E8M0 exponent x, qs[16]; lane i holds value i (low nibble) and i + 16 (high).
+    # gguf doubles the e2m1 values and halves the scale: 2^(x - 128), built from its bits so
+    # that x < 2 (denormal results) is exact too.
+    blk = row + gg * 17
+    x = tl.load(blk, mask=mask, other=0).to(tl.int32)
+    scale = tl.where(x < 2, (x + 1) * 0x200000, (x - 1) << 23).to(tl.float32, bitcast=True)
+    q = tl.load(blk + 1 + i, mask=mask, other=0).to(tl.int32)
+    e = gg * 32 + i
+    return scale * _e2m1x2(q & 15), scale * _e2m1x2(q >> 4), e, e + 16
+
+
+@triton.jit
+def _lanes(row, gg, i, mask, QT: tl.constexpr):
+    """Values of lanes i of groups gg of the rows at row (uint8 pointers), masked loads.
+
+    Shapes broadcast: row over rows, gg over groups, i over the 16 lanes. Returns lo, hi
+    (fp32, the full broadcast shape) and their element indices in the row (no row axis).
+    """
+    if QT == "Q8_0":
+        lo, hi, e_lo, e_hi = _q8_0(row, gg, i, mask)
+    elif QT == "Q4_K":
+        lo, hi, e_lo, e_hi = _q45_k(row, gg, i, mask, False)
+    elif QT == "Q5_K":
+        lo, hi, e_lo, e_hi = _q45_k(row, gg, i, mask, True)
+    elif QT == "Q6_K":
+        lo, hi, e_lo, e_hi = _q6_k(row, gg, i, mask)
+    else:
+        tl.static_assert(QT == "MXFP4", "moe_quant: unsupported qtype")
+        lo, hi, e_lo, e_hi = _mxfp4(row, gg, i, mask)
+    return lo, hi, e_lo, e_hi
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, out_ptr, M, n, stride_q, stride_o,
+                    QT: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None, None]
+    gg = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[None, :, None]
+    i = tl.arange(0, LANES)[None, None, :]
+    mask = (rows < M) & (gg < n // 32)
+    lo, hi, e_lo, e_hi = _lanes(q_ptr + rows.to(tl.int64) * stride_q, gg, i, mask, QT)
+    out_row = out_ptr + rows.to(tl.int64) * stride_o
+    tl.store(out_row + e_lo, lo, mask=mask)
+    tl.store(out_row + e_hi, hi, mask=mask)
+
+
+def dequantize_rows(q: torch.Tensor, qtype: str, n: int, block_r: int = 16,
+                    groups: int = 8) -> torch.Tensor:
+    """uint8 q[M, row_bytes(qtype, n)] (unit last stride) -> float32 [M, n] on q's device."""
+    M = q.shape[0]
+    out = torch.empty(M, n, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(M, block_r), triton.cdiv(n // 32, groups))
+    _dequant_kernel[grid](q, out, M, n, q.stride(0), out.stride(0), QT=qtype, BLOCK_R=block_r,
+                          GROUPS=groups)
+    return out
+
+
+@triton.jit
+def _decode_w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, zero_lo, zero_hi, K, D, F,
+                       stride_xt, stride_ws, stride_wr,
+                       QT: tl.constexpr, BLOCK_F: tl.constexpr, GROUPS: tl.constexpr,
+                       NUM_STAGES: tl.constexpr):
+    route = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    s = tl.load(slots_ptr + route)
+    if (s >= zero_lo) & (s < zero_hi):
+        return  # h of this route is never read: _decode_w2_kernel skips it too
+    t = route // K
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask_f = (offs_f < F)[:, None, None]
+    gate_rows = (w13_ptr + s.to(tl.int64) * stride_ws
+                 + offs_f.to(tl.int64)[:, None, None] * stride_wr)  # [BLOCK_F, 1, 1]
+    up_rows = gate_rows + F * stride_wr.to(tl.int64)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    groups = tl.arange(0, GROUPS)[None, :, None]
+    i = tl.arange(0, LANES)[None, None, :]
+    num_groups = D // 32
+    acc_g = tl.zeros([BLOCK_F, GROUPS, LANES], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_F, GROUPS, LANES], dtype=tl.float32)
+    for g0 in tl.range(0, num_groups, GROUPS, num_stages=NUM_STAGES):
+        gg = g0 + groups
+        ok = gg < num_groups
+        mask = mask_f & ok
+        g_lo, g_hi, e_lo, e_hi = _lanes(gate_rows, gg, i, mask, QT)
+        u_lo, u_hi, _, _ = _lanes(up_rows, gg, i, mask, QT)
+        x_lo = tl.load(x_row + e_lo, mask=ok, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_row + e_hi, mask=ok, other=0.0).to(tl.float32)
+        acc_g += g_lo * x_lo + g_hi * x_hi
+        acc_u += u_lo * x_lo + u_hi * x_hi
+    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + route.to(tl.int64) * F + offs_f, h.to(h_ptr.dtype.element_ty),
+             mask=offs_f < F)
+
+
+@triton.jit
+def _decode_w2_kernel(h_ptr, slots_ptr, weights_ptr, w2_ptr, out_ptr, zero_lo, zero_hi, K, D, F,
+                      stride_ws, stride_wr, stride_ot,
+                      QT: tl.constexpr, KP: tl.constexpr, BLOCK_D: tl.constexpr,
+                      GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # Tile rows are (k, d) pairs, k-major: all K routes of the token at once, as moe_decode.
+    t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    r = tl.arange(0, KP * BLOCK_D)
+    k = r // BLOCK_D
+    d = pid_d * BLOCK_D + r % BLOCK_D
+    route = t * K + k
+    s = tl.load(slots_ptr + route, mask=k < K, other=zero_lo)
+    live = (k < K) & ((s < zero_lo) | (s >= zero_hi)) & (d < D)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    out_row = out_ptr + t.to(tl.int64) * stride_ot + offs_d
+    if tl.sum(live.to(tl.int32), axis=0) == 0:
+        tl.store(out_row, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=offs_d < D)
+        return
+    rows = (w2_ptr + s.to(tl.int64) * stride_ws + d.to(tl.int64) * stride_wr)[:, None, None]
+    h_rows = (h_ptr + route.to(tl.int64) * F)[:, None, None]
+    live3 = live[:, None, None]
+    groups = tl.arange(0, GROUPS)[None, :, None]
+    i = tl.arange(0, LANES)[None, None, :]
+    num_groups = F // 32
+    acc = tl.zeros([KP * BLOCK_D, GROUPS, LANES], dtype=tl.float32)
+    for g0 in tl.range(0, num_groups, GROUPS, num_stages=NUM_STAGES):
+        gg = g0 + groups
+        mask = live3 & (gg < num_groups)
+        w_lo, w_hi, e_lo, e_hi = _lanes(rows, gg, i, mask, QT)
+        h_lo = tl.load(h_rows + e_lo, mask=mask, other=0.0).to(tl.float32)
+        h_hi = tl.load(h_rows + e_hi, mask=mask, other=0.0).to(tl.float32)
+        acc += w_lo * h_lo + w_hi * h_hi
+    part = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights_ptr + route, mask=live, other=0.0)
+    y = tl.sum(tl.reshape(part, (KP, BLOCK_D)), axis=0)
+    tl.store(out_row, y.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+def decode_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
+                   cfg_w13, cfg_w2):
+    """x[T, D] (contiguous), slots[T, K] int32, weights[T, K] f32 (contiguous) -> out[T, D].
+
+    qtypes = (qtype of w13, qtype of w2); h is rounded to x's dtype, as prefill's.
+    """
+    T, K = slots.shape
+    D = x.shape[1]
+    F = w13_pool.shape[1] // 2
+    h = torch.empty(T * K, F, dtype=x.dtype, device=x.device)  # [R, F]
+    grid = (T * K, triton.cdiv(F, cfg_w13["BLOCK_F"]))
+    _decode_w13_kernel[grid](x, slots, w13_pool, h, zero_lo, zero_hi, K, D, F,
+                             x.stride(0), w13_pool.stride(0), w13_pool.stride(1),
+                             QT=qtypes[0], BLOCK_F=cfg_w13["BLOCK_F"], GROUPS=cfg_w13["GROUPS"],
+                             NUM_STAGES=cfg_w13["num_stages"], num_warps=cfg_w13["num_warps"])
+    grid = (T, triton.cdiv(D, cfg_w2["BLOCK_D"]))
+    _decode_w2_kernel[grid](h, slots, weights, w2_pool, out, zero_lo, zero_hi, K, D, F,
+                            w2_pool.stride(0), w2_pool.stride(1), out.stride(0),
+                            QT=qtypes[1], KP=triton.next_power_of_2(K), BLOCK_D=cfg_w2["BLOCK_D"],
+                            GROUPS=cfg_w2["GROUPS"], NUM_STAGES=cfg_w2["num_stages"],
+                            num_warps=cfg_w2["num_warps"])
+    return out
+
+
+@triton.jit
+def _b_tiles(rows, gg, i, mask, QT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """tl.dot's B operands [G*16, BLOCK_N] (lo and hi values, fp32) and their element indices."""
+    lo, hi, e_lo, e_hi = _lanes(rows, gg, i, mask, QT)  # [G, 16, BLOCK_N], [G, 16, 1]
+    b_lo = tl.reshape(lo, (GROUPS * LANES, BLOCK_N))
+    b_hi = tl.reshape(hi, (GROUPS * LANES, BLOCK_N))
+    return b_lo, b_hi, tl.reshape(e_lo, (GROUPS * LANES,)), tl.reshape(e_hi, (GROUPS * LANES,))
+
+
+@triton.jit
+def _prefill_w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_padded_ptr,
+                        R, K, D, F, stride_xt, stride_ws, stride_wr,
+                        QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUPS: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    s = tl.load(block_slots_ptr + pid_m)
+    if s < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    routes = tl.load(sorted_routes_ptr + offs_m)
+    valid = routes < R
+    x_rows = x_ptr + (routes // K).to(tl.int64)[:, None] * stride_xt  # [BLOCK_M, 1]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = (offs_n < F)[None, None, :]
+    # weight tiles [G, 16, BLOCK_N]: lanes down, rows across (the orientation of B)
+    gate_rows = (w13_ptr + s.to(tl.int64) * stride_ws
+                 + offs_n.to(tl.int64)[None, None, :] * stride_wr)
+    up_rows = gate_rows + F * stride_wr.to(tl.int64)
+    groups = tl.arange(0, GROUPS)[:, None, None]
+    i = tl.arange(0, LANES)[None, :, None]
+    num_groups = D // 32
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    for g0 in range(0, num_groups, GROUPS):
+        gg = g0 + groups
+        mask = (gg < num_groups) & mask_n
+        # gate's tiles, then up's: fewer dequantized tiles live at once (registers)
+        b_lo, b_hi, e_lo, e_hi = _b_tiles(gate_rows, gg, i, mask, QT, GROUPS, BLOCK_N)
+        a_mask = valid[:, None] & (e_lo < D)[None, :]
+        a_lo = tl.load(x_rows + e_lo[None, :], mask=a_mask, other=0.0)
+        a_hi = tl.load(x_rows + e_hi[None, :], mask=a_mask, other=0.0)
+        acc_g = tl.dot(a_lo, b_lo.to(dtype), acc_g, input_precision=PRECISION)
+        acc_g = tl.dot(a_hi, b_hi.to(dtype), acc_g, input_precision=PRECISION)
+        b_lo, b_hi, _, _ = _b_tiles(up_rows, gg, i, mask, QT, GROUPS, BLOCK_N)
+        acc_u = tl.dot(a_lo, b_lo.to(dtype), acc_u, input_precision=PRECISION)
+        acc_u = tl.dot(a_hi, b_hi.to(dtype), acc_u, input_precision=PRECISION)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    h_ptrs = h_ptr + routes.to(tl.int64)[:, None] * F + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n < F)[None, :])
+
+
+@triton.jit
+def _prefill_w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, block_slots_ptr,
+                       num_padded_ptr, R, D, F, stride_ws, stride_wr,
+                       QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       GROUPS: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    s = tl.load(block_slots_ptr + pid_m)
+    if s < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    routes = tl.load(sorted_routes_ptr + offs_m)
+    valid = routes < R
+    h_rows = h_ptr + routes.to(tl.int64)[:, None] * F  # [BLOCK_M, 1]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = (offs_n < D)[None, None, :]
+    rows = w2_ptr + s.to(tl.int64) * stride_ws + offs_n.to(tl.int64)[None, None, :] * stride_wr
+    groups = tl.arange(0, GROUPS)[:, None, None]
+    i = tl.arange(0, LANES)[None, :, None]
+    num_groups = F // 32
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dtype = h_ptr.dtype.element_ty
+    for g0 in range(0, num_groups, GROUPS):
+        gg = g0 + groups
+        mask = (gg < num_groups) & mask_n
+        b_lo, b_hi, e_lo, e_hi = _b_tiles(rows, gg, i, mask, QT, GROUPS, BLOCK_N)
+        a_mask = valid[:, None] & (e_lo < F)[None, :]
+        a_lo = tl.load(h_rows + e_lo[None, :], mask=a_mask, other=0.0)
+        a_hi = tl.load(h_rows + e_hi[None, :], mask=a_mask, other=0.0)
+        acc = tl.dot(a_lo, b_lo.to(dtype), acc, input_precision=PRECISION)
+        acc = tl.dot(a_hi, b_hi.to(dtype), acc, input_precision=PRECISION)
+    acc *= tl.load(weights_ptr + routes, mask=valid, other=0.0)[:, None]
+    y_ptrs = y_ptr + routes.to(tl.int64)[:, None] * D + offs_n[None, :]
+    tl.store(y_ptrs, acc, mask=valid[:, None] & (offs_n < D)[None, :])
+
+
+def prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out, aligned,
+                    cfg, cfg_combine):
+    """x[T, D], slots[T, K] int32, weights[T, K] f32 (contiguous), aligned routes -> out[T, D].
+
+    aligned: (sorted_routes, block_slots, num_padded) from moe_prefill.align_forward or
+    gpu_experts.align_routes with cfg["BLOCK_M"]. h[R, F] is kept in x's dtype.
+    """
+    T, K = slots.shape
+    R = T * K
+    D = x.shape[1]
+    F = w13_pool.shape[1] // 2
+    sorted_routes, block_slots, num_padded = aligned
+    num_blocks = block_slots.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else None  # fp32 tests: no tf32 rounding
+    tiles = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "GROUPS": cfg["GROUPS"],
+             "PRECISION": precision, "num_warps": cfg["num_warps"],
+             "num_stages": cfg["num_stages"]}
+    h = torch.empty(R, F, dtype=x.dtype, device=x.device)  # [R, F]
+    y = torch.empty(R, D, dtype=torch.float32, device=x.device)  # [R, D]
+    grid = (num_blocks, triton.cdiv(F, cfg["BLOCK_N"]))
+    _prefill_w13_kernel[grid](x, w13_pool, h, sorted_routes, block_slots, num_padded, R, K, D, F,
+                              x.stride(0), w13_pool.stride(0), w13_pool.stride(1),
+                              QT=qtypes[0], **tiles)
+    grid = (num_blocks, triton.cdiv(D, cfg["BLOCK_N"]))
+    _prefill_w2_kernel[grid](h, w2_pool, y, weights, sorted_routes, block_slots, num_padded, R, D,
+                             F, w2_pool.stride(0), w2_pool.stride(1), QT=qtypes[1], **tiles)
+    grid = (T, triton.cdiv(D, cfg_combine["BLOCK_D"]))
+    _combine_kernel[grid](y, slots, out, zero_lo, zero_hi, K, D, out.stride(0),
+                          BLOCK_D=cfg_combine["BLOCK_D"], num_warps=cfg_combine["num_warps"])
+    return out

@@ -1,0 +1,185 @@
+"""GPU branch over quantized expert pools: slot_experts_forward with GGUF block weights.
+
+Legend: T tokens, K routes per token, D hidden size, F expert FFN size, N pool slots.
+
+Quantized experts stay in their GGUF block formats in the GPU pool, uint8
+w13[N, 2F, row_bytes(qt13, D)] (gate rows then up rows, one qtype) and
+w2[N, D, row_bytes(qt2, F)] (down; Q4_K_M gives some layers Q6_K here), and the kernels of
+kernels/triton/moe_quant.py dequantize inside: a pool slot costs its quantized bytes, and
+decode, which reads each hot expert once, reads 3.5x (Q4_K) fewer bytes than bf16.
+Everything else is gpu_experts': the zero slots (a cold route reads one, never its bytes),
+the choice of decode or prefill kernels by T (a shape, not data), the device-side route
+alignment and the fixed-order combine; no host sync, CUDA-graph capturable, deterministic.
+
+The semantics, which slot_experts_quant_torch states in plain PyTorch (the CPU path and the
+oracle): the weights are the dequantized fp32 values; h = silu(gate) * up is rounded to the
+activation dtype (bf16 in the engine), as the bf16 path rounds it to the weights' dtype; the
+down projection and the weighted sum over k are fp32. The decode kernels multiply in fp32;
+the prefill kernels round the dequantized tile to the activation dtype for tl.dot.
+
+Block sizes: DEFAULT_QUANT_TUNING, overridden by kernels/tuned/moe_quant_<device>.json when
+one exists (no tool writes it yet: scripts/bench_gpu_quant.py measures); the alignment and
+combine configs are gpu_experts' tuning for the device (the same kernels).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import torch
+import torch.nn.functional as F_
+
+from ostinato.config import ConfigError
+from ostinato.layers.moe import gpu_experts as ge
+from ostinato.quant.formats import dequantize, row_bytes
+
+QUANT_QTYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # the block formats the kernels read
+
+# GROUPS: groups of 16 lanes (32 values) per tile step; prefill buckets as gpu_experts'
+# (the smallest key >= T). Not measured yet: chosen by compiling for sm_90 (Triton 3.9) as
+# the larger tiles whose kernels spill no more than a few bytes of registers in any qtype.
+DEFAULT_QUANT_TUNING: dict = {
+    "decode_max_tokens": 8,
+    "decode_w13": {"BLOCK_F": 8, "GROUPS": 4, "num_warps": 4, "num_stages": 2},
+    "decode_w2": {"BLOCK_D": 4, "GROUPS": 4, "num_warps": 4, "num_stages": 1},
+    "prefill": {
+        "320": {"BLOCK_M": 16, "BLOCK_N": 64, "GROUPS": 4, "num_warps": 8, "num_stages": 2},
+        "1000000": {"BLOCK_M": 64, "BLOCK_N": 64, "GROUPS": 4, "num_warps": 8,
+                    "num_stages": 2},
+    },
+}
+
+
+def quant_tuned_path(tag: str):
+    return ge.TUNED_DIR / f"moe_quant_{tag}.json"
+
+
+@functools.cache
+def load_quant_tuning(tag: str) -> dict:
+    """Defaults plus gpu_experts' align and combine, overridden by moe_quant_<tag>.json."""
+    base = ge.load_tuning(tag)
+    tuning = copy.deepcopy(DEFAULT_QUANT_TUNING)
+    tuning["align"], tuning["combine"] = dict(base["align"]), dict(base["combine"])
+    path = quant_tuned_path(tag)
+    if path.exists():
+        for key, value in json.loads(path.read_text()).items():
+            if key not in tuning:  # "_meta", retired keys
+                continue
+            if isinstance(value, dict) and key != "prefill":
+                value = {**tuning[key], **value}
+            tuning[key] = value
+    return tuning
+
+
+def prefill_config(tuning: dict, num_tokens: int, dtype: torch.dtype) -> dict:
+    """The tile config of the smallest bucket >= num_tokens."""
+    buckets = sorted(tuning["prefill"].items(), key=lambda kv: int(kv[0]))
+    cfg = next((c for bound, c in buckets if num_tokens <= int(bound)), buckets[-1][1])
+    if dtype.itemsize == 4:  # fp32 activations (tests): the shared memory of 16-bit tiles
+        cfg = dict(cfg, GROUPS=max(1, cfg["GROUPS"] // 2))
+    return cfg
+
+
+def check_quant_pools(x, w13_pool, w2_pool, qtypes) -> None:
+    """ConfigError unless the pools are uint8 [N, 2F, row_bytes(qt13, D)], [N, D, row_bytes(qt2, F)]."""
+    for qtype in qtypes:
+        if qtype not in QUANT_QTYPES:
+            raise ConfigError(
+                f"GPU expert kernels read {', '.join(QUANT_QTYPES)} blocks, not {qtype!r}: "
+                f"requantize the experts (llama-quantize ... Q4_K_M) or load them as bf16")
+    D = x.shape[-1]
+    N, two_f, _ = w13_pool.shape
+    F = two_f // 2
+    want13 = (N, 2 * F, row_bytes(qtypes[0], D))
+    want2 = (N, D, row_bytes(qtypes[1], F))
+    for name, pool, want, qtype in [("w13", w13_pool, want13, qtypes[0]),
+                                    ("w2", w2_pool, want2, qtypes[1])]:
+        if pool.dtype != torch.uint8 or tuple(pool.shape) != want or pool.stride(2) != 1:
+            raise ConfigError(
+                f"the {name} pool of {qtype} experts must be a uint8 tensor {list(want)} with "
+                f"unit last stride for hidden size {D} and expert FFN size {F}; got {pool.dtype} "
+                f"{list(pool.shape)}: check the expert tensors' shapes and types in the GGUF file")
+
+
+def slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
+                             qtypes, out_dtype=None):
+    """Plain PyTorch: loop over the distinct hot slots (host sync), dequantized fp32 weights.
+
+    out[T, D] = sum_k weights[t,k] * w2[s] @ round(silu(w13[s][:F] @ x[t]) * (w13[s][F:] @ x[t]))
+    with w = dequantize(pool[s]) and round() to x's dtype.
+    """
+    T, K = slots.shape
+    D = x.shape[1]
+    F = w13_pool.shape[1] // 2
+    flat = slots.reshape(-1).long()  # [R]
+    partial = torch.zeros(T * K, D, dtype=torch.float32, device=x.device)  # [R, D]
+    wflat = weights.reshape(-1).float()
+    hot = (flat < zero_lo) | (flat >= zero_hi)
+    for s in torch.unique(flat[hot]).tolist():
+        routes = (flat == s).nonzero().squeeze(1)
+        xs = x[routes // K].float()  # [n, D]
+        gate, up = (xs @ dequantize(w13_pool[s], qtypes[0], D).t()).chunk(2, dim=-1)  # [n, F]
+        h = (F_.silu(gate) * up).to(x.dtype).float()
+        partial[routes] = (h @ dequantize(w2_pool[s], qtypes[1], F).t()) * wflat[routes, None]
+    result = partial.view(T, K, -1).sum(1)  # fixed order over k
+    if out is None:
+        return result.to(out_dtype or x.dtype)
+    return out.copy_(result)
+
+
+def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
+                              qtypes, out_dtype=None, max_distinct=None, tuning=None):
+    """The Triton paths on x's device (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    T, K = slots.shape
+    D = x.shape[1]
+    if out is None:
+        out = torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
+    if T == 0:
+        return out
+    assert out.shape == (T, D) and out.stride(1) == 1, "out must be [T, D] with unit last stride"
+    tuning = tuning or _quant_tuning_for(x.device.type, x.device.index)
+    x = x.contiguous()
+    slots = slots.to(torch.int32).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    if T <= tuning["decode_max_tokens"]:
+        from ostinato.kernels.triton.moe_quant import decode_forward
+
+        return decode_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
+                              tuning["decode_w13"], tuning["decode_w2"])
+    from ostinato.kernels.triton.moe_prefill import align_forward
+    from ostinato.kernels.triton.moe_quant import prefill_forward
+
+    cfg = prefill_config(tuning, T, x.dtype)
+    num_slots = w13_pool.shape[0]
+    distinct = max(num_slots - (zero_hi - zero_lo) if max_distinct is None else max_distinct, 1)
+    if tuning["align"]["backend"] == "torch":
+        aligned = ge.align_routes(slots, zero_lo, zero_hi, cfg["BLOCK_M"], distinct)
+    else:
+        size = ge.padded_size(T * K, cfg["BLOCK_M"], distinct)
+        aligned = ge.AlignedRoutes(*align_forward(slots, zero_lo, zero_hi, num_slots,
+                                                  cfg["BLOCK_M"], size, tuning["align"]))
+    return prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
+                           aligned, cfg, tuning["combine"])
+
+
+@functools.cache
+def _quant_tuning_for(device_type: str, index: int | None) -> dict:
+    return load_quant_tuning(ge.device_tag(torch.device(device_type, index)))
+
+
+def slot_experts_quant_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None,
+                               *, qtypes, out_dtype=None, max_distinct=None):
+    """GPU branch of one MoE layer over quantized pools: out[T, D] = sum over the K slots.
+
+    As gpu_experts.slot_experts_forward, with w13_pool uint8 [N, 2F, row_bytes(qt13, D)],
+    w2_pool uint8 [N, D, row_bytes(qt2, F)] and qtypes = (qt13, qt2), each in QUANT_QTYPES.
+    x[T, D] bf16 in the engine (fp16, fp32 in tests). CUDA tensors run the Triton kernels
+    (capturable); CPU tensors the torch path.
+    """
+    check_quant_pools(x, w13_pool, w2_pool, qtypes)
+    if x.device.type == "cpu":
+        return slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi,
+                                        out, qtypes=qtypes, out_dtype=out_dtype)
+    return slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
+                                     qtypes=qtypes, out_dtype=out_dtype, max_distinct=max_distinct)
