@@ -12,14 +12,22 @@ from ostinato.config import ConfigError
 from ostinato.model_args import add_model_args, placement_settings, runner_settings
 from ostinato.planner.cli import add_planner_commands
 from ostinato.server.cli import add_server_commands
+from ostinato.synth.gguf_writer import RECIPES
+from ostinato.synth.presets import PRESETS
 
 
 def cmd_synth(a) -> int:
-    from ostinato.synth.build import write_checkpoint
+    from ostinato.synth.build import write_checkpoint, write_gguf_file
 
     t0 = time.perf_counter()
-    out = write_checkpoint(a.preset, a.out, seed=a.seed, layers=a.layers, skew=a.skew,
-                           progress=lambda i, n: print(f"  shard {i}/{n}", file=sys.stderr))
+    if a.format == "gguf":
+        out = write_gguf_file(a.preset, a.out, a.quant, seed=a.seed, layers=a.layers, skew=a.skew,
+                              progress=lambda i, n: print(f"  tensor {i}/{n}", file=sys.stderr) if i % 50 == 0 or i == n else None)
+    else:
+        if a.quant != "BF16":
+            raise ConfigError(f"--quant {a.quant} needs --format gguf (a Hugging Face checkpoint is written in bf16)")
+        out = write_checkpoint(a.preset, a.out, seed=a.seed, layers=a.layers, skew=a.skew,
+                               progress=lambda i, n: print(f"  shard {i}/{n}", file=sys.stderr))
     print(f"wrote {a.preset} to {out} in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -60,12 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ostinato", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("synth", help="write a synthetic checkpoint in the Hugging Face format")
-    p.add_argument("--preset", required=True, choices=["tiny", "qwen3-30b-a3b"])
+    p = sub.add_parser("synth", help="write a synthetic checkpoint (Hugging Face directory or GGUF file)")
+    p.add_argument("--preset", required=True, choices=list(PRESETS))
     p.add_argument("--layers", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", type=float, default=None, help="router bias scale (default: the calibrated one)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="output directory (gguf: the file OUT/PRESET-QUANT.gguf)")
+    p.add_argument("--format", choices=["hf", "gguf"], default="hf",
+                   help="hf: config.json + safetensors; gguf: one llama.cpp qwen3moe file")
+    p.add_argument("--quant", choices=list(RECIPES), default="BF16",
+                   help="GGUF quantization recipe, as llama.cpp's file types of the same names")
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("generate", help="generate text from a prompt")

@@ -6,7 +6,8 @@ import argparse
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory or synth:PRESET[?seed=S&layers=N]")
+    p.add_argument("--model", required=True, help="checkpoint directory, a .gguf file (or a folder holding one) or "
+                   "synth:PRESET[?seed=S&layers=N]")
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if present)")
     p.add_argument("--devices", help="cuda:0,cuda:1,...: MoE layers split across these devices, in order "
                    "(a residency planned for several devices sets this itself)")

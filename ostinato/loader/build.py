@@ -4,15 +4,17 @@ The dense part (attention, norms, routers, embeddings, dense MLPs) is built on t
 device and materialised once where the runner says; each parameter is loaded by its
 Hugging Face name with a shape check. Experts are loaded separately, because where
 they live (GPU, page-locked host memory, a pool) is the runner's decision, not the
-model's.
+model's. A GGUF source also gives them in their block formats (`load_quantized_experts`),
+as the quantized kernels read them; `load_experts` dequantizes them for the bf16 path.
 """
 from __future__ import annotations
 
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.layers.moe.types import ExpertWeights
+from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
 from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
+from ostinato.quant.formats import row_bytes
 
 
 def build_model(source, device: torch.device | str, dtype: torch.dtype | None = None) -> Qwen3MoeForCausalLM:
@@ -59,3 +61,20 @@ def load_experts_staged(source, layer: int, device, dtype=None) -> ExpertWeights
 
 def load_all_experts(source, device="cpu", dtype=None, pin: bool = False) -> dict[int, ExpertWeights]:
     return {i: load_experts(source, i, device, dtype, pin) for i in source.config.moe_layers}
+
+
+def alloc_quantized_experts(cfg: ModelConfig, qt13: str, qt2: str, device, pin: bool = False) -> QuantExpertWeights:
+    """uint8 w13 [E, 2F, row_bytes(qt13, D)] and w2 [E, D, row_bytes(qt2, F)]."""
+    E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    w13 = torch.empty((E, 2 * F, row_bytes(qt13, D)), dtype=torch.uint8, device=device, pin_memory=pin)
+    w2 = torch.empty((E, D, row_bytes(qt2, F)), dtype=torch.uint8, device=device, pin_memory=pin)
+    return QuantExpertWeights(qt13, w13, qt2, w2)
+
+
+def load_quantized_experts(source, layer: int, device="cpu", pin: bool = False) -> QuantExpertWeights:
+    """One layer's experts in the source's block formats (a GGUF source: `expert_qtypes`), stacked,
+    in memory allocated once (page-locked if `pin`)."""
+    qt13, qt2 = source.expert_qtypes(layer)
+    w = alloc_quantized_experts(source.config, qt13, qt2, device, pin)
+    source.load_quantized_experts_(layer, w.w13, w.w2)
+    return w

@@ -1,12 +1,18 @@
-"""Where weights come from: a Hugging Face checkpoint directory, or a synthetic model (synth/source.py).
+"""Where weights come from: a Hugging Face checkpoint directory, a GGUF file (loader/gguf.py), or a
+synthetic model (synth/source.py).
 
 Both give the same interface: a `ModelConfig`, tensor names and shapes, and `load_`
 that writes a named tensor into memory the caller allocated (so experts land straight
 in their stacked, possibly page-locked, per-layer buffers, with no second copy).
 
-A model argument is a directory, or `synth:PRESET[?seed=S&layers=N&skew=X]`: a
-synthetic model generated into memory with deterministic per-tensor seeds; the same
-values `ostinato synth` writes to disk.
+A model argument is a checkpoint directory, a .gguf file or a directory holding one (and
+no config.json), or `synth:PRESET[?seed=S&layers=N&skew=X]`: a synthetic model generated
+into memory with deterministic per-tensor seeds; the same values `ostinato synth` writes
+to disk.
+
+Quantized safetensors checkpoints (FP8, GPTQ, AWQ, bitsandbytes, compressed-tensors, ...)
+are refused at load: their tensors are integers or low-precision floats with scales kept
+beside them, and copying them into bf16 would give a model that runs and is wrong.
 """
 from __future__ import annotations
 
@@ -19,7 +25,15 @@ from safetensors import safe_open
 
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.layers.moe.types import expert_views
+from ostinato.loader.gguf import GGUFSource, find_gguf
 from ostinato.synth.build import synth_source
+
+# safetensors dtypes that hold weights as they are; anything else (F8_*, I8, U8, I32 packs) needs
+# scales or unpacking this loader does not do
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+# quantization_config.quant_method -> the name a user knows the format by
+QUANT_METHODS = {"fp8": "FP8", "gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes",
+                 "compressed-tensors": "compressed-tensors", "mxfp4": "MXFP4"}
 
 
 class CheckpointSource:
@@ -28,8 +42,10 @@ class CheckpointSource:
     def __init__(self, path: str | Path):
         self.dir = Path(path)
         if not self.dir.is_dir():
-            raise ConfigError(f"{self.dir}: no such model directory (give a checkpoint folder or synth:PRESET)")
+            raise ConfigError(f"{self.dir}: no such model directory (give a checkpoint folder, a .gguf file "
+                              "or synth:PRESET)")
         self.config = ModelConfig.from_file(self.dir / "config.json")
+        refuse_quantized(self.config.raw, self.dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             self.files = {n: self.dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
@@ -67,6 +83,10 @@ class CheckpointSource:
         return self.files[name]
 
     def load_(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        dtype = self._handle(self._file(name)).get_slice(name).get_dtype()
+        if dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"{self.dir}: tensor {name!r} is stored as {dtype}, a quantized or packed type this "
+                              f"loader does not read (it reads {', '.join(FLOAT_DTYPES)} safetensors, or GGUF files)")
         shape = self.shape(name)
         if shape != tuple(out.shape):
             raise ConfigError(
@@ -77,6 +97,18 @@ class CheckpointSource:
     def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         for name, view in expert_views(layer, w13, w2):
             self.load_(name, view)
+
+
+def refuse_quantized(config: dict, where: Path) -> None:
+    """ConfigError for a config.json that declares a quantized checkpoint, naming its format."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    name = QUANT_METHODS.get(str(method).lower(), f"quant_method {method!r}" if method else "an unnamed format")
+    raise ConfigError(f"{where}: the checkpoint is quantized ({name}; quantization_config in config.json), which "
+                      "Ostinato does not load from safetensors: use the unquantized (bf16) checkpoint, or a GGUF "
+                      "file (Q8_0, Q4_K_M, MXFP4_MOE, ...)")
 
 
 def parse_synth(text: str) -> tuple[str, dict]:
@@ -98,4 +130,9 @@ def open_source(model: str | Path):
     if text.startswith("synth:"):
         preset, opts = parse_synth(text)
         return synth_source(preset, **opts)
+    path = Path(text)
+    if not (path / "config.json").is_file():  # a checkpoint directory wins over a .gguf beside it
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            return GGUFSource(gguf_file)
     return CheckpointSource(text)

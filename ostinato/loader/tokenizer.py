@@ -13,6 +13,11 @@ tests compare them):
   same way (None-valued keys dropped, `reasoning_content` aliased) and the special
   tokens passed as template variables.
 
+A GGUF file carries its tokenizer in its metadata (tokens, merges, token types, special
+ids, chat template): `from_dir` given a .gguf file (or a directory holding one and no
+tokenizer_config.json) rebuilds the same `tokenizers` BPE from it, for the byte-level BPE
+("gpt2") tokenizers with a pre-tokenizer llama.cpp names and we know (Qwen2's split).
+
 Tool calls follow the synthetic checkpoints' template (ostinato/synth/chat_template.py):
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks after the content.
 """
@@ -29,15 +34,23 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from gguf import GGUFReader, TokenType
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
+
+from ostinato.loader.gguf import find_gguf, read_metadata
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # The exact layout the template writes; lets a parsed call keep the model's own argument text.
-_CANONICAL_CALL = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": (.*)\}', re.S)
+_CANONICAL_CALL = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": (.*)\}', re.DOTALL)
+# llama.cpp's names (tokenizer.ggml.pre) for the pre-tokenizer splits we can rebuild exactly.
+GGUF_PRE_TOKENIZERS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 
 
 class TokenizerDirError(ValueError):
@@ -190,6 +203,10 @@ class ChatTokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ChatTokenizer":
         directory = Path(path)
+        if directory.suffix == ".gguf" and directory.is_file():
+            return cls.from_gguf(directory)
+        if directory.is_dir() and not (directory / "tokenizer_config.json").is_file() and find_gguf(directory):
+            return cls.from_gguf(find_gguf(directory))
         if not directory.is_dir():
             raise TokenizerDirError(f"{directory} is not a directory: point to a Hugging Face checkpoint directory")
         config = _read_json(directory / "tokenizer_config.json")
@@ -204,6 +221,24 @@ class ChatTokenizer:
             raise TokenizerDirError(f"{tokenizer_file} is not a valid tokenizer file ({reason}): "
                                     "regenerate or re-download it") from None
         return cls(tokenizer, config, _templates(directory, config), _generation_eos(directory), str(directory))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "ChatTokenizer":
+        """The tokenizer and chat template(s) stored in a GGUF file's metadata."""
+        path = Path(path)
+        try:
+            meta = read_metadata(GGUFReader(path))
+        except (ValueError, OSError) as e:
+            raise TokenizerDirError(f"{path}: not a readable GGUF file ({e})") from None
+        tokenizer = _gguf_tokenizer(meta, path)
+        token = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")}
+        config = {f"{k}_token": tokenizer.id_to_token(i) for k, i in
+                  zip(("bos", "eos", "pad", "unk"), token.values()) if i is not None}
+        templates = {n: meta[f"tokenizer.chat_template.{n}"] for n in meta.get("tokenizer.chat_templates", [])}
+        if "tokenizer.chat_template" in meta:
+            templates["default"] = meta["tokenizer.chat_template"]
+        ends = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta]
+        return cls(tokenizer, config, templates, ends, str(path))
 
     @property
     def vocab_size(self) -> int:
@@ -362,3 +397,40 @@ def _generation_eos(directory: Path) -> list[int]:
     if not all(isinstance(i, int) for i in eos):
         raise TokenizerDirError(f"{path}: eos_token_id must be an int or a list of ints")
     return list(eos)
+
+
+def _gguf_tokenizer(meta: dict, path: Path) -> Tokenizer:
+    """The `tokenizers` BPE that a GGUF tokenizer describes: vocabulary and merges, control
+    tokens as special added tokens, user-defined ones as plain added tokens, and the
+    pre-tokenizer llama.cpp's name stands for. The UNUSED `[PAD...]` entries at the end pad
+    the vocabulary to the embedding's size (llama.cpp's converter adds them): left out,
+    so ids 0..vocab_size-1 are real tokens, as in the checkpoint the file came from."""
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if model != "gpt2":
+        raise TokenizerDirError(f"{path}: GGUF tokenizer model {model!r} is not supported: Ostinato reads "
+                                "byte-level BPE tokenizers ('gpt2')")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise TokenizerDirError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (known: "
+                                f"{', '.join(GGUF_PRE_TOKENIZERS)}): use the Hugging Face tokenizer directory")
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    n = len(tokens)
+    while n and types[n - 1] == TokenType.UNUSED:
+        n -= 1
+    added_types = (TokenType.CONTROL, TokenType.USER_DEFINED)
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+        "added_tokens": [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": types[i] == TokenType.CONTROL}
+                         for i in range(n) if types[i] in added_types],
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": GGUF_PRE_TOKENIZERS[pre]}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {tokens[i]: i for i in range(n) if types[i] not in added_types},
+                  "merges": [m.split(" ", 1) for m in meta.get("tokenizer.ggml.merges", [])]},
+    }
+    return Tokenizer.from_str(json.dumps(spec))

@@ -2,8 +2,10 @@
 
 `write_checkpoint` writes exactly the Hugging Face layout of Qwen3-30B-A3B (config.json,
 sharded safetensors with an index, tokenizer.json, tokenizer_config.json with the chat
-template, generation_config.json). `synth_source` gives the same model without the
-disk: the tokenizer is trained once and cached, the weights are generated on demand.
+template, generation_config.json). `write_gguf_file` writes the same model as one
+llama.cpp qwen3moe GGUF file in a quantization recipe (synth/gguf_writer.py). `synth_source`
+gives the same model without the disk: the tokenizer is trained once and cached, the
+weights are generated on demand.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ostinato.synth.gguf_writer import write_gguf
 from ostinato.synth.presets import TOKENIZER_VOCAB, preset_config
 from ostinato.synth.source import SynthSource
 from ostinato.synth.weights import SynthSpec
@@ -64,11 +67,13 @@ def train_for(preset: str, out_dir: Path):
 
 
 def cached_tokenizer(preset: str) -> Path:
-    """Train the preset's tokenizer once per text origin; later calls reuse it."""
+    """Train the preset's tokenizer once per vocabulary size and text origin (presets of one
+    size share it); later calls reuse it."""
     here = Path(__file__).parent
     trainer = (here / "tokenizer.py").read_bytes() + (here / "chat_template.py").read_bytes()
-    key = hashlib.sha1(f"{preset}:{TOKENIZER_VOCAB[preset]}:{text_origin()}".encode() + trainer).hexdigest()[:12]
-    d = cache_dir() / "tokenizers" / f"{preset}-{key}"
+    vocab = TOKENIZER_VOCAB[preset]
+    key = hashlib.sha1(f"{vocab}:{text_origin()}".encode() + trainer).hexdigest()[:12]
+    d = cache_dir() / "tokenizers" / f"bpe{vocab}-{key}"
     if not (d / "tokenizer.json").is_file():
         tmp = d.with_name(d.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
@@ -145,3 +150,12 @@ def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None =
              "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+def write_gguf_file(preset: str, out: Path, quant: str = "BF16", seed: int = 0, layers: int | None = None,
+                    skew: float | None = None, progress=None) -> Path:
+    """Write a synthetic model as OUT/{preset}-{quant}.gguf, generated straight into the writer
+    (no Hugging Face copy on disk); the same values as `write_checkpoint`. Returns the file."""
+    source = synth_source(preset, seed, layers, skew)
+    return write_gguf(source, Path(out) / f"{preset}-{quant}.gguf", quant, name=preset,
+                      generation=generation_config(source.config.raw), progress=progress)

@@ -1,6 +1,8 @@
 """Synthetic model presets: config.json contents with the real Qwen3-30B-A3B keys.
 
-`tiny` is the CI model (CPU, every test run); `qwen3-30b-a3b` has the real shapes.
+`tiny` is the CI model (CPU, every test run); `tiny-k` is its sibling for GGUF K-quants,
+whose rows must be multiples of 256 values (two layers, so Q4_K_M gives one Q4_K and one
+Q6_K down projection); `qwen3-30b-a3b` has the real shapes.
 A preset can be cut to fewer layers (`--layers`) for file-based runs on small disks.
 """
 from __future__ import annotations
@@ -58,7 +60,18 @@ TINY = {
     "vocab_size": 8192,
 }
 
-PRESETS = {"tiny": TINY, "qwen3-30b-a3b": QWEN3_30B_A3B}
+TINY_K = {
+    **TINY,
+    "head_dim": 64,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "max_window_layers": 2,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "vocab_size": 4096,
+}
+
+PRESETS = {"tiny": TINY, "tiny-k": TINY_K, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 # Router bias scale (see synth/weights.py) of each preset, chosen so that the 40-45% of
 # experts most routed in development sessions receive 80-85% of held-out routes:
@@ -66,10 +79,10 @@ PRESETS = {"tiny": TINY, "qwen3-30b-a3b": QWEN3_30B_A3B}
 # 40% on the H200 (results/2026-11-29-h200/); 0.5, chosen from a per-layer fit of that run, measured
 # 76.7% at 40% and 80.2% at 44% of held-out tau2 / SWE-agent routes (results/2026-11-29-h200x2/):
 # inside BENCHMARK.md's 80-85% for 40-45% only at its upper end of experts.
-DEFAULT_SKEW = {"tiny": 1.0, "qwen3-30b-a3b": 0.5}
+DEFAULT_SKEW = {"tiny": 1.0, "tiny-k": 1.0, "qwen3-30b-a3b": 0.5}  # tiny-k: tiny's, not measured
 
 # Tokenizer vocabulary trained for each preset; the embedding keeps the preset's size.
-TOKENIZER_VOCAB = {"tiny": 4096, "qwen3-30b-a3b": 32768}
+TOKENIZER_VOCAB = {"tiny": 4096, "tiny-k": 4096, "qwen3-30b-a3b": 32768}
 
 
 def preset_config(name: str, layers: int | None = None) -> dict:

@@ -7,6 +7,12 @@ Expert weights of one layer are stacked, in the checkpoint's own row-major layou
   w13[E, 2F, D]  gate_proj rows [0, F) then up_proj rows [F, 2F)
   w2 [E, D, F]   down_proj
 One expert computes  y = w2 @ (silu(w13[:F] @ x) * (w13[F:] @ x)).
+
+Quantized experts (QuantExpertWeights) keep the same rows in GGUF block formats
+(ostinato/quant/formats.py), blocks along the input dimension:
+  w13 uint8 [E, 2F, row_bytes(qt13, D)]   w2 uint8 [E, D, row_bytes(qt2, F)]
+gate and up share qt13; the down projection may have another type (Q4_K_M gives some
+layers Q6_K down projections).
 """
 from __future__ import annotations
 
@@ -35,6 +41,31 @@ class ExpertWeights(NamedTuple):
     @property
     def expert_bytes(self) -> int:
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
+
+class QuantExpertWeights(NamedTuple):
+    """The routed experts of one MoE layer, stacked, in GGUF block formats (bytes)."""
+
+    qt13: str  # e.g. "Q4_K"
+    w13: torch.Tensor  # uint8 [E, 2F, row_bytes(qt13, D)]
+    qt2: str  # e.g. "Q6_K"
+    w2: torch.Tensor  # uint8 [E, D, row_bytes(qt2, F)]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden(self) -> int:  # D
+        return self.w2.shape[1]
+
+    @property
+    def ffn(self) -> int:  # F
+        return self.w13.shape[1] // 2
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.w13[0].numel() + self.w2[0].numel()
 
 
 def expert_views(layer: int, w13: torch.Tensor, w2: torch.Tensor, first: int = 0):
