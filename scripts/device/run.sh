@@ -23,6 +23,7 @@
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 #   threads    [H] decode steps and replayed TPOT under several thread layouts (scripts/thread_sweep.py)
+#   tests_quant [K] the quantized kernels' tests (GPU and CPU) and their benchmarks (gguf from .carry/wheels)
 # Results gather in $R (default /tmp/res; kept while the machine stays warm, else restored from
 # .carry/res); the call ends by packing $R into $OUT/res.tgz beside $OUT/log.txt.
 set -uo pipefail
@@ -91,6 +92,16 @@ phase_tests() {  # decode graphs bitwise equal to the synchronous path; the spli
 phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
     tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py tests/test_decode_attention.py
+}
+# [K] the quantized-expert kernels: gguf (pure Python, no registry there) from a carried wheel
+# (.carry/wheels/gguf-*.whl: `pip download gguf==0.19.0 --no-deps -d .carry/wheels` here)
+phase_tests_quant() {
+  python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/wheels/gguf-*.whl \
+    2>&1 | tee -a "$LOG"
+  run 300 "$R/k_tests.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_quant_formats.py \
+    tests/test_moe_quant_triton.py tests/test_cpu_quant.py tests/test_gguf.py
+  run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py
+  run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py
 }
 phase_skew() {
   $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1
