@@ -86,6 +86,21 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     graphed.runner.experts.close()
 
 
+def _decode_profile(tiny_dir):
+    """A CPU engine on the tiny model (for its source) and a decode profile ranking expert e of
+    every layer above e + 1."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.planner.profile import RouteCounts
+
+    probe = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64))
+    cfg = probe.source.config
+    counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts)
+    for l in cfg.moe_layers:
+        counts.decode[l] = torch.arange(cfg.num_experts, 0, -1)
+    counts.tokens["decode"] = 10
+    return probe, counts
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["expert-cache", "decaying-cache"])
 def test_caches_decode_as_graph_segments_bitwise(tiny_dir, name):
@@ -94,16 +109,11 @@ def test_caches_decode_as_graph_segments_bitwise(tiny_dir, name):
     cache evolving exactly as there (the capture's warm-up leaves it alone), the cuts timed."""
     from ostinato.engine.factory import load_engine
     from ostinato.engine.graph import GraphChain
-    from ostinato.planner.profile import RouteCounts
     from ostinato.policies.factory import policy_factory
     from ostinato.policies.settings import PolicySettings
 
-    probe = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64))
+    probe, counts = _decode_profile(tiny_dir)
     cfg = probe.source.config
-    counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts)
-    for l in cfg.moe_layers:
-        counts.decode[l] = torch.arange(cfg.num_experts, 0, -1)
-    counts.tokens["decode"] = 10
     ps = PolicySettings(expert_slots=cfg.num_experts * len(cfg.moe_layers) // 4 + cfg.num_experts + 8,
                         profile=counts, offload_threshold=32)
 
@@ -170,7 +180,6 @@ def test_static_baselines_decode_as_one_graph_bitwise(tiny_dir, name):
     from ostinato.engine.factory import load_engine
     from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
     from ostinato.planner.fill import fill
-    from ostinato.planner.profile import RouteCounts
     from ostinato.planner.residency import Residency, model_fingerprint
     from ostinato.policies.factory import policy_factory
     from ostinato.policies.settings import PolicySettings
@@ -179,12 +188,8 @@ def test_static_baselines_decode_as_one_graph_bitwise(tiny_dir, name):
         settings = RunnerSettings(device="cuda", dtype="bf16", max_context=2048, cuda_graph=graphs)
         return load_engine(str(tiny_dir), settings, experts_factory=policy_factory(name, ps))
 
-    probe = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64))
+    probe, counts = _decode_profile(tiny_dir)
     cfg = probe.source.config
-    counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts)
-    for l in cfg.moe_layers:
-        counts.decode[l] = torch.arange(cfg.num_experts, 0, -1)
-    counts.tokens["decode"] = 10
     hot = fill({l: torch.arange(cfg.num_experts, 0, -1) for l in cfg.moe_layers}, cfg.num_experts)
     ps = PolicySettings(expert_slots=cfg.num_experts * len(cfg.moe_layers) // 2 + 20, profile=counts,
                         residency=Residency(model_fingerprint(probe.source), cfg.num_experts, hot), offload_threshold=32)
