@@ -118,8 +118,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["avx512"] = f.avx512;
     d["avx512_bf16"] = f.avx512_bf16;
     d["amx"] = f.amx;
+    d["avx512_vnni"] = f.avx512_vnni;
     return d;
   });
+
+  m.def(
+      "quantize_activations",
+      [](uintptr_t v, int64_t n, uintptr_t q, uintptr_t d) {
+        if (!cpu_features().avx512) throw std::runtime_error("quantize_activations needs AVX-512");
+        if (n % 32) throw std::invalid_argument("quantize_activations: n must be a multiple of 32");
+        quantize_activations(reinterpret_cast<const float*>(v), n, reinterpret_cast<int8_t*>(q),
+                             reinterpret_cast<float*>(d));
+      },
+      py::arg("v"), py::arg("n"), py::arg("q"), py::arg("d"),
+      "fp32 v[n] -> int8 q[n], fp32 d[n / 32] (the quantized experts' activations)");
 
   py::class_<ColdArgs> args(m, "ColdArgs");
   args.def(py::init<>());
@@ -138,6 +150,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](ColdArgs& a, int v) { a.x_dtype = DType(v); });
   args.def_property(
       "isa", [](const ColdArgs& a) { return int(a.isa); }, [](ColdArgs& a, int v) { a.isa = Isa(v); });
+  args.def_property(
+      "qt13", [](const ColdArgs& a) { return int(a.qt13); }, [](ColdArgs& a, int v) { a.qt13 = QType(v); });
+  args.def_property(
+      "qt2", [](const ColdArgs& a) { return int(a.qt2); }, [](ColdArgs& a, int v) { a.qt2 = QType(v); });
   args.def_readwrite("E", &ColdArgs::E)
       .def_readwrite("D", &ColdArgs::D)
       .def_readwrite("F", &ColdArgs::F)
@@ -164,6 +180,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           },
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "read_seconds",
+          [](ColdExperts& self, uintptr_t data, int64_t bytes) {
+            return self.read_seconds(reinterpret_cast<const void*>(data), bytes);
+          },
+          py::arg("data"), py::arg("bytes"), py::call_guard<py::gil_scoped_release>())
       .def("ready", &ColdExperts::ready)
       .def("reserve", &ColdExperts::reserve, py::arg("routes"), py::arg("tokens"), py::arg("E"),
            py::arg("D"), py::arg("F"))
@@ -172,7 +194,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("last_stats", [](const ColdExperts& self) {
         ColdStats s = self.last_stats();
         py::dict d;
-        d["isa"] = isa_str(s.isa);
+        d["isa"] = s.quant ? "avx512_vnni" : isa_str(s.isa);
+        d["quant"] = s.quant;
         d["experts"] = s.experts;
         d["amx_experts"] = s.amx_experts;
         d["routes"] = s.routes;

@@ -31,8 +31,9 @@ from types import ModuleType
 import torch
 
 NAME = "ostinato_cpu_experts"
-SOURCES = ("experts.cpp", "kernels_avx512.cpp", "kernels_amx.cpp", "graph_worker.cpp", "bindings.cpp")
-HEADERS = ("experts.h", "kernels.h", "threadpool.h", "graph_worker.h")
+SOURCES = ("experts.cpp", "kernels_avx512.cpp", "kernels_amx.cpp", "kernels_quant.cpp", "graph_worker.cpp",
+           "bindings.cpp")
+HEADERS = ("experts.h", "kernels.h", "threadpool.h", "graph_worker.h", "vecmath.h")
 CFLAGS = ("-O3", "-Wall", "-Wno-maybe-uninitialized")
 
 _error: str | None = None
@@ -62,7 +63,7 @@ def build_key() -> str:
 def _compiler_id() -> str:
     cxx = os.environ.get("CXX", "c++")
     try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
         return out.stdout.splitlines()[0] if out.stdout else cxx
     except (OSError, subprocess.SubprocessError):
         return cxx
@@ -76,7 +77,7 @@ def _import_built(path: Path) -> ModuleType:
     return module
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_cpu_extension(verbose: bool = False) -> ModuleType | None:
     """The compiled extension module, or None (see load_error())."""
     global _error

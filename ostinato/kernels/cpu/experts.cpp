@@ -4,7 +4,9 @@
 // Planning runs on the submitting thread and costs O(R + E + T + S log S): routes are
 // counting-sorted by expert (stable, so duplicates keep their order), each active expert is
 // sent to the AMX tiles or to the vector kernels, and the task lists of the phases are
-// written. Tasks never depend on the number of threads, so neither does any output bit.
+// written. The bf16 paths' tasks never depend on the number of threads; the quantized
+// experts' tasks grow with fewer threads, but no output element's arithmetic depends on a
+// task's extent (kernels.h). So no output bit depends on the number of threads.
 // After a warm-up call of the largest size (or reserve()), planning allocates nothing.
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -47,6 +49,7 @@ CpuFeatures detect() {
   unsigned a1, b1, c1, d1;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   f.avx512_bf16 = a1 & (1u << 5);
+  f.avx512_vnni = c & (1u << 11);
   if (amx_cpu && f.avx512_bf16 && (xcr0 & (3ull << 17)) == (3ull << 17)) {
     // Linux hands out the 8 KiB tile state only on request (once per process).
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
@@ -92,6 +95,16 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("cold_experts: " + what);
 }
 
+bool is_block_qtype(QType qt) { return int(qt) >= 1 && int(qt) <= 5; }
+
+void validate_quant(const ColdArgs& a) {
+  check(is_block_qtype(a.qt13) && is_block_qtype(a.qt2), "qt13 and qt2 must both be block formats");
+  if (!cpu_features().avx512_vnni)
+    throw std::runtime_error("cold_experts: quantized experts need AVX512_VNNI, which this CPU lacks");
+  check(a.D % qtype_block_values(a.qt13) == 0, "D = " + std::to_string(a.D) + " is not a whole number of qt13 blocks");
+  check(a.F % qtype_block_values(a.qt2) == 0, "F = " + std::to_string(a.F) + " is not a whole number of qt2 blocks");
+}
+
 void validate(const ColdArgs& a) {
   const CpuFeatures& f = cpu_features();
   if (!f.avx512) throw std::runtime_error("cold_experts: this CPU lacks AVX-512 (F, BW, VL)");
@@ -101,6 +114,7 @@ void validate(const ColdArgs& a) {
   check(int(a.x_dtype) == 0 || int(a.x_dtype) == 1, "x_dtype must be float32 or bfloat16");
   check(int(a.isa) >= 0 && int(a.isa) <= 3, "unknown isa");
   check(a.down_mode >= 0 && a.down_mode <= 2, "down_mode must be 0, 1 or 2");
+  if (a.qt13 != QType::kNone || a.qt2 != QType::kNone) validate_quant(a);
   if (a.isa != Isa::kAuto && int(a.isa) > int(best_isa(f)))
     throw std::invalid_argument(std::string("cold_experts: this CPU does not support isa '") +
                                 isa_name(a.isa) + "' (best: " + isa_name(best_isa(f)) + ")");
@@ -120,6 +134,33 @@ void validate(const ColdArgs& a) {
 
 }  // namespace
 
+int64_t qtype_block_values(QType qt) {
+  switch (qt) {
+    case QType::kQ8_0:
+    case QType::kMXFP4: return 32;
+    case QType::kQ4_K:
+    case QType::kQ5_K:
+    case QType::kQ6_K: return 256;
+    default: return 0;
+  }
+}
+
+int64_t qtype_block_bytes(QType qt) {
+  switch (qt) {
+    case QType::kQ8_0: return 34;
+    case QType::kQ4_K: return 144;
+    case QType::kQ5_K: return 176;
+    case QType::kQ6_K: return 210;
+    case QType::kMXFP4: return 17;
+    default: return 0;
+  }
+}
+
+int64_t qtype_row_bytes(QType qt, int64_t n) {
+  const int64_t k = qtype_block_values(qt);
+  return k ? n / k * qtype_block_bytes(qt) : 0;
+}
+
 const CpuFeatures& cpu_features() {
   static const CpuFeatures features = detect();
   return features;
@@ -135,6 +176,7 @@ struct ColdExperts::Impl final : PhasedJob {
   Plan plan;
   AlignedBuffer<float> h, u, xconv, y;
   AlignedBuffer<uint16_t> xpack, hhi;
+  AlignedBuffer<uint8_t> xact, hact;
   std::vector<int32_t> counts, slots_by_size;
   std::vector<uint8_t> token_used;
   std::vector<int64_t> phase_sizes;
@@ -154,6 +196,13 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
                    : (bf16_x && p.isa >= Isa::kAvx512Bf16 ? VecKind::kDpBf16 : VecKind::kSplit);
   p.D32 = round_up(a.D, 32);
   p.F32 = round_up(a.F, 32);
+  p.quant = a.qt13 != QType::kNone;
+  if (p.quant) {
+    p.rb13 = qtype_row_bytes(a.qt13, a.D);
+    p.rb2 = qtype_row_bytes(a.qt2, a.F);
+    p.xl = qact_layout(a.qt13, a.D);
+    p.hl = qact_layout(a.qt2, a.F);
+  }
 
   // Counting sort of the routes by expert.
   counts.assign(size_t(a.E) + 1, 0);
@@ -173,7 +222,7 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   const int32_t S = int32_t(p.exp_id.size());
 
   // AMX for experts with enough routes; packed buffers laid out slot after slot.
-  const bool amx_ok = p.isa == Isa::kAmx && bf16_w && bf16_x && a.D % 32 == 0 && a.F % 32 == 0;
+  const bool amx_ok = p.isa == Isa::kAmx && bf16_w && bf16_x && !p.quant && a.D % 32 == 0 && a.F % 32 == 0;
   p.amx.assign(size_t(S), 0);
   p.xpack_off.assign(size_t(S), 0);
   p.hpack_off.assign(size_t(S), 0);
@@ -193,11 +242,13 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
     xpack_len += padded * a.D;
     hpack_len += padded * a.F;
   }
-  const bool convert = any_vec && (p.kind == VecKind::kSplit ||
+  const bool convert = any_vec && (p.quant || p.kind == VecKind::kSplit ||
                                    (p.kind == VecKind::kF32 && a.x_dtype == DType::kBFloat16));
   p.h = any_vec ? h.ensure(size_t(a.R * p.F32)) : nullptr;
   p.u = any_vec ? u.ensure(size_t(a.R * p.F32)) : nullptr;
-  p.xconv = convert ? xconv.ensure(size_t(a.T * p.D32)) : nullptr;
+  p.xconv = convert && !p.quant ? xconv.ensure(size_t(a.T * p.D32)) : nullptr;
+  p.xact = p.quant ? xact.ensure(size_t(a.T * p.xl.stride)) : nullptr;
+  p.hact = p.quant ? hact.ensure(size_t(a.R * p.hl.stride)) : nullptr;
   p.xpack = amx_slots ? xpack.ensure(size_t(xpack_len)) : nullptr;
   p.hhi = amx_slots ? hhi.ensure(size_t(hpack_len)) : nullptr;
 
@@ -223,15 +274,23 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
     const int32_t nx = p.start[x + 1] - p.start[x], ny = p.start[y + 1] - p.start[y];
     return nx != ny ? nx > ny : x < y;  // std::sort: no temporary buffer, unlike stable_sort
   });
+  // Quantized experts: rows per task from the pool's size (kernels.h).
+  const int64_t quant_tasks = kQuantTasksPerThread * (pool.size() + 1);  // the waiter helps
+  const auto rows_per_task = [&](int64_t rows, int64_t unit, int64_t lo, int64_t hi) {
+    return std::clamp(round_up((rows + quant_tasks - 1) / quant_tasks, unit), lo, hi);
+  };
+  const int64_t up_rows = p.quant ? rows_per_task(S * a.F, 32, kUpRowsQuantMin, kUpRowsQuantMax) : kUpRowsVec;
   p.t1.clear();
   for (int32_t s : slots_by_size) {
-    const int64_t step = p.amx[s] ? kUpRowsAmx : kUpRowsVec;
+    const int64_t step = p.amx[s] ? kUpRowsAmx : up_rows;
     for (int64_t f = 0; f < a.F; f += step)
       p.t1.push_back({s, p.amx[s], f, std::min(a.F, f + step)});
   }
 
-  // Phase 2 (and 3): direct while h is small, else scatter through y.
-  p.scatter = a.down_mode == 0 ? a.R * p.F32 * int64_t(sizeof(float)) > kDirectMaxHBytes
+  // Phase 2 (and 3): direct while h is small, else scatter through y. Quantized experts
+  // always scatter: a direct task's 16 rows of an expert are too short a stream for their
+  // row kernels (measured 1.7x slower down projections on one token).
+  p.scatter = a.down_mode == 0 ? a.R * p.F32 * int64_t(sizeof(float)) > kDirectMaxHBytes || p.quant
                                 : a.down_mode == 2;
   p.t2.clear();
   if (p.scatter) {
@@ -242,9 +301,9 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
     counts.assign(p.tok_start.begin(), p.tok_start.end());
     p.tok_pos.resize(size_t(a.R));
     for (int64_t q = 0; q < a.R; ++q) p.tok_pos[counts[p.route_token(q)]++] = int32_t(q);
+    const int64_t step = p.quant ? rows_per_task(S * a.D, 16, kDownRowsQuantMin, kDownRowsQuantMax) : kDownRowsScatter;
     for (int32_t s : slots_by_size)
-      for (int64_t d = 0; d < a.D; d += kDownRowsScatter)
-        p.t2.push_back({s, p.amx[s], d, std::min(a.D, d + kDownRowsScatter)});
+      for (int64_t d = 0; d < a.D; d += step) p.t2.push_back({s, p.amx[s], d, std::min(a.D, d + step)});
     p.n2 = int64_t(p.t2.size());
   } else {
     p.n2 = (a.D + kDownRows - 1) / kDownRows;
@@ -254,6 +313,7 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   stats.amx_experts = amx_slots;
   stats.routes = a.R;
   stats.scatter = p.scatter;
+  stats.quant = p.quant;
   stats.isa = amx_slots ? Isa::kAmx
               : p.kind == VecKind::kDpBf16 ? Isa::kAvx512Bf16 : Isa::kAvx512;
 }
@@ -264,7 +324,9 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
   switch (phases[phase]) {
     case 0: {
       const Plan::Task& t = p.t0[i];
-      if (t.kind_or_slot == 0)
+      if (t.kind_or_slot == 0 && p.quant)
+        quant_prepare_x(p, t.lo);
+      else if (t.kind_or_slot == 0)
         vec_convert_x(p, t.lo);
       else
         amx_pack_x(p, t.i, t.lo);
@@ -274,6 +336,8 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
       const Plan::Task& t = p.t1[i];
       if (t.i)
         amx_gate_up(p, t.kind_or_slot, t.lo);
+      else if (p.quant)
+        quant_gate_up(p, t.kind_or_slot, t.lo, t.hi);
       else
         vec_gate_up(p, t.kind_or_slot, t.lo, t.hi);
       break;
@@ -282,7 +346,10 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
       if (p.scatter) {
         const Plan::Task& t = p.t2[i];
         if (!t.i) {
-          vec_down(p, t.kind_or_slot, t.lo, t.hi);
+          if (p.quant)
+            quant_down(p, t.kind_or_slot, t.lo, t.hi);
+          else
+            vec_down(p, t.kind_or_slot, t.lo, t.hi);
           break;
         }
         const uint16_t* w2 = static_cast<const uint16_t*>(a.w2) + int64_t(p.exp_id[t.kind_or_slot]) * a.D * a.F;
@@ -296,7 +363,10 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
       const int32_t S = int32_t(p.exp_id.size());
       for (int32_t s = 0; s < S; ++s) {  // ascending expert: the sum order
         if (!p.amx[s]) {
-          vec_down(p, s, d0, d1);
+          if (p.quant)
+            quant_down(p, s, d0, d1);
+          else
+            vec_down(p, s, d0, d1);
           continue;
         }
         const uint16_t* next = nullptr;  // the next AMX slot's rows, prefetched meanwhile
@@ -362,13 +432,52 @@ void ColdExperts::reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, 
   m.xpack.ensure(size_t(padded * D));
   m.hhi.ensure(size_t(padded * F));
   m.y.ensure(size_t(routes * D));
+  m.xact.ensure(size_t(tokens * qact_max_stride(D)));  // quantized experts, any format
+  m.hact.ensure(size_t(routes * qact_max_stride(F)));
   m.plan.tok_pos.reserve(size_t(routes));
   m.plan.tok_start.reserve(size_t(tokens + 1));
-  m.plan.t2.reserve(size_t(std::min<int64_t>(routes, 1024) * ((D + kDownRowsScatter - 1) / kDownRowsScatter)));
+  const int64_t down_rows = std::min(kDownRowsScatter, kDownRowsQuantMin);
+  m.plan.t2.reserve(size_t(std::min<int64_t>(routes, 1024) * ((D + down_rows - 1) / down_rows)));
   m.plan.order.reserve(size_t(routes));
   m.plan.t0.reserve(size_t(tokens + padded / 16));
   m.plan.t1.reserve(size_t(std::min<int64_t>(routes, 1024) * ((F + kUpRowsVec - 1) / kUpRowsVec)));
   m.token_used.reserve(size_t(tokens));
+}
+
+namespace {
+
+// The bandwidth probe: 1 MiB tasks, each summing its bytes (the sums keep the reads alive).
+struct ReadJob final : PhasedJob {
+  static constexpr int64_t kChunk = 1 << 20;
+  const char* data = nullptr;
+  int64_t bytes = 0;
+  std::vector<double> sums;
+  void task(int, int64_t i) override {
+    const int64_t lo = i * kChunk;
+    sums[size_t(i)] = read_sum(data + lo, std::min(kChunk, bytes - lo));
+  }
+};
+
+}  // namespace
+
+double ColdExperts::read_seconds(const void* data, int64_t bytes) {
+  Impl& m = *impl_;
+  if (m.pending) throw std::logic_error("cold_experts: read_seconds() while a call is pending");
+  if (!cpu_features().avx512) throw std::runtime_error("cold_experts: this CPU lacks AVX-512 (F, BW, VL)");
+  if (bytes <= 0) return 0.0;
+  ReadJob job;
+  job.data = static_cast<const char*>(data);
+  job.bytes = bytes;
+  const int64_t n = (bytes + ReadJob::kChunk - 1) / ReadJob::kChunk;
+  job.sums.assign(size_t(n), 0.0);
+  m.pool.drain();
+  const int64_t t0 = PhasedJob::now_ns();
+  job.reset({n});
+  m.pool.launch(&job);
+  m.pool.wait();
+  const double seconds = double(PhasedJob::now_ns() - t0) / 1e9;
+  m.pool.drain();  // the job lives on this stack
+  return seconds;
 }
 
 int ColdExperts::num_threads() const { return impl_->pool.size(); }

@@ -9,6 +9,12 @@
 // The result depends only on the inputs and the chosen ISA path, never on the number of
 // threads or on scheduling: every output element is produced by one task in a fixed order.
 //
+// Quantized experts (qt13 / qt2 set, kernels_quant.cpp) keep their GGUF block formats: a row
+// of n values is n / K blocks, K = qtype_block_values(qt), blocks along the input dimension.
+// Each activation entering a quantized projection (x for gate/up, h for down) is quantized
+// per 32 consecutive values to int8 (quantize_activations below) and multiplied with the
+// weights' integers exactly (VNNI); the block scales then combine the sums in fp32.
+//
 // A later native polling worker (the decode CUDA graph's CPU side) calls
 // cold_experts_forward() directly, without Python.
 #pragma once
@@ -21,6 +27,15 @@ namespace ostinato {
 
 enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
 
+// GGUF block formats of quantized expert weights (kNone: the weights are w_dtype floats).
+//   kQ8_0   32 values in 34 bytes    kQ4_K  256 in 144    kQ5_K  256 in 176
+//   kQ6_K  256 values in 210 bytes   kMXFP4  32 in 17
+enum class QType : int32_t { kNone = 0, kQ8_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5 };
+
+int64_t qtype_block_values(QType qt);  // 0 for kNone
+int64_t qtype_block_bytes(QType qt);
+int64_t qtype_row_bytes(QType qt, int64_t n);  // n a multiple of the block values
+
 // Instruction-set paths, in increasing order. kAuto picks the best the CPU supports.
 //   kAvx512:     weights widened to fp32 (AVX-512F/BW), fp32 FMA.
 //   kAvx512Bf16: as kAvx512, but bf16 x bf16 gate/up products with VDPBF16PS.
@@ -31,6 +46,7 @@ struct CpuFeatures {
   bool avx512 = false;       // AVX-512 F+BW+VL usable (CPU and OS)
   bool avx512_bf16 = false;  // AVX512_BF16
   bool amx = false;          // AMX-TILE + AMX-BF16, and the OS granted XTILEDATA
+  bool avx512_vnni = false;  // AVX512_VNNI (with AVX-512 F/BW/VL/DQ): the quantized experts
 };
 
 // Detected once (cpuid, xgetbv, arch_prctl for AMX).
@@ -42,6 +58,9 @@ struct ColdArgs {
   const void* w2 = nullptr;
   DType w_dtype = DType::kBFloat16;
   int64_t E = 0, D = 0, F = 0;
+  // Quantized experts: both set (they may differ), w_dtype then unused; w13 is uint8
+  // [E, 2F, qtype_row_bytes(qt13, D)], w2 uint8 [E, D, qtype_row_bytes(qt2, F)]. Needs AVX512_VNNI.
+  QType qt13 = QType::kNone, qt2 = QType::kNone;
   // Activations x[T, D], row stride x_stride (elements).
   const void* x = nullptr;
   DType x_dtype = DType::kBFloat16;
@@ -71,6 +90,7 @@ struct ColdStats {
   int64_t amx_experts = 0;  // of which computed on AMX tiles
   int64_t routes = 0;
   bool scatter = false;  // the down projection went through the per-route buffer
+  bool quant = false;  // quantized experts (the VNNI kernels)
   // Microseconds from submit to the end of phase k (0 prepare, 1 gate/up, 2 down,
   // 3 reduce; -1 if the call had no such phase). Complete once the call was waited for.
   double phase_end_us[4] = {-1, -1, -1, -1};
@@ -98,6 +118,9 @@ class ColdExperts {
   int num_threads() const;
   void set_spin_us(int64_t spin_us);
   ColdStats last_stats() const;
+  // The bandwidth probe of the benchmarks: reads `bytes` from data on the pool's threads
+  // (and the caller's, as wait() does), in 1 MiB tasks; returns the seconds it took.
+  double read_seconds(const void* data, int64_t bytes);
 
   struct Impl;
 
@@ -107,5 +130,11 @@ class ColdExperts {
 
 // Synchronous: submit(args) then wait().
 void cold_experts_forward(const ColdArgs& args, ColdExperts& runner);
+
+// The activation quantization of the quantized experts, per block of 32 values (n a multiple
+// of 32): amax = max |v|, d = amax / 127, q = round-half-even(v * (127 / amax)) with one fp32
+// division and one fp32 product; a block with amax < 2^-96 (zeros) has d = 0, q = 0.
+// v ~ d * q. Requires AVX-512 (cpu_features().avx512).
+void quantize_activations(const float* v, int64_t n, int8_t* q, float* d);
 
 }  // namespace ostinato

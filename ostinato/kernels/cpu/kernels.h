@@ -13,6 +13,11 @@
 //      its positions p ascending, i.e. the same expert order and operations as direct, so
 //      both modes give the same bits.
 // Every output element has exactly one writer and a fixed order of operations.
+//
+// Quantized experts run the same phases on the VNNI kernels of kernels_quant.cpp: phase 0
+// quantizes each x row into an activation record (below) arranged for qt13, the gate/up
+// epilogue quantizes each 32-chunk of bf16(h) into a record arranged for qt2, and the row
+// kernels read the weight blocks in place.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +56,30 @@ inline uint16_t f32_to_bf16_rne(float f) {
   return uint16_t(u >> 16);
 }
 
+// One quantized activation vector of n values, as the row kernels of one QType read it, in
+// a record of `stride` bytes:
+//   q    int8 [pad]     the values in the format's arrangement (pad = n rounded up to 128;
+//                       positions past n are 0)
+//   aux  fp32 [...]     at aux_off: block scales, laid out as that format's kernel loads them
+//   corr int32 [pad/4]  at corr_off: -offset * (sum of the 4 q of each dot lane), the start
+//                       value of the formats whose weights are stored with an offset
+struct QActLayout {
+  int64_t n = 0, aux_off = 0, corr_off = 0, stride = 0;
+};
+QActLayout qact_layout(QType qt, int64_t n);
+int64_t qact_max_stride(int64_t n);  // the largest stride over the formats
+
+struct QActView {
+  int8_t* q;
+  float* aux;
+  int32_t* corr;
+};
+inline QActView qact_view(uint8_t* base, const QActLayout& l, int64_t i) {
+  uint8_t* r = base + i * l.stride;
+  return {reinterpret_cast<int8_t*>(r), reinterpret_cast<float*>(r + l.aux_off),
+          reinterpret_cast<int32_t*>(r + l.corr_off)};
+}
+
 struct Plan {
   ColdArgs a;
   Isa isa = Isa::kAvx512;
@@ -76,6 +105,13 @@ struct Plan {
   uint16_t* xpack = nullptr;  // AMX B tiles of x
   uint16_t* hhi = nullptr;  // AMX B tiles of bf16(h)
 
+  // Quantized experts.
+  bool quant = false;
+  int64_t rb13 = 0, rb2 = 0;  // bytes of a w13 row (D values) and of a w2 row (F values)
+  QActLayout xl, hl;  // records of x (qt13, D) and of h (qt2, F)
+  uint8_t* xact = nullptr;  // [T, xl.stride]
+  uint8_t* hact = nullptr;  // [R, hl.stride] by position p
+
   // Task lists: phase 0 (kind 0: convert token t; kind 1: pack slot s token-block b),
   // phase 1 (slot, AMX or not, first f row, end f row), phase 2 scatter (slot, AMX or not,
   // first d row, end d row); direct phase 2 has ceil(D / kDownRows) tasks, phase 3 T.
@@ -92,6 +128,14 @@ struct Plan {
 };
 
 constexpr int64_t kUpRowsVec = 32;  // f rows per vector gate/up task (one 32-chunk of h)
+// Quantized experts: tasks as long as the pool allows (about kQuantTasksPerThread per thread
+// and phase, within these bounds), because a task's start costs its streams their prefetch
+// (measured: 128-row gate/up and 512-row down tasks ran 10-15% faster than 32 and 128 on
+// the 2-core host). No output bit depends on the task size: each row's dot products and each
+// 32-chunk of h are computed whole by one task.
+constexpr int64_t kQuantTasksPerThread = 2;
+constexpr int64_t kUpRowsQuantMin = 32, kUpRowsQuantMax = 256;  // multiples of 32 (h chunks)
+constexpr int64_t kDownRowsQuantMin = 64, kDownRowsQuantMax = 512;
 constexpr int64_t kUpRowsAmx = 32;  // f rows per AMX gate/up task (one K block of h)
 constexpr int64_t kDownRows = 16;  // d rows per direct down task (one AMX tile of rows)
 constexpr int64_t kDownRowsScatter = 128;  // d rows per scatter down task (8 AMX tiles)
@@ -102,6 +146,12 @@ void vec_convert_x(const Plan& p, int64_t t);
 void vec_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);
 void vec_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // direct or scatter
 void reduce_token(const Plan& p, int64_t t);  // phase 3
+
+// Quantized experts, kernels_quant.cpp (every slot; D, F multiples of the block sizes).
+void quant_prepare_x(const Plan& p, int64_t t);
+void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);  // whole 32-chunks of h
+void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // direct or scatter
+double read_sum(const void* data, int64_t bytes);  // the bandwidth probe's task (AVX-512)
 
 // AMX path, kernels_amx.cpp (requires D % 32 == 0, F % 32 == 0, bf16 weights and x).
 void amx_pack_x(const Plan& p, int32_t s, int64_t block);

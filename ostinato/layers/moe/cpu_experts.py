@@ -19,6 +19,17 @@ round it; routes of a token are summed in ascending
 expert order. The output is bitwise reproducible and independent of the thread count; it
 can differ in the last bits between ISA paths (avx512 / avx512_bf16 / amx). The torch
 backend (no compiler, no AVX-512, or asked for) runs `torch_reference` on a worker thread.
+
+Quantized experts (QuantExpertWeights: GGUF blocks, types.py) run on integer-dot kernels
+(AVX512_VNNI) that read the blocks in place. Each activation entering a quantized projection
+is quantized per 32 values to int8 (`quantize_activations`): x once per token, and h, after
+its bf16 rounding, once per route; the weights' integers meet these exactly and the block
+scales combine the int32 sums in fp32. `quant_reference` is the same function in torch (the
+blocks dequantized by ostinato/quant/formats.py) and the torch backend's path for them; the
+two differ only by fp32 summation order. The int8 step costs about 1% relative error in a
+layer's output against bf16 activations (random weights, scripts/bench_cpu_quant.py prints
+it), the trade llama.cpp's CPU kernels make too (Q8_K / Q8_0 activations); the GPU branch
+keeps bf16 activations, so the two branches of a layer agree to that order, not bitwise.
 """
 from __future__ import annotations
 
@@ -28,11 +39,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.nn.functional as nnf
 
+from ostinato.config import ConfigError
 from ostinato.engine.threads import process_layout
-from ostinato.layers.moe.types import ExpertWeights
+from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
+from ostinato.quant import formats
 
 ISAS = {"auto": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+QTYPE_CODES = {"Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}  # experts.h QType
+_MIN_AMAX = 2.0**-96  # activation blocks below count as zeros (127 / amax stays finite)
+_FLOAT_QTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
 
 def torch_reference(
@@ -65,10 +81,58 @@ def torch_reference(
     return out
 
 
+def quantize_activations(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [..., n] -> int8 q [..., n], fp32 d [..., n / 32]: per block of 32 values,
+    amax = max |v|, d = amax / 127, q = round-half-even(v * (127 / amax)) (one fp32 division,
+    one fp32 product); a block with amax < 2^-96 (zeros) gives d = 0, q = 0; so v ~ q * d.
+    The native kernels quantize bit-identically (quantize_activations in kernels/cpu/experts.h)."""
+    blocks = v.float().reshape(*v.shape[:-1], v.shape[-1] // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    live = amax >= _MIN_AMAX
+    inv = torch.where(live, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(v.shape), torch.where(live, amax / 127.0, torch.zeros_like(amax)).squeeze(-1)
+
+
+def _through_q8(v: torch.Tensor) -> torch.Tensor:
+    """v as the quantized kernels see it: q * d (fp32)."""
+    q, d = quantize_activations(v)
+    return (q.float().reshape(*v.shape[:-1], -1, 32) * d[..., None]).reshape(v.shape)
+
+
+def quant_reference(
+    w: QuantExpertWeights,
+    x: torch.Tensor,  # [T, D]
+    token_idx: torch.Tensor,  # [R]
+    expert_ids: torch.Tensor,  # [R]
+    weights: torch.Tensor,  # [R]
+    out: torch.Tensor | None = None,  # [>= T, D] fp32
+) -> torch.Tensor:
+    """Quantized experts in plain torch: the used experts' blocks dequantized to fp32, x and
+    h quantized as the native kernels quantize them (h after rounding to bf16), fp32 math."""
+    T, D = x.shape
+    F = w.ffn
+    if out is None:
+        out = torch.empty(T, D, dtype=torch.float32)
+    res = out[:T]
+    res.zero_()
+    tok, eid, wts = token_idx.long(), expert_ids.long(), weights.float()
+    xq = _through_q8(x.float())
+    for e in torch.unique(eid).tolist():  # ascending: the native summation order
+        sel = (eid == e).nonzero().squeeze(1)
+        t = tok[sel]
+        gu = xq[t] @ formats.dequantize(w.w13[e], w.qt13, D).T  # [n, 2F]
+        h = _through_q8((nnf.silu(gu[:, :F]) * gu[:, F:]).bfloat16().float())  # [n, F]
+        y = h @ formats.dequantize(w.w2[e], w.qt2, F).T  # [n, D]
+        res.index_add_(0, t, y * wts[sel, None])
+    return out
+
+
 class CpuExperts:
     """Cold experts of several MoE layers on a resident CPU thread pool.
 
-    layers: {layer index: ExpertWeights} or a list (index = position); bf16 or fp32,
+    layers: {layer index: weights} or a list (index = position): ExpertWeights (bf16 or fp32)
+    or QuantExpertWeights (GGUF blocks; a 4-tuple (qt13, w13, qt2, w2) is read as one),
     contiguous, on the CPU. cpus: the logical CPU of each pool worker (a thread layout's
     workers, engine/threads.py); without it, the layout of a host-driven process with
     num_threads workers (default: every physical core but the caller's, since the thread
@@ -92,7 +156,7 @@ class CpuExperts:
         amx_min_tokens: int = 4,
     ):
         items = layers.items() if isinstance(layers, Mapping) else enumerate(layers)
-        self.layers = {int(i): _checked(i, ExpertWeights(*w)) for i, w in items}
+        self.layers = {int(i): _checked(i, _as_weights(i, w)) for i, w in items}
         if backend not in ("auto", "native", "torch"):
             raise ValueError(f"backend must be 'auto', 'native' or 'torch', not {backend!r}")
         if isa not in ISAS:
@@ -107,6 +171,8 @@ class CpuExperts:
         self._native = None
         if backend != "torch":
             self.fallback_reason = _native_unavailable(isa)
+            if self.fallback_reason is None and any(isinstance(w, QuantExpertWeights) for w in self.layers.values()):
+                self.fallback_reason = _quant_unavailable()
             if self.fallback_reason and backend == "native":
                 raise RuntimeError(f"native CPU experts unavailable: {self.fallback_reason}")
         self.backend = "torch" if backend == "torch" or self.fallback_reason else "native"
@@ -137,7 +203,10 @@ class CpuExperts:
         _check_io(w, x, out)
         self._pending = (x, token_idx, expert_ids, weights, out)
         if self._native is None:
-            self._future = self._executor.submit(torch_reference, w.w13, w.w2, x, token_idx, expert_ids, weights, out)
+            if isinstance(w, QuantExpertWeights):
+                self._future = self._executor.submit(quant_reference, w, x, token_idx, expert_ids, weights, out)
+            else:
+                self._future = self._executor.submit(torch_reference, w.w13, w.w2, x, token_idx, expert_ids, weights, out)
             return
         try:
             self._native.submit(self._fill_args(layer, x, token_idx, expert_ids, weights, out))
@@ -201,9 +270,7 @@ class CpuExperts:
     def reserve(self, max_routes: int, max_tokens: int) -> None:
         """Sizes the native workspace so that calls up to these sizes allocate nothing."""
         if self._native is not None:
-            E = max(w.w13.shape[0] for w in self.layers.values())
-            D = max(w.w13.shape[2] for w in self.layers.values())
-            F = max(w.w2.shape[2] for w in self.layers.values())
+            E, D, F = (max(dims) for dims in zip(*(_dims(w) for w in self.layers.values())))
             self._native.reserve(max_routes, max_tokens, E, D, F)
 
     def last_stats(self) -> dict:
@@ -217,7 +284,60 @@ class CpuExperts:
             self._executor.shutdown()
 
 
-def _checked(i, w: ExpertWeights) -> ExpertWeights:
+def _dims(w: ExpertWeights | QuantExpertWeights) -> tuple[int, int, int]:
+    """(E, D, F) of a layer's experts."""
+    if isinstance(w, QuantExpertWeights):
+        return w.num_experts, w.hidden, w.ffn
+    return w.w13.shape[0], w.w13.shape[2], w.w2.shape[2]
+
+
+def _as_weights(i, w) -> ExpertWeights | QuantExpertWeights:
+    """A layer's experts as ExpertWeights or QuantExpertWeights; block types of a float GGUF
+    type (BF16, F32 views; F16 copied to fp32 once) become ExpertWeights."""
+    if isinstance(w, ExpertWeights) or (not isinstance(w, QuantExpertWeights) and len(w) == 2):
+        return ExpertWeights(*w)
+    q = QuantExpertWeights(*w)
+    floats = (q.qt13 in _FLOAT_QTYPES, q.qt2 in _FLOAT_QTYPES)
+    if floats == (False, False):
+        for qt in (q.qt13, q.qt2):
+            if qt not in QTYPE_CODES:
+                formats.block_size(qt)  # ConfigError for a name Ostinato does not know
+                raise ConfigError(f"layer {i}: the CPU experts compute {', '.join(QTYPE_CODES)} "
+                                  f"and float types, not {qt}")
+        return q
+    if q.qt13 != q.qt2:
+        raise ConfigError(f"layer {i}: gate/up are {q.qt13} and down is {q.qt2}; the CPU experts need both in "
+                          "block formats or both in one float type (convert the layer to one of them at load)")
+    dtype = _FLOAT_QTYPES[q.qt13]
+
+    def as_float(t):
+        v = t.contiguous().view(dtype)
+        return v.float() if dtype == torch.float16 else v
+
+    return ExpertWeights(as_float(q.w13), as_float(q.w2))
+
+
+def _checked_quant(i, w: QuantExpertWeights) -> QuantExpertWeights:
+    if w.w13.dim() != 3 or w.w2.dim() != 3:
+        raise ConfigError(f"layer {i}: quantized w13 and w2 must be 3-D byte stacks, got "
+                          f"{tuple(w.w13.shape)} and {tuple(w.w2.shape)}")
+    E, F2 = w.w13.shape[:2]
+    D = w.w2.shape[1]
+    want13, want2 = (E, F2, formats.row_bytes(w.qt13, D)), (E, D, formats.row_bytes(w.qt2, F2 // 2))
+    if F2 % 2 or tuple(w.w13.shape) != want13 or tuple(w.w2.shape) != want2:
+        raise ConfigError(f"layer {i}: {w.qt13} w13 {tuple(w.w13.shape)} and {w.qt2} w2 {tuple(w.w2.shape)} "
+                          f"are not [E, 2F, row_bytes(qt13, D)] = {want13} and [E, D, row_bytes(qt2, F)] = {want2}")
+    for name, t in (("w13", w.w13), ("w2", w.w2)):
+        if t.dtype != torch.uint8 or t.device.type != "cpu":
+            raise ConfigError(f"layer {i}: quantized {name} must be uint8 bytes on the CPU ({t.dtype}, {t.device})")
+        if not t.is_contiguous():
+            raise ConfigError(f"layer {i}: {name} is not contiguous; make it contiguous once at load time")
+    return w
+
+
+def _checked(i, w):
+    if isinstance(w, QuantExpertWeights):
+        return _checked_quant(i, w)
     E, F2, D = w.w13.shape
     if w.w2.shape != (E, D, F2 // 2) or F2 % 2:
         raise ValueError(f"layer {i}: w13 {tuple(w.w13.shape)} and w2 {tuple(w.w2.shape)} "
@@ -230,8 +350,8 @@ def _checked(i, w: ExpertWeights) -> ExpertWeights:
     return w
 
 
-def _check_io(w: ExpertWeights, x: torch.Tensor, out: torch.Tensor) -> None:
-    D = w.w13.shape[2]
+def _check_io(w, x: torch.Tensor, out: torch.Tensor) -> None:
+    D = _dims(w)[1]
     xs, os_ = x.stride(), out.stride()
     if len(xs) != 2 or x.shape[1] != D or xs[1] != 1 or x.dtype not in _DTYPES or x.device.type != "cpu":
         raise ValueError(f"x must be [T, {D}] bf16/fp32 on the CPU with contiguous rows, "
@@ -281,9 +401,19 @@ def _native_unavailable(isa: str) -> str | None:
     return None
 
 
-def _layer_args(ext, w: ExpertWeights, isa: str, amx_min_tokens: int):
+def _quant_unavailable() -> str | None:
+    if not _extension().cpu_features()["avx512_vnni"]:
+        return "this CPU lacks AVX512_VNNI, which the quantized experts' kernels use"
+    return None
+
+
+def _layer_args(ext, w, isa: str, amx_min_tokens: int):
     a = ext.ColdArgs()
-    a.w13, a.w2, a.w_dtype = w.w13.data_ptr(), w.w2.data_ptr(), _DTYPES[w.w13.dtype]
-    a.E, a.D, a.F = w.w13.shape[0], w.w13.shape[2], w.w2.shape[2]
+    a.w13, a.w2 = w.w13.data_ptr(), w.w2.data_ptr()
+    if isinstance(w, QuantExpertWeights):
+        a.qt13, a.qt2 = QTYPE_CODES[w.qt13], QTYPE_CODES[w.qt2]
+    else:
+        a.w_dtype = _DTYPES[w.w13.dtype]
+    a.E, a.D, a.F = _dims(w)
     a.isa, a.amx_min_tokens = ISAS[isa], amx_min_tokens
     return a

@@ -8,7 +8,9 @@ launch, callback or Python per layer. The trade-off: one core spins while steps 
 captured graph writes routing and activations, then post_flag, and waits on done_flag.
 `GraphWorker` runs the native worker (ostinato/kernels/cpu/graph_worker.h has the full
 protocol) on the CpuExperts pool with the same kernel as the synchronous path, so its results
-are bitwise those of CpuExperts.forward on the same routes.
+are bitwise those of CpuExperts.forward on the same routes; layers of quantized experts
+(QuantExpertWeights) carry their block formats in their native arguments and run the
+quantized kernels there too.
 
 Legend: L MoE layers in execution order, K top-k, D hidden, E experts per layer.
 Flags are int32 at column 0 of [L, FLAG_STRIDE] tensors: one 64-byte line per layer.

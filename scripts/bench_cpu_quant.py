@@ -1,0 +1,231 @@
+"""Bandwidth of the quantized CPU experts (GGUF blocks read in place) at Qwen3-30B-A3B shapes.
+
+Legend: r cold routes of one token, E experts, D hidden, F expert FFN size.
+
+The target is decode: one token per expert reads every weight byte once, so the kernels
+should run at the memory's speed. The bound is measured by a plain read probe on the same
+threads (ColdExperts.read_seconds: the pool's workers plus the waiting thread sum a buffer
+in 1 MiB tasks), and the probe and each format's decode alternate round by round, because a
+shared host's bandwidth drifts with its neighbours' load: each round's ratio compares
+measurements taken seconds apart, and the report gives the median round.
+
+  decode   one token, r = topk routes (and r = 1), experts cycled through a layer larger
+           than the last-level cache so that every call reads from memory; GB/s of weight
+           bytes = r * expert bytes / median time;
+  prefill  T tokens with top-k routing (compute-bound; for reference);
+  accuracy native vs quant_reference (same activation quantization, only summation order
+           differs), and vs unquantized activations (the int8 activations' own error).
+
+Prints a table, and last one JSON line.
+
+  python scripts/bench_cpu_quant.py                       # every format, 5 rounds
+  python scripts/bench_cpu_quant.py --formats Q4_K,Q4_K/Q6_K --rounds 9
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cpu_experts import hardware, l3_bytes, meminfo_bytes, topk_routes
+
+from ostinato.bench.report import source_state
+from ostinato.layers.moe.cpu_experts import CpuExperts, quant_reference, torch_reference
+from ostinato.layers.moe.types import QuantExpertWeights
+from ostinato.quant import formats
+
+FORMATS = "Q4_K,Q5_K,Q6_K,Q8_0,MXFP4,Q4_K/Q6_K"  # a/b: gate/up a, down b (Q4_K_M's mix)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default=FORMATS, help="comma-separated qtypes, a/b for gate-up a, down b")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None, help="pool workers (default: physical cores - 1)")
+    p.add_argument("--rounds", type=int, default=5, help="probe / decode rounds per format")
+    p.add_argument("--iters", type=int, default=40, help="decode calls per round")
+    p.add_argument("--probe-mib", type=int, default=1024, help="bytes the read probe sums per call")
+    p.add_argument("--prefill", default="32,128", help="prefill token counts ('' for none)")
+    p.add_argument("--spin-us", type=int, default=2000)
+    p.add_argument("--no-prefetch", action="store_true", help="turn the kernels' software prefetch off")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def random_blocks(qt: str, rows: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [rows, row_bytes(qt, n)]: random bytes with the block scales set to small sane
+    values (random fp16 scales can be inf or NaN; the values do not matter for timing)."""
+    K, B = formats.block_size(qt), formats.block_bytes(qt)
+    b = torch.randint(0, 256, (rows, n // K, B), dtype=torch.uint8, generator=gen)
+
+    def f16(lo: float, hi: float) -> torch.Tensor:
+        return (lo + (hi - lo) * torch.rand(rows, n // K, generator=gen)).half().unsqueeze(-1).view(torch.uint8)
+
+    if qt == "Q8_0":
+        b[..., 0:2] = f16(1e-3, 1e-2)
+    elif qt in ("Q4_K", "Q5_K"):
+        b[..., 0:2] = f16(1e-3, 4e-3)
+        b[..., 2:4] = f16(1e-3, 4e-3)
+    elif qt == "Q6_K":
+        b[..., 208:210] = f16(1e-3, 4e-3)
+    elif qt == "MXFP4":
+        b[..., 0] = torch.randint(118, 126, (rows, n // K), dtype=torch.uint8, generator=gen)
+    return b.view(rows, -1)
+
+
+def make_layer(qt13: str, qt2: str, E: int, D: int, F: int, gen: torch.Generator) -> QuantExpertWeights:
+    w13 = random_blocks(qt13, E * 2 * F, D, gen).view(E, 2 * F, -1)
+    w2 = random_blocks(qt2, E * D, F, gen).view(E, D, -1)
+    return QuantExpertWeights(qt13, w13, qt2, w2)
+
+
+def probe_gbps(ce: CpuExperts, buf: torch.Tensor) -> float:
+    nbytes = buf.numel() * buf.element_size()
+    return nbytes / ce._native.read_seconds(buf.data_ptr(), nbytes) / 1e9
+
+
+def decode_times(ce: CpuExperts, w: QuantExpertWeights, r: int, iters: int, start: int, gen) -> list[float]:
+    """Seconds per call of one token with r routes; experts cycle through the layer so that a
+    call's experts were last read E / r calls ago (out of every cache)."""
+    E, D = w.num_experts, w.hidden
+    x = torch.randn(1, D, generator=gen).bfloat16()
+    out = torch.empty(1, D)
+    tok = torch.zeros(r, dtype=torch.int32)
+    wts = torch.rand(r, generator=gen)
+    times = []
+    for it in range(iters):
+        ids = ((start + it) * r + torch.arange(r, dtype=torch.int32)) % E
+        times.append(ce._native.timed_forward(ce._fill_args(0, x, tok, ids, wts, out)))
+    return times
+
+
+def bench_format(ce: CpuExperts, w: QuantExpertWeights, probe: torch.Tensor, args, gen) -> dict:
+    eb = w.expert_bytes
+    r = args.topk
+    decode_times(ce, w, r, 10, 0, gen)  # warm-up: pages, workspace
+    rounds, start = [], 10
+    for _ in range(args.rounds):
+        bw = probe_gbps(ce, probe)
+        t = statistics.median(decode_times(ce, w, r, args.iters, start, gen))
+        start += args.iters
+        t1 = statistics.median(decode_times(ce, w, 1, args.iters, start * r, gen))
+        start += args.iters
+        bw_after = probe_gbps(ce, probe)
+        probe_mean = (bw + bw_after) / 2
+        rounds.append({"probe_gbps": probe_mean, "ms": t * 1e3, "gbps": r * eb / t / 1e9,
+                       "ms_r1": t1 * 1e3, "gbps_r1": eb / t1 / 1e9,
+                       "of_probe": r * eb / t / 1e9 / probe_mean, "of_probe_r1": eb / t1 / 1e9 / probe_mean})
+    med = sorted(rounds, key=lambda x: x["of_probe"])[len(rounds) // 2]
+    return {"expert_mb": eb / 1e6, "rounds": rounds, "median_round": med,
+            "of_probe_median": statistics.median(x["of_probe"] for x in rounds),
+            "of_probe_r1_median": statistics.median(x["of_probe_r1"] for x in rounds),
+            "probe_gbps_median": statistics.median(x["probe_gbps"] for x in rounds),
+            "gbps_median": statistics.median(x["gbps"] for x in rounds)}
+
+
+def bench_prefill(ce: CpuExperts, w: QuantExpertWeights, T: int, args, gen) -> dict:
+    x = torch.randn(T, w.hidden, generator=gen).bfloat16()
+    tok, ids, wts = topk_routes(T, w.num_experts, args.topk, 0.0, gen)
+    out = torch.empty(T, w.hidden)
+    times = []
+    for it in range(3):
+        t0 = time.perf_counter()
+        ce.forward(0, x, tok, ids, wts, out)
+        if it:
+            times.append(time.perf_counter() - t0)
+    ms = statistics.median(times) * 1e3
+    experts = int(torch.unique(ids).numel())
+    return {"T": T, "routes": int(tok.numel()), "experts": experts, "ms": ms,
+            "gbps": experts * w.expert_bytes / (ms / 1e3) / 1e9,
+            "tflops": 6 * w.hidden * w.ffn * tok.numel() / (ms / 1e3) / 1e12}
+
+
+def accuracy(ce: CpuExperts, w: QuantExpertWeights, args, gen) -> dict:
+    """On the first 16 experts (dequantizing the whole layer would take long)."""
+    E = min(16, w.num_experts)
+    x = torch.randn(8, w.hidden, generator=gen).bfloat16()
+    tok, ids, wts = topk_routes(8, E, min(args.topk, E), 0.0, gen)
+    got = ce.forward(0, x, tok, ids, wts)
+    ref = quant_reference(w, x, tok, ids, wts)
+    D, F = w.hidden, w.ffn
+    w13 = formats.dequantize(w.w13[:E], w.qt13, D)
+    w2 = formats.dequantize(w.w2[:E], w.qt2, F)
+    unq = torch_reference(w13, w2, x, tok, ids, wts, h_dtype=torch.bfloat16)
+    return {"vs_quant_reference": float((got - ref).norm() / ref.norm()),
+            "vs_unquantized_activations": float((got - unq).norm() / unq.norm())}
+
+
+def main() -> None:
+    args = parse_args()
+    gen = torch.Generator().manual_seed(args.seed)
+    hw = hardware()
+    E, D, F = args.experts, args.hidden, args.ffn
+    threads = args.threads or max(1, hw["physical_cores"] - 1)
+    probe_mib = min(args.probe_mib, int(meminfo_bytes("MemAvailable") / 8 / 2**20))
+    probe = torch.ones(probe_mib << 18, dtype=torch.float32)  # MiB -> fp32 elements
+    results, pre, acc = {}, {}, {}
+    ce = None
+    for spec in args.formats.split(","):
+        qt13, _, qt2 = spec.partition("/")
+        qt2 = qt2 or qt13
+        w = make_layer(qt13, qt2, E, D, F, gen)
+        if E * w.expert_bytes < 8 * l3_bytes():
+            print(f"note: a layer of {spec} ({E * w.expert_bytes / 2**20:.0f} MiB) is less than 8x the L3; "
+                  "raise --experts for cold reads")
+        ce = CpuExperts([w], num_threads=threads, backend="native", spin_us=args.spin_us)
+        ce._args[0].prefetch = not args.no_prefetch
+        ce.reserve(max_routes=args.topk * 128, max_tokens=128)
+        results[spec] = bench_format(ce, w, probe, args, gen)
+        pre[spec] = [bench_prefill(ce, w, int(T), args, gen) for T in args.prefill.split(",") if T]
+        acc[spec] = accuracy(ce, w, args, gen)
+        ce.close()
+        del w, ce
+
+    print(f"{hw['cpu']}: {hw['physical_cores']} cores, L3 {hw['l3_mib']} MiB; {threads} workers + the waiting thread")
+    print(f"\ndecode, 1 token x {args.topk} routes (medians of {args.iters} calls; round = probe, decode, probe)")
+    print(f"{'format':>11} {'expert MB':>9} {'probe GB/s':>10} {'GB/s':>7} {'of probe':>8} {'ms':>7} "
+          f"{'r=1 GB/s':>8} {'r=1 of probe':>12}   per-round fraction (r = {args.topk})")
+    for spec, r in results.items():
+        m = r["median_round"]
+        fr = " ".join(f"{x['of_probe']:.2f}" for x in r["rounds"])
+        print(f"{spec:>11} {r['expert_mb']:>9.2f} {m['probe_gbps']:>10.1f} {m['gbps']:>7.1f} {m['of_probe']:>8.0%} "
+              f"{m['ms']:>7.3f} {m['gbps_r1']:>8.1f} {r['of_probe_r1_median']:>12.0%}   {fr}")
+    if any(pre.values()):
+        print("\nprefill (top-k routing, every route cold)")
+        for spec, rows in pre.items():
+            for p in rows:
+                print(f"{spec:>11} T={p['T']:>4} {p['routes']:>5} routes {p['experts']:>4} experts {p['ms']:>8.1f} ms "
+                      f"{p['gbps']:>6.1f} GB/s {p['tflops']:>6.3f} TFLOP/s")
+    print("\naccuracy (relative error of the layer output)")
+    for spec, a in acc.items():
+        print(f"{spec:>11} vs quant_reference {a['vs_quant_reference']:.1e}, "
+              f"vs unquantized activations {a['vs_unquantized_activations']:.1e}")
+
+    print(json.dumps({
+        "bench": "cpu_quant", **source_state(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "hardware": hw,
+        "config": {"experts": E, "hidden": D, "ffn": F, "topk": args.topk, "threads": threads,
+                   "rounds": args.rounds, "iters": args.iters, "probe_mib": probe_mib,
+                   "prefetch": not args.no_prefetch, "torch": torch.__version__},
+        "decode": results, "prefill": pre, "accuracy": acc,
+        "of_probe_min_median": min((r["of_probe_median"] for r in results.values()), default=math.nan),
+        "of_probe_r1_min_median": min((r["of_probe_r1_median"] for r in results.values()), default=math.nan),
+    }))
+
+
+if __name__ == "__main__":
+    main()
