@@ -199,19 +199,26 @@ def slot_experts_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, 
 
         return decode_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
                               tuning["decode_w13"], tuning["decode_w2"])
-    from ostinato.kernels.triton.moe_prefill import align_forward, prefill_forward
+    from ostinato.kernels.triton.moe_prefill import prefill_forward
 
     cfg = prefill_config(tuning, T, x.dtype)
-    num_slots = w13_pool.shape[0]
-    distinct = max(num_slots - (zero_hi - zero_lo) if max_distinct is None else max_distinct, 1)
-    if tuning["align"]["backend"] == "torch":
-        aligned = align_routes(slots, zero_lo, zero_hi, cfg["BLOCK_M"], distinct)
-    else:
-        size = padded_size(T * K, cfg["BLOCK_M"], distinct)
-        aligned = AlignedRoutes(*align_forward(slots, zero_lo, zero_hi, num_slots, cfg["BLOCK_M"],
-                                               size, tuning["align"]))
+    aligned = aligned_routes(slots, zero_lo, zero_hi, w13_pool.shape[0], cfg["BLOCK_M"], tuning, max_distinct)
     return prefill_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
                            aligned, cfg, tuning["combine"])
+
+
+def aligned_routes(slots, zero_lo, zero_hi, num_slots: int, block_m: int, tuning: dict,
+                   max_distinct: int | None) -> AlignedRoutes:
+    """A prefill pass's routes sorted by slot into blocks of block_m (the grouped GEMM's input),
+    by torch or by the Triton kernel as the tuning says; max_distinct bounds the slots a pass
+    can route to (default: every non-zero slot)."""
+    from ostinato.kernels.triton.moe_prefill import align_forward
+
+    distinct = max(num_slots - (zero_hi - zero_lo) if max_distinct is None else max_distinct, 1)
+    if tuning["align"]["backend"] == "torch":
+        return align_routes(slots, zero_lo, zero_hi, block_m, distinct)
+    size = padded_size(slots.numel(), block_m, distinct)
+    return AlignedRoutes(*align_forward(slots, zero_lo, zero_hi, num_slots, block_m, size, tuning["align"]))
 
 
 def slot_experts_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,

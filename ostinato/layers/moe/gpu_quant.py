@@ -147,18 +147,10 @@ def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zer
 
         return decode_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
                               tuning["decode_w13"], tuning["decode_w2"])
-    from ostinato.kernels.triton.moe_prefill import align_forward
     from ostinato.kernels.triton.moe_quant import prefill_forward
 
     cfg = prefill_config(tuning, T, x.dtype)
-    num_slots = w13_pool.shape[0]
-    distinct = max(num_slots - (zero_hi - zero_lo) if max_distinct is None else max_distinct, 1)
-    if tuning["align"]["backend"] == "torch":
-        aligned = ge.align_routes(slots, zero_lo, zero_hi, cfg["BLOCK_M"], distinct)
-    else:
-        size = ge.padded_size(T * K, cfg["BLOCK_M"], distinct)
-        aligned = ge.AlignedRoutes(*align_forward(slots, zero_lo, zero_hi, num_slots,
-                                                  cfg["BLOCK_M"], size, tuning["align"]))
+    aligned = ge.aligned_routes(slots, zero_lo, zero_hi, w13_pool.shape[0], cfg["BLOCK_M"], tuning, max_distinct)
     return prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
                            aligned, cfg, tuning["combine"])
 
