@@ -210,7 +210,17 @@ class SlotExperts(MoEBackend):
         return d
 
     def before_capture(self) -> None:
+        """The capture's warm-up must not move the cache; the segments' buffers are made here,
+        outside the capture (the router's ids are int64, its weights fp32: layers/moe/router.py)."""
         self.frozen = True
+        if self._seg is None and self.on_cuda:
+            K, D, E = self.spec.top_k, self.spec.hidden, self.spec.num_experts
+            pinned = {"device": "cpu", "pin_memory": True}
+            self._seg = SegmentBuffers(
+                torch.empty((1, K), dtype=torch.int64, **pinned), torch.empty((1, K), dtype=torch.float32, **pinned),
+                torch.empty((1, D), dtype=self.spec.dtype, **pinned), torch.empty(E, dtype=torch.int32, **pinned),
+                torch.full((E,), CPU, dtype=torch.int32, device=self.device),
+                torch.zeros((1, D), dtype=torch.float32, device=self.device), torch.cuda.Event())
 
     def after_capture(self) -> None:
         self.frozen = False
@@ -303,16 +313,7 @@ class SlotExperts(MoEBackend):
         """Inside the capture of a step: routing and activations to page-locked memory, the cut,
         then (in the next segment) the GPU branch from the static slot table plus the CPU
         branch's partial sum, both written by the host between the segments."""
-        seg = self._seg
-        if seg is None:
-            K, D, E = topk.ids.shape[1], x.shape[1], self.spec.num_experts
-            pinned = dict(device="cpu", pin_memory=True)
-            seg = self._seg = SegmentBuffers(
-                torch.empty((1, K), dtype=topk.ids.dtype, **pinned),
-                torch.empty((1, K), dtype=topk.weights.dtype, **pinned),
-                torch.empty((1, D), dtype=x.dtype, **pinned), torch.empty(E, dtype=torch.int32, **pinned),
-                torch.full((E,), CPU, dtype=torch.int32, device=self.device),
-                torch.zeros((1, D), dtype=torch.float32, device=self.device), torch.cuda.Event())
+        seg = self._seg  # made by before_capture
         seg.ids.copy_(topk.ids, non_blocking=True)
         seg.weights.copy_(topk.weights, non_blocking=True)
         seg.x.copy_(x, non_blocking=True)
