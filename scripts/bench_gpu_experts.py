@@ -77,7 +77,14 @@ def copy_bandwidth():
 
 
 def graph_time_ms(fn, reps=20):
-    """Median time of one replay of a graph holding fn (warmed up on a side stream)."""
+    """Median time of one replay of a graph holding fn, and the graph."""
+    times, graph = replay_times(fn, reps)
+    return times[len(times) // 2], graph
+
+
+def replay_times(fn, reps):
+    """The sorted times (ms) of reps replays of a graph holding fn (warmed up on a side stream),
+    and the graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -96,7 +103,7 @@ def graph_time_ms(fn, reps=20):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], graph
+    return sorted(times), graph
 
 
 class DecodeRig:

@@ -30,6 +30,7 @@ from ostinato.bench.report import source_state
 from ostinato.layers.moe import gpu_experts as ge
 from ostinato.layers.moe import gpu_quant as gq
 from ostinato.quant import formats
+from scripts.bench_gpu_experts import copy_bandwidth, replay_times
 
 D, F, K, E = 2048, 768, 8, 128
 DECODE_T, PREFILL_T = 1, 512
@@ -72,36 +73,9 @@ def routing(layer, T):
     return (layer * E + ids).to(torch.int32), torch.softmax(torch.randn(T, K, device="cuda"), -1)
 
 
-def copy_bandwidth():
-    from triton.testing import do_bench
-
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() / ms / 1e6  # GB/s, read + write
-
-
 def graph_ms(fn, reps=30):
-    """Median and p90 time of one replay of a graph holding fn (warmed up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+    """Median and p90 time of one replay of a graph holding fn."""
+    times, _ = replay_times(fn, reps)
     return times[len(times) // 2], times[int(0.9 * (len(times) - 1))]
 
 
