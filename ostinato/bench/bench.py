@@ -14,7 +14,7 @@ where it has a threshold, and replayed on the held-out sessions. Steps:
    plan` makes it (planner/pipeline.py: --expert-budget bytes, or the pool of a --hot-fraction
    residency, or the capacity test on --gpu-memory; 0.4 of all experts without any), saved as
    residency.json; Np calibrated in the engine by planner/calibrate.py (or --upload-threshold);
-5. per policy: build, warm up, tune the offload threshold over {32, 128, 512, 1024} on
+5. per policy: build, warm up, tune the offload threshold over OFFLOAD_THRESHOLDS (policies/settings.py) on
    development sessions (lowest total request time), replay held-out, run the sweep;
 6. report.md, results.json, PNG plots in --out; one JSON line last on stdout.
 """

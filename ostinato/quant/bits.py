@@ -27,3 +27,10 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
     a = x.abs()
     whole = a.floor()
     return torch.copysign(whole + (a - whole >= 0.5), x)
+
+
+def div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c correctly rounded on every device. CUDA divides by a host number as x * (1 / c),
+    which can be one ulp off the quotient that ggml's reference (and the CPU) computes; a
+    divisor on x's own device is divided exactly."""
+    return x / torch.tensor(c, dtype=x.dtype, device=x.device)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ostinato.quant.bits import fp16_bytes, fp16_field
+from ostinato.quant.bits import div, fp16_bytes, fp16_field
 from ostinato.quant.k_search import GROUP_MAX_EPS, fit_scale, fit_scale_min
 
 BLOCK_SIZE = 256
@@ -65,7 +65,7 @@ def encode_min_k(x: torch.Tensor, bits: int) -> torch.Tensor:
     max_low = low.amax(dim=1, keepdim=True).clamp(min=0)
     sc = _six_bits(scale, max_scale)
     m = _six_bits(low, max_low)
-    d, dmin = fp16_bytes(max_scale / 63), fp16_bytes(max_low / 63)
+    d, dmin = fp16_bytes(div(max_scale, 63)), fp16_bytes(div(max_low, 63))
 
     step = (fp16_field(d) * sc)[:, :, None]  # the scales the decoder will use
     offset = (fp16_field(dmin) * m)[:, :, None]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ostinato.quant.bits import div
+
 # ggml's GROUP_MAX_EPS: a sub-block whose largest magnitude is below it is all zero.
 GROUP_MAX_EPS = 1e-15
 
@@ -59,7 +61,7 @@ def fit_scale_min(
         s = hi - low
         return torch.where(s > 0, s, torch.ones_like(s))  # flat sub-blocks: any grid
 
-    best_scale, best_low = span(lo) / nmax, lo
+    best_scale, best_low = div(span(lo), nmax), lo
     best_err = error(best_scale, best_low, *moments(nmax / span(lo), lo))
     for i in range(nstep + 1):
         sum_l, sum_l2, sum_xl = moments((rmin + rdelta * i + nmax) / span(best_low), best_low)

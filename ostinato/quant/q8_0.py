@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ostinato.quant.bits import fp16_bytes, fp16_field, round_half_away
+from ostinato.quant.bits import div, fp16_bytes, fp16_field, round_half_away
 
 BLOCK_SIZE = 32
 BLOCK_BYTES = 2 + BLOCK_SIZE
@@ -17,7 +17,7 @@ BLOCK_BYTES = 2 + BLOCK_SIZE
 
 def encode(x: torch.Tensor) -> torch.Tensor:
     """float32 [B, 32] -> uint8 [B, 34]."""
-    d = x.abs().amax(dim=1, keepdim=True) / 127
+    d = div(x.abs().amax(dim=1, keepdim=True), 127)
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = round_half_away(x * inv).to(torch.int8)
     return torch.cat([fp16_bytes(d), q.view(torch.uint8)], dim=1)

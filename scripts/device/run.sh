@@ -36,6 +36,10 @@ if [[ -d .carry/workloads && ! -d .carry/agent ]]; then
   mkdir -p .carry/agent && cp -r .carry/workloads/tau2 .carry/workloads/swe-agent .carry/agent/
 fi
 OUT=${OUT:-/tmp/out}; R=${R:-/tmp/res}; mkdir -p "$OUT" "$R"
+# gguf, a dependency of the package (the CLI imports it), is not on the GPU machine: from the carried wheel
+# (.carry/wheels/gguf-*.whl: `pip download gguf==0.19.0 --no-deps -d .carry/wheels` here)
+python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/wheels/gguf-*.whl \
+  >> "$OUT/pip.txt" 2>&1 || echo "note: gguf is missing and no wheel is carried: the CLI will not start" >&2
 if [[ -d .carry/res && ! -f $R/.restored ]]; then cp -rn .carry/res/. "$R"/; touch "$R/.restored"; fi
 O="python3 -m ostinato.cli"
 M=${MODEL:-synth:qwen3-30b-a3b}; CAP=${CAP:-32GiB}; CAP_PER_GPU=${CAP_PER_GPU:-16GiB}; DEVICES=${DEVICES:-cuda:0,cuda:1}
@@ -93,11 +97,8 @@ phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on 
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
     tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py tests/test_decode_attention.py
 }
-# [K] the quantized-expert kernels: gguf (pure Python, no registry there) from a carried wheel
-# (.carry/wheels/gguf-*.whl: `pip download gguf==0.19.0 --no-deps -d .carry/wheels` here)
+# [K] the quantized-expert kernels (their tests on CUDA and the CPU, then their benchmarks)
 phase_tests_quant() {
-  python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/wheels/gguf-*.whl \
-    2>&1 | tee -a "$LOG"
   run 300 "$R/k_tests.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_quant_formats.py \
     tests/test_moe_quant_triton.py tests/test_cpu_quant.py tests/test_gguf.py
   run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py
