@@ -23,6 +23,8 @@
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 #   threads    [H] decode steps and replayed TPOT under several thread layouts (scripts/thread_sweep.py)
+#   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
+#              (scripts/profile_decode.py), against the HBM bound
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU) and their benchmarks (gguf from .carry/wheels)
 # Results gather in $R (default /tmp/res; kept while the machine stays warm, else restored from
 # .carry/res); the call ends by packing $R into $OUT/res.tgz beside $OUT/log.txt.
@@ -197,6 +199,11 @@ phase_multi_replay() {
     ${REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32}
 }
 
+phase_profile() {  # [Q] where a decode step's GPU time goes: all resident, then the capacity plan under $CAP
+  run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_all"
+  [[ -f $R/res-cap.json ]] && run 200 "$R/q_profile_cap.txt" python3 scripts/profile_decode.py --model "$M" \
+    --residency "$R/res-cap.json" --gpu-memory "$CAP" --out "$R/q_profile_cap"
+}
 phase_threads() {  # [H] the default layout against explicit worker counts and 5a8b237's layout, one process
   run 420 "$R/h_threads.txt" python3 scripts/thread_sweep.py --model "$M" --residency "$R/res-cap.json" \
     --gpu-memory "$CAP" --sessions "$S" --json-out "$R/h_threads.json" ${THREADS_ARGS:-}

@@ -1,0 +1,259 @@
+"""Where a decode step's GPU time goes ([Q]): one graph-replayed step, kernel by kernel.
+
+Loads the model (every expert resident by default; `--residency` and `--gpu-memory` for a hybrid
+plan), prefills `--context` tokens of the embedded sessions, then:
+
+1. times `--steps` decode steps as the engine runs them (CUDA graph replays where it captured
+   them), with CUDA events around each;
+2. profiles `--profile-steps` of them with torch.profiler (CUPTI traces the kernels inside graph
+   replays too) and, for the names, the same steps run eagerly (`decode_windowed`: the same
+   kernels without the graph);
+3. writes per kernel: launches per step, GPU time per step (us), and a class (gemm, attention,
+   experts, norm, rope, router, handshake, copy, elementwise, other); per step: the sum of kernel
+   time against the step's wall time (the difference is idle GPU: gaps, host waits);
+4. sets that against the HBM bound: the bytes a step must read (dense and attention weights,
+   lm_head, the KV cache to the context, the routed resident experts) over the measured
+   device copy bandwidth.
+
+    python scripts/profile_decode.py --model synth:qwen3-30b-a3b --out /tmp/res/q_profile
+
+Writes OUT/profile.json and OUT/profile.md; one JSON summary line on stdout. On a machine
+without CUDA it runs on the CPU (the kernels are then aten ops; a smoke run, not a figure).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ostinato.bench.report import source_state  # noqa: E402
+from ostinato.config import parse_bytes  # noqa: E402
+from ostinato.engine.factory import load_engine  # noqa: E402
+from ostinato.engine.placement import PlacementSettings  # noqa: E402
+from ostinato.engine.runner import RunnerSettings  # noqa: E402
+
+# first match wins; names of our Triton kernels, cuBLAS/CUTLASS GEMMs and torch's own kernels
+CLASSES = (
+    ("handshake", r"_post|_wait_add|_bump"),
+    ("experts", r"_w13_kernel|_w2_kernel|_align_|_combine_kernel|_dequant_kernel"),
+    ("attention", r"_split_kernel|_reduce_kernel|flash|attention|sdpa|fmha"),
+    ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|matmul|\bmm\b|addmm|linear"),
+    ("norm", r"rms|norm"),
+    ("rope", r"rope|rotary|cos|sin"),
+    ("router", r"topk|sort|softmax|gather|index|scatter|argmax"),
+    ("copy", r"memcpy|memset|copy|fill"),
+    ("elementwise", r"elementwise|vectorized|reduce|unrolled|silu|mul|add|cat|where"),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((c for c, pat in CLASSES if re.search(pat, low)), "other")
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def prompt_ids(tok, n: int) -> list[int]:
+    from ostinato.bench.sessions import load_sessions
+    from ostinato.planner.profile import session_stream
+
+    ids: list[int] = []
+    for s in load_sessions("embedded:8"):
+        ids += session_stream(s, tok).ids
+        if len(ids) >= n:
+            break
+    if len(ids) < n:
+        raise SystemExit(f"the embedded sessions give {len(ids)} tokens, fewer than --context {n}")
+    return ids[:n]
+
+
+def step_times_ms(runner, token: int, pos: int, steps: int) -> list[float]:
+    dev = runner.device
+    times = []
+    for i in range(steps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            runner.forward([token], pos + i)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            runner.forward([token], pos + i)
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def device_time_us(evt) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        v = getattr(evt, attr, None)
+        if v:
+            return float(v)
+    return 0.0
+
+
+def kernel_table(fn, steps: int, on_cuda: bool) -> list[dict]:
+    """Profile `steps` calls of fn -> one row per kernel (launches and us per step, class)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if on_cuda:
+            torch.cuda.synchronize()
+    rows = defaultdict(lambda: {"launches": 0, "us": 0.0})
+    for e in prof.key_averages():
+        if on_cuda:
+            if "CUDA" not in str(getattr(e, "device_type", "")):  # the kernels, not the ops launching them
+                continue
+        elif not e.key.startswith("aten::") or e.key in ("aten::empty", "aten::view", "aten::as_strided"):
+            continue
+        us = device_time_us(e)
+        if us <= 0:
+            continue
+        r = rows[e.key]
+        r["launches"] += e.count
+        r["us"] += us
+    out = [{"kernel": k, "class": kernel_class(k), "launches_per_step": v["launches"] / steps,
+            "us_per_step": v["us"] / steps} for k, v in rows.items()]
+    return sorted(out, key=lambda r: -r["us_per_step"])
+
+
+def by_class(rows: list[dict]) -> dict[str, dict]:
+    acc = defaultdict(lambda: {"launches_per_step": 0.0, "us_per_step": 0.0})
+    for r in rows:
+        a = acc[r["class"]]
+        a["launches_per_step"] += r["launches_per_step"]
+        a["us_per_step"] += r["us_per_step"]
+    return dict(sorted(acc.items(), key=lambda kv: -kv[1]["us_per_step"]))
+
+
+def bytes_per_step(runner, context: int) -> dict[str, int]:
+    """What a decode step must read from GPU memory, by part."""
+    cfg, model = runner.config, runner.model
+    elt = torch.finfo(runner.dtype).bits // 8
+    emb = model.model.embed_tokens.weight
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if p.device.type == runner.device.type and p is not emb and ".experts." not in n)
+    tied = cfg.tie_word_embeddings
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * context * elt
+    experts = len(cfg.moe_layers) * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * elt
+    return {"dense_weights": int(dense + (emb.numel() * emb.element_size() if tied else 0)),
+            "embedding_row": int(cfg.hidden_size * emb.element_size()),
+            "kv_cache": int(kv), "routed_experts_if_resident": int(experts)}
+
+
+def copy_gbps(dev) -> float | None:
+    if dev.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(dev)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        dst.copy_(src)
+    b.record()
+    b.synchronize()
+    return 2 * 10 * src.numel() / (a.elapsed_time(b) * 1e6)  # read + write, GB/s
+
+
+def write_md(path: Path, out: dict) -> None:
+    s = out["step"]
+    lines = [f"# Decode step profile: {out['model']}", "",
+             f"- commit `{out['commit']}`; {out['device']}; context {out['context']}; "
+             f"placement: {out['placement']}; decode as graph: {out['graph']}",
+             f"- step: median {s['median_ms']:.3f} ms (p90 {s['p90_ms']:.3f}) over {s['steps']} steps; "
+             f"kernels (graph replays) {s['kernel_ms_graph']:.3f} ms, idle GPU {s['idle_ms_graph']:.3f} ms",
+             ]
+    hb = out.get("hbm")
+    if hb:
+        lines.append(f"- HBM: copy bandwidth {hb['copy_gbps']:.0f} GB/s; the dense part must read "
+                     f"{hb['dense_bytes'] / 1e9:.2f} GB ({hb['dense_bound_ms']:.3f} ms), with the routed "
+                     f"experts {hb['all_bytes'] / 1e9:.2f} GB ({hb['all_bound_ms']:.3f} ms)")
+    for title, key in (("By class, graph replays", "classes_graph"), ("By class, eager", "classes_eager")):
+        lines += ["", f"## {title}", "", "| class | launches / step | us / step |", "|---|---|---|"]
+        lines += [f"| {c} | {v['launches_per_step']:.1f} | {v['us_per_step']:.1f} |" for c, v in out[key].items()]
+    lines += ["", "## Kernels, graph replays (top 40)", "", "| kernel | class | launches / step | us / step |",
+              "|---|---|---|---|"]
+    lines += [f"| `{r['kernel'][:90]}` | {r['class']} | {r['launches_per_step']:.1f} | {r['us_per_step']:.1f} |"
+              for r in out["kernels_graph"][:40]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="synth:qwen3-30b-a3b")
+    ap.add_argument("--residency", help="a hybrid plan (default: every expert resident, on one device)")
+    ap.add_argument("--gpu-memory", type=parse_bytes)
+    ap.add_argument("--context", type=int, default=2048, help="tokens prefilled before the timed steps")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+
+    place = PlacementSettings(residency=a.residency, gpu_memory=a.gpu_memory) if a.residency else None
+    loaded = load_engine(a.model, RunnerSettings(max_context=a.context + a.steps + 4 * a.profile_steps + 8), place)
+    runner, dev = loaded.runner, loaded.runner.device
+    on_cuda = dev.type == "cuda"
+    ids = prompt_ids(loaded.tokenizer, a.context)
+    runner.forward(ids, 0)
+    tok, pos = ids[-1], a.context
+    step_times_ms(runner, tok, pos, 4)  # warm
+    pos += 4
+    times = step_times_ms(runner, tok, pos, a.steps)
+    pos += a.steps
+    med = statistics.median(times)
+
+    def graph_step():
+        nonlocal pos
+        runner.forward([tok], pos)
+        pos += 1
+
+    def eager_step():
+        nonlocal pos
+        runner.decode_windowed(tok, pos)
+        pos += 1
+
+    kg = kernel_table(graph_step, a.profile_steps, on_cuda)
+    ke = kernel_table(eager_step, a.profile_steps, on_cuda)
+    kernel_ms = sum(r["us_per_step"] for r in kg) / 1e3
+    out = {"kind": "ostinato.profile_decode", **source_state(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "model": a.model, "device": torch.cuda.get_device_name(dev) if on_cuda else "cpu",
+           "torch": torch.__version__, "threads": runner.threads.describe(), "context": a.context,
+           "placement": a.residency or "every expert resident", "graph": runner.graphs is not None,
+           "step": {"steps": a.steps, "median_ms": med, "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
+                    "kernel_ms_graph": kernel_ms, "idle_ms_graph": med - kernel_ms},
+           "classes_graph": by_class(kg), "classes_eager": by_class(ke), "kernels_graph": kg, "kernels_eager": ke}
+    gbps = copy_gbps(dev)
+    if gbps:
+        b = bytes_per_step(runner, a.context)
+        dense = b["dense_weights"] + b["embedding_row"] + b["kv_cache"]
+        every = dense + b["routed_experts_if_resident"]
+        out["hbm"] = {"copy_gbps": gbps, "bytes": b, "dense_bytes": dense, "all_bytes": every,
+                      "dense_bound_ms": dense / (gbps * 1e6), "all_bound_ms": every / (gbps * 1e6)}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "profile.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_md(a.out / "profile.md", out)
+    print(json.dumps({k: out[k] for k in ("commit", "device", "graph", "step")} | {"hbm": out.get("hbm")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
