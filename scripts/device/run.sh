@@ -23,6 +23,9 @@
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 #   threads    [H] decode steps and replayed TPOT under several thread layouts (scripts/thread_sweep.py)
+#   llama_tune [L] llama.cpp tuned on development sessions under $CAP, then the held-out replay
+#              (scripts/llama_tune.py; the kit from .carry/llama-kit: kit.tar.xz and unpack.sh of ../shared/llama;
+#              the GGUF file $LGGUF, else `ostinato synth` writes $LQUANT of $M's preset)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU) and their benchmarks (gguf from .carry/wheels)
@@ -199,6 +202,17 @@ phase_multi_replay() {
     ${REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32}
 }
 
+phase_llama_tune() {
+  local kit=/tmp/llama/kit q=${LQUANT:-Q4_K_M} gguf=${LGGUF:-}
+  [[ -x $kit/llama-server ]] || bash .carry/llama-kit/unpack.sh /tmp/llama >> "$LOG" 2>&1 || { say "no llama.cpp kit"; return 1; }
+  if [[ -z $gguf ]]; then
+    local preset=${M#synth:}; preset=${preset%%\?*}; gguf=/tmp/gguf/$preset-$q.gguf
+    [[ -f $gguf ]] || run 400 "$R/l_synth_gguf.txt" $O synth --preset "$preset" --format gguf --quant "$q" --out /tmp/gguf
+  fi
+  [[ -f $gguf ]] || { say "no GGUF file: llama.cpp not tuned"; return 1; }
+  run 560 "$R/l_tune.txt" python3 scripts/llama_tune.py --server $kit/llama-server --model "$gguf" --cap "$CAP" \
+    --sessions "$S" --threads 16 14 --out "$R/llama_tune" ${LLAMA_TUNE_ARGS:-}
+}
 phase_profile() {  # [Q] where a decode step's GPU time goes: all resident, then the capacity plan under $CAP
   run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_all"
   [[ -f $R/res-cap.json ]] && run 200 "$R/q_profile_cap.txt" python3 scripts/profile_decode.py --model "$M" \

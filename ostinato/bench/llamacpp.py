@@ -1,0 +1,104 @@
+"""llama.cpp at its best on the same file ([L]): its server's settings, tuned on development
+sessions under the same GPU memory cap, one knob at a time.
+
+The knobs (BENCHMARK.md, the kit's README):
+* `--n-cpu-moe N`: the experts of the first N layers stay in host memory. The smallest N
+  whose server fits under the cap (a server's GPU memory is set at load: weights, KV cache,
+  compute buffers), and N + 1: fewer host layers decode faster, but the extra slack can
+  matter to the compute buffers of a large batch;
+* `-ub` (with `-b` equal): the micro-batch a prefill pass runs in, 128, 512, 2048;
+* mmap against `--no-mmap` (whether host experts are read from the page cache or a copy);
+* the op-offload threshold: `GGML_OP_OFFLOAD_MIN_BATCH` 32 (its default), 128, 512, or
+  `--no-op-offload` (host experts never go to the GPU);
+* CPU threads (`-t`, `-tb`): every core, or the worker count of our thread layout ([H]).
+
+`tune` walks the knobs in that order, keeping the best value of each (lowest total request
+time on the development turns) before the next: 2 + 3 + 2 + 4 + 2 settings, not their
+product. A setting that fails (no start, a failed turn) counts as infinitely slow.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    n_cpu_moe: int
+    ubatch: int = 512
+    mmap: bool = True
+    op_offload: int | None = 32  # GGML_OP_OFFLOAD_MIN_BATCH; None: --no-op-offload
+    threads: int = 16
+
+    def args(self, model: str, context: int, port: int) -> list[str]:
+        """llama-server's arguments: every layer on the GPU but the first n_cpu_moe layers'
+        experts, one slot, the given context."""
+        a = ["-m", model, "-ngl", "999", "--n-cpu-moe", str(self.n_cpu_moe), "-c", str(context), "-np", "1",
+             "-ub", str(self.ubatch), "-b", str(self.ubatch), "-t", str(self.threads), "-tb", str(self.threads),
+             "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+        if not self.mmap:
+            a.append("--no-mmap")
+        if self.op_offload is None:
+            a.append("--no-op-offload")
+        return a
+
+    def env(self) -> dict[str, str]:
+        return {} if self.op_offload is None else {"GGML_OP_OFFLOAD_MIN_BATCH": str(self.op_offload)}
+
+    def label(self) -> str:
+        off = "off" if self.op_offload is None else str(self.op_offload)
+        return (f"n-cpu-moe {self.n_cpu_moe}, ub {self.ubatch}, {'mmap' if self.mmap else 'no-mmap'}, "
+                f"op-offload {off}, {self.threads} threads")
+
+
+def smallest_fitting(fits: Callable[[int], bool], layers: int) -> int:
+    """The smallest n in [0, layers] with fits(n), fits being monotone (more host layers, less GPU
+    memory); binary search, so about log2(layers) server starts. Raises if even every layer's
+    experts in host memory does not fit."""
+    if not fits(layers):
+        raise RuntimeError(f"llama.cpp does not fit the cap even with the experts of all {layers} layers on the host")
+    lo, hi = 0, layers  # fits(hi) holds
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def knob_values(n_fit: int, layers: int, threads: Sequence[int]) -> list[tuple[str, list]]:
+    return [
+        ("n_cpu_moe", sorted({n_fit, min(layers, n_fit + 1)})),
+        ("ubatch", [128, 512, 2048]),
+        ("mmap", [True, False]),
+        ("op_offload", [32, 128, 512, None]),
+        ("threads", list(dict.fromkeys(threads))),
+    ]
+
+
+def tune(measure: Callable[[LlamaSettings], float | None], start: LlamaSettings,
+         knobs: list[tuple[str, list]]) -> tuple[LlamaSettings, list[dict]]:
+    """One knob at a time, in order, each set to its best value before the next; measure(settings)
+    -> total seconds, or None for a failure. -> (the best settings, one row per measurement).
+    A setting measured before (the same values) is not measured again."""
+    seen: dict[LlamaSettings, float] = {}
+    rows = []
+    best = start
+    for knob, values in knobs:
+        scores = {}
+        for v in values:
+            s = dataclasses.replace(best, **{knob: v})
+            if s not in seen:
+                t = measure(s)
+                seen[s] = math.inf if t is None else t
+                rows.append({"knob": knob, "value": v, "settings": dataclasses.asdict(s), "label": s.label(),
+                             "total_s": None if t is None else round(t, 4)})
+            scores[v] = seen[s]
+        choice = min(values, key=lambda v: scores[v])  # ties: the first listed (the default)
+        if math.isinf(scores[choice]):
+            raise RuntimeError(f"llama.cpp: every value of {knob} failed ({values})")
+        best = dataclasses.replace(best, **{knob: choice})
+    return best, rows

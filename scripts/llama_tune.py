@@ -1,0 +1,185 @@
+"""Tune llama.cpp's server on development sessions under a GPU memory cap, then replay the
+held-out sessions with the chosen settings ([L]; ostinato/bench/llamacpp.py has the knobs).
+
+    python scripts/llama_tune.py --server /tmp/llama/kit/llama-server --model M.gguf \
+        --cap 32GiB --sessions .carry/agent --out /tmp/res/llama
+
+--model is the GGUF file llama.cpp serves; the replay measures recorded lengths with the
+file's own tokenizer (or --tokenizer DIR). The same sample flags as `ostinato bench`:
+--max-sessions, --max-turns, --max-output for the held-out replay; --tune-sessions and
+--tune-max-turns for the development turns each setting is timed on.
+
+Writes OUT/tuning.json (every setting measured, its GPU memory and total; the choice) and
+OUT/replay.json (the held-out replay, the JSON line of `ostinato replay`, with the chosen
+settings: `ostinato report BENCH --engine llama.cpp=OUT/replay.json` adds it as a row), and
+each server's log under OUT/logs/. Needs a GPU and the llama.cpp kit (../shared/llama).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ostinato.bench.bench import select_sessions  # noqa: E402
+from ostinato.bench.llamacpp import LlamaSettings, knob_values, smallest_fitting, tune  # noqa: E402
+from ostinato.bench.metrics import summarize  # noqa: E402
+from ostinato.bench.replay import HttpTarget, replay_sessions  # noqa: E402
+from ostinato.bench.report import source_state  # noqa: E402
+from ostinato.config import parse_bytes  # noqa: E402
+from ostinato.loader.source import open_source  # noqa: E402
+from ostinato.loader.tokenizer import ChatTokenizer  # noqa: E402
+
+
+def gpu_mib(pid: int) -> int | None:
+    """GPU memory (MiB) that nvidia-smi gives process pid."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        p, _, mib = line.partition(",")
+        if p.strip() == str(pid):
+            return int(mib.strip())
+    return None
+
+
+class Server:
+    """One llama-server process with given settings; ready when /health answers 200."""
+
+    def __init__(self, a, settings: LlamaSettings, log: Path):
+        import httpx
+
+        env = {**os.environ, **settings.env(), "CUDA_VISIBLE_DEVICES": a.gpu}
+        self.url = f"http://127.0.0.1:{a.port}"
+        self.log = log.open("w")
+        self.proc = subprocess.Popen([a.server, *settings.args(a.model, a.context, a.port)], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.perf_counter()
+        self.ready = False
+        while time.perf_counter() - t0 < a.start_timeout and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.ready = True
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.load_s = time.perf_counter() - t0
+        self.mib = gpu_mib(self.proc.pid) if self.ready else None
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def replay(url: str, sessions, tok, max_turns, max_output) -> tuple[list, dict]:
+    target = HttpTarget(url, kind="openai", tokenizer=tok, first_token="text")
+    try:
+        results = replay_sessions(target, sessions, tokenizer=tok, max_turns=max_turns, max_output=max_output)
+    finally:
+        target.close()
+    return results, summarize(results, None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", required=True, help="llama-server")
+    ap.add_argument("--model", required=True, help="the GGUF file")
+    ap.add_argument("--tokenizer", help="a checkpoint directory (default: the GGUF file's own tokenizer)")
+    ap.add_argument("--cap", type=parse_bytes, required=True, help="GPU memory cap, as --gpu-memory")
+    ap.add_argument("--sessions", required=True)
+    ap.add_argument("--max-sessions", type=int, default=8)
+    ap.add_argument("--max-turns", type=int, default=12)
+    ap.add_argument("--max-output", type=int, default=64)
+    ap.add_argument("--tune-sessions", type=int, default=2)
+    ap.add_argument("--tune-max-turns", type=int, default=4)
+    ap.add_argument("--context", type=int, default=9216)
+    ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 16],
+                    help="CPU thread counts to try (default: every CPU; add our layout's worker count)")
+    ap.add_argument("--gpu", default="0", help="CUDA_VISIBLE_DEVICES for the server (one GPU, as Ostinato)")
+    ap.add_argument("--port", type=int, default=8090)
+    ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "logs").mkdir(exist_ok=True)
+    source = open_source(a.model)
+    tok = ChatTokenizer.from_dir(a.tokenizer or source.tokenizer_dir)
+    layers = source.config.num_hidden_layers
+    dev, held = select_sessions(a.sessions, a.max_sessions)
+    tune_set = dev[:a.tune_sessions]
+    cap_mib = a.cap // 2**20
+    memory: dict[str, int | None] = {}
+    count = [0]
+
+    def start(s: LlamaSettings) -> Server:
+        count[0] += 1
+        srv = Server(a, s, a.out / "logs" / f"{count[0]:02d}.log")
+        memory[s.label()] = srv.mib
+        print(f"[{count[0]}] {s.label()}: {'ready' if srv.ready else 'failed'} in {srv.load_s:.1f} s, "
+              f"{srv.mib} MiB", flush=True)
+        return srv
+
+    def fits(n: int) -> bool:
+        srv = start(LlamaSettings(n, threads=a.threads[0]))
+        try:
+            return srv.ready and srv.mib is not None and srv.mib <= cap_mib
+        finally:
+            srv.close()
+
+    def measure(s: LlamaSettings) -> float | None:
+        srv = start(s)
+        try:
+            if not srv.ready or srv.mib is None or srv.mib > cap_mib:
+                return None
+            results, summary = replay(srv.url, tune_set, tok, a.tune_max_turns, a.max_output)
+            if summary["failed_turns"]:
+                return None
+            total = summary["request_s"]["total"]
+            print(f"    total {total:.3f} s over {summary['turns']} development turns", flush=True)
+            return total
+        finally:
+            srv.close()
+
+    t0 = time.perf_counter()
+    n_fit = smallest_fitting(fits, layers)
+    best, rows = tune(measure, LlamaSettings(n_fit, threads=a.threads[0]), knob_values(n_fit, layers, a.threads))
+    for r in rows:
+        r["gpu_mib"] = memory.get(r["label"])
+    tuning = {"kind": "llama.tune", **source_state(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "model": a.model, "cap_mib": cap_mib, "layers": layers, "smallest_fitting_n_cpu_moe": n_fit,
+              "tune_sessions": [s.id for s in tune_set],
+              "tune_max_turns": a.tune_max_turns, "rows": rows, "chosen": best.label(),
+              "chosen_settings": dataclasses.asdict(best), "seconds": round(time.perf_counter() - t0, 1)}
+    (a.out / "tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
+    print(f"chosen: {best.label()}", flush=True)
+
+    srv = start(best)
+    try:
+        if not srv.ready:
+            raise SystemExit("llama-server did not start with the chosen settings")
+        results, summary = replay(srv.url, held, tok, a.max_turns, a.max_output)
+        mib = gpu_mib(srv.proc.pid)
+    finally:
+        srv.close()
+    out = {"kind": "ostinato.replay", "engine": "llama.cpp", "sessions": a.sessions, "split": "held-out",
+           "settings": best.label(), "gpu_mib_after_replay": mib, "cap_mib": cap_mib, "summary": summary,
+           "turns": [r.to_json() for r in results]}
+    (a.out / "replay.json").write_text(json.dumps(out) + "\n")
+    print(json.dumps({"chosen": best.label(), "gpu_mib": mib, "ttft_tool_ms": summary["ttft_ms"]["median"]["tool"],
+                      "tpot_ms": summary["tpot_ms"]["median"], "total_s": summary["request_s"]["total"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
