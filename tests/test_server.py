@@ -85,7 +85,7 @@ def client(live):
 
 
 def chat(http, **body) -> dict:
-    body = {"messages": USER, "max_tokens": 8, "temperature": 0, **body}
+    body = {"model": NAME, "messages": USER, "max_tokens": 8, "temperature": 0, **body}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -104,8 +104,16 @@ def assert_alive(http) -> None:
 def test_health_models_and_model_name(live, http, client):
     assert httpx.get(live.url + "/health").json() == {"status": "ok"}  # no key needed
     assert [m.id for m in client.models.list().data] == [NAME]
-    out = chat(http, model="some-other-model", max_tokens=2)
+    out = chat(http, max_tokens=2)
     assert out["model"] == NAME and out["object"] == "chat.completion"
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "hi"})):
+        r = http.post(path, json={**body, "model": "some-other-model", "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert NAME in r.json()["error"]["message"]
+        r = http.post(path, json={**body, "max_tokens": 1})  # no model: the one served (vLLM, llama.cpp)
+        assert r.status_code == 200 and r.json()["model"] == NAME, r.text
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=1)
 
 
 def test_streamed_chat_adds_up_to_the_whole_response(client):
@@ -141,7 +149,7 @@ def test_tool_call_round_trip_reuses_the_cache(client, http):
     messages = [*USER, choice.message.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": tc.id, "content": '{"temperature": 21}'}]
     second = http.post("/v1/chat/completions", json={
-        "messages": messages, "tools": TOOLS, "max_tokens": 4, "temperature": 0, "ostinato_return_ids": True}).json()
+        "model": NAME, "messages": messages, "tools": TOOLS, "max_tokens": 4, "temperature": 0, "ostinato_return_ids": True}).json()
     prompt2 = second["ostinato_prompt_ids"]
     usage, timings = second["usage"], second["timings"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -160,10 +168,16 @@ def test_streamed_tool_call(client):
     chunks = list(client.chat.completions.create(**kw, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == whole.message.content == "Let me check."
-    streamed = [tc for d in deltas for tc in d.tool_calls or []]
-    assert [(t.index, t.id, t.function.name, t.function.arguments) for t in streamed] == \
-        [(i, t.id, t.function.name, t.function.arguments) for i, t in enumerate(whole.message.tool_calls)]
-    assert len(streamed) == 2 and json.loads(streamed[1].function.arguments) == {"city": "Oslo"}
+    streamed: dict[int, list] = {}  # index -> [id, name, arguments], as a client puts the deltas together
+    for tc in (tc for d in deltas for tc in d.tool_calls or []):
+        if tc.id is not None:
+            assert tc.index not in streamed and tc.function.name
+            streamed[tc.index] = [tc.id, tc.function.name, ""]
+        streamed[tc.index][2] += tc.function.arguments or ""
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == \
+        [(t.id, t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    assert len(streamed) == 2 and json.loads(streamed[1][2]) == {"city": "Oslo"}
+    assert streamed[0][0] != streamed[1][0]
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "tool_calls"
 
 
@@ -199,7 +213,7 @@ def test_forced_ids_and_stop_sequences(http):
     assert stopped["choices"][0]["message"]["content"] == want
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] < 12
-    body = {"messages": USER, "max_tokens": 12, "temperature": 0, "stop": stop, "stream": True}
+    body = {"model": NAME, "messages": USER, "max_tokens": 12, "temperature": 0, "stop": stop, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -215,7 +229,7 @@ def test_text_completions(client, http):
     assert whole.object == "text_completion" and whole.model == NAME
     assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
     assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    ids = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2,
+    ids = http.post("/v1/completions", json={"model": NAME, "prompt": [5, 6, 7], "max_tokens": 2,
                                              "ostinato_forced_ids": [11, 12]}).json()
     assert ids["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                             "prompt_tokens_details": {"cached_tokens": 0}}
@@ -242,6 +256,8 @@ BAD = [  # (body, status, words the message must contain)
     ({"messages": USER, "n": 2}, 400, "n must be 1"),
     ({"messages": USER, "stop": ""}, 400, "stop"),
     ({"messages": USER, "logprobs": True}, 400, "logprobs"),
+    ({"messages": USER, "top_k": 40}, 400, "top_k is not supported"),
+    ({"messages": USER, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "has space"}}]}, 400,
      "tools[0].function.name"),
     ({"messages": USER, "tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
@@ -263,7 +279,7 @@ def test_bad_requests_get_a_clear_error(http, body, status, words):
     if isinstance(body, bytes):
         r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     else:
-        r = http.post("/v1/chat/completions", json=body)
+        r = http.post("/v1/chat/completions", json={"model": NAME, **body})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
@@ -272,7 +288,7 @@ def test_bad_requests_get_a_clear_error(http, body, status, words):
 
 def test_bad_requests_leave_the_server_serving(http, client):
     long = "word " * 600
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}]})
+    r = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": long}]})
     error = r.json()["error"]
     prompt_tokens = int(error["message"].split("has ")[1].split(" ")[0])
     assert error["code"] == "context_length_exceeded" and prompt_tokens > CTX and f"holds {CTX}" in error["message"]
@@ -280,9 +296,9 @@ def test_bad_requests_leave_the_server_serving(http, client):
         client.chat.completions.create(model=NAME, messages=USER, n=2)
     r = http.post("/v1/nowhere", json={})
     assert r.status_code == 404 and "error" in r.json()
-    assert http.post("/v1/completions", json={"prompt": ""}).status_code == 400
+    assert http.post("/v1/completions", json={"model": NAME, "prompt": ""}).status_code == 400
     # a huge max_tokens is capped to the room left in the context
-    fill = http.post("/v1/completions", json={"prompt": [7] * (CTX - 4), "max_tokens": 10 ** 12,
+    fill = http.post("/v1/completions", json={"model": NAME, "prompt": [7] * (CTX - 4), "max_tokens": 10 ** 12,
                                               "ignore_eos": True, "temperature": 0}).json()
     assert fill["usage"]["completion_tokens"] == 4 and fill["choices"][0]["finish_reason"] == "length"
     assert_alive(http)
@@ -290,7 +306,7 @@ def test_bad_requests_leave_the_server_serving(http, client):
 
 def test_api_key(live, http):
     url = live.url + "/v1/chat/completions"
-    body = {"messages": USER, "max_tokens": 1}
+    body = {"model": NAME, "messages": USER, "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "wrong"}):
         r = httpx.post(url, json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -319,7 +335,8 @@ def test_client_disconnect_cancels_the_generation(live, http):
     before_tokens = metric(http, "ostinato_generated_tokens_total")
     before_gone = metric(http, 'ostinato_requests_total{endpoint="/v1/chat/completions",status="499"}')
     long = 480  # seconds of decoding on a laptop CPU: far more than the test waits
-    body = {"messages": USER, "max_tokens": long, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {"model": NAME, "messages": USER, "max_tokens": long, "ignore_eos": True, "temperature": 0,
+            "stream": True}
     with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             lines = r.iter_lines()
@@ -350,11 +367,12 @@ def test_engine_failure_is_a_500_and_the_slot_stays_usable(live, http):
         for fail_at in (1, 3):  # in the prefill, then in the decode
             calls.clear()
             other = [{"role": "user", "content": f"something else {fail_at}"}]
-            r = http.post("/v1/chat/completions", json={"messages": other, "max_tokens": 6, "temperature": 0})
+            r = http.post("/v1/chat/completions", json={"model": NAME, "messages": other, "max_tokens": 6,
+                                                        "temperature": 0})
             assert r.status_code == 500, r.text
             assert r.json()["error"]["type"] == "server_error" and "simulated" in r.json()["error"]["message"]
         calls.clear()  # after the first token of a stream, the error is the stream's last event
-        body = {"messages": USER, "max_tokens": 6, "temperature": 0, "stream": True}
+        body = {"model": NAME, "messages": USER, "max_tokens": 6, "temperature": 0, "stream": True}
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert r.status_code == 200 and events[-1] == "[DONE]"
@@ -426,5 +444,11 @@ def test_serve_command_line(tiny_dir, capsys):
 
     a = build_parser().parse_args(["serve", "--model", str(tiny_dir)])
     assert (a.host, a.port, a.api_key) == ("127.0.0.1", 8080, None)
+    assert (a.served_model_name, a.tool_call_parser) == (None, None)  # the parser is chosen from the template
+    a = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--served-model-name", "qwen", "alias",
+                                   "--tool-call-parser", "qwen3_coder"])
+    assert (a.served_model_name, a.tool_call_parser) == (["qwen", "alias"], "qwen3_coder")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", str(tiny_dir), "--tool-call-parser", "mistral"])
     assert main(["serve", "--model", str(tiny_dir), "--residency", "/nonexistent/residency.json"]) == 2
     assert "residency" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`ostinato serve`: the OpenAI-compatible server over one session slot.
+"""`ostinato serve`: the OpenAI- and Anthropic-compatible server over one session slot.
 
 The model and placement flags (--model, --device, --dtype, --max-context, --residency,
 --gpu-memory, ...) are the shared ones of `ostinato generate`; this adds the network side.
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ostinato.model_args import add_model_args, placement_settings, runner_settings
+from ostinato.server.parsing import FORMATS
 
 
 def _is_loopback(host: str) -> bool:
@@ -27,7 +28,8 @@ def cmd_serve(a) -> int:
     placement = placement_settings(a)  # a bad --gpu-memory fails here, before the port is bound
     if placement.residency and not Path(placement.residency).is_file():
         raise FileNotFoundError(f"--residency {placement.residency}: no such file (write one with `ostinato plan`)")
-    app = build_app(a.model, runner_settings(a), placement, a.api_key, a.served_model_name)
+    app = build_app(a.model, runner_settings(a), placement, a.api_key, a.served_model_name,
+                    tool_call_parser=a.tool_call_parser)
     if not _is_loopback(a.host) and not a.api_key:
         print(f"ostinato: warning: serving on {a.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -36,11 +38,16 @@ def cmd_serve(a) -> int:
 
 
 def add_server_commands(sub) -> None:
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (one session slot)")
+    p = sub.add_parser("serve", help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs "
+                                     "(one session slot)")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require this key ('Authorization: Bearer KEY') on the /v1 routes")
-    p.add_argument("--served-model-name", help="model name reported in responses (default: the model's)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="names the model answers to; the first is reported in responses and listed by /v1/models "
+                        "(default: the model's directory name)")
+    p.add_argument("--tool-call-parser", choices=list(FORMATS),
+                   help="how the model writes tool calls (default: chosen from its chat template)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

@@ -1,16 +1,19 @@
 """Generation requests, end to end: validate, tokenize, queue, shape the answer.
 
-A request is validated and tokenized on the request side (a thread of the pool, so
-the event loop keeps streaming other bytes), handed to the engine thread as one job
-through a `Run`, and its events are shaped into a whole response or an SSE stream. A
-stream is opened only once the first event is back, so a request that fails before
-its first token gets a real status code (400, 500) rather than an error inside a 200
-stream; after that, a failure is sent as a last `data: {"error": ...}` event before
-`[DONE]`. Every request is counted in the metrics with its status (499: client gone).
+One generation path serves both APIs: a request is validated and tokenized on the
+request side (a thread of the pool, so the event loop keeps streaming other bytes),
+handed to the engine thread as one job through a `Run`, and its events are shaped into
+a whole response or an SSE stream by the endpoint's `Shape` (OpenAI chat or text
+completion, Anthropic message). A stream is opened only once the first event is back,
+so a request that fails before its first token gets a real status code (400, 500)
+rather than an error inside a 200 stream; after that, a failure is the stream's last
+event. Every request is counted in the metrics with its status (499: client gone).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,10 +21,14 @@ from starlette.concurrency import run_in_threadpool
 
 from ostinato.server.bridge import Run
 from ostinato.server.errors import APIError
+from ostinato.server.messages_protocol import CountTokensRequest, MessagesRequest
+from ostinato.server.messages_responses import MessageShape
 from ostinato.server.metrics import Metrics
-from ostinato.server.prompts import prepare_chat, prepare_completion
-from ostinato.server.protocol import ChatRequest, CompletionRequest, parse_body
-from ostinato.server.responses import ChatShape, CompletionShape, sse
+from ostinato.server.parsing import Family
+from ostinato.server.prompts import (Prepared, prepare_chat, prepare_completion, prepare_messages, render,
+                                     render_conversation)
+from ostinato.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
+from ostinato.server.responses import ChatShape, CompletionShape
 from ostinato.server.worker import EngineWorker, Failed, Job, Token
 
 
@@ -32,9 +39,25 @@ def engine_error(e: Exception) -> APIError:
                          "the server is still serving", code="engine_error")
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    path: str
+    body: type
+    prepare: Callable  # (request, loaded) -> Prepared
+    shape: Callable  # (request, Prepared, loaded) -> a Shape
+
+
 class Generations:
-    def __init__(self, worker: EngineWorker, metrics: Metrics, model_name: str):
-        self.worker, self.metrics, self.model_name = worker, metrics, model_name
+    def __init__(self, worker: EngineWorker, metrics: Metrics, names: list[str], tool_call_parser: str | None = None):
+        self.worker, self.metrics, self.names = worker, metrics, names
+        self.model_name = names[0]  # what responses report
+        self.tool_call_parser = tool_call_parser
+        self._family: Family | None = None
+
+    def family(self, loaded) -> Family:
+        if self._family is None:
+            self._family = Family.of(loaded.tokenizer, self.tool_call_parser)
+        return self._family
 
     def ready(self, endpoint: str):
         w = self.worker
@@ -46,30 +69,84 @@ class Generations:
                            code="model_loading")
         raise APIError(500, f"the model failed to load: {w.error}", code="model_load_failed")
 
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(404, f"the model {name!r} does not exist here: this server serves "
+                                f"{', '.join(map(repr, self.names))}", param="model", code="model_not_found")
+
+    def _parser(self, prep: Prepared, loaded):
+        return self.family(loaded).parser(prep.tools, prep.in_reasoning)
+
     async def chat(self, request: Request):
         def shape(req, prep, loaded):
             ids = prep.prompt if req.ostinato_return_ids else None
-            return ChatShape(self.model_name, ids, loaded.tokenizer, prep.parse_tools)
-        return await self._generate(request, "/v1/chat/completions", ChatRequest, prepare_chat, shape)
+            return ChatShape(self.model_name, ids, self._parser(prep, loaded), req.include_usage)
+        return await self._generate(request, Endpoint("/v1/chat/completions", ChatRequest, prepare_chat, shape))
 
     async def completion(self, request: Request):
         def shape(req, prep, loaded):
-            return CompletionShape(self.model_name, prep.prompt if req.ostinato_return_ids else None)
-        return await self._generate(request, "/v1/completions", CompletionRequest, prepare_completion, shape)
+            return CompletionShape(self.model_name, prep.prompt if req.ostinato_return_ids else None,
+                                   req.include_usage)
+        return await self._generate(request, Endpoint("/v1/completions", CompletionRequest, prepare_completion,
+                                                      shape))
+
+    async def messages(self, request: Request):
+        def shape(req, prep, loaded):
+            return MessageShape(self.model_name, len(prep.prompt), self._parser(prep, loaded))
+        return await self._generate(request, Endpoint("/v1/messages", MessagesRequest, prepare_messages, shape))
+
+    async def count_tokens(self, request: Request):
+        def count(req, loaded):
+            return {"input_tokens": len(render_conversation(req, loaded).ids)}
+        return await self._utility(request, "/v1/messages/count_tokens", CountTokensRequest, count)
+
+    async def tokenize(self, request: Request):
+        def tokenize(req, loaded):
+            if req.prompt is not None:
+                ids = loaded.tokenizer.encode(req.prompt)
+            else:
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+                ids = render(loaded.tokenizer, [m.for_template() for m in req.messages], tools,
+                             req.chat_template_kwargs, req.add_generation_prompt).ids
+            return {"count": len(ids), "max_model_len": loaded.engine.max_context, "tokens": ids}
+        return await self._utility(request, "/tokenize", TokenizeRequest, tokenize)
+
+    async def detokenize(self, request: Request):
+        def detokenize(req, loaded):
+            vocab = loaded.tokenizer.vocab_size
+            bad = next((i for i in req.tokens if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"tokens: token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                               param="tokens")
+            return {"prompt": loaded.tokenizer.decode(req.tokens)}
+        return await self._utility(request, "/detokenize", DetokenizeRequest, detokenize)
 
     def _fail(self, endpoint: str, error: APIError) -> APIError:
         self.metrics.request(endpoint, error.status)
         return error
 
-    async def _generate(self, request: Request, endpoint: str, body_type, prepare, make_shape):
-        arrived = time.perf_counter()
+    async def _utility(self, request: Request, endpoint: str, body_type, answer) -> JSONResponse:
         loaded = self.ready(endpoint)
         try:
             req = parse_body(body_type, await request.body())
-            prep = await run_in_threadpool(prepare, req, loaded)
+            self.check_model(req.model)
+            out = await run_in_threadpool(answer, req, loaded)
         except APIError as e:
             raise self._fail(endpoint, e) from None
-        shape = make_shape(req, prep, loaded)
+        self.metrics.request(endpoint, 200)
+        return JSONResponse(out)
+
+    async def _generate(self, request: Request, endpoint: Endpoint):
+        arrived = time.perf_counter()
+        path = endpoint.path
+        loaded = self.ready(path)
+        try:
+            req = parse_body(endpoint.body, await request.body())
+            self.check_model(req.model)
+            prep = await run_in_threadpool(endpoint.prepare, req, loaded)
+        except APIError as e:
+            raise self._fail(path, e) from None
+        shape = endpoint.shape(req, prep, loaded)
         run = Run(self.worker, Job(prep.prompt, prep.params, prep.forced, prep.stop), request)
         try:
             first = await run.next()
@@ -78,18 +155,18 @@ class Generations:
             raise
         if isinstance(first, Failed):
             run.close()
-            raise self._fail(endpoint, engine_error(first.error))
+            raise self._fail(path, engine_error(first.error))
         if isinstance(first, Token):
             self.metrics.ttft.observe(time.perf_counter() - arrived)
         if req.stream:
-            return StreamingResponse(self._stream(run, shape, first, req.include_usage, endpoint),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._whole(run, shape, first, endpoint)
+            return StreamingResponse(self._stream(run, shape, first, path), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._whole(run, shape, first, path)
 
     async def _whole(self, run: Run, shape, event, endpoint: str) -> JSONResponse:
         try:
             while isinstance(event, Token):
-                shape.text_chunks(event.text)
+                shape.feed(event.text)
                 event = await run.next()
         finally:
             run.close()
@@ -98,26 +175,23 @@ class Generations:
         self.metrics.request(endpoint, 499 if event.finish_reason == "cancelled" else 200)
         return JSONResponse(shape.response(event))
 
-    async def _stream(self, run: Run, shape, event, include_usage: bool, endpoint: str):
+    async def _stream(self, run: Run, shape, event, endpoint: str):
         status = 499  # unless the stream reaches its end: the client went away
         try:
-            for chunk in shape.first_chunks():
-                yield sse(chunk)
+            for piece in shape.stream_start():
+                yield piece
             while isinstance(event, Token):
-                for chunk in shape.text_chunks(event.text):
-                    yield sse(chunk)
+                for piece in shape.stream_text(event.text):
+                    yield piece
                 event = await run.next()
             if isinstance(event, Failed):
                 error = engine_error(event.error)
-                yield sse(error.body())
-                yield sse("[DONE]")
+                for piece in shape.stream_error(error):
+                    yield piece
                 status = error.status
             elif event.finish_reason != "cancelled":
-                for chunk in shape.end_chunks(event):
-                    yield sse(chunk)
-                if include_usage:
-                    yield sse(shape.usage_chunk(event))
-                yield sse("[DONE]")
+                for piece in shape.stream_end(event):
+                    yield piece
                 status = 200
         finally:
             run.close()

@@ -2,15 +2,21 @@
 
 Everything that needs the tokenizer or the context size is checked here, on the
 request side, so a prompt that cannot fit or a forced id outside the vocabulary is a
-400 before it takes a place in the engine queue.
+400 before it takes a place in the engine queue. Chat (OpenAI) and messages (Anthropic)
+requests render through the same chat template call; `Prepared` also says what the
+output's parser needs: the declared tools, and whether the prompt opened a `<think>`
+(then the output starts inside the reasoning).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ostinato.engine.sampling import SamplingParams
 from ostinato.loader.tokenizer import ChatTemplateError
 from ostinato.server.errors import APIError
+from ostinato.server.messages_protocol import Conversation, MessagesRequest
+from ostinato.server.parsing.base import THINK_OPEN
 from ostinato.server.protocol import ChatRequest, CompletionRequest
 
 
@@ -20,7 +26,34 @@ class Prepared:
     params: SamplingParams
     forced: list[int] | None
     stop: list[str]
-    parse_tools: bool  # tools were given to the template: look for tool calls in the output
+    tools: dict[str, dict] | None  # declared functions (name -> parameters schema) to parse calls of
+    in_reasoning: bool = False  # the prompt ends inside an opened <think>
+
+
+@dataclass
+class Rendered:
+    ids: list[int]
+    text: str
+    tools: list[dict] | None
+
+    @property
+    def declared(self) -> dict[str, dict] | None:
+        if self.tools is None:
+            return None
+        return {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools}
+
+    @property
+    def opens_reasoning(self) -> bool:
+        return self.text.rstrip().endswith(THINK_OPEN)
+
+
+def render(tok, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any] | None,
+           add_generation_prompt: bool = True) -> Rendered:
+    try:
+        text = tok.apply_chat_template(messages, tools, add_generation_prompt, **(kwargs or {}))
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return Rendered(tok.encode(text), text, tools)
 
 
 def _check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
@@ -30,7 +63,7 @@ def _check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
     return ids
 
 
-def _params(req: ChatRequest | CompletionRequest, prompt: list[int], max_context: int) -> SamplingParams:
+def _params(req, prompt: list[int], max_context: int) -> SamplingParams:
     if len(prompt) >= max_context:
         raise APIError(400, f"the prompt has {len(prompt)} tokens but the context holds {max_context} "
                             "(prompt and output together): shorten the conversation or start the server "
@@ -43,20 +76,31 @@ def _params(req: ChatRequest | CompletionRequest, prompt: list[int], max_context
 
 def prepare_chat(req: ChatRequest, loaded) -> Prepared:
     tok = loaded.tokenizer
-    tools = req.template_tools()
-    messages = [m.for_template() for m in req.messages]
-    try:
-        prompt = tok.render_ids(messages, tools)
-        forced = None
-        if req.ostinato_forced_output is not None:
-            message = req.ostinato_forced_output.model_dump(exclude_none=True)
-            forced = tok.encode(tok.render_assistant_output(message, tools))
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), param="messages") from None
+    rendered = render(tok, [m.for_template() for m in req.messages], req.template_tools(), req.chat_template_kwargs)
+    forced = None
+    if req.ostinato_forced_output is not None:
+        message = req.ostinato_forced_output.model_dump(exclude_none=True)
+        try:
+            forced = tok.encode(tok.render_assistant_output(message, rendered.tools))
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="ostinato_forced_output") from None
     if req.ostinato_forced_ids is not None:
         forced = _check_ids(req.ostinato_forced_ids, loaded.runner.config.vocab_size, "ostinato_forced_ids")
-    return Prepared(prompt, _params(req, prompt, loaded.engine.max_context), forced, req.stop_list(),
-                    parse_tools=tools is not None)
+    return Prepared(rendered.ids, _params(req, rendered.ids, loaded.engine.max_context), forced, req.stop_list(),
+                    rendered.declared, rendered.opens_reasoning)
+
+
+def render_conversation(req: Conversation, loaded) -> Rendered:
+    return render(loaded.tokenizer, req.template_messages(), req.template_tools(), req.template_kwargs())
+
+
+def prepare_messages(req: MessagesRequest, loaded) -> Prepared:
+    rendered = render_conversation(req, loaded)
+    forced = None
+    if req.ostinato_forced_ids is not None:
+        forced = _check_ids(req.ostinato_forced_ids, loaded.runner.config.vocab_size, "ostinato_forced_ids")
+    return Prepared(rendered.ids, _params(req, rendered.ids, loaded.engine.max_context), forced, req.stop_list(),
+                    rendered.declared, rendered.opens_reasoning)
 
 
 def prepare_completion(req: CompletionRequest, loaded) -> Prepared:
@@ -73,5 +117,4 @@ def prepare_completion(req: CompletionRequest, loaded) -> Prepared:
     forced = None
     if req.ostinato_forced_ids is not None:
         forced = _check_ids(req.ostinato_forced_ids, vocab, "ostinato_forced_ids")
-    return Prepared(prompt, _params(req, prompt, loaded.engine.max_context), forced, req.stop_list(),
-                    parse_tools=False)
+    return Prepared(prompt, _params(req, prompt, loaded.engine.max_context), forced, req.stop_list(), tools=None)

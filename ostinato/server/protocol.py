@@ -4,11 +4,17 @@ Validation happens here, once, in strict mode (no "5" -> 5 coercion), so a bad r
 becomes a 400 that names the field before anything reaches the engine queue. Only what
 Ostinato uses is modelled: unknown fields are ignored (clients send many optional ones),
 features it cannot honour (n > 1, logprobs, echo) are rejected rather than silently
-dropped. Defaults are OpenAI's (temperature 1, top_p 1); max_tokens defaults to, and is
-capped at, the room the prompt leaves in the context.
+dropped, and so are sampling parameters the sampler does not have (top_k, min_p, penalties)
+unless they are given at their neutral values. Defaults are OpenAI's (temperature 1, top_p 1);
+max_tokens defaults to, and is capped at, the room the prompt leaves in the context. `model`,
+when given, must be one of the served names (else a 404); without it the request goes to the
+one model served, as vLLM and llama.cpp's server do.
+
+`chat_template_kwargs` (vLLM's name) are passed to the chat template as variables, e.g.
+{"enable_thinking": false} for templates that read it.
 
 tool_choice: "none" renders the prompt without the tools and returns the output as plain
-content; "auto" (the default with tools) parses `<tool_call>` blocks into `tool_calls`;
+content; "auto" (the default with tools) parses the model family's tool calls into `tool_calls`;
 "required" and a named function are validated (tools given, the name among them) and
 then behave like "auto": decoding is not constrained, the output is reported as written.
 
@@ -38,6 +44,36 @@ _FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# Parameters the sampler does not have, and the value at which they change nothing.
+_NEUTRAL = {"top_k": (None, 0, -1), "min_p": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+            "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0)}
+_TEMPLATE_OWN = {"messages", "tools", "documents", "add_generation_prompt"}
+
+
+def check_stops_and_forced(stops: list[str], forced: list[int] | None) -> None:
+    """At most 16 non-empty stop sequences; forced ids, if given, not empty (both APIs)."""
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must be non-empty strings")
+    if len(stops) > 16:
+        raise ValueError(f"at most 16 stop sequences (got {len(stops)})")
+    if forced is not None and not forced:
+        raise ValueError("ostinato_forced_ids must hold at least one token id")
+
+
+def refuse_unsupported_sampling(body: BaseModel) -> None:
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(body, name, None)
+        if value not in neutral:
+            raise ValueError(f"{name} is not supported (the sampler has temperature and top_p, not {name}): "
+                             f"leave it out")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    clash = sorted(_TEMPLATE_OWN & set(kwargs or {}))
+    if clash:
+        raise ValueError(f"chat_template_kwargs: {', '.join(clash)} are set by the server, not by the request")
 
 
 class TextPart(_Body):
@@ -91,6 +127,16 @@ class AssistantOutput(_Body):
     reasoning_content: str | None = None
 
 
+def check_schema(p: dict[str, Any] | None, what: str = "parameters") -> None:
+    if p is not None:
+        if p.get("type", "object") != "object":
+            raise ValueError(f"{what} must be a JSON schema with \"type\": \"object\"")
+        if not isinstance(p.get("properties", {}), dict):
+            raise ValueError(f"{what}.properties must be an object")
+        if not isinstance(p.get("required", []), list):
+            raise ValueError(f"{what}.required must be a list of property names")
+
+
 class FunctionDef(_Body):
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
@@ -99,14 +145,7 @@ class FunctionDef(_Body):
 
     @model_validator(mode="after")
     def _check(self) -> "FunctionDef":
-        p = self.parameters
-        if p is not None:
-            if p.get("type", "object") != "object":
-                raise ValueError("parameters must be a JSON schema with \"type\": \"object\"")
-            if not isinstance(p.get("properties", {}), dict):
-                raise ValueError("parameters.properties must be an object")
-            if not isinstance(p.get("required", []), list):
-                raise ValueError("parameters.required must be a list of property names")
+        check_schema(self.parameters)
         return self
 
 
@@ -130,7 +169,7 @@ class StreamOptions(_Body):
 
 class _Generation(_Body):
     """Fields shared by chat and text completions."""
-    model: str | None = None  # any name is accepted: this server serves one model
+    model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -142,11 +181,17 @@ class _Generation(_Body):
     logprobs: bool | int | None = None
     response_format: dict[str, Any] | None = None
     ignore_eos: bool = False
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     ostinato_forced_ids: list[int] | None = None
     ostinato_return_ids: bool = False
 
     @model_validator(mode="after")
     def _check_common(self) -> "_Generation":
+        refuse_unsupported_sampling(self)
         if self.n != 1:
             raise ValueError(f"n must be 1: this server keeps one session slot and returns one choice (got {self.n})")
         if self.logprobs not in (None, False, 0):
@@ -154,13 +199,7 @@ class _Generation(_Body):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported "
                              "(no constrained decoding): ask for the format in the prompt")
-        stops = self.stop_list()
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty strings")
-        if len(stops) > 16:
-            raise ValueError(f"at most 16 stop sequences (got {len(stops)})")
-        if self.ostinato_forced_ids is not None and not self.ostinato_forced_ids:
-            raise ValueError("ostinato_forced_ids must hold at least one token id")
+        check_stops_and_forced(self.stop_list(), self.ostinato_forced_ids)
         return self
 
     def stop_list(self) -> list[str]:
@@ -177,10 +216,12 @@ class ChatRequest(_Generation):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     ostinato_forced_output: AssistantOutput | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatRequest":
+        check_template_kwargs(self.chat_template_kwargs)
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
@@ -225,6 +266,28 @@ class CompletionRequest(_Generation):
     @property
     def output_limit(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt as it is, or messages through the chat template."""
+    model: str | None = None  # optional, as in vLLM
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_tokenize(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        check_template_kwargs(self.chat_template_kwargs)
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 def _field_names(cls: type[BaseModel]) -> set[str]:

@@ -1,9 +1,12 @@
 """Response bodies and stream chunks in OpenAI's formats, with llama.cpp-style timings.
 
-A `Shape` turns the engine's text pieces into one endpoint's choice objects: chat
-(content deltas, then tool calls parsed at the end of the turn) or text completion.
-The same shape builds both the streamed chunks and the whole response, so the two
-cannot disagree.
+A `Shape` turns the engine's text pieces into one endpoint's answer: chat (the family
+parser's deltas as content, reasoning_content and tool_calls deltas) or text completion.
+The same shape builds both the streamed chunks and the whole response (a whole response
+is the sum of the chunks it would have streamed), so the two cannot disagree. Every
+shape, Anthropic's included (messages_responses.py), answers the same four calls:
+`feed(text)` while tokens come, then `response(done)`, or, streaming, `stream_start()`,
+`stream_text(text)`, `stream_end(done)` / `stream_error(error)` as SSE strings.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import time
 import uuid
 
 from ostinato.engine.session import GenerationStats
-from ostinato.server.textstream import ChatDeltas
+from ostinato.server.errors import APIError
+from ostinato.server.parsing import Delta, OutputParser
 from ostinato.server.worker import Finished
 
 
@@ -46,11 +50,34 @@ class Shape:
     chunk_object = ""
     prefix = ""
 
-    def __init__(self, model: str, prompt_ids: list[int] | None):
+    def __init__(self, model: str, prompt_ids: list[int] | None, include_usage: bool = False):
         self.id = self.prefix + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.model = model
         self.prompt_ids = prompt_ids  # reported when the request asked for ids
+        self.include_usage = include_usage
+
+    def feed(self, text: str) -> list[dict]:
+        raise NotImplementedError
+
+    def end_chunks(self, done: Finished) -> list[dict]:
+        raise NotImplementedError
+
+    def first_chunks(self) -> list[dict]:
+        return []
+
+    def stream_start(self) -> list[str]:
+        return [sse(c) for c in self.first_chunks()]
+
+    def stream_text(self, text: str) -> list[str]:
+        return [sse(c) for c in self.feed(text)]
+
+    def stream_end(self, done: Finished) -> list[str]:
+        chunks = self.end_chunks(done) + ([self.usage_chunk(done)] if self.include_usage else [])
+        return [sse(c) for c in chunks] + [sse("[DONE]")]
+
+    def stream_error(self, error: APIError) -> list[str]:
+        return [sse(error.body()), sse("[DONE]")]
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -87,14 +114,17 @@ class Shape:
 
 
 class ChatShape(Shape):
+    """Reasoning, content and tool calls, as the family parser finds them. Text blocks
+    after a call join the content on a new line."""
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl-"
 
-    def __init__(self, model: str, prompt_ids, tokenizer, parse_tools: bool):
-        super().__init__(model, prompt_ids)
-        self.deltas = ChatDeltas(tokenizer, parse_tools)
-        self._end: tuple[str, str, list[dict]] | None = None
+    def __init__(self, model: str, prompt_ids, parser: OutputParser, include_usage: bool = False):
+        super().__init__(model, prompt_ids, include_usage)
+        self.parser = parser
+        self.content, self.reasoning, self.calls = "", "", []
+        self._ended: list[dict] | None = None
 
     def _chunk(self, delta: dict) -> dict:
         return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": None,
@@ -103,33 +133,47 @@ class ChatShape(Shape):
     def first_chunks(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def text_chunks(self, text: str) -> list[dict]:
-        piece = self.deltas.feed(text)
-        return [self._chunk({"content": piece})] if piece else []
+    def _apply(self, deltas: list[Delta]) -> list[dict]:
+        out = []
+        for d in deltas:
+            if d.kind == "reasoning":
+                self.reasoning += d.text
+                out.append({"reasoning_content": d.text})
+            elif d.kind == "text":
+                piece = "\n" + d.text if d.new and self.content else d.text
+                self.content += piece
+                out.append({"content": piece})
+            elif d.new:
+                function = {"name": d.name, "arguments": d.text}
+                self.calls.append({"id": "call_" + d.key, "type": "function", "function": dict(function)})
+                out.append({"tool_calls": [{"index": d.call, "id": "call_" + d.key, "type": "function",
+                                            "function": function}]})
+            else:
+                self.calls[d.call]["function"]["arguments"] += d.text
+                out.append({"tool_calls": [{"index": d.call, "function": {"arguments": d.text}}]})
+        return [self._chunk(x) for x in out]
 
-    def end(self) -> tuple[str, str, list[dict]]:
-        if self._end is None:
-            self._end = self.deltas.finish()
-        return self._end
+    def feed(self, text: str) -> list[dict]:
+        return self._apply(self.parser.feed(text))
+
+    def _end(self, done: Finished) -> list[dict]:
+        if self._ended is None:
+            self._ended = self._apply(self.parser.feed(done.tail) + self.parser.finish())
+        return self._ended
 
     def end_chunks(self, done: Finished) -> list[dict]:
-        out = self.text_chunks(done.tail)
-        rest, _, calls = self.end()
-        if rest:
-            out.append(self._chunk({"content": rest}))
-        if calls:
-            out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}))
-        return out + [self.final_chunk(done, {"delta": {}})]
+        return self._end(done) + [self.final_chunk(done, {"delta": {}})]
 
     def finish_reason(self, done: Finished) -> str:
-        return "tool_calls" if self.end()[2] and done.finish_reason != "length" else done.finish_reason
+        return "tool_calls" if self.calls and done.finish_reason != "length" else done.finish_reason
 
     def choice(self, done: Finished) -> dict:
-        self.deltas.feed(done.tail)
-        _, content, calls = self.end()
-        message = {"role": "assistant", "content": content if content or not calls else None}
-        if calls:
-            message["tool_calls"] = calls
+        self._end(done)
+        message = {"role": "assistant", "content": self.content if self.content or not self.calls else None}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.calls:
+            message["tool_calls"] = self.calls
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason(done)}
 
 
@@ -138,22 +182,19 @@ class CompletionShape(Shape):
     chunk_object = "text_completion"
     prefix = "cmpl-"
 
-    def __init__(self, model: str, prompt_ids):
-        super().__init__(model, prompt_ids)
+    def __init__(self, model: str, prompt_ids, include_usage: bool = False):
+        super().__init__(model, prompt_ids, include_usage)
         self.text = ""
 
     def _chunk(self, text: str) -> dict:
         return self.envelope(self.object, [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
 
-    def first_chunks(self) -> list[dict]:
-        return []
-
-    def text_chunks(self, text: str) -> list[dict]:
+    def feed(self, text: str) -> list[dict]:
         self.text += text
         return [self._chunk(text)] if text else []
 
     def end_chunks(self, done: Finished) -> list[dict]:
-        return self.text_chunks(done.tail) + [self.final_chunk(done, {"text": ""})]
+        return self.feed(done.tail) + [self.final_chunk(done, {"text": ""})]
 
     def choice(self, done: Finished) -> dict:
         self.text += done.tail

@@ -1,12 +1,17 @@
-"""HTTP routes: chat and text completions (OpenAI's API), models, health, metrics.
+"""HTTP routes: chat and text completions (OpenAI's API), messages (Anthropic's), models,
+tokenize / detokenize (vLLM's), health, metrics.
 
 The app owns the engine worker's life: the engine thread starts (and begins loading
-the model) with the server and stops with it. With an API key, the /v1 routes need it;
-/health and /metrics never do, so probes and scrapers need no secret.
+the model) with the server and stops with it. With an API key, the /v1 routes and
+/tokenize, /detokenize need it (as `Authorization: Bearer KEY` or Anthropic's
+`x-api-key`); /health and /metrics never do, so probes and scrapers need no secret.
+The model answers to each of its served names; the first is the one responses report
+and /v1/models lists.
 """
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -31,10 +36,14 @@ def _api_key_check(key: str, metrics: Metrics):
     return check
 
 
-def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(worker: EngineWorker, names: str | Sequence[str], api_key: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
+    """`tool_call_parser`: a key of ostinato.server.parsing.FORMATS; None: chosen from the chat template."""
+    names = [names] if isinstance(names, str) else list(names)
+    model_name = names[0]
     metrics = Metrics(worker)
     worker.on_finished = metrics.on_finished
-    generations = Generations(worker, metrics, model_name)
+    generations = Generations(worker, metrics, names, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -48,6 +57,10 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     guard = [Depends(_api_key_check(api_key, metrics))] if api_key else []
     app.add_api_route("/v1/chat/completions", generations.chat, methods=["POST"], dependencies=guard)
     app.add_api_route("/v1/completions", generations.completion, methods=["POST"], dependencies=guard)
+    app.add_api_route("/v1/messages", generations.messages, methods=["POST"], dependencies=guard)
+    app.add_api_route("/v1/messages/count_tokens", generations.count_tokens, methods=["POST"], dependencies=guard)
+    app.add_api_route("/tokenize", generations.tokenize, methods=["POST"], dependencies=guard)
+    app.add_api_route("/detokenize", generations.detokenize, methods=["POST"], dependencies=guard)
 
     @app.get("/v1/models", dependencies=guard)
     async def models():

@@ -49,6 +49,7 @@ class Finished:
     stats: GenerationStats
     finish_reason: str  # stop | length | cancelled
     tail: str = ""  # text held back until the end (a partial character or stop sequence)
+    stop_sequence: str | None = None  # the stop sequence that ended it, if one did
 
 
 @dataclass
@@ -138,7 +139,7 @@ class EngineWorker:
             return
         finally:
             self._after(stats)
-        job.emit(Finished(ids, text.text, stats, self._reason(job, stats, text), tail))
+        job.emit(Finished(ids, text.text, stats, self._reason(job, stats, text), tail, text.matched))
 
     @staticmethod
     def _reason(job: Job, stats: GenerationStats, text: TextStream) -> str:

@@ -1,0 +1,192 @@
+"""Request bodies of Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens).
+
+A second front-end over the same generation path: a request is validated here (strict,
+like the OpenAI bodies) and translated into the chat template's OpenAI-shaped messages,
+so both APIs render the same prompt for the same conversation and share the KV cache:
+
+- `system` (a string or text blocks) -> a system message;
+- assistant `text` / `thinking` / `tool_use` blocks -> content / reasoning_content /
+  tool_calls (the input object as the arguments);
+- user `tool_result` blocks -> tool messages (in order, before the user's own text);
+- `tools` ({name, description, input_schema}) -> functions; `tool_choice` none hides
+  them, any / tool are validated and, as on the OpenAI route, do not constrain decoding;
+- `thinking: {type: enabled | disabled}` -> the template variable `enable_thinking`
+  (a budget is accepted, not enforced: the model ends its thinking itself).
+
+top_k is refused: the sampler has temperature and top_p only. Images, documents and
+server tools are refused by validation. Extensions as on the OpenAI route:
+`ostinato_forced_ids`, `seed`, `ignore_eos`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, model_validator
+
+from ostinato.server.protocol import (
+    _FUNCTION_NAME,
+    _Body,
+    check_schema,
+    check_stops_and_forced,
+    refuse_unsupported_sampling,
+)
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingBlock(_Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Body):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+    def text(self) -> str:
+        body = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
+        return f"Error: {body}" if self.is_error else body
+
+
+ContentBlock = Annotated[Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock],
+                         Field(discriminator="type")]
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    @model_validator(mode="after")
+    def _check(self) -> "AnthropicMessage":
+        kinds = {b.type for b in self.content} if isinstance(self.content, list) else set()
+        wrong = kinds & ({"tool_result"} if self.role == "assistant" else {"tool_use", "thinking", "redacted_thinking"})
+        if wrong:
+            raise ValueError(f"a {self.role} message cannot hold {', '.join(sorted(wrong))} blocks")
+        return self
+
+    def for_template(self) -> list[dict]:
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        texts = "".join(b.text for b in self.content if b.type == "text")
+        if self.role == "user":
+            out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+                   for b in self.content if b.type == "tool_result"]
+            return out + [{"role": "user", "content": texts}] if texts or not out else out
+        message: dict[str, Any] = {"role": "assistant", "content": texts}
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                 for b in self.content if b.type == "tool_use"]
+        thinking = "".join(b.thinking for b in self.content if b.type == "thinking")
+        if calls:
+            message["tool_calls"] = calls
+        if thinking:
+            message["reasoning_content"] = thinking
+        return [message]
+
+
+class AnthropicTool(_Body):
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _check(self) -> "AnthropicTool":
+        check_schema(self.input_schema, "input_schema")
+        return self
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(_Body):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)
+
+
+class Conversation(_Body):
+    """What count_tokens and messages share: everything that shapes the prompt."""
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_conversation(self) -> "Conversation":
+        names = [t.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: names must be unique")
+        choice = self.tool_choice
+        if choice is not None and choice.type in ("any", "tool") and not names:
+            raise ValueError(f"tool_choice is {choice.type!r} but no tools were given")
+        if choice is not None and choice.type == "tool" and choice.name not in names:
+            raise ValueError(f"tool_choice names the tool {choice.name!r}, which is not among the tools "
+                             f"(known: {', '.join(names) or 'none'})")
+        return self
+
+    def template_messages(self) -> list[dict]:
+        system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
+        head = [{"role": "system", "content": system}] if self.system is not None else []
+        return head + [m for message in self.messages for m in message.for_template()]
+
+    def template_tools(self) -> list[dict] | None:
+        if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
+            return None
+        return [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+                                                  **({"description": t.description} if t.description else {})}}
+                for t in self.tools]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {} if self.thinking is None else {"enable_thinking": self.thinking.type == "enabled"}
+
+
+class CountTokensRequest(Conversation):
+    pass
+
+
+class MessagesRequest(Conversation):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    ostinato_forced_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check_generation(self) -> "MessagesRequest":
+        refuse_unsupported_sampling(self)
+        check_stops_and_forced(self.stop_list(), self.ostinato_forced_ids)
+        return self
+
+    def stop_list(self) -> list[str]:
+        return list(self.stop_sequences or [])
+
+    @property
+    def output_limit(self) -> int:
+        return self.max_tokens
