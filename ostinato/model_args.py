@@ -26,6 +26,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--borrow", action="store_true", help="decode lends the flex slots to the cold experts it "
                    "keeps computing on the CPU (DESIGN.md's borrowed memory); off by default: measured slower "
                    "on the held-out sessions")
+    p.add_argument("--experts", choices=["native", "bf16"], default="native", help="native: a GGUF file's routed "
+                   "experts stay in its block formats (Q4_K, Q6_K, ...) on the GPU and in host memory; bf16: "
+                   "dequantized at load (bf16 bytes per expert)")
 
 
 def runner_settings(a):
@@ -41,4 +44,5 @@ def placement_settings(a):
 
     cap = parse_bytes(a.gpu_memory) if getattr(a, "gpu_memory", None) else None
     return PlacementSettings(residency=a.residency, gpu_memory=cap, upload_threshold=a.upload_threshold,
-                             mixed=not getattr(a, "no_mixed", False), borrow=getattr(a, "borrow", False))
+                             mixed=not getattr(a, "no_mixed", False), borrow=getattr(a, "borrow", False),
+                             experts=getattr(a, "experts", None) or "native")

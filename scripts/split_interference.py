@@ -44,15 +44,13 @@ def cold_routes(h, layer, ids_h, w_h):
 
 def split_timeline(h, layer, x, topk) -> dict:
     """split_path's steps (the plain split path: no borrowing, no uploads), each timed on the host."""
-    from ostinato.layers.moe.gpu_experts import slot_experts_forward
     from ostinato.layers.moe.hybrid import to_host
 
     t = [time.perf_counter()]
     ids_h, w_h, x_h, done = to_host(topk, x, h.x_host, h.on_cuda)
     t.append(time.perf_counter())
-    slots = h.pool.slots_for(layer, topk.ids)
-    gpu = slot_experts_forward(x, slots, topk.weights, h.pool.w13, h.pool.w2, h.pool.zero_lo, h.pool.zero_hi,
-                               out_dtype=torch.float32)
+    pool = h.pools.of(layer)
+    gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
     t.append(time.perf_counter())
     if done is not None:
         done.synchronize()

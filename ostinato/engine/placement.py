@@ -5,6 +5,10 @@ runs it).
 Order matters: the cap is set first, then the expert pool and its flex slots are
 allocated before the dense model, the KV cache or any activation, so a prefill never
 competes with them; the cold experts are loaded once into page-locked host memory.
+
+Experts of a GGUF file stay in its block formats (`experts="native"`, the default) in the
+pools and in host memory, one pool per format (layers/moe/pool.py); `experts="bf16"`
+dequantizes them at load, as for a checkpoint.
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ from ostinato.engine.threads import ThreadLayout
 from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
-from ostinato.layers.moe.pool import ExpertPool, HostExperts
-from ostinato.loader.build import load_experts_staged
+from ostinato.layers.moe.pool import ExpertPools, HostExperts
+from ostinato.loader.build import EXPERT_MODES, expert_formats, load_layer_experts
 from ostinato.planner.residency import Residency
 
 
@@ -34,6 +38,11 @@ class PlacementSettings:
     borrow: bool = False
     borrow_wait_copies: bool = False  # switch borrowed experts in at the boundary their copy starts (tests)
     mixed: bool = True  # split passes upload their most-routed cold experts (needs a calibration: hybrid.py)
+    experts: str = "native"  # "native": a GGUF file's experts stay in its block formats; "bf16": dequantized
+
+    def __post_init__(self):
+        if self.experts not in EXPERT_MODES:
+            raise ConfigError(f"experts {self.experts!r}: give one of {', '.join(EXPERT_MODES)}")
 
 
 DEFAULT_UPLOAD_THRESHOLD = 512  # used only until `ostinato calibrate` has measured Np
@@ -58,20 +67,20 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
     F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     hot = {l: residency.hot.get(l, []) for l in cfg.moe_layers}
     cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
-    flex = max(len(v) for v in cold.values())
+    formats = expert_formats(source, place.experts)
     try:
-        pool = ExpertPool(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok, flex, (2 * F, D), (D, F),
-                          device, dtype)
+        pools = ExpertPools.build(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok, None, (2 * F, D), (D, F),
+                                  device, dtype, formats)
     except torch.OutOfMemoryError:
-        raise ConfigError(f"the expert pool ({sum(map(len, hot.values())) + flex} slots) does not fit the GPU "
-                          "memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
-    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
+        raise ConfigError(f"the expert pool ({sum(map(len, hot.values()))} hot experts and their flex slots) does "
+                          "not fit the GPU memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
+    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats)
     for layer in cfg.moe_layers:
-        experts = load_experts_staged(source, layer, device, dtype)
-        pool.fill_layer(layer, experts)
+        experts = load_layer_experts(source, layer, formats[layer], device, dtype)
+        pools.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
     cpu = CpuExperts(host.layers, backend=place.cpu_backend, cpus=threads.workers)
-    return configure(HybridExperts(pool, host, cpu, resolve_np(place, residency), max_tokens), place,
+    return configure(HybridExperts(pools, host, cpu, resolve_np(place, residency), max_tokens), place,
                      residency)
 
 
@@ -82,7 +91,7 @@ def resolve_np(place: PlacementSettings, residency: Residency) -> int:
 
 def configure(hybrid: HybridExperts, place: PlacementSettings, residency: Residency) -> HybridExperts:
     """The placement's options on a built HybridExperts: borrowed memory, split with uploads."""
-    if place.borrow and hybrid.pool.num_slots > hybrid.pool.flex_lo:
+    if place.borrow and any(p.num_slots > p.flex_lo for p in hybrid.pools.groups):
         hybrid.borrow = Borrowing(hybrid, wait_copies=place.borrow_wait_copies)
     if place.mixed and hybrid.on_cuda:  # a CPU-only machine has no second link to balance
         hybrid.mixed = MixedPass.from_calibration(residency.calibration)
@@ -121,7 +130,8 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
     F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     hot = {l: residency.hot.get(l, []) for l in cfg.moe_layers}
     cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
-    pools: dict[str, ExpertPool] = {}
+    formats = expert_formats(source, place.experts)
+    pools: dict[str, ExpertPools] = {}
     for name in in_order(layer_devices):
         layers = [l for l in cfg.moe_layers if layer_devices[l] == name]
         dev = physical(name)
@@ -129,15 +139,15 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
         if not layers:
             continue
         try:
-            pools[name] = ExpertPool({l: hot[l] for l in layers}, cfg.num_hidden_layers, E, cfg.num_experts_per_tok,
-                                     max(len(cold[l]) for l in layers), (2 * F, D), (D, F), dev, dtype)
+            pools[name] = ExpertPools.build({l: hot[l] for l in layers}, cfg.num_hidden_layers, E,
+                                            cfg.num_experts_per_tok, None, (2 * F, D), (D, F), dev, dtype, formats)
         except torch.OutOfMemoryError:
             raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
                               "--gpu-memory or --hot-fraction") from None
-    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
+    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats)
     for layer in cfg.moe_layers:
         pool = pools[layer_devices[layer]]
-        experts = load_experts_staged(source, layer, pool.device, dtype)
+        experts = load_layer_experts(source, layer, formats[layer], pool.device, dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
     gpu_of = {n: i for i, n in enumerate(gpus_in_order(layer_devices))}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
+from ostinato.layers.moe.gpu_quant import QUANT_QTYPES  # the block formats both branches compute
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
 from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
 from ostinato.quant.formats import row_bytes
@@ -77,4 +78,33 @@ def load_quantized_experts(source, layer: int, device="cpu", pin: bool = False) 
     qt13, qt2 = source.expert_qtypes(layer)
     w = alloc_quantized_experts(source.config, qt13, qt2, device, pin)
     source.load_quantized_experts_(layer, w.w13, w.w2)
+    return w
+
+
+EXPERT_MODES = ("native", "bf16")  # experts in their file's block formats, or dequantized at load
+
+
+def expert_formats(source, mode: str = "native") -> dict[int, tuple[str, str] | None]:
+    """Each MoE layer's (qt13, qt2) where its experts stay in their GGUF block formats, else None
+    (float weights: a checkpoint, a float GGUF tensor, or mode "bf16", which dequantizes at load).
+    A layer whose gate/up or down is a float type while the other is blocks is dequantized whole:
+    the expert kernels read one kind per layer."""
+    if mode not in EXPERT_MODES:
+        raise ConfigError(f"experts {mode!r}: give one of {', '.join(EXPERT_MODES)}")
+    qtypes_of = getattr(source, "expert_qtypes", None)
+    out: dict[int, tuple[str, str] | None] = {}
+    for layer in source.config.moe_layers:
+        qt = qtypes_of(layer) if qtypes_of is not None and mode == "native" else None
+        out[layer] = qt if qt is not None and all(q in QUANT_QTYPES for q in qt) else None
+    return out
+
+
+def load_layer_experts(source, layer: int, qtypes: tuple[str, str] | None, device, dtype=None):
+    """One layer's experts as the pool and host copies keep them: the file's blocks when `qtypes`
+    (expert_formats) says so, else float (dequantized if need be; staged as load_experts_staged)."""
+    if qtypes is None:
+        return load_experts_staged(source, layer, device, dtype)
+    w = load_quantized_experts(source, layer)
+    if (w.qt13, w.qt2) != tuple(qtypes):
+        raise ConfigError(f"layer {layer}: experts are {w.qt13}/{w.qt2}, the placement expected {'/'.join(qtypes)}")
     return w

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ostinato.config import ModelConfig
-from ostinato.planner.capacity import (Capacity, CapacitySettings, dense_parts, expert_bytes, kv_bytes,
+from ostinato.planner.capacity import (Capacity, CapacitySettings, dense_parts, expert_sizes, kv_bytes,
                                        plan_capacity)
 
 
@@ -47,12 +47,13 @@ def assign_layers(costs: list[int], caps: list[int], first_extra: int = 0, last_
 
 
 def assign_devices(cfg: ModelConfig, devices: list[str], kv_tokens: int, dtype: torch.dtype,
-                   caps: list[int] | None = None) -> dict[str, list[int]]:
-    """device -> its decoder layers, by the rule above (equal caps when none are given)."""
+                   caps: list[int] | None = None, formats: dict | None = None) -> dict[str, list[int]]:
+    """device -> its decoder layers, by the rule above (equal caps when none are given); formats:
+    the experts' block formats per MoE layer (their real bytes), as plan_capacity takes them."""
     layers, embed, head = dense_parts(cfg, dtype)
     kv_layer = kv_bytes(cfg, max(kv_tokens, 0), dtype) // cfg.num_hidden_layers
-    experts = cfg.num_experts * expert_bytes(cfg, dtype)
-    costs = [w + kv_layer + (experts if cfg.is_moe_layer(i) else 0) for i, w in enumerate(layers)]
+    sizes = expert_sizes(cfg, dtype, formats)
+    costs = [w + kv_layer + (cfg.num_experts * sizes[i][1] if i in sizes else 0) for i, w in enumerate(layers)]
     ranges = assign_layers(costs, caps or [1] * len(devices), embed, head)
     return dict(zip(devices, ranges))
 
@@ -71,7 +72,7 @@ def layer_map(devices: dict[str, list[int]], num_layers: int) -> list[str]:
 def device_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
                     dtype: torch.dtype, layers: list[int], first: bool, last: bool,
                     settings: CapacitySettings = CapacitySettings(), slots: int | None = None,
-                    name: str = "device") -> Capacity:
+                    name: str = "device", formats: dict | None = None) -> Capacity:
     """The capacity test of one device holding `layers` (plan_capacity restricted to them)."""
     return plan_capacity(cfg, counts, budget, kv_tokens, dtype, settings, slots, layers=layers, first=first,
-                         last=last, label=name)
+                         last=last, label=name, formats=formats)

@@ -4,7 +4,7 @@ The engine is loaded with the residency (pool, index tables, zero and flex slots
 page-locked cold experts, the CPU thread pool, under the memory cap), and every timing
 goes through its own objects, so the numbers include what serving pays:
 
-  G_l      the GPU branch of one token in layer l: pool.slots_for + slot_experts_forward
+  G_l      the GPU branch of one token in layer l: pool.slots_for + pool.forward
            over K hot slots (CUDA events; wall clock on a CPU-only machine), median;
   C_l(r)   the host's time in HybridExperts.split_path for one token with r = 0..K cold routes:
            the GPU branch launched, routing and activations to the host, compact lookup,
@@ -44,7 +44,6 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.hybrid import MixedPass
 from ostinato.layers.moe.types import TopKOutput
 from ostinato.planner import cost_model as cm
@@ -139,14 +138,13 @@ class Clock:
 
 
 def gpu_branch(h, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slots=None):
-    pool = h.pool
+    pool = h.pools.of(layer)
     slots = pool.slots_for(layer, ids) if slots is None else slots
-    return slot_experts_forward(x, slots, weights, pool.w13, pool.w2, pool.zero_lo, pool.zero_hi,
-                                out_dtype=torch.float32)
+    return pool.forward(x, slots, weights, out_dtype=torch.float32)
 
 
 def hot_cold(h, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    hot = (h.pool.table_host[layer] >= 0).nonzero().flatten()
+    hot = (h.pools.of(layer).table_host[layer] >= 0).nonzero().flatten()
     cold = (h.host.compact[layer] >= 0).nonzero().flatten()
     return hot, cold
 
@@ -242,11 +240,10 @@ def fit_decode(layers: dict[int, dict]) -> dict:
 
 def measure_upload(h, layers: list[int], clock: Clock, reps: int = 3) -> tuple[float, int]:
     """GB/s of the upload path's copies of cold experts into flex slots; -> (GB/s, expert bytes)."""
-    pool = h.pool
-    rates = []
-    eb = pool.w13[0].nbytes + pool.w2[0].nbytes
+    rates, sizes = [], []
     for layer in layers:
-        hw = h.host.layers[layer]
+        pool, hw = h.pools.of(layer), h.host.layers[layer]
+        eb = pool.expert_bytes
         n = min(hw.w13.shape[0], pool.num_slots - pool.flex_lo)
         if n == 0:
             continue
@@ -259,6 +256,9 @@ def measure_upload(h, layers: list[int], clock: Clock, reps: int = 3) -> tuple[f
         copy()
         for _ in range(reps):
             rates.append(n * eb / (clock.wall(copy) * 1e-3) / 1e9)
+            sizes.append(eb)
+    # expert bytes: the mean over the measured layers (a quantized model's formats differ by layer)
+    eb = round(statistics.fmean(sizes)) if sizes else h.pools.groups[0].expert_bytes
     return (statistics.median(rates) if rates else 0.0), eb
 
 
@@ -438,7 +438,6 @@ def capture_routing(runner, ids: list[int], layers: list[int]) -> dict[int, tupl
 
 def measure_passes(runner, h, tok, layers: list[int], clock: Clock, s: CalibrateSettings, sizes: list[int]) -> dict:
     """Split and upload path of n-token passes; their CPU and GPU halves; routes and distinct experts."""
-    pool = h.pool
     routing = capture_routing(runner, prompt_ids(tok, s.sessions, max(sizes)), layers)
     med = lambda f: statistics.median(f() for _ in range(s.pass_reps))  # noqa: E731
     points, detail = [], []
@@ -449,6 +448,7 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, s: Calibrate
         for layer in layers:
             xa, ta = routing[layer]
             x, topk = xa[:n], TopKOutput(ta.ids[:n], ta.weights[:n])
+            pool = h.pools.of(layer)
             table = pool.table[layer]
             cold_mask = table[topk.ids] < 0
             cold_ids = torch.unique(topk.ids[cold_mask]).cpu()
@@ -566,7 +566,7 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
     runner = loaded.runner
     graph = runner.experts if isinstance(runner.experts, GraphHybridExperts) and runner.graphs is not None else None
     h = graph.hybrid if graph is not None else runner.experts  # the branches are timed on the hybrid itself
-    if not hasattr(h, "pool"):
+    if not hasattr(h, "pools"):
         raise ValueError("calibrate needs the hybrid engine: load it with a residency")
     if h.on_cuda:
         from ostinato.engine.threads import claim_host_thread
@@ -621,7 +621,7 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
         "version": 1, "device": device_name(h.device), "cpu": cpu_model(), "date": now, "torch": torch.__version__,
         "dtype": str(runner.dtype).removeprefix("torch."), "cpu_threads": h.cpu.num_threads,
         "threads": {**runner.threads.as_dict(), "cpu_workers": list(h.cpu.cpus)},
-        "cpu_backend": h.cpu.backend, "hot_experts": h.pool.num_hot, "units": "ms, GB/s, bytes",
+        "cpu_backend": h.cpu.backend, "hot_experts": h.pools.num_hot, "units": "ms, GB/s, bytes",
         "overlapped": h.on_cuda,
         "global": glob,
         "layers": {str(l): d for l, d in layers.items()},

@@ -13,6 +13,12 @@
   fill. Since fill(s + 1) adds one expert to fill(s), s + flex(s) never decreases with
   s, and the largest s with s + K + flex(s) <= slots is found by bisection (the fixed
   point of "fill, count flex, refill").
+* real bytes: a quantized model keeps its experts in their GGUF blocks, one pool per
+  format (a Q4_K_M file: Q4_K/Q4_K and Q4_K/Q6_K layers), each with its own K zero slots
+  and flex slots; so the pool costs sum over groups g of bytes_g * (hot_g + K + flex_g),
+  with bytes_g one expert in g's format (`expert_sizes`). Adding an expert adds bytes_g and
+  can lower flex_g by at most one slot of the same size, so the cost still never decreases
+  with s and the same bisection runs on bytes. A float model is one group.
 
 Everything here is a pure function of the config, the counts and the settings; the
 verification (planner/verify.py) runs the largest pass of the longest request in the
@@ -31,6 +37,7 @@ from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.kv_cache import KVCache
 from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
 from ostinato.planner.fill import fill
+from ostinato.quant.formats import row_bytes
 
 GiB = 2**30
 
@@ -56,13 +63,14 @@ class Capacity:
     activations: int
     pass_tokens: int
     margin: int
-    expert_bytes: int
-    zero_slots: int
-    flex_slots: int
+    expert_bytes: int  # one expert; the mean over the MoE layers where formats differ by layer
+    zero_slots: int  # summed over the groups
+    flex_slots: int  # summed over the groups
     hot_slots: int
     max_hot_slots: int  # what the budget allows; hot_slots is smaller when a hot fraction chose it
     dtype: str
     activation_parts: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)  # per expert format: layers, expert_bytes, hot, zero, flex, bytes
 
     @property
     def fixed(self) -> int:
@@ -70,7 +78,15 @@ class Capacity:
 
     @property
     def pool_bytes(self) -> int:
+        if self.groups:
+            return sum(g["bytes"] for g in self.groups.values())
         return (self.hot_slots + self.zero_slots + self.flex_slots) * self.expert_bytes
+
+    @property
+    def hot_bytes(self) -> int:
+        if self.groups:
+            return sum(g["hot"] * g["expert_bytes"] for g in self.groups.values())
+        return self.hot_slots * self.expert_bytes
 
     @property
     def unused(self) -> int:
@@ -83,9 +99,9 @@ class Capacity:
         """(what, bytes) rows for a printed breakdown."""
         rows = [("dense weights", self.dense_weights), (f"KV cache ({self.kv_tokens} tokens)", self.kv_cache),
                 (f"activations ({self.pass_tokens}-token pass)", self.activations), ("margin", self.margin),
-                (f"hot slots ({self.hot_slots})", self.hot_slots * self.expert_bytes),
-                (f"zero + flex slots ({self.zero_slots} + {self.flex_slots})",
-                 (self.zero_slots + self.flex_slots) * self.expert_bytes), ("unused", self.unused)]
+                (f"hot slots ({self.hot_slots})", self.hot_bytes),
+                (f"zero + flex slots ({self.zero_slots} + {self.flex_slots})", self.pool_bytes - self.hot_bytes),
+                ("unused", self.unused)]
         return rows
 
 
@@ -103,6 +119,60 @@ def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """One pool slot: w13 [2F, D] and w2 [D, F] in the compute dtype."""
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize(dtype)
+
+
+def expert_sizes(cfg: ModelConfig, dtype: torch.dtype, formats: dict | None = None) -> dict[int, tuple[str, int]]:
+    """Each MoE layer's pool group and one expert's bytes there: its GGUF blocks (formats[layer] =
+    (qt13, qt2), from loader.build.expert_formats) as row_bytes counts them, or the compute dtype."""
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    out = {}
+    for l in cfg.moe_layers:
+        qt = (formats or {}).get(l)
+        if qt is None:
+            out[l] = (str(dtype).removeprefix("torch."), expert_bytes(cfg, dtype))
+        else:
+            out[l] = ("/".join(qt), 2 * F * row_bytes(qt[0], D) + D * row_bytes(qt[1], F))
+    return out
+
+
+def pool_groups(counts: dict[int, torch.Tensor], hot_slots: int, top_k: int, num_experts: int,
+                sizes: dict[int, tuple[str, int]]) -> dict[str, dict]:
+    """The pools fill(counts, hot_slots) needs, one per format: layers, expert bytes, hot, K zero
+    and flex slots (the group's most cold experts of a layer), bytes."""
+    hot = fill(counts, hot_slots)
+    groups: dict[str, dict] = {}
+    for l in sorted(counts):
+        name, eb = sizes[l]
+        g = groups.setdefault(name, {"layers": 0, "expert_bytes": eb, "hot": 0, "zero": top_k, "flex": 0})
+        n = len(hot.get(l, []))
+        g["layers"] += 1
+        g["hot"] += n
+        g["flex"] = max(g["flex"], num_experts - n)
+    for g in groups.values():
+        g["bytes"] = g["expert_bytes"] * (g["hot"] + g["zero"] + g["flex"])
+    return groups
+
+
+def max_hot_bytes(counts: dict[int, torch.Tensor], budget: int, top_k: int, num_experts: int,
+                  sizes: dict[int, tuple[str, int]]) -> int:
+    """The largest s whose pools (pool_groups) fit `budget` bytes (-1 if not even s = 0 fits)."""
+    need = lambda s: sum(g["bytes"] for g in pool_groups(counts, s, top_k, num_experts, sizes).values())  # noqa: E731
+    return largest_fitting(need, budget, len(counts) * num_experts)
+
+
+def largest_fitting(need, limit: int, most: int) -> int:
+    """The largest s in [0, most] with need(s) <= limit, need never decreasing in s (bisection);
+    -1 if not even s = 0 fits."""
+    if need(0) > limit:
+        return -1
+    lo, hi = 0, most  # need(lo) <= limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if need(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
@@ -159,18 +229,8 @@ def flex_slots(counts: dict[int, torch.Tensor], slots: int, num_experts: int) ->
 
 def max_hot_slots(counts: dict[int, torch.Tensor], slots: int, top_k: int, num_experts: int) -> int:
     """The largest s with s + K + flex(s) <= slots (-1 if not even s = 0 fits)."""
-    total = len(counts) * num_experts
     need = lambda s: s + top_k + flex_slots(counts, s, num_experts)  # noqa: E731  non-decreasing in s
-    if need(0) > slots:
-        return -1
-    lo, hi = 0, total  # need(lo) <= slots
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if need(mid) <= slots:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return largest_fitting(need, slots, len(counts) * num_experts)
 
 
 def fmt_bytes(x: float) -> str:
@@ -198,10 +258,11 @@ def dense_parts(cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int, i
 def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
                   dtype: torch.dtype, settings: CapacitySettings = CapacitySettings(),
                   slots: int | None = None, *, layers: list[int] | None = None, first: bool = True,
-                  last: bool = True, label: str = "") -> Capacity:
+                  last: bool = True, label: str = "", formats: dict | None = None) -> Capacity:
     """The capacity test. `slots`: a pool size chosen elsewhere (a hot fraction), checked to fit.
     With `layers`, the test of one device that holds those layers (the embedding if `first`,
-    the head if `last`); the activation bound of the largest pass is kept whole."""
+    the head if `last`); the activation bound of the largest pass is kept whole. `formats`: each
+    MoE layer's expert block formats (loader.build.expert_formats; default: the compute dtype)."""
     if kv_tokens < 1:
         raise CapacityError("the KV cache needs at least one token: give --max-context or a profile "
                             "with max_tokens (profile again with this version of ostinato)")
@@ -217,14 +278,14 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     who = f"{label}: " if label else ""
     act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share)
     margin = int(settings.margin_bytes + settings.margin_fraction * budget)
-    eb = expert_bytes(cfg, dtype)
+    sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats).items() if l in counts}
+    eb = round(sum(b for _, b in sizes.values()) / len(sizes)) if sizes else expert_bytes(cfg, dtype)
     E = cfg.num_experts
     K = cfg.num_experts_per_tok if moe else 0  # a device without MoE layers needs no zero slots
     fixed = dense + kv + act["total"] + margin
-    n = (budget - fixed) // eb if budget > fixed else -1
-    best = (max_hot_slots(counts, n, K, E) if moe else 0) if n >= 0 else -1
+    best = (max_hot_bytes(counts, budget - fixed, K, E, sizes) if moe else 0) if budget >= fixed else -1
     if best < 0:
-        pool0 = (K + flex_slots(counts, 0, E)) * eb
+        pool0 = sum(g["bytes"] for g in pool_groups(counts, 0, K, E, sizes).values())
         raise CapacityError(
             f"{who}--gpu-memory {_gib(budget)} cannot hold the dense weights ({_gib(dense)}) and the KV cache of "
             f"{kv_tokens} tokens ({_gib(kv)}), with activations of a {T}-token pass ({_gib(act['total'])}), "
@@ -237,5 +298,7 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
             raise CapacityError(f"{who}{slots} hot experts do not fit --gpu-memory {_gib(budget)}: it holds at most "
                                 f"{best} (with {_gib(fixed)} for dense weights, KV cache, activations and margin)")
     hot = best if slots is None else slots
-    return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, K, flex_slots(counts, hot, E), hot,
-                    best, str(dtype).removeprefix("torch."), act)
+    groups = pool_groups(counts, hot, K, E, sizes)
+    zero, flex = sum(g["zero"] for g in groups.values()), sum(g["flex"] for g in groups.values())
+    return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, zero, flex, hot,
+                    best, str(dtype).removeprefix("torch."), act, groups)

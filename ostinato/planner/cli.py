@@ -62,15 +62,15 @@ def skew_summary(counts) -> str:
 def cmd_skew(a) -> int:
     from ostinato.bench.sessions import split_sessions
     from ostinato.engine.factory import load_engine
-    from ostinato.planner.run_profile import profile_sessions
-    from ostinato.planner.skew import hot_share, layer_ranges
+    from ostinato.planner.skew import (content_report, hot_share, persistence_report, spread_report, top_experts,
+                                       trace_sessions)
 
     loaded = load_engine(a.model, runner_settings(a), placement_settings(a))
     dev, held = split_sessions(_sessions(a.sessions, None))
     if a.max_sessions:
         dev, held = spread(dev, a.max_sessions), spread(held, a.max_sessions)
-    cd = profile_sessions(loaded, dev, desc="dev")
-    ch = profile_sessions(loaded, held, desc="held-out")
+    cd, _ = trace_sessions(loaded, dev, desc="dev")
+    ch, sh = trace_sessions(loaded, held, desc="held-out")
     if a.save_profiles:
         cd.save(f"{a.save_profiles}-dev.json")
         ch.save(f"{a.save_profiles}-held-out.json")
@@ -78,14 +78,19 @@ def cmd_skew(a) -> int:
     for frac in a.fraction:
         for phase in ("all", "decode", "prefill"):
             share, per_layer = hot_share(cd.total("all"), ch.total(phase), frac)
-            ranges = layer_ranges(per_layer)
-            result["figures"].append({"top_fraction": frac, "held_out_phase": phase, "share": round(share, 4),
-                                      "layer_ranges": [[a_, b_, round(s, 4)] for a_, b_, s in ranges],
-                                      "min_layer": round(min(per_layer.values()), 4),
-                                      "max_layer": round(max(per_layer.values()), 4)})
-            rng = ", ".join(f"layers {x}-{y}: {100 * s:.1f}%" for x, y, s in ranges)
-            print(f"top {100 * frac:.0f}% of experts (by dev routes) -> {100 * share:.1f}% of held-out "
-                  f"{phase} routes ({rng})")
+            spread_ = spread_report(per_layer)
+            result["figures"].append({"top_fraction": frac, "held_out_phase": phase, "share": round(share, 4)} | spread_)
+            rng = ", ".join(f"layers {x}-{y}: {100 * s:.1f}%" for x, y, s in spread_["layer_ranges"])
+            print(f"top {100 * frac:.0f}% of experts (by dev routes) -> {100 * share:.1f}% of held-out {phase} routes "
+                  f"(per layer min / median / max {100 * spread_['min_layer']:.1f}% / "
+                  f"{100 * spread_['median_layer']:.1f}% / {100 * spread_['max_layer']:.1f}%; {rng})")
+    pers = result["persistence"] = persistence_report(sh, loaded.runner.config.num_experts_per_tok)
+    print(f"held-out consecutive tokens share {100 * pers['overlap']:.1f}% of their experts "
+          f"(independent draws with the same frequencies: {100 * pers['independent']:.1f}%)")
+    cont = result["content"] = content_report(sh, top_experts(cd.total("all"), a.fraction[-1]))
+    by = ", ".join(f"{c} {100 * v['share']:.1f}%" for c, v in cont["share_by_class"].items())
+    print(f"by token class, held-out routes on the top {100 * a.fraction[-1]:.0f}%: {by}; "
+          f"class divergence (TV) {cont['class_divergence']:.3f}")
     print(json.dumps(result))
     return 0
 
@@ -140,8 +145,9 @@ def _route_report(name: str, prof, hot: dict[int, list[int]], num_layers: int, t
             "cold_routes_per_token_layer": round(per_token, 4)}
 
 
-def _pool_size(a, cfg, counts, prof, device):
-    """The pool of a one-device plan (planner/pipeline.py), with the capacity test printed."""
+def _pool_size(a, cfg, counts, prof, device, formats=None):
+    """The pool of a one-device plan (planner/pipeline.py), with the capacity test printed;
+    formats: the experts' block formats per MoE layer (loader.build.expert_formats)."""
     from ostinato.config import parse_bytes
     from ostinato.engine.runner import RunnerSettings
     from ostinato.planner.capacity import CapacitySettings, fmt_bytes
@@ -152,7 +158,7 @@ def _pool_size(a, cfg, counts, prof, device):
                                 prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores)
     size = size_pool(cfg, counts, dtype, gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None,
                      hot_fraction=a.hot_fraction, kv_tokens=a.max_context or (prof.max_tokens if prof else 0),
-                     capacity=settings)
+                     capacity=settings, formats=formats)
     cap = size.capacity
     if cap is not None:
         print(f"capacity test, --gpu-memory {fmt_bytes(cap.budget)} ({cap.dtype}, one expert "
@@ -167,7 +173,7 @@ def _verify(a, res, cap, device) -> None:
     from ostinato.planner.capacity import fmt_bytes
     from ostinato.planner.verify import verify_capacity
 
-    v = verify_capacity(a.model, a.output, cap, a.cpu_threads, device, a.dtype)
+    v = verify_capacity(a.model, a.output, cap, a.cpu_threads, device, a.dtype, getattr(a, "experts", "native"))
     res.capacity["verified"] = v
     res.save(a.output)
     if "skipped" in v:
@@ -183,6 +189,7 @@ def _verify(a, res, cap, device) -> None:
 
 
 def cmd_plan(a) -> int:
+    from ostinato.loader.build import expert_formats
     from ostinato.loader.source import open_source
     from ostinato.planner.pipeline import plan_residency
     from ostinato.planner.profile import RouteCounts
@@ -196,6 +203,7 @@ def cmd_plan(a) -> int:
     device = names[0] if names else None
     source = open_source(a.model)
     cfg = source.config
+    formats = expert_formats(source, getattr(a, "experts", "native"))  # what the engine will keep
     L, E, K = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     prof, prof_path = _plan_profile(a, cfg)
     counts = prof.total("all") if prof else {l: torch.zeros(E) for l in cfg.moe_layers}
@@ -204,11 +212,11 @@ def cmd_plan(a) -> int:
     notes = {"hot_fraction": a.hot_fraction} if a.hot_fraction is not None else {}
     cap = None
     if len(names) > 1:  # one pool per GPU, each planned for its own layers under its own cap
-        hot, devices, budget, capacity = _plan_split(a, cfg, counts, prof, names)
+        hot, devices, budget, capacity = _plan_split(a, cfg, counts, prof, names, formats)
         res = Residency(model_fingerprint(source), E, hot, devices=devices, gpu_memory=budget, profile=profile,
                         capacity=capacity, notes=notes)
     else:
-        size = _pool_size(a, cfg, counts, prof, device)
+        size = _pool_size(a, cfg, counts, prof, device, formats)
         cap = size.capacity
         res = plan_residency(source, counts, size, devices={device: cfg.moe_layers} if device else {},
                              profile=profile, notes=notes)
@@ -228,7 +236,7 @@ def cmd_plan(a) -> int:
     return 0
 
 
-def _plan_split(a, cfg, counts, prof, names: list[str]):
+def _plan_split(a, cfg, counts, prof, names: list[str], formats=None):
     """Several GPUs: contiguous layer ranges balanced by memory (planner/assign.py), a capacity
     test per device with --gpu-memory as each device's cap, then each device's slots filled
     from its own layers. -> (hot, devices, budget per device, capacity)."""
@@ -241,7 +249,8 @@ def _plan_split(a, cfg, counts, prof, names: list[str]):
     dtype = RunnerSettings(device=names[0], dtype=a.dtype).torch_dtype(cfg.torch_dtype)
     kv_tokens = a.max_context or (prof.max_tokens if prof else 0)
     budget = parse_bytes(a.gpu_memory) if a.gpu_memory else None
-    devices = assign_devices(cfg, names, kv_tokens, dtype, caps=[budget] * len(names) if budget else None)
+    devices = assign_devices(cfg, names, kv_tokens, dtype, caps=[budget] * len(names) if budget else None,
+                             formats=formats)
     moe = {d: [l for l in layers if cfg.is_moe_layer(l)] for d, layers in devices.items()}
     slots, caps = {}, {}
     settings = CapacitySettings(margin_bytes=parse_bytes(a.margin), margin_fraction=a.margin_fraction,
@@ -253,7 +262,7 @@ def _plan_split(a, cfg, counts, prof, names: list[str]):
             print(f"{d}: layers {layers[0]}-{layers[-1]}, {want} hot experts")
             continue
         cap = device_capacity(cfg, counts, budget, kv_tokens, dtype, layers, i == 0, i == len(devices) - 1,
-                              settings, want, name=d)
+                              settings, want, name=d, formats=formats)
         caps[d], slots[d] = cap.to_json(), cap.hot_slots
         print(f"{d}: layers {layers[0]}-{layers[-1]}; capacity test, --gpu-memory {fmt_bytes(budget)} per device "
               f"({cap.dtype}; holds {cap.max_hot_slots} hot experts):")
@@ -373,6 +382,8 @@ def add_planner_commands(sub) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: the engine's)")
     p.add_argument("--cpu-threads", type=int, help="CPU expert threads for the verification run")
     p.add_argument("--no-verify", action="store_true", help="skip running the longest request under the cap")
+    p.add_argument("--experts", choices=["native", "bf16"], default="native", help="plan for a GGUF file's experts "
+                   "in their block formats (native, what serve keeps by default) or dequantized to bf16")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_plan)
 

@@ -9,7 +9,9 @@ A pool is sized one of three ways, first match:
 * `gpu_memory`: the capacity test (planner/capacity.py): every slot the cap leaves after the
   dense weights, the KV cache, the activations and the margin.
 
-Pure functions of the config, the counts and the settings.
+Pure functions of the config, the counts and the settings. `formats` (each MoE layer's GGUF
+block formats, loader.build.expert_formats) makes every byte count a quantized expert's real
+size, one pool per format (planner/capacity.py); without it experts cost the compute dtype's.
 
 Legend: L MoE layers, E experts per layer, K top-k.
 """
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.planner.capacity import Capacity, CapacitySettings, expert_bytes, flex_slots, max_hot_slots, \
-    plan_capacity
+from ostinato.planner.capacity import Capacity, CapacitySettings, expert_bytes, expert_sizes, max_hot_bytes, plan_capacity, \
+    pool_groups
 from ostinato.planner.fill import fill
 from ostinato.planner.residency import Residency, model_fingerprint
 
@@ -44,26 +46,30 @@ class PoolSize:
 
 def size_pool(cfg: ModelConfig, counts: dict[int, torch.Tensor], dtype: torch.dtype, *,
               gpu_memory: int | None = None, hot_fraction: float | None = None, expert_budget: int | None = None,
-              kv_tokens: int = 0, capacity: CapacitySettings = CapacitySettings()) -> PoolSize:
+              kv_tokens: int = 0, capacity: CapacitySettings = CapacitySettings(),
+              formats: dict | None = None) -> PoolSize:
     """The pool for `counts` (development routes per MoE layer, [E] each) under one of the
     three sizings (module docstring); ConfigError when none is given or the pool cannot hold
-    the K zero slots and the flex slots."""
+    the K zero slots and the flex slots. expert_bytes: one expert (the mean over the layers
+    where formats differ), the unit of pool_slots."""
     K, E = cfg.num_experts_per_tok, cfg.num_experts
     total = len(cfg.moe_layers) * E
-    eb = expert_bytes(cfg, dtype)
+    sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats).items() if l in counts}
+    eb = round(sum(b for _, b in sizes.values()) / len(sizes)) if sizes else expert_bytes(cfg, dtype)
+    slots_of = lambda s: sum(g["hot"] + g["zero"] + g["flex"] for g in pool_groups(counts, s, K, E, sizes).values())  # noqa: E731
     if hot_fraction is not None and not 0.0 <= hot_fraction <= 1.0:
         raise ConfigError(f"--hot-fraction must be in [0, 1], got {hot_fraction}")
     cap = None
     if expert_budget is not None:
         pool, how = int(expert_budget // eb), "--expert-budget"
-        hot = max_hot_slots(counts, pool, K, E)
+        hot = max_hot_bytes(counts, int(expert_budget), K, E, sizes)
     elif hot_fraction is not None:
         hot = min(total, round(hot_fraction * total))
         if gpu_memory is not None:  # the fraction must fit the cap
-            cap = plan_capacity(cfg, counts, gpu_memory, kv_tokens, dtype, capacity, hot)
-        pool, how = hot + K + flex_slots(counts, hot, E), f"hot fraction {hot_fraction}"
+            cap = plan_capacity(cfg, counts, gpu_memory, kv_tokens, dtype, capacity, hot, formats=formats)
+        pool, how = slots_of(hot), f"hot fraction {hot_fraction}"
     elif gpu_memory is not None:
-        cap = plan_capacity(cfg, counts, gpu_memory, kv_tokens, dtype, capacity)
+        cap = plan_capacity(cfg, counts, gpu_memory, kv_tokens, dtype, capacity, formats=formats)
         pool, how, hot = int((cap.budget - cap.fixed) // cap.expert_bytes), "capacity test on --gpu-memory", cap.hot_slots
     else:
         raise ConfigError("give --gpu-memory (size the pool by the capacity test), --hot-fraction or --expert-budget")

@@ -12,7 +12,7 @@ from ostinato.planner.capacity import Capacity
 
 
 def verify_capacity(model: str, residency_path: str, cap: Capacity, cpu_threads: int | None = None,
-                    device: str | None = None, dtype: str | None = None) -> dict:
+                    device: str | None = None, dtype: str | None = None, experts: str = "native") -> dict:
     """Run the largest pass of the longest request (the last full chunk, attending to all
     kv_tokens) and one decode step in the engine under the cap; report the peak allocation.
 
@@ -25,7 +25,7 @@ def verify_capacity(model: str, residency_path: str, cap: Capacity, cpu_threads:
         return {"skipped": "no CUDA device here (or the plan is for the CPU): the plan was not run under the cap"}
     try:
         loaded = load_engine(model, settings,
-                             PlacementSettings(residency=residency_path, gpu_memory=cap.budget))
+                             PlacementSettings(residency=residency_path, gpu_memory=cap.budget, experts=experts))
     except (torch.OutOfMemoryError, ConfigError) as e:
         return {"ok": False, "tokens": cap.kv_tokens, "error": f"failed to load: {str(e).splitlines()[0]}",
                 "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}

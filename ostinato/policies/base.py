@@ -7,7 +7,7 @@ A cache answers one question per MoE layer and forward pass: which pool slot ser
 expert of the layer in this pass (-1: the CPU computes it), and which experts to copy from
 page-locked host memory into which slots first. That answer is a `PassPlan`. The executor
 then runs the same seams as the hybrid backend (layers/moe/hybrid.py): the GPU branch is
-`slot_experts_forward` over the pool (a CPU route reads the zero slot of its top-k
+`pool.forward` over the pool (a CPU route reads the zero slot of its top-k
 position, so shapes stay fixed), the CPU branch is `CpuExperts.submit`/`wait` over the host
 copies, and the two partial sums (fp32) are added and rounded once.
 
@@ -41,7 +41,6 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.layers.moe.backend import MoEBackend
-from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.hybrid import to_host
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.engine.threads import ThreadLayout
@@ -177,7 +176,7 @@ class SlotExperts(MoEBackend):
         self.spec, self.pool, self.host, self.cpu = spec, pool, host, cpu
         self.device = pool.device
         self.on_cuda = self.device.type == "cuda"
-        self.expert_bytes = pool.w13[0].nbytes + pool.w2[0].nbytes
+        self.expert_bytes = pool.expert_bytes
         self.counters: Counter = Counter()
         self.last_plan: PassPlan | None = None
         pin = self.on_cuda
@@ -296,8 +295,7 @@ class SlotExperts(MoEBackend):
     def _gpu_branch(self, x, topk: TopKOutput, slot_dev: torch.Tensor) -> torch.Tensor:
         s = slot_dev[topk.ids]  # [T, K]
         slots = torch.where(s >= 0, s, self.pool.zero_of_position[: topk.ids.shape[1]])
-        return slot_experts_forward(x, slots, topk.weights, self.pool.w13, self.pool.w2, self.pool.zero_lo,
-                                    self.pool.zero_hi, out_dtype=torch.float32)
+        return self.pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
 
     def _upload(self, layer: int, uploads, count: bool = True) -> None:
         if not uploads:

@@ -85,8 +85,10 @@ def make_policy(name: str, source, runner_settings, settings: PolicySettings = P
     if name in OSTINATO_STEPS:
         residency = _ostinato_residency(spec, settings, name)
         upload, mixed, borrow = OSTINATO_STEPS[name]
+        # experts="bf16": the baselines (ModelExperts.load) dequantize a GGUF file's experts, so every policy
+        # of a comparison computes the same bf16 experts until they keep the file's blocks too
         place = PlacementSettings(gpu_memory=settings.gpu_memory, upload_threshold=settings.upload_threshold,
-                                  cpu_backend=settings.cpu_backend, mixed=mixed, borrow=borrow)
+                                  cpu_backend=settings.cpu_backend, mixed=mixed, borrow=borrow, experts="bf16")
         h = build_hybrid(source, residency, place, spec.device, spec.dtype, spec.max_tokens,
                          runner_settings.thread_layout())
         if not upload:

@@ -69,4 +69,4 @@ def close_backend(backend) -> None:
 def resident_experts(backend) -> int:
     """Experts a backend keeps on the GPU for reuse across passes (resident or cached)."""
     own = getattr(backend, "resident_experts", None)
-    return own() if callable(own) else inner(backend).pool.num_hot
+    return own() if callable(own) else inner(backend).pools.num_hot

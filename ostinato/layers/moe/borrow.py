@@ -29,7 +29,7 @@ class Borrowing:
         """every: steps between rebalances; wait_copies: apply copies at the boundary they start
         at (deterministic; tests), instead of when they finish; on_switch(layer, compact_table)
         tells another consumer of the host tables (the graph worker) about a switch."""
-        pool = hybrid.pool
+        pool = hybrid.pools.single("borrowed memory (--borrow)")
         self.hybrid, self.pool, self.host = hybrid, pool, hybrid.host
         self.decay, self.margin, self.every, self.wait_copies = decay, margin, every, wait_copies
         self.on_switch = on_switch

@@ -18,7 +18,6 @@ import atexit
 import torch
 
 from ostinato.layers.moe.backend import MoEBackend
-from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts
 from ostinato.layers.moe.types import TopKOutput
@@ -32,12 +31,11 @@ class GraphHybridExperts(MoEBackend):
         from ostinato.kernels.triton import handshake as hs
 
         self.hybrid, self.hs, self.device = hybrid, hs, hybrid.device
-        pool = hybrid.pool
+        pools = hybrid.pools
         # only layers with cold experts post a step: the worker waits at each of its layers
         layers = [l for l, cold in hybrid.has_cold.items() if cold]
-        top_k, hidden = pool.zero_hi - pool.zero_lo, pool.w2.shape[1]
         self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
-        self.shared = GraphHandshake(len(layers), top_k, hidden, x_dtype=pool.w13.dtype)
+        self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype)
         self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers, core=core)
         self.seq = torch.zeros(1, dtype=torch.int32, device=hybrid.device)
         P = hs.HostPointer
@@ -86,16 +84,14 @@ class GraphHybridExperts(MoEBackend):
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         if not (self.in_step and x.shape[0] == 1 and self.hybrid.has_cold[layer]):
             return self.hybrid(layer, x, topk)
-        pool = self.hybrid.pool
+        pool = self.hybrid.pools.of(layer)
         if torch.cuda.is_current_stream_capturing():
             self.hybrid.count_captured(layer, topk.ids)
         borrow = self.hybrid.borrow  # the post kernel scores the routes as borrow.observe would
         score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done = self.views[self.index[layer]]
         self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post, score)
-        slots = pool.slots_for(layer, topk.ids)
-        gpu = slot_experts_forward(x, slots, topk.weights, pool.w13, pool.w2, pool.zero_lo, pool.zero_hi,
-                                   out_dtype=torch.float32)
+        gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
         self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
         return y

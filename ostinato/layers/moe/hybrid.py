@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.layers.moe.backend import MoEBackend
-from ostinato.layers.moe.gpu_experts import slot_experts_forward
-from ostinato.layers.moe.pool import ExpertPool, HostExperts
+from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -116,21 +115,24 @@ class HybridExperts(MoEBackend):
     resident experts on the GPU in every pass, the rest by the pass's path (choose_path).
     upload_threshold: Np, or None for a placement without an upload path; upload_all: the upload
     path copies every cold expert of the layer, not only those the pass routes to
-    (KTransformers' rule)."""
+    (KTransformers' rule). Every layer's experts come from its pool (`pools.of(layer)`: one per
+    expert format, so no code here knows the format)."""
 
-    def __init__(self, pool: ExpertPool, host: HostExperts, cpu, upload_threshold: int | None, max_tokens: int,
-                 layers: list[int] | None = None, upload_all: bool = False):
-        """layers: the MoE layers this backend serves (default: every layer of the host tables;
-        a device of a split model serves its own range, its HostExperts holds every layer's)."""
-        self.pool, self.host, self.cpu = pool, host, cpu
+    def __init__(self, pools: ExpertPools | ExpertPool, host: HostExperts, cpu, upload_threshold: int | None,
+                 max_tokens: int, layers: list[int] | None = None, upload_all: bool = False):
+        """pools: the GPU's pools (one ExpertPool is read as a single group); layers: the MoE layers
+        this backend serves (default: every layer of the host tables; a device of a split model
+        serves its own range, its HostExperts holds every layer's)."""
+        self.pools = pools if isinstance(pools, ExpertPools) else ExpertPools([pools])
+        self.host, self.cpu = host, cpu
         self.upload_threshold = upload_threshold  # Np
         self.upload_all = upload_all
-        self.device = pool.device
+        self.device = self.pools.device
         self.on_cuda = self.device.type == "cuda"
-        D = pool.w2.shape[1]
+        D = self.pools.hidden
         pin = self.on_cuda
         # host staging for the CPU branch, allocated once
-        self.x_host = torch.empty((max_tokens, D), dtype=pool.w13.dtype, pin_memory=pin)
+        self.x_host = torch.empty((max_tokens, D), dtype=self.pools.dtype, pin_memory=pin)
         self.out_host = torch.empty((max_tokens, D), dtype=torch.float32, pin_memory=pin)
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.counters: Counter = Counter()
@@ -141,6 +143,11 @@ class HybridExperts(MoEBackend):
         self.has_cold = {l: bool((host.compact[l] >= 0).any()) for l in layers}  # in layer order
         self.borrow = None  # Borrowing, when decode may lend the flex slots to cold experts
         self.mixed: MixedPass | None = None  # split passes may upload their most-routed cold experts
+
+    @property
+    def pool(self) -> ExpertPool:
+        """The pool of a one-group placement (every float model); ConfigError with several."""
+        return self.pools.single("this use of the pool")
 
     def after_decode_step(self) -> None:
         if self.borrow is not None:
@@ -171,7 +178,7 @@ class HybridExperts(MoEBackend):
         """Count a captured step's routes on the device (capturable)."""
         self.graph_counts[0] += ids.numel()
         if self.has_cold[layer]:
-            self.graph_counts[1] += (self.pool.table[layer][ids] < 0).sum()
+            self.graph_counts[1] += (self.pools.of(layer).table[layer][ids] < 0).sum()
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         T, K = topk.ids.shape
@@ -187,9 +194,8 @@ class HybridExperts(MoEBackend):
         return self.split_path(layer, x, topk)
 
     def _gpu_only(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        slots = self.pool.slots_for(layer, topk.ids)
-        return slot_experts_forward(x, slots, topk.weights, self.pool.w13, self.pool.w2, self.pool.zero_lo,
-                                    self.pool.zero_hi, out_dtype=torch.float32).to(x.dtype)
+        pool = self.pools.of(layer)
+        return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32).to(x.dtype)
 
     def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Decode and split path: GPU branch || CPU branch, then combine. The CPU branch is
@@ -214,9 +220,8 @@ class HybridExperts(MoEBackend):
             self.counters["cpu_experts"] += int(torch.unique(cid[cold]).numel())
             out_h = self.out_host[:T]
             self.cpu.submit(layer, x_h, tok, cid[cold], w_h[cold], out_h)
-        slots = self.pool.slots_for(layer, topk.ids)
-        gpu = slot_experts_forward(x, slots, topk.weights, self.pool.w13, self.pool.w2,
-                                   self.pool.zero_lo, self.pool.zero_hi, out_dtype=torch.float32)
+        pool = self.pools.of(layer)
+        gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         if uploaded is not None:
             gpu = gpu + uploaded
         if out_h is None:
@@ -229,7 +234,7 @@ class HybridExperts(MoEBackend):
         go into flex slots on the copy stream, after `ready` (recorded behind every earlier
         reader of the flex slots), while the caller hands the rest to the CPU; the GPU computes
         their routes once the copies land. -> (their partial sum or None, cold routes left)."""
-        pool = self.pool
+        pool = self.pools.of(layer)
         experts, routes = torch.unique(ids_h[cold], return_counts=True)
         order = torch.argsort(routes, descending=True, stable=True)
         k = self.mixed.choose(routes[order].tolist(), pool.num_slots - pool.flex_lo)
@@ -252,8 +257,7 @@ class HybridExperts(MoEBackend):
             nbytes = sum(pool.upload(pool.flex_lo + i, self.host, layer, int(e)) for i, e in enumerate(up))
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
-        part = slot_experts_forward(x, slots, topk.weights, pool.w13, pool.w2, pool.zero_lo, pool.zero_hi,
-                                    out_dtype=torch.float32)
+        part = pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
         self.counters["uploaded_experts"] += k
         self.counters["bytes_uploaded"] += nbytes
         self.counters["mixed_passes"] += 1
@@ -262,7 +266,7 @@ class HybridExperts(MoEBackend):
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once
         into a flex slot, all on the GPU."""
-        pool = self.pool
+        pool = self.pools.of(layer)
         table = pool.table[layer]
         slot = table[topk.ids]
         if self.upload_all:
@@ -281,6 +285,4 @@ class HybridExperts(MoEBackend):
             self.counters["cold_routes"] += int((table[topk.ids] < 0).sum())
             self.counters["uploaded_experts"] += n
             self.counters["bytes_uploaded"] += nbytes
-        out = slot_experts_forward(x, slot, topk.weights, pool.w13, pool.w2, pool.zero_lo, pool.zero_hi,
-                                   out_dtype=torch.float32)
-        return out.to(x.dtype)
+        return pool.forward(x, slot, topk.weights, out_dtype=torch.float32).to(x.dtype)

@@ -1,8 +1,8 @@
-"""The expert pool of one GPU and the host copies of the cold experts.
+"""The expert pools of one GPU and the host copies of the cold experts.
 
 Pool slots (equal size, one tensor per weight, allocated once, before anything else):
 
-  [0, S)            hot experts of every MoE layer placed on this GPU, packed
+  [0, S)            hot experts of every MoE layer the pool serves, packed
   [S, S + K)        K zero slots: a cold route at top-k position j reads slot S + j,
                     so the GPU always computes exactly K slots per token (fixed shapes)
   [S + K, S + K + U) flexible slots: the upload path stages a long pass's cold experts
@@ -12,6 +12,13 @@ The index table maps (layer, expert) -> slot, or -1 for "cold". Host memory hold
 the cold experts (page-locked once, in place), compacted per layer, so a resident
 expert keeps no second copy.
 
+A pool knows its format: bf16 (or fp32) weights, or GGUF blocks (uint8 rows of
+(qt13, qt2), ostinato/quant/formats.py) that the kernels dequantize inside; `forward` is
+the one GPU-branch call, so no caller knows which. Slots must be of one size, and a
+Q4_K_M file gives some layers Q6_K down projections, so the layers of a GPU are grouped
+by their format, one pool per group (`ExpertPools`, `of(layer)`); a bf16 model is one
+group. Zero slots are zero bytes: every block format here decodes them to 0.
+
 Legend: S hot slots, K top-k, U flexible slots, E experts, F expert FFN, D hidden.
 """
 from __future__ import annotations
@@ -20,20 +27,43 @@ import weakref
 
 import torch
 
-from ostinato.layers.moe.types import ExpertWeights
+from ostinato.config import ConfigError
+from ostinato.layers.moe.gpu_experts import slot_experts_forward
+from ostinato.layers.moe.gpu_quant import slot_experts_quant_forward
+from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
+from ostinato.quant.formats import row_bytes
 
 COLD = -1
+
+Qtypes = tuple[str, str] | None  # (qt13, qt2) of GGUF blocks, or None for float weights
+
+
+def stored_shapes(shape13, shape2, qtypes: Qtypes):
+    """The per-expert tensor shapes as stored: [2F, D] and [D, F] floats, or their byte rows
+    [2F, row_bytes(qt13, D)] and [D, row_bytes(qt2, F)]."""
+    if qtypes is None:
+        return tuple(shape13), tuple(shape2)
+    return (shape13[0], row_bytes(qtypes[0], shape13[1])), (shape2[0], row_bytes(qtypes[1], shape2[1]))
 
 
 class ExpertPool:
     def __init__(self, hot: dict[int, list[int]], num_layers: int, num_experts: int, top_k: int,
-                 flex_slots: int, shape13: tuple[int, int], shape2: tuple[int, int], device, dtype):
+                 flex_slots: int, shape13: tuple[int, int], shape2: tuple[int, int], device, dtype,
+                 qtypes: Qtypes = None):
+        """hot: the experts resident in this pool per layer it serves (its keys are its layers);
+        dtype: the activations' dtype, and the weights' unless qtypes gives their block formats."""
+        self.layers = sorted(hot)
+        self.qtypes = tuple(qtypes) if qtypes is not None else None
+        self.dtype = dtype
+        self.top_k, self.hidden = top_k, shape2[0]
         self.num_hot = sum(len(v) for v in hot.values())
         self.zero_lo, self.zero_hi = self.num_hot, self.num_hot + top_k
         self.flex_lo, self.num_slots = self.zero_hi, self.zero_hi + flex_slots
         self.device = torch.device(device)
-        self.w13 = torch.empty((self.num_slots, *shape13), device=device, dtype=dtype)  # [N, 2F, D]
-        self.w2 = torch.empty((self.num_slots, *shape2), device=device, dtype=dtype)  # [N, D, F]
+        s13, s2 = stored_shapes(shape13, shape2, self.qtypes)
+        wdtype = dtype if self.qtypes is None else torch.uint8
+        self.w13 = torch.empty((self.num_slots, *s13), device=device, dtype=wdtype)  # [N, 2F, D] (or bytes)
+        self.w2 = torch.empty((self.num_slots, *s2), device=device, dtype=wdtype)  # [N, D, F] (or bytes)
         self.w13[self.zero_lo:self.zero_hi].zero_()
         self.w2[self.zero_lo:self.zero_hi].zero_()
         table = torch.full((num_layers, num_experts), COLD, dtype=torch.int32)
@@ -50,12 +80,34 @@ class ExpertPool:
     def nbytes(self) -> int:
         return self.w13.nbytes + self.w2.nbytes
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one slot (one expert in this pool's format)."""
+        return self.w13[0].nbytes + self.w2[0].nbytes
+
+    @property
+    def format(self) -> str:
+        """'Q4_K/Q6_K' or 'bfloat16': for reports and messages."""
+        return "/".join(self.qtypes) if self.qtypes else str(self.dtype).removeprefix("torch.")
+
     @staticmethod
     def bytes_for(slots: int, expert_bytes: int) -> int:
         return slots * expert_bytes
 
-    def fill_layer(self, layer: int, experts: ExpertWeights) -> None:
-        """Copy the hot experts of one layer (from any device) into their slots."""
+    def forward(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, out_dtype=None, out=None,
+                max_distinct=None) -> torch.Tensor:
+        """The GPU branch over this pool's slots: out[T, D] = sum over the K slots of each token
+        (x[T, D], slots[T, K] from slots_for, weights[T, K] fp32), in the pool's format's kernels
+        (Triton on CUDA, capturable; plain torch on the CPU)."""
+        if self.qtypes is None:
+            return slot_experts_forward(x, slots, weights, self.w13, self.w2, self.zero_lo, self.zero_hi, out,
+                                        out_dtype=out_dtype, max_distinct=max_distinct)
+        return slot_experts_quant_forward(x, slots, weights, self.w13, self.w2, self.zero_lo, self.zero_hi, out,
+                                          qtypes=self.qtypes, out_dtype=out_dtype, max_distinct=max_distinct)
+
+    def fill_layer(self, layer: int, experts: ExpertWeights | QuantExpertWeights) -> None:
+        """Copy the hot experts of one layer (from any device, in this pool's format) into their slots."""
+        self._check_format(layer, experts)
         row = self.table_host[layer]
         ids = (row >= 0).nonzero().flatten()
         if ids.numel():
@@ -63,6 +115,12 @@ class ExpertPool:
             src = ids.to(experts.w13.device)
             self.w13[slots] = experts.w13[src].to(self.device, non_blocking=True)
             self.w2[slots] = experts.w2[src].to(self.device, non_blocking=True)
+
+    def _check_format(self, layer: int, experts) -> None:
+        qtypes = (experts.qt13, experts.qt2) if isinstance(experts, QuantExpertWeights) else None
+        if qtypes != self.qtypes:
+            got = "/".join(qtypes) if qtypes else "float"
+            raise ConfigError(f"layer {layer}: experts in {got} cannot fill a pool of {self.format} slots")
 
     def upload(self, slot: int, host: "HostExperts", layer: int, expert: int) -> int:
         """Copy one cold expert from page-locked host memory into `slot`, asynchronously on the
@@ -78,6 +136,64 @@ class ExpertPool:
         their top-k position. No host sync: capturable."""
         slot = self.table[layer][ids]
         return torch.where(slot >= 0, slot, self.zero_of_position[: ids.shape[1]])
+
+
+class ExpertPools:
+    """The expert pools of one GPU, one per expert format (a group of layers whose experts
+    have one byte size); `of(layer)` is the pool that serves a layer. A bf16 model has one."""
+
+    def __init__(self, pools: list[ExpertPool]):
+        if not pools:
+            raise ValueError("ExpertPools needs at least one pool")
+        self.groups = list(pools)
+        self._of = {l: p for p in self.groups for l in p.layers}
+        first = self.groups[0]
+        self.device, self.dtype, self.hidden, self.top_k = first.device, first.dtype, first.hidden, first.top_k
+
+    @classmethod
+    def build(cls, hot: dict[int, list[int]], num_layers: int, num_experts: int, top_k: int, flex: int | None,
+              shape13, shape2, device, dtype, qtypes: dict[int, Qtypes] | None = None) -> "ExpertPools":
+        """A pool per format of the layers in `hot` (qtypes: each layer's (qt13, qt2) or None; default:
+        all float); flex: flex slots of every pool, or None for each pool's most cold experts of a layer."""
+        qtypes = qtypes or {}
+        groups: dict[Qtypes, list[int]] = {}
+        for layer in sorted(hot):
+            groups.setdefault(qtypes.get(layer), []).append(layer)
+        pools = []
+        for qt, layers in groups.items():
+            n = flex if flex is not None else max(num_experts - len(hot[l]) for l in layers)
+            pools.append(ExpertPool({l: hot[l] for l in layers}, num_layers, num_experts, top_k, n, shape13, shape2,
+                                    device, dtype, qt))
+        return cls(pools)
+
+    def of(self, layer: int) -> ExpertPool:
+        if len(self.groups) == 1:
+            return self.groups[0]
+        return self._of[layer]
+
+    def single(self, what: str) -> ExpertPool:
+        """The one pool, for what works on one pool only (ConfigError naming `what` otherwise)."""
+        if len(self.groups) > 1:
+            fmts = ", ".join(p.format for p in self.groups)
+            raise ConfigError(f"{what} works on one expert pool, but this placement has {len(self.groups)} "
+                              f"(one per expert format: {fmts}); turn it off, or load the experts as bf16")
+        return self.groups[0]
+
+    @property
+    def num_hot(self) -> int:
+        return sum(p.num_hot for p in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.groups)
+
+    def fill_layer(self, layer: int, experts) -> None:
+        self.of(layer).fill_layer(layer, experts)
+
+    def describe(self) -> dict[str, dict]:
+        """Per group: its layers, slots and bytes (for reports)."""
+        return {p.format: {"layers": p.layers, "hot": p.num_hot, "slots": p.num_slots, "flex": p.num_slots - p.flex_lo,
+                           "expert_bytes": p.expert_bytes, "bytes": p.nbytes} for p in self.groups}
 
 
 def pin_in_place(t: torch.Tensor) -> weakref.finalize | None:
@@ -100,26 +216,41 @@ def pin_in_place(t: torch.Tensor) -> weakref.finalize | None:
 
 
 class HostExperts:
-    """The cold experts of every layer, compacted, in one page-locked host buffer each for
-    w13 and w2; compact[layer][e] is the expert's index in its layer's stack, or -1."""
+    """The cold experts of every layer, compacted, each layer in its format (float, or GGUF blocks
+    as QuantExpertWeights), in one page-locked host buffer per format for w13 and one for w2;
+    compact[layer][e] is the expert's index in its layer's stack, or -1."""
 
-    def __init__(self, cold: dict[int, list[int]], num_experts: int, shape13, shape2, dtype):
-        total = sum(len(v) for v in cold.values())
-        self.w13_all = torch.empty((total, *shape13), dtype=dtype)
-        self.w2_all = torch.empty((total, *shape2), dtype=dtype)
-        self._pins = [p for p in (pin_in_place(self.w13_all), pin_in_place(self.w2_all)) if p is not None]
-        self.pinned = len(self._pins) == 2
-        self.layers: dict[int, ExpertWeights] = {}
-        self.compact: dict[int, torch.Tensor] = {}
-        start = 0
+    def __init__(self, cold: dict[int, list[int]], num_experts: int, shape13, shape2, dtype,
+                 qtypes: dict[int, Qtypes] | None = None):
+        """qtypes: each layer's (qt13, qt2) of GGUF blocks, or None (default for all): dtype weights."""
+        qtypes = qtypes or {}
+        groups: dict[Qtypes, list[int]] = {}
         for layer in sorted(cold):
-            ids = sorted(cold[layer])
-            n = len(ids)
-            self.layers[layer] = ExpertWeights(self.w13_all[start:start + n], self.w2_all[start:start + n])
-            c = torch.full((num_experts,), COLD, dtype=torch.int32)
-            c[ids] = torch.arange(n, dtype=torch.int32)
-            self.compact[layer] = c
-            start += n
+            groups.setdefault(qtypes.get(layer), []).append(layer)
+        self._pins = []
+        self.pinned = True
+        self.layers: dict[int, ExpertWeights | QuantExpertWeights] = {}
+        self.compact: dict[int, torch.Tensor] = {}
+        for qt, layers in groups.items():
+            s13, s2 = stored_shapes(shape13, shape2, qt)
+            wdtype = dtype if qt is None else torch.uint8
+            total = sum(len(cold[l]) for l in layers)
+            w13_all = torch.empty((total, *s13), dtype=wdtype)
+            w2_all = torch.empty((total, *s2), dtype=wdtype)
+            pins = [p for p in (pin_in_place(w13_all), pin_in_place(w2_all)) if p is not None]
+            self._pins += pins
+            self.pinned = self.pinned and len(pins) == 2
+            start = 0
+            for layer in layers:
+                ids = sorted(cold[layer])
+                n = len(ids)
+                w13, w2 = w13_all[start:start + n], w2_all[start:start + n]
+                self.layers[layer] = ExpertWeights(w13, w2) if qt is None else QuantExpertWeights(qt[0], w13, qt[1], w2)
+                c = torch.full((num_experts,), COLD, dtype=torch.int32)
+                c[ids] = torch.arange(n, dtype=torch.int32)
+                self.compact[layer] = c
+                start += n
+        self.pinned = self.pinned and bool(self._pins)
 
     def unpin(self) -> None:
         """Unregister the page-locked buffers now (before they are freed, so that a later
@@ -128,11 +259,13 @@ class HostExperts:
             p()
         self._pins, self.pinned = [], False
 
-    def fill_layer(self, layer: int, experts: ExpertWeights) -> None:
+    def fill_layer(self, layer: int, experts: ExpertWeights | QuantExpertWeights) -> None:
         c = self.compact[layer]
         ids = (c >= 0).nonzero().flatten()
         if ids.numel():
             dst = self.layers[layer]
+            if isinstance(dst, QuantExpertWeights) != isinstance(experts, QuantExpertWeights):
+                raise ConfigError(f"layer {layer}: host experts and the loaded experts differ in format")
             src = ids.to(experts.w13.device)
             dst.w13.copy_(experts.w13[src])  # straight into page-locked memory, from any device
             dst.w2.copy_(experts.w2[src])
