@@ -13,20 +13,25 @@ from ostinato.model_args import add_model_args, placement_settings, runner_setti
 from ostinato.planner.cli import add_planner_commands
 from ostinato.server.cli import add_server_commands
 from ostinato.synth.gguf_writer import RECIPES
-from ostinato.synth.presets import PRESETS
+from ostinato.synth.presets import DEPTH_PROFILES, PRESETS, REGIMES, regime
 
 
 def cmd_synth(a) -> int:
     from ostinato.synth.build import write_checkpoint, write_gguf_file
 
     t0 = time.perf_counter()
+    low, high = a.depth_range or (None, None)
+    try:
+        routing = regime(a.regime, depth=a.depth, low=low, high=high, persistence=a.persistence, content=a.content)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if a.format == "gguf":
-        out = write_gguf_file(a.preset, a.out, a.quant, seed=a.seed, layers=a.layers, skew=a.skew,
+        out = write_gguf_file(a.preset, a.out, a.quant, seed=a.seed, layers=a.layers, skew=a.skew, regime=routing,
                               progress=lambda i, n: print(f"  tensor {i}/{n}", file=sys.stderr) if i % 50 == 0 or i == n else None)
     else:
         if a.quant != "BF16":
             raise ConfigError(f"--quant {a.quant} needs --format gguf (a Hugging Face checkpoint is written in bf16)")
-        out = write_checkpoint(a.preset, a.out, seed=a.seed, layers=a.layers, skew=a.skew,
+        out = write_checkpoint(a.preset, a.out, seed=a.seed, layers=a.layers, skew=a.skew, regime=routing,
                                progress=lambda i, n: print(f"  shard {i}/{n}", file=sys.stderr))
     print(f"wrote {a.preset} to {out} in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -73,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", type=float, default=None, help="router bias scale (default: the calibrated one)")
+    p.add_argument("--regime", choices=list(REGIMES), default="flat",
+                   help="routing regime (synth/presets.py): flat, heterogeneous layers, persistent, by content")
+    p.add_argument("--depth", choices=list(DEPTH_PROFILES), help="override: the per-layer skew profile")
+    p.add_argument("--depth-range", type=float, nargs=2, metavar=("LOW", "HIGH"),
+                   help="override: the profile's range, as multiples of the bias scale")
+    p.add_argument("--persistence", type=float, help="override: scale of the routers' recent-token state")
+    p.add_argument("--content", type=float, help="override: scale of the per-token-class expert bias")
     p.add_argument("--out", required=True, help="output directory (gguf: the file OUT/PRESET-QUANT.gguf)")
     p.add_argument("--format", choices=["hf", "gguf"], default="hf",
                    help="hf: config.json + safetensors; gguf: one llama.cpp qwen3moe file")

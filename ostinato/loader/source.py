@@ -112,10 +112,11 @@ def refuse_quantized(config: dict, where: Path) -> None:
 
 
 def parse_synth(text: str) -> tuple[str, dict]:
-    """'synth:tiny?seed=1&layers=2' -> ('tiny', {'seed': 1, 'layers': 2})."""
+    """'synth:tiny?seed=1&layers=2' -> ('tiny', {'seed': 1, 'layers': 2}); the routing regime and
+    its knobs as `ostinato synth` takes them ('synth:tiny?regime=layered-persistent&persistence=0.5')."""
     body = text[len("synth:"):]
     preset, _, query = body.partition("?")
-    kinds = {"seed": int, "layers": int, "skew": float}
+    kinds = {"seed": int, "layers": int, "skew": float, "regime": str, "persistence": float, "content": float}
     opts = {}
     for k, v in parse_qsl(query, strict_parsing=bool(query)):
         if k not in kinds:
@@ -128,8 +129,15 @@ def open_source(model: str | Path):
     """A model argument -> a weight source."""
     text = str(model)
     if text.startswith("synth:"):
+        from ostinato.synth.presets import regime
+
         preset, opts = parse_synth(text)
-        return synth_source(preset, **opts)
+        knobs = {k: opts.pop(k) for k in ("persistence", "content") if k in opts}
+        try:
+            routing = regime(opts.pop("regime", "flat"), **knobs)
+        except ValueError as e:
+            raise ConfigError(f"{text}: {e}") from None
+        return synth_source(preset, **opts, regime=routing)
     path = Path(text)
     if not (path / "config.json").is_file():  # a checkpoint directory wins over a .gguf beside it
         gguf_file = find_gguf(path)

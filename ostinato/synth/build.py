@@ -9,6 +9,7 @@ weights are generated on demand.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from ostinato.synth.gguf_writer import write_gguf
-from ostinato.synth.presets import TOKENIZER_VOCAB, preset_config
+from ostinato.synth.presets import TOKENIZER_VOCAB, Regime, preset_config
 from ostinato.synth.source import SynthSource
 from ostinato.synth.weights import SynthSpec
 
@@ -98,10 +99,17 @@ def tokenizer_vocab_size(tok_dir: Path) -> int:
     return max(ids) + 1
 
 
-def synth_source(preset: str, seed: int = 0, layers: int | None = None, skew: float | None = None):
+def synth_spec(preset: str, tok: Path, seed: int = 0, layers: int | None = None, skew: float | None = None,
+               regime: Regime | None = None) -> SynthSpec:
+    return SynthSpec(preset, layers, seed, skew, active_vocab=tokenizer_vocab_size(tok), regime=regime or Regime(),
+                     tokenizer_dir=tok)
+
+
+def synth_source(preset: str, seed: int = 0, layers: int | None = None, skew: float | None = None,
+                 regime: Regime | None = None):
     preset_config(preset, layers)  # a clear error for an unknown preset or layer count, before training
     tok = cached_tokenizer(preset)
-    spec = SynthSpec(preset, layers, seed, skew, active_vocab=tokenizer_vocab_size(tok))
+    spec = synth_spec(preset, tok, seed, layers, skew, regime)
     return SynthSource(spec, tok, model_config(spec, tok))
 
 
@@ -112,7 +120,7 @@ def generation_config(cfg: dict) -> dict:
 
 
 def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None = None,
-                     skew: float | None = None, progress=None) -> Path:
+                     skew: float | None = None, progress=None, regime: Regime | None = None) -> Path:
     """Write a synthetic checkpoint directory; returns it."""
     import shutil
 
@@ -122,7 +130,7 @@ def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None =
     tok = cached_tokenizer(preset)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok / f, out / f)
-    spec = SynthSpec(preset, layers, seed, skew, active_vocab=tokenizer_vocab_size(tok))
+    spec = synth_spec(preset, tok, seed, layers, skew, regime)
     cfg = model_config(spec, tok)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2) + "\n")
@@ -145,17 +153,18 @@ def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None =
         weight_map |= {n: fname for n in names}
         if progress:
             progress(i + 1, len(shards))
-    index = {"metadata": {"total_size": total, "ostinato_synth": {"preset": preset, "seed": seed,
-                                                                  "layers": layers, "skew": skew}},
-             "weight_map": weight_map}
+    synth = {"preset": preset, "seed": seed, "layers": layers, "skew": skew}
+    if not spec.regime.is_flat:  # a flat model's files stay as they were
+        synth["regime"] = dataclasses.asdict(spec.regime)
+    index = {"metadata": {"total_size": total, "ostinato_synth": synth}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
 
 
 def write_gguf_file(preset: str, out: Path, quant: str = "BF16", seed: int = 0, layers: int | None = None,
-                    skew: float | None = None, progress=None) -> Path:
+                    skew: float | None = None, progress=None, regime: Regime | None = None) -> Path:
     """Write a synthetic model as OUT/{preset}-{quant}.gguf, generated straight into the writer
     (no Hugging Face copy on disk); the same values as `write_checkpoint`. Returns the file."""
-    source = synth_source(preset, seed, layers, skew)
+    source = synth_source(preset, seed, layers, skew, regime)
     return write_gguf(source, Path(out) / f"{preset}-{quant}.gguf", quant, name=preset,
                       generation=generation_config(source.config.raw), progress=progress)
