@@ -213,7 +213,7 @@ def test_tokenize_detokenize_and_names(http, live, claude):
 BAD = [  # (body, status, words the message must contain)
     ({"messages": USER, "max_tokens": 5}, 400, "model"),
     ({"model": NAME, "messages": USER}, 400, "max_tokens"),
-    ({"model": NAME, "messages": USER, "max_tokens": 5, "top_k": 5}, 400, "top_k is not supported"),
+    ({"model": NAME, "messages": USER, "max_tokens": 5, "top_k": -1}, 400, "top_k"),
     ({"model": NAME, "messages": USER, "max_tokens": 5, "temperature": 1.5}, 400, "temperature"),
     ({"model": NAME, "messages": [], "max_tokens": 5}, 400, "messages"),
     ({"model": NAME, "max_tokens": 5, "messages": [{"role": "user", "content": [

@@ -256,7 +256,7 @@ BAD = [  # (body, status, words the message must contain)
     ({"messages": USER, "n": 2}, 400, "n must be 1"),
     ({"messages": USER, "stop": ""}, 400, "stop"),
     ({"messages": USER, "logprobs": True}, 400, "logprobs"),
-    ({"messages": USER, "top_k": 40}, 400, "top_k is not supported"),
+    ({"messages": USER, "top_k": -2}, 400, "top_k"),
     ({"messages": USER, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "has space"}}]}, 400,
      "tools[0].function.name"),
@@ -301,6 +301,82 @@ def test_bad_requests_leave_the_server_serving(http, client):
     fill = http.post("/v1/completions", json={"model": NAME, "prompt": [7] * (CTX - 4), "max_tokens": 10 ** 12,
                                               "ignore_eos": True, "temperature": 0}).json()
     assert fill["usage"]["completion_tokens"] == 4 and fill["choices"][0]["finish_reason"] == "length"
+    assert_alive(http)
+
+
+def _health_latencies_while(live, work) -> list[float]:
+    """Run `work` in a thread; meanwhile time GET /health, one call after another."""
+    thread = threading.Thread(target=work)
+    latencies = []
+    with httpx.Client(base_url=live.url, timeout=10) as c:
+        c.get("/health")  # the connection is open before the clock starts
+        thread.start()
+        while thread.is_alive() or len(latencies) < 20:
+            t0 = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+    thread.join()
+    return latencies
+
+
+def test_an_oversized_body_is_a_413_while_health_stays_quick(live, http):
+    mib = 2 ** 20
+    whole = b'{"messages": "' + b"x" * (20 * mib) + b'"}'
+
+    def chunked():  # no Content-Length: the limit holds while the body arrives
+        yield b'{"messages": "'
+        for _ in range(20):
+            yield b"x" * mib
+        yield b'"}'
+
+    answers = []
+
+    def upload():
+        for body in (whole, chunked(), whole, chunked(), chunked()):
+            answers.append(httpx.post(live.url + "/v1/chat/completions", content=body, timeout=60,
+                                      headers={**AUTH, "Content-Type": "application/json"}))
+    latencies = _health_latencies_while(live, upload)
+    assert [r.status_code for r in answers] == [413] * 5
+    for r in answers:
+        error = r.json()["error"]
+        assert error["code"] == "request_too_large" and "--max-body-size" in error["message"], error
+    print(f"/health during 413s: {len(latencies)} calls, median {1000 * sorted(latencies)[len(latencies) // 2]:.1f} "
+          f"ms, max {1000 * max(latencies):.1f} ms")
+    assert max(latencies) < 0.1  # a 2-core machine answers in a few ms; 100 ms is the loop being blocked
+    r = httpx.post(live.url + "/v1/messages", content=whole, headers={"x-api-key": KEY})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    assert_alive(http)
+
+
+def test_an_oversized_body_is_not_held_in_memory(live):
+    import tracemalloc
+
+    def chunks():  # 256 MiB, sent as it is made
+        for _ in range(256):
+            yield b"x" * 2 ** 20
+    tracemalloc.start()
+    try:
+        r = httpx.post(live.url + "/v1/completions", content=chunks(), headers=AUTH, timeout=60)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert r.status_code == 413
+    print(f"peak Python allocation while refusing a 256 MiB body: {peak / 2 ** 20:.1f} MiB")
+    assert peak < 48 * 2 ** 20  # the 16 MiB read before the limit, and copies in flight
+
+
+def test_tokenizing_a_large_prompt_does_not_block_the_loop(live, http):
+    """A 2 MiB prompt, under the body limit: parsed, rendered and tokenized on a pool thread
+    (seconds of work), then refused for the context before it is queued."""
+    words = [f"w{i * 7919 % 100003:x}" for i in range(300_000)]  # few repeats: no tokenizer cache hits
+    body = {"model": NAME, "messages": [{"role": "user", "content": " ".join(words)}], "max_tokens": 1}
+    answers = []
+    latencies = _health_latencies_while(live, lambda: answers.append(
+        httpx.post(live.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)))
+    assert answers[0].status_code == 400 and answers[0].json()["error"]["code"] == "context_length_exceeded"
+    print(f"/health during tokenization: {len(latencies)} calls, median "
+          f"{1000 * sorted(latencies)[len(latencies) // 2]:.1f} ms, max {1000 * max(latencies):.1f} ms")
+    assert sorted(latencies)[len(latencies) // 2] < 0.05 and max(latencies) < 0.5
     assert_alive(http)
 
 
@@ -452,3 +528,21 @@ def test_serve_command_line(tiny_dir, capsys):
         build_parser().parse_args(["serve", "--model", str(tiny_dir), "--tool-call-parser", "mistral"])
     assert main(["serve", "--model", str(tiny_dir), "--residency", "/nonexistent/residency.json"]) == 2
     assert "residency" in capsys.readouterr().err
+
+
+def test_max_body_size_flag(tiny_dir, capsys):
+    from ostinato.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "--model", str(tiny_dir)]).max_body_size == 16 * 2 ** 20
+    assert parse(["serve", "--model", str(tiny_dir), "--max-body-size", "1MiB"]).max_body_size == 2 ** 20
+    with pytest.raises(SystemExit):
+        parse(["serve", "--model", str(tiny_dir), "--max-body-size", "lots"])
+    assert "--max-body-size" in capsys.readouterr().err
+    app = build_app(str(tiny_dir), RunnerSettings(max_context=CTX), name=NAME, warmup=False, max_body_size=1000)
+    with LiveServer(app) as server:
+        server.wait_ready()
+        small = {"model": NAME, "prompt": "hi", "max_tokens": 1}
+        assert httpx.post(server.url + "/v1/completions", json=small).status_code == 200
+        r = httpx.post(server.url + "/v1/completions", json={**small, "prompt": "hi " * 400})
+        assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]

@@ -5,6 +5,17 @@ its KV cache holds; a new request is compared token by token, the cache is cut a
 first difference, and only the rest is prefilled (in chunks, by the runner). Decoding
 then appends to the same cache. A forced output (the recorded tokens of a replayed
 turn) replaces sampling, so replays of different placements run identical tokens.
+
+An agent also sends side requests (a title, a summary, a sub-agent) between the turns of
+its session; each would overwrite the slot and the next turn would prefill the whole
+conversation again. `Conversations` keeps the KV of the most recent other conversations
+in host memory (page-locked beside a GPU), least recently used dropped first: before a
+request overwrites much of the slot (more than an eighth of it; a turn that only
+re-renders its last answer differently is not worth the copy) the slot is copied out, and
+a request that extends a saved conversation further than the slot does has that prefix
+copied back, which costs a copy over PCIe instead of a prefill.
+
+Legend: L layers, n tokens, Hkv KV heads, Hd head dim.
 """
 from __future__ import annotations
 
@@ -26,7 +37,8 @@ class ContextLengthError(ValueError):
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV was reused
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (kept in the slot, or restored)
+    restored_tokens: int = 0  # of those, the ones copied back from a saved conversation
     output_tokens: int = 0
     prefill_s: float = 0.0  # prefill of the new prompt tokens, to the first token
     decode_s: float = 0.0  # every later token
@@ -50,13 +62,66 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-class Engine:
-    """The single session slot over a model runner. Not thread-safe: one caller at a time."""
+@dataclass
+class SavedKV:
+    tokens: list[int]
+    k: torch.Tensor  # [L, n, Hkv, Hd] in host memory
+    v: torch.Tensor
 
-    def __init__(self, runner: ModelRunner, eos_ids: set[int]):
+
+def _sync(layers) -> None:
+    for device in {layer.k.device for layer in layers if layer.k.is_cuda}:
+        torch.cuda.synchronize(device)
+
+
+class Conversations:
+    """The KV caches of up to `capacity` conversations besides the slot's, most recent last."""
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = capacity
+        self.saved: list[SavedKV] = []
+
+    def save(self, tokens: list[int], layers) -> None:
+        """Copy the KV of `tokens` (the slot's first len(tokens) positions) out of the slot."""
+        if self.capacity < 1 or not tokens:
+            return
+        n, first = len(tokens), layers[0].k
+        pin = any(layer.k.is_cuda for layer in layers)
+        k = torch.empty((len(layers), n, *first.shape[1:]), dtype=first.dtype, pin_memory=pin)
+        v = torch.empty_like(k, pin_memory=pin)
+        for i, layer in enumerate(layers):
+            k[i].copy_(layer.k[:n], non_blocking=pin)
+            v[i].copy_(layer.v[:n], non_blocking=pin)
+        _sync(layers)  # the next forward overwrites what was copied
+        # a saved prefix of this conversation says nothing more: this one replaces it
+        self.saved = [s for s in self.saved if common_prefix(s.tokens, tokens) < len(s.tokens)]
+        self.saved.append(SavedKV(list(tokens), k, v))
+        del self.saved[:-self.capacity]
+
+    def take(self, prompt: list[int], beyond: int) -> tuple[SavedKV | None, int]:
+        """The saved conversation sharing the longest prefix with `prompt`, if that is longer
+        than `beyond`, and the length; it leaves the store (the slot is to hold it)."""
+        n, i = max(((common_prefix(s.tokens, prompt), i) for i, s in enumerate(self.saved)), default=(0, -1))
+        return (self.saved.pop(i), n) if n > beyond else (None, 0)
+
+    @staticmethod
+    def restore(saved: SavedKV, start: int, n: int, layers) -> None:
+        """Copy positions [start, n) of `saved` back into the slot."""
+        for i, layer in enumerate(layers):
+            layer.k[start:n].copy_(saved.k[i, start:n], non_blocking=True)
+            layer.v[start:n].copy_(saved.v[i, start:n], non_blocking=True)
+        _sync(layers)
+
+
+class Engine:
+    """The single session slot over a model runner. Not thread-safe: one caller at a time.
+    `conversations`: how many other conversations' KV to keep in host memory (0: none)."""
+
+    def __init__(self, runner: ModelRunner, eos_ids: set[int], conversations: int = 0):
         self.runner = runner
         self.eos_ids = set(eos_ids)
         self.cached: list[int] = []  # tokens whose KV is in the cache, in order
+        self.conversations = Conversations(conversations)
 
     @property
     def max_context(self) -> int:
@@ -64,9 +129,29 @@ class Engine:
 
     def reset(self) -> None:
         self.cached = []
+        self.conversations.saved.clear()
 
-    def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
-        reuse = min(common_prefix(self.cached, prompt), len(prompt) - 1)  # >= 1 token to run
+    def keep_conversations(self, count: int) -> None:
+        """Keep the KV of up to `count` other conversations in host memory (0: none)."""
+        self.conversations = Conversations(count)
+
+    def _switch(self, prompt: list[int], stats: GenerationStats) -> int:
+        """Save the slot's conversation if this prompt would overwrite much of it; restore a
+        saved one that this prompt extends further. -> the prefix now in the slot."""
+        reuse = common_prefix(self.cached, prompt)
+        saved, n = self.conversations.take(prompt, beyond=reuse)
+        layers = self.runner.kv.layers
+        if len(self.cached) - reuse > len(self.cached) // 8:
+            self.conversations.save(self.cached, layers)
+        if saved is not None:
+            self.cached = self.cached[:reuse]  # what the slot holds even if a copy fails half-way
+            self.conversations.restore(saved, reuse, n, layers)
+            stats.restored_tokens = min(n, len(prompt) - 1) - reuse  # the last prompt token runs anyway
+            self.cached, reuse = prompt[:n], n
+        return reuse
+
+    def _prefill(self, prompt: list[int], stats: GenerationStats) -> tuple[torch.Tensor, int]:
+        reuse = min(self._switch(prompt, stats), len(prompt) - 1)  # >= 1 token to run
         self.cached = self.cached[:reuse]
         logits = self.runner.forward(prompt[reuse:], reuse)
         self.cached = list(prompt)
@@ -85,9 +170,9 @@ class Engine:
         if forced is not None:
             limit = min(limit, len(forced))
         stats.prompt_tokens = len(prompt)
-        sampler = Sampler(params, self.runner.device)
+        sampler = Sampler(params, self.runner.device, self.runner.config.vocab_size, prompt)
         t0 = time.perf_counter()
-        logits, stats.cached_tokens = self._prefill(prompt)
+        logits, stats.cached_tokens = self._prefill(prompt, stats)
         for i in range(limit):
             sampled = sampler(logits)  # the step's logits reach the host, as in any decode; a forced
             token = forced[i] if forced is not None else sampled  # replay that skipped it would time launches

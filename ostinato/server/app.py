@@ -14,8 +14,12 @@ from fastapi import FastAPI
 
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
+from ostinato.server.handlers import DEFAULT_MAX_BODY
 from ostinato.server.routes import create_app
 from ostinato.server.worker import EngineWorker
+
+
+DEFAULT_CONVERSATIONS = 4
 
 
 def served_name(model: str) -> str:
@@ -33,11 +37,17 @@ def served_names(model: str, names: str | Sequence[str] | None) -> list[str]:
 
 def build_app(model: str, settings: RunnerSettings = RunnerSettings(), placement: PlacementSettings | None = None,
               api_key: str | None = None, name: str | Sequence[str] | None = None, warmup: bool = True,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, max_body_size: int = DEFAULT_MAX_BODY,
+              conversations: int = DEFAULT_CONVERSATIONS) -> FastAPI:
+    """`conversations`: how many conversations besides the active one keep their KV cache
+    in host memory, so that an agent's side requests do not cost its session a prefill."""
     def load(progress):
         from ostinato.engine.factory import load_engine
 
         progress("loading weights")
-        return load_engine(model, settings, placement)
+        loaded = load_engine(model, settings, placement)
+        loaded.engine.keep_conversations(conversations)
+        return loaded
 
-    return create_app(EngineWorker(load, warmup=warmup), served_names(model, name), api_key, tool_call_parser)
+    return create_app(EngineWorker(load, warmup=warmup), served_names(model, name), api_key, tool_call_parser,
+                      max_body_size)

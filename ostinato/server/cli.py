@@ -5,10 +5,12 @@ The model and placement flags (--model, --device, --dtype, --max-context, --resi
 """
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import sys
 from pathlib import Path
 
+from ostinato.config import ConfigError, parse_bytes
 from ostinato.model_args import add_model_args, placement_settings, runner_settings
 from ostinato.server.parsing import FORMATS
 
@@ -20,6 +22,16 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _size(text: str) -> int:
+    try:
+        size = parse_bytes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError("the size must be at least 1 byte")
+    return size
+
+
 def cmd_serve(a) -> int:
     import uvicorn
 
@@ -29,7 +41,8 @@ def cmd_serve(a) -> int:
     if placement.residency and not Path(placement.residency).is_file():
         raise FileNotFoundError(f"--residency {placement.residency}: no such file (write one with `ostinato plan`)")
     app = build_app(a.model, runner_settings(a), placement, a.api_key, a.served_model_name,
-                    tool_call_parser=a.tool_call_parser)
+                    tool_call_parser=a.tool_call_parser, max_body_size=a.max_body_size,
+                    conversations=a.kv_conversations)
     if not _is_loopback(a.host) and not a.api_key:
         print(f"ostinato: warning: serving on {a.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -49,5 +62,11 @@ def add_server_commands(sub) -> None:
                         "(default: the model's directory name)")
     p.add_argument("--tool-call-parser", choices=list(FORMATS),
                    help="how the model writes tool calls (default: chosen from its chat template)")
+    p.add_argument("--max-body-size", type=_size, default="16MiB", metavar="SIZE",
+                   help="the largest request body accepted, e.g. 16MiB (default); a larger one gets a 413")
+    p.add_argument("--kv-conversations", type=int, default=4, metavar="N",
+                   help="conversations besides the active one whose KV cache is kept in host memory (page-locked "
+                        "with a GPU; each up to the KV cache's size), least recently used dropped first, so that "
+                        "side requests do not make the session prefill again; 0: only the active one (default: 4)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

@@ -1,8 +1,11 @@
-"""Generation requests, end to end: validate, tokenize, queue, shape the answer.
+"""Generation requests, end to end: read, validate, tokenize, queue, shape the answer.
 
-One generation path serves both APIs: a request is validated and tokenized on the
-request side (a thread of the pool, so the event loop keeps streaming other bytes),
-handed to the engine thread as one job through a `Run`, and its events are shaped into
+One generation path serves both APIs. The body is read chunk by chunk up to a limit
+(a larger one is a 413 before it is all in memory); parsing, validation, the chat
+template and tokenization run on a thread of the pool, so the event loop keeps answering
+/health and streaming other requests' bytes; the prompt is checked against the context
+there, before the job takes a place in the engine queue. The request is
+then handed to the engine thread as one job through a `Run`, and its events are shaped into
 a whole response or an SSE stream by the endpoint's `Shape` (OpenAI chat or text
 completion, Anthropic message). A stream is opened only once the first event is back,
 so a request that fails before its first token gets a real status code (400, 500)
@@ -19,17 +22,40 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ostinato.engine.sampling import SamplingDefaults
 from ostinato.server.bridge import Run
 from ostinato.server.errors import APIError
 from ostinato.server.messages_protocol import CountTokensRequest, MessagesRequest
 from ostinato.server.messages_responses import MessageShape
 from ostinato.server.metrics import Metrics
 from ostinato.server.parsing import Family
-from ostinato.server.prompts import (Prepared, prepare_chat, prepare_completion, prepare_messages, render,
+from ostinato.server.prompts import (Prepared, encode, prepare_chat, prepare_completion, prepare_messages, render,
                                      render_conversation)
 from ostinato.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
 from ostinato.server.responses import ChatShape, CompletionShape
 from ostinato.server.worker import EngineWorker, Failed, Job, Token
+
+
+DEFAULT_MAX_BODY = 16 * 2**20
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed `limit` bytes (from its declared
+    length, or while it arrives): an oversized body is never held whole."""
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"the request body is {size} bytes, over this server's limit of {limit} bytes "
+                             f"({limit / 2**20:g} MiB): send a smaller request, or start the server with a larger "
+                             "--max-body-size", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def engine_error(e: Exception) -> APIError:
@@ -43,21 +69,30 @@ def engine_error(e: Exception) -> APIError:
 class Endpoint:
     path: str
     body: type
-    prepare: Callable  # (request, loaded) -> Prepared
+    prepare: Callable  # (request, loaded, SamplingDefaults) -> Prepared
     shape: Callable  # (request, Prepared, loaded) -> a Shape
 
 
 class Generations:
-    def __init__(self, worker: EngineWorker, metrics: Metrics, names: list[str], tool_call_parser: str | None = None):
+    def __init__(self, worker: EngineWorker, metrics: Metrics, names: list[str], tool_call_parser: str | None = None,
+                 max_body_size: int = DEFAULT_MAX_BODY):
         self.worker, self.metrics, self.names = worker, metrics, names
+        self.max_body_size = max_body_size
         self.model_name = names[0]  # what responses report
         self.tool_call_parser = tool_call_parser
         self._family: Family | None = None
+        self._defaults: SamplingDefaults | None = None
 
     def family(self, loaded) -> Family:
         if self._family is None:
             self._family = Family.of(loaded.tokenizer, self.tool_call_parser)
         return self._family
+
+    def defaults(self, loaded) -> SamplingDefaults:
+        """The model's sampling defaults (its generation_config.json), read once."""
+        if self._defaults is None:
+            self._defaults = SamplingDefaults.of(loaded.source)
+        return self._defaults
 
     def ready(self, endpoint: str):
         w = self.worker
@@ -103,7 +138,7 @@ class Generations:
     async def tokenize(self, request: Request):
         def tokenize(req, loaded):
             if req.prompt is not None:
-                ids = loaded.tokenizer.encode(req.prompt)
+                ids = encode(loaded.tokenizer, req.prompt)
             else:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
                 ids = render(loaded.tokenizer, [m.for_template() for m in req.messages], tools,
@@ -128,7 +163,7 @@ class Generations:
     async def _utility(self, request: Request, endpoint: str, body_type, answer) -> JSONResponse:
         loaded = self.ready(endpoint)
         try:
-            req = parse_body(body_type, await request.body())
+            req = await run_in_threadpool(parse_body, body_type, await read_body(request, self.max_body_size))
             self.check_model(req.model)
             out = await run_in_threadpool(answer, req, loaded)
         except APIError as e:
@@ -141,9 +176,9 @@ class Generations:
         path = endpoint.path
         loaded = self.ready(path)
         try:
-            req = parse_body(endpoint.body, await request.body())
+            req = await run_in_threadpool(parse_body, endpoint.body, await read_body(request, self.max_body_size))
             self.check_model(req.model)
-            prep = await run_in_threadpool(endpoint.prepare, req, loaded)
+            prep = await run_in_threadpool(endpoint.prepare, req, loaded, self.defaults(loaded))
         except APIError as e:
             raise self._fail(path, e) from None
         shape = endpoint.shape(req, prep, loaded)

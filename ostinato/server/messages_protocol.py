@@ -13,8 +13,9 @@ so both APIs render the same prompt for the same conversation and share the KV c
 - `thinking: {type: enabled | disabled}` -> the template variable `enable_thinking`
   (a budget is accepted, not enforced: the model ends its thinking itself).
 
-top_k is refused: the sampler has temperature and top_p only. Images, documents and
-server tools are refused by validation. Extensions as on the OpenAI route:
+Sampling: temperature, top_p and top_k (0: off); a field left out takes the model's
+default (generation_config.json), else Anthropic's (temperature 1, top_p 1, no top_k).
+Images, documents and server tools are refused by validation. Extensions as on the OpenAI route:
 `ostinato_forced_ids`, `seed`, `ignore_eos`.
 """
 from __future__ import annotations
@@ -28,7 +29,6 @@ from ostinato.server.protocol import (
     _Body,
     check_schema,
     check_stops_and_forced,
-    refuse_unsupported_sampling,
 )
 
 
@@ -170,9 +170,9 @@ class MessagesRequest(Conversation):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)  # None: the model's default, else 1
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
     seed: int | None = None
     ignore_eos: bool = False
@@ -180,7 +180,6 @@ class MessagesRequest(Conversation):
 
     @model_validator(mode="after")
     def _check_generation(self) -> "MessagesRequest":
-        refuse_unsupported_sampling(self)
         check_stops_and_forced(self.stop_list(), self.ostinato_forced_ids)
         return self
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ostinato.engine.sampling import SamplingParams
+from ostinato.engine.sampling import SamplingDefaults, SamplingParams
 from ostinato.loader.tokenizer import ChatTemplateError
 from ostinato.server.errors import APIError
 from ostinato.server.messages_protocol import Conversation, MessagesRequest
 from ostinato.server.parsing.base import THINK_OPEN
-from ostinato.server.protocol import ChatRequest, CompletionRequest
+from ostinato.server.protocol import ChatRequest, CompletionRequest, logit_bias_ids
 
 
 @dataclass
@@ -47,13 +47,20 @@ class Rendered:
         return self.text.rstrip().endswith(THINK_OPEN)
 
 
+def encode(tok, text: str) -> list[int]:
+    """tok.encode(text), with the GIL released while it runs: `tokenizers` holds it through a
+    single encode (seconds for a prompt of megabytes, and the event loop would wait), not
+    through a batch. Same ids as tok.encode."""
+    return tok.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 def render(tok, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any] | None,
            add_generation_prompt: bool = True) -> Rendered:
     try:
         text = tok.apply_chat_template(messages, tools, add_generation_prompt, **(kwargs or {}))
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from None
-    return Rendered(tok.encode(text), text, tools)
+    return Rendered(encode(tok, text), text, tools)
 
 
 def _check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
@@ -63,18 +70,32 @@ def _check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
     return ids
 
 
-def _params(req, prompt: list[int], max_context: int) -> SamplingParams:
+# (field, the API's default where the model gives none); a field a body lacks takes the model's
+_SAMPLING = (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+             ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+
+
+def _params(req, prompt: list[int], loaded, defaults: SamplingDefaults) -> SamplingParams:
+    """The request's sampling, its gaps filled from the model's defaults, else the API's."""
+    max_context = loaded.engine.max_context
     if len(prompt) >= max_context:
         raise APIError(400, f"the prompt has {len(prompt)} tokens but the context holds {max_context} "
                             "(prompt and output together): shorten the conversation or start the server "
                             "with a larger --max-context", param="messages", code="context_length_exceeded")
     room = max_context - len(prompt)
     limit = room if req.output_limit is None else min(req.output_limit, room)
-    return SamplingParams(max_tokens=limit, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                          ignore_eos=req.ignore_eos)
+    sampling = {name: defaults.get(name, api_default) if getattr(req, name, None) is None else getattr(req, name)
+                for name, api_default in _SAMPLING}
+    bias = logit_bias_ids(getattr(req, "logit_bias", None))
+    vocab = loaded.runner.config.vocab_size
+    bad = next((i for i in bias if i >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                       param="logit_bias")
+    return SamplingParams(max_tokens=limit, seed=req.seed, ignore_eos=req.ignore_eos, logit_bias=bias, **sampling)
 
 
-def prepare_chat(req: ChatRequest, loaded) -> Prepared:
+def prepare_chat(req: ChatRequest, loaded, defaults: SamplingDefaults) -> Prepared:
     tok = loaded.tokenizer
     rendered = render(tok, [m.for_template() for m in req.messages], req.template_tools(), req.chat_template_kwargs)
     forced = None
@@ -86,7 +107,7 @@ def prepare_chat(req: ChatRequest, loaded) -> Prepared:
             raise APIError(400, str(e), param="ostinato_forced_output") from None
     if req.ostinato_forced_ids is not None:
         forced = _check_ids(req.ostinato_forced_ids, loaded.runner.config.vocab_size, "ostinato_forced_ids")
-    return Prepared(rendered.ids, _params(req, rendered.ids, loaded.engine.max_context), forced, req.stop_list(),
+    return Prepared(rendered.ids, _params(req, rendered.ids, loaded, defaults), forced, req.stop_list(),
                     rendered.declared, rendered.opens_reasoning)
 
 
@@ -94,22 +115,22 @@ def render_conversation(req: Conversation, loaded) -> Rendered:
     return render(loaded.tokenizer, req.template_messages(), req.template_tools(), req.template_kwargs())
 
 
-def prepare_messages(req: MessagesRequest, loaded) -> Prepared:
+def prepare_messages(req: MessagesRequest, loaded, defaults: SamplingDefaults) -> Prepared:
     rendered = render_conversation(req, loaded)
     forced = None
     if req.ostinato_forced_ids is not None:
         forced = _check_ids(req.ostinato_forced_ids, loaded.runner.config.vocab_size, "ostinato_forced_ids")
-    return Prepared(rendered.ids, _params(req, rendered.ids, loaded.engine.max_context), forced, req.stop_list(),
+    return Prepared(rendered.ids, _params(req, rendered.ids, loaded, defaults), forced, req.stop_list(),
                     rendered.declared, rendered.opens_reasoning)
 
 
-def prepare_completion(req: CompletionRequest, loaded) -> Prepared:
+def prepare_completion(req: CompletionRequest, loaded, defaults: SamplingDefaults) -> Prepared:
     tok = loaded.tokenizer
     vocab = loaded.runner.config.vocab_size
     if isinstance(req.prompt, str):
-        prompt = tok.encode(req.prompt)
+        prompt = encode(tok, req.prompt)
     elif req.prompt and isinstance(req.prompt[0], str):
-        prompt = tok.encode(req.prompt[0])
+        prompt = encode(tok, req.prompt[0])
     else:
         prompt = _check_ids(list(req.prompt), vocab, "prompt")
     if not prompt:
@@ -117,4 +138,4 @@ def prepare_completion(req: CompletionRequest, loaded) -> Prepared:
     forced = None
     if req.ostinato_forced_ids is not None:
         forced = _check_ids(req.ostinato_forced_ids, vocab, "ostinato_forced_ids")
-    return Prepared(prompt, _params(req, prompt, loaded.engine.max_context), forced, req.stop_list(), tools=None)
+    return Prepared(prompt, _params(req, prompt, loaded, defaults), forced, req.stop_list(), tools=None)

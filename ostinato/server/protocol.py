@@ -4,9 +4,11 @@ Validation happens here, once, in strict mode (no "5" -> 5 coercion), so a bad r
 becomes a 400 that names the field before anything reaches the engine queue. Only what
 Ostinato uses is modelled: unknown fields are ignored (clients send many optional ones),
 features it cannot honour (n > 1, logprobs, echo) are rejected rather than silently
-dropped, and so are sampling parameters the sampler does not have (top_k, min_p, penalties)
-unless they are given at their neutral values. Defaults are OpenAI's (temperature 1, top_p 1);
-max_tokens defaults to, and is capped at, the room the prompt leaves in the context. `model`,
+dropped. Sampling takes OpenAI's parameters (temperature, top_p, presence_penalty,
+frequency_penalty, logit_bias) and vLLM's (top_k, min_p, repetition_penalty); a field left
+out (or null) takes the model's default from its generation_config.json, else OpenAI's
+(temperature 1, top_p 1, the others off). max_tokens defaults to, and is capped at, the
+room the prompt leaves in the context. `model`,
 when given, must be one of the served names (else a 404); without it the request goes to the
 one model served, as vLLM and llama.cpp's server do.
 
@@ -46,9 +48,6 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-# Parameters the sampler does not have, and the value at which they change nothing.
-_NEUTRAL = {"top_k": (None, 0, -1), "min_p": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-            "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0)}
 _TEMPLATE_OWN = {"messages", "tools", "documents", "add_generation_prompt"}
 
 
@@ -62,12 +61,16 @@ def check_stops_and_forced(stops: list[str], forced: list[int] | None) -> None:
         raise ValueError("ostinato_forced_ids must hold at least one token id")
 
 
-def refuse_unsupported_sampling(body: BaseModel) -> None:
-    for name, neutral in _NEUTRAL.items():
-        value = getattr(body, name, None)
-        if value not in neutral:
-            raise ValueError(f"{name} is not supported (the sampler has temperature and top_p, not {name}): "
-                             f"leave it out")
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}) with its keys as ints; values in [-100, 100]."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise ValueError(f"logit_bias: the keys are token ids, as strings of digits (got {key!r})")
+        if not -100 <= value <= 100:
+            raise ValueError(f"logit_bias: token {key} has the bias {value}; biases go from -100 to 100")
+        out[int(key)] = value
+    return out
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
@@ -171,8 +174,14 @@ class _Generation(_Body):
     """Fields shared by chat and text completions."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: the model's default, else 1
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1
@@ -181,17 +190,12 @@ class _Generation(_Body):
     logprobs: bool | int | None = None
     response_format: dict[str, Any] | None = None
     ignore_eos: bool = False
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     ostinato_forced_ids: list[int] | None = None
     ostinato_return_ids: bool = False
 
     @model_validator(mode="after")
     def _check_common(self) -> "_Generation":
-        refuse_unsupported_sampling(self)
+        logit_bias_ids(self.logit_bias)
         if self.n != 1:
             raise ValueError(f"n must be 1: this server keeps one session slot and returns one choice (got {self.n})")
         if self.logprobs not in (None, False, 0):

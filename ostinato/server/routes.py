@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ostinato.server.errors import APIError, install_handlers
-from ostinato.server.handlers import Generations
+from ostinato.server.handlers import DEFAULT_MAX_BODY, Generations
 from ostinato.server.metrics import Metrics
 from ostinato.server.worker import EngineWorker
 
@@ -37,13 +37,14 @@ def _api_key_check(key: str, metrics: Metrics):
 
 
 def create_app(worker: EngineWorker, names: str | Sequence[str], api_key: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
-    """`tool_call_parser`: a key of ostinato.server.parsing.FORMATS; None: chosen from the chat template."""
+               tool_call_parser: str | None = None, max_body_size: int = DEFAULT_MAX_BODY) -> FastAPI:
+    """`tool_call_parser`: a key of ostinato.server.parsing.FORMATS; None: chosen from the chat template.
+    `max_body_size`: the largest request body read, in bytes (a larger one: 413)."""
     names = [names] if isinstance(names, str) else list(names)
     model_name = names[0]
     metrics = Metrics(worker)
     worker.on_finished = metrics.on_finished
-    generations = Generations(worker, metrics, names, tool_call_parser)
+    generations = Generations(worker, metrics, names, tool_call_parser, max_body_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
