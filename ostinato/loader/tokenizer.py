@@ -253,8 +253,11 @@ class ChatTokenizer:
         return token_id
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text`; special tokens written in it are matched, no BOS is added."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Ids of `text`; special tokens written in it are matched, no BOS is added. Encoded as a
+        batch of one: `tokenizers` keeps the GIL through a single encode (seconds for a prompt of
+        megabytes, and every other thread, a server's event loop included, waits), not through a
+        batch, whose ids are the same."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens included; unknown ids are skipped."""

@@ -29,7 +29,7 @@ from ostinato.server.messages_protocol import CountTokensRequest, MessagesReques
 from ostinato.server.messages_responses import MessageShape
 from ostinato.server.metrics import Metrics
 from ostinato.server.parsing import Family
-from ostinato.server.prompts import (Prepared, encode, prepare_chat, prepare_completion, prepare_messages, render,
+from ostinato.server.prompts import (Prepared, prepare_chat, prepare_completion, prepare_messages, render,
                                      render_conversation)
 from ostinato.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
 from ostinato.server.responses import ChatShape, CompletionShape
@@ -138,7 +138,7 @@ class Generations:
     async def tokenize(self, request: Request):
         def tokenize(req, loaded):
             if req.prompt is not None:
-                ids = encode(loaded.tokenizer, req.prompt)
+                ids = loaded.tokenizer.encode(req.prompt)
             else:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
                 ids = render(loaded.tokenizer, [m.for_template() for m in req.messages], tools,

@@ -47,20 +47,13 @@ class Rendered:
         return self.text.rstrip().endswith(THINK_OPEN)
 
 
-def encode(tok, text: str) -> list[int]:
-    """tok.encode(text), with the GIL released while it runs: `tokenizers` holds it through a
-    single encode (seconds for a prompt of megabytes, and the event loop would wait), not
-    through a batch. Same ids as tok.encode."""
-    return tok.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-
-
 def render(tok, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any] | None,
            add_generation_prompt: bool = True) -> Rendered:
     try:
         text = tok.apply_chat_template(messages, tools, add_generation_prompt, **(kwargs or {}))
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from None
-    return Rendered(encode(tok, text), text, tools)
+    return Rendered(tok.encode(text), text, tools)
 
 
 def _check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
@@ -128,9 +121,9 @@ def prepare_completion(req: CompletionRequest, loaded, defaults: SamplingDefault
     tok = loaded.tokenizer
     vocab = loaded.runner.config.vocab_size
     if isinstance(req.prompt, str):
-        prompt = encode(tok, req.prompt)
+        prompt = tok.encode(req.prompt)
     elif req.prompt and isinstance(req.prompt[0], str):
-        prompt = encode(tok, req.prompt[0])
+        prompt = tok.encode(req.prompt[0])
     else:
         prompt = _check_ids(list(req.prompt), vocab, "prompt")
     if not prompt:
