@@ -18,6 +18,7 @@ from ostinato.bench.metrics import (TurnResult, client_timing, percentile, sessi
 from ostinato.bench.replay import (FORCED_OUTPUT_FIELD, HttpTarget, InProcessTarget, TurnRequest, format_turn,
                                    replay_sessions)
 from ostinato.bench.turns import Session, Turn
+from ostinato.config import ConfigError
 from ostinato.engine.session import common_prefix
 
 
@@ -275,6 +276,48 @@ def test_replay_over_our_http_server(tiny_dir):
         assert r.output_tokens == len(tok.encode(tok.render_assistant_output(turn.output, s.tools)))
         assert r.prefill_s is not None and r.ttft_s >= 0
     assert results[1].cached_tokens > 0
+
+
+def test_replay_through_the_messages_api(tiny_dir):
+    """The same sessions through /v1/messages and the chat route of one server: every turn, the
+    same output tokens, and the second turn reuses the first's cache on both."""
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.loader.tokenizer import ChatTokenizer
+    from ostinato.server.app import build_app
+
+    tok = ChatTokenizer.from_dir(tiny_dir)
+    app = build_app(str(tiny_dir), RunnerSettings(device="cpu", max_context=4096), name="tiny", warmup=False)
+    sessions = _short_sessions(turns=3)
+    with _serve(app) as url:
+        runs = {}
+        for api in ("openai", "anthropic"):
+            target = HttpTarget(url, tokenizer=tok, api=api)
+            runs[api] = replay_sessions(target, sessions, tokenizer=tok)
+            target.close()
+        with pytest.raises(ConfigError, match="needs --tokenizer"):
+            HttpTarget(url, api="anthropic")
+    chat, messages = runs["openai"], runs["anthropic"]
+    assert [r.error for r in messages] == [None] * len(chat) and [r.error for r in chat] == [None] * len(chat)
+    assert [r.output_tokens for r in messages] == [r.output_tokens for r in chat]
+    assert all(r.output_tokens > 0 and r.ttft_s >= 0 and r.request_s >= r.ttft_s for r in messages)
+    assert messages[1].cached_tokens > 0 and messages[1].prompt_tokens > messages[0].prompt_tokens
+
+
+def test_anthropic_messages_from_a_recorded_chat():
+    from ostinato.bench.replay import anthropic_messages
+
+    call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a"}'}}
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "reasoning_content": "think", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "A"}, {"role": "tool", "tool_call_id": "c2", "content": "B"},
+            {"role": "assistant", "content": "done"}]
+    got = anthropic_messages(chat)
+    assert got["system"] == "Be brief."
+    assert [m["role"] for m in got["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert got["messages"][1]["content"] == [{"type": "thinking", "thinking": "think", "signature": ""},
+                                             {"type": "tool_use", "id": "c1", "name": "read", "input": {"path": "a"}}]
+    assert [b["tool_use_id"] for b in got["messages"][2]["content"]] == ["c1", "c2"]
+    assert "system" not in anthropic_messages(chat[1:2])
 
 
 def test_replay_command(tiny_dir, capsys):

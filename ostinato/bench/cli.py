@@ -66,7 +66,7 @@ def cmd_replay(a) -> int:
 
             tokenizer = ChatTokenizer.from_dir(a.tokenizer)
         target = HttpTarget(a.endpoint, kind=a.endpoint_kind, tokenizer=tokenizer, api_key=a.api_key,
-                            model=a.served_model, first_token=a.first_token)
+                            model=a.served_model, first_token=a.first_token, api=a.api)
         engine = target.name
     else:
         target, layers, engine = _in_process(a)
@@ -189,6 +189,9 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--endpoint-kind", default="auto", choices=["auto", "ostinato", "openai"],
                    help="ostinato: forced outputs; openai: max_tokens = recorded length and ignore_eos")
     p.add_argument("--api-key")
+    p.add_argument("--api", default="openai", choices=["openai", "anthropic"],
+                   help="the route an endpoint is replayed through: chat completions, or /v1/messages (our server; "
+                        "needs --tokenizer)")
     p.add_argument("--served-model", help="model name to send (default: the server's first model)")
     p.add_argument("--tokenizer", help="checkpoint directory whose tokenizer measures recorded lengths (HTTP)")
     p.add_argument("--first-token", default="chunk", choices=["chunk", "text"],

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ostinato.bench.metrics import TurnResult, client_timing, placement_delta
+from ostinato.config import ConfigError
 
 FORCED_OUTPUT_FIELD = "ostinato_forced_output"  # ostinato/server/protocol.py: the assistant message to emit
 FORCED_IDS_FIELD = "ostinato_forced_ids"  # the same as token ids (chat and completions)
@@ -125,8 +126,16 @@ class HttpTarget:
 
     def __init__(self, url: str, *, clock: Callable[[], float] = time.perf_counter, kind: str = "auto",
                  tokenizer=None, api_key: str | None = None, model: str | None = None, timeout: float = 900.0,
-                 first_token: str = "chunk", transport=None):
+                 first_token: str = "chunk", transport=None, api: str = "openai"):
+        """api: 'openai' (chat completions) or 'anthropic' (/v1/messages; our server, forced ids from
+        `tokenizer`, so both routes replay the same tokens)."""
         import httpx
+
+        if api not in ("openai", "anthropic"):
+            raise ConfigError(f"api {api!r}: give openai or anthropic")
+        if api == "anthropic" and tokenizer is None:
+            raise ConfigError("a replay through /v1/messages needs --tokenizer (its forced outputs are token ids)")
+        self.api = api
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout, headers=headers, transport=transport)
@@ -136,6 +145,9 @@ class HttpTarget:
         self.max_context = None
         if kind == "auto" or model is None:
             self._detect()
+        if api == "anthropic" and self.kind != "ostinato":
+            raise ConfigError(f"{url}: a replay through /v1/messages forces the recorded outputs, which only "
+                              "Ostinato's server takes")
         self.name = f"{self.kind}@{url}"
 
     def _detect(self) -> None:
@@ -200,6 +212,8 @@ class HttpTarget:
         return min(n, req.max_output or n)
 
     def run(self, req: TurnRequest) -> TurnResult:
+        if self.api == "anthropic":
+            return self._run_messages(req)
         path, body = self.body(req)
         res = TurnResult(req.session, req.turn, req.kind)
         before = self.placement()
@@ -243,6 +257,54 @@ class HttpTarget:
             res.placement = {"all": placement_delta(before, after)}
         return res
 
+    def _run_messages(self, req: TurnRequest) -> TurnResult:
+        """One turn through /v1/messages, streamed: the first delta of any block is the first token."""
+        body = {"model": self.model, "stream": True, "temperature": 0.0, **anthropic_messages(req.messages),
+                "max_tokens": len(req.forced_ids), FORCED_IDS_FIELD: req.forced_ids}
+        if req.tools:
+            body["tools"] = [{"name": f["name"], "description": f.get("description", ""),
+                              "input_schema": f.get("parameters") or {"type": "object"}}
+                             for f in (t.get("function", t) for t in req.tools)]
+        res = TurnResult(req.session, req.turn, req.kind)
+        before = self.placement()
+        first = last = None
+        usage: dict = {}
+        sent = self.clock()
+        try:
+            with self.client.stream("POST", "/v1/messages", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    res.error = f"HTTP {r.status_code}: {r.text[:300]}"
+                    return res
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    now = self.clock()
+                    event = json.loads(line[5:].strip())
+                    kind = event.get("type")
+                    if kind == "error":
+                        res.error = str(event.get("error", {}).get("message", event))[:300]
+                        break
+                    if kind == "message_start":
+                        usage |= event["message"].get("usage") or {}
+                    elif kind == "content_block_delta":
+                        first = first if first is not None else now
+                        last = now
+                    elif kind == "message_delta":
+                        usage |= event.get("usage") or {}
+                    elif kind == "message_stop":
+                        break
+        except Exception as e:  # noqa: BLE001 - connection errors end this session, not the replay
+            res.error = f"{type(e).__name__}: {e}"
+        res.output_tokens = usage.get("output_tokens", 0)
+        res.cached_tokens = usage.get("cache_read_input_tokens")
+        res.prompt_tokens = usage.get("input_tokens", 0) + (res.cached_tokens or 0)
+        res.ttft_s, res.tpot_s, res.request_s = client_timing(sent, first, last, res.output_tokens)
+        after = self.placement()
+        if after:
+            res.placement = {"all": placement_delta(before, after)}
+        return res
+
     @staticmethod
     def _fill(res: TurnResult, usage: dict, timings: dict, pieces: int) -> None:
         res.output_tokens = usage.get("completion_tokens") or timings.get("predicted_n") or pieces
@@ -253,6 +315,41 @@ class HttpTarget:
             res.prefill_s = timings["prompt_ms"] / 1000
         if "predicted_ms" in timings:
             res.decode_s = timings["predicted_ms"] / 1000
+
+
+def anthropic_messages(messages: list[dict]) -> dict:
+    """OpenAI-style chat messages (a recorded session's) -> Anthropic's {system, messages}: system
+    text on top; assistant tool calls as tool_use blocks, reasoning as a thinking block; tool
+    results as tool_result blocks of a user message (consecutive ones in one)."""
+    system, out = [], []
+    for m in messages:
+        role, content = m["role"], m.get("content")
+        text = content if isinstance(content, str) else "".join(
+            p.get("text", "") for p in content or [] if isinstance(p, dict))
+        if role == "system":
+            system.append(text)
+        elif role == "tool":
+            block = {"type": "tool_result", "tool_use_id": m.get("tool_call_id", ""), "content": text}
+            if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], list) and \
+                    all(b["type"] == "tool_result" for b in out[-1]["content"]):
+                out[-1]["content"].append(block)
+            else:
+                out.append({"role": "user", "content": [block]})
+        elif role == "assistant":
+            blocks = []
+            if m.get("reasoning_content"):
+                blocks.append({"type": "thinking", "thinking": m["reasoning_content"], "signature": ""})
+            if text:
+                blocks.append({"type": "text", "text": text})
+            for c in m.get("tool_calls") or []:
+                f = c.get("function", {})
+                args = f.get("arguments") or "{}"
+                blocks.append({"type": "tool_use", "id": c.get("id", ""), "name": f.get("name", ""),
+                               "input": json.loads(args) if isinstance(args, str) else args})
+            out.append({"role": "assistant", "content": blocks or [{"type": "text", "text": ""}]})
+        else:
+            out.append({"role": "user", "content": text})
+    return {"system": "\n\n".join(system), "messages": out} if system else {"messages": out}
 
 
 def _has_text(choice: dict) -> bool:
