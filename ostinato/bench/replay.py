@@ -212,98 +212,89 @@ class HttpTarget:
         return min(n, req.max_output or n)
 
     def run(self, req: TurnRequest) -> TurnResult:
-        if self.api == "anthropic":
-            return self._run_messages(req)
-        path, body = self.body(req)
         res = TurnResult(req.session, req.turn, req.kind)
         before = self.placement()
-        first = last = None
-        pieces = 0
-        usage, timings = {}, {}
         sent = self.clock()
-        try:
-            with self.client.stream("POST", path, json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    res.error = f"HTTP {r.status_code}: {r.text[:300]}"
-                    return res
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    now = self.clock()
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        res.error = str(chunk["error"].get("message", chunk["error"]))[:300]
-                        break
-                    choices = chunk.get("choices") or []
-                    if choices:
-                        has_text = _has_text(choices[0])
-                        pieces += has_text
-                        if first is None and (has_text or self.first_token == "chunk"):
-                            first = now
-                        if has_text or choices[0].get("finish_reason"):
-                            last = now
-                    usage = chunk.get("usage") or usage
-                    timings = chunk.get("timings") or timings
-        except Exception as e:  # noqa: BLE001 - connection errors end this session, not the replay
-            res.error = f"{type(e).__name__}: {e}"
-        self._fill(res, usage, timings, pieces)
+        if self.api == "anthropic":
+            first, last = self._read_messages(req, res)
+        else:
+            first, last = self._read_chat(req, res)
         res.ttft_s, res.tpot_s, res.request_s = client_timing(sent, first, last, res.output_tokens)
         after = self.placement()
         if after:
             res.placement = {"all": placement_delta(before, after)}
         return res
 
-    def _run_messages(self, req: TurnRequest) -> TurnResult:
-        """One turn through /v1/messages, streamed: the first delta of any block is the first token."""
+    def _events(self, path: str, body: dict, res: TurnResult):
+        """(arrival time, JSON text) of each `data:` line of a streamed POST; an HTTP or connection
+        error goes to res.error and ends the stream."""
+        try:
+            with self.client.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    res.error = f"HTTP {r.status_code}: {r.text[:300]}"
+                    return
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        yield self.clock(), line[5:].strip()
+        except Exception as e:  # noqa: BLE001 - connection errors end this session, not the replay
+            res.error = f"{type(e).__name__}: {e}"
+
+    def _read_chat(self, req: TurnRequest, res: TurnResult):
+        """One turn through the OpenAI routes -> (first token's time, last token's time)."""
+        path, body = self.body(req)
+        first = last = None
+        pieces = 0
+        usage, timings = {}, {}
+        for now, data in self._events(path, body, res):
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                res.error = str(chunk["error"].get("message", chunk["error"]))[:300]
+                break
+            choices = chunk.get("choices") or []
+            if choices:
+                has_text = _has_text(choices[0])
+                pieces += has_text
+                if first is None and (has_text or self.first_token == "chunk"):
+                    first = now
+                if has_text or choices[0].get("finish_reason"):
+                    last = now
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+        self._fill(res, usage, timings, pieces)
+        return first, last
+
+    def _read_messages(self, req: TurnRequest, res: TurnResult):
+        """One turn through /v1/messages (the first delta of any block is the first token)."""
         body = {"model": self.model, "stream": True, "temperature": 0.0, **anthropic_messages(req.messages),
                 "max_tokens": len(req.forced_ids), FORCED_IDS_FIELD: req.forced_ids}
         if req.tools:
             body["tools"] = [{"name": f["name"], "description": f.get("description", ""),
                               "input_schema": f.get("parameters") or {"type": "object"}}
                              for f in (t.get("function", t) for t in req.tools)]
-        res = TurnResult(req.session, req.turn, req.kind)
-        before = self.placement()
         first = last = None
         usage: dict = {}
-        sent = self.clock()
-        try:
-            with self.client.stream("POST", "/v1/messages", json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    res.error = f"HTTP {r.status_code}: {r.text[:300]}"
-                    return res
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    now = self.clock()
-                    event = json.loads(line[5:].strip())
-                    kind = event.get("type")
-                    if kind == "error":
-                        res.error = str(event.get("error", {}).get("message", event))[:300]
-                        break
-                    if kind == "message_start":
-                        usage |= event["message"].get("usage") or {}
-                    elif kind == "content_block_delta":
-                        first = first if first is not None else now
-                        last = now
-                    elif kind == "message_delta":
-                        usage |= event.get("usage") or {}
-                    elif kind == "message_stop":
-                        break
-        except Exception as e:  # noqa: BLE001 - connection errors end this session, not the replay
-            res.error = f"{type(e).__name__}: {e}"
+        for now, data in self._events("/v1/messages", body, res):
+            event = json.loads(data)
+            kind = event.get("type")
+            if kind == "error":
+                res.error = str(event.get("error", {}).get("message", event))[:300]
+                break
+            if kind == "message_start":
+                usage |= event["message"].get("usage") or {}
+            elif kind == "content_block_delta":
+                first = first if first is not None else now
+                last = now
+            elif kind == "message_delta":
+                usage |= event.get("usage") or {}
+            elif kind == "message_stop":
+                break
         res.output_tokens = usage.get("output_tokens", 0)
         res.cached_tokens = usage.get("cache_read_input_tokens")
         res.prompt_tokens = usage.get("input_tokens", 0) + (res.cached_tokens or 0)
-        res.ttft_s, res.tpot_s, res.request_s = client_timing(sent, first, last, res.output_tokens)
-        after = self.placement()
-        if after:
-            res.placement = {"all": placement_delta(before, after)}
-        return res
+        return first, last
 
     @staticmethod
     def _fill(res: TurnResult, usage: dict, timings: dict, pieces: int) -> None:
