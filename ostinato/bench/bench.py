@@ -62,6 +62,7 @@ class BenchSettings:
     calibration: object = None  # planner.calibrate.CalibrateSettings (None: its defaults)
     cpu_backend: str = "auto"
     upper_bound: bool = False  # run `gpu` even when all experts exceed the budget (logical memory only)
+    experts: str = "native"  # every policy alike: a GGUF file's experts in its block formats, or "bf16"
     out: Path = Path("ostinato-bench")
     merge: bool = False  # add these policies to the results.json already in `out` (same model, budget, split)
     progress: bool = True
@@ -92,20 +93,39 @@ def select_sessions(spec: str, max_sessions: int | None):
 
 
 def pool_size(loaded, bs: BenchSettings, counts):
-    """The budget in expert-sized pool slots (the same for every policy) and the experts Ostinato
-    keeps resident in it, sized as `ostinato plan` sizes it (planner/pipeline.py): --expert-budget
-    bytes; else --hot-fraction; else the capacity test on --gpu-memory; else the default fraction."""
-    from ostinato.planner.capacity import CapacitySettings
+    """The budget (the same for every policy) and the experts Ostinato keeps resident in it, sized
+    as `ostinato plan` sizes it (planner/pipeline.py), in the experts' real bytes (each layer's
+    GGUF block formats unless bs.experts is "bf16"): --expert-budget bytes; else --hot-fraction;
+    else the capacity test on --gpu-memory; else the default fraction. Returns (PoolSize, the
+    budget's JSON entry: slots of the mean expert, `bytes` every policy's pools must fit, and the
+    format groups of Ostinato's plan)."""
+    from ostinato.loader.build import expert_formats
+    from ostinato.planner.capacity import CapacitySettings, expert_sizes, pool_groups
     from ostinato.planner.pipeline import size_pool
 
     cfg = loaded.runner.config
     f = bs.hot_fraction
     if f is None and bs.expert_budget is None and bs.gpu_memory is None:
         f = DEFAULT_HOT_FRACTION
-    return size_pool(cfg, counts.total("all"), loaded.runner.dtype, gpu_memory=bs.gpu_memory, hot_fraction=f,
+    formats = expert_formats(loaded.source, bs.experts)
+    total = counts.total("all")
+    size = size_pool(cfg, total, loaded.runner.dtype, gpu_memory=bs.gpu_memory, hot_fraction=f,
                      expert_budget=bs.expert_budget, kv_tokens=loaded.engine.max_context,
                      capacity=CapacitySettings(prefill_chunk=bs.runner.prefill_chunk,
-                                               attention_score_share=bs.attention_scores))
+                                               attention_score_share=bs.attention_scores), formats=formats)
+    K, E = cfg.num_experts_per_tok, cfg.num_experts
+    sizes = {l: v for l, v in expert_sizes(cfg, loaded.runner.dtype, formats).items() if l in total}
+    groups = pool_groups(total, size.hot, K, E, sizes)
+    if bs.expert_budget is not None:
+        nbytes = int(bs.expert_budget)
+    elif f is None:  # the capacity test: every byte the cap leaves after the fixed parts
+        nbytes = size.capacity.budget - size.capacity.fixed
+    else:  # the pools of the fraction's plan
+        nbytes = sum(g["bytes"] for g in groups.values())
+    every = sum(g["expert_bytes"] * (g["layers"] * E + K) for g in groups.values())
+    budget = {**size.to_json(len(cfg.moe_layers) * E), "cap": bs.gpu_memory, "bytes": nbytes,
+              "experts": bs.experts, "groups": groups, "all_experts_bytes": every}
+    return size, budget
 
 
 def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dict:
@@ -238,7 +258,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     dev, held = select_sessions(bs.sessions, bs.max_sessions)
     _say(bs, f"sessions: {len(dev)} development, {len(held)} held-out ({bs.sessions})")
     probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1,
-                           cpu_backend=bs.cpu_backend)
+                           cpu_backend=bs.cpu_backend, experts=bs.experts)
     loaded = load_engine(bs.model, bs.runner, experts_factory=_probe_factory(probe))
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] model {bs.model} loaded")
     if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
@@ -252,10 +272,10 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
         held_counts = profile_sessions(loaded, held, progress=bs.progress, desc="profile held-out")
     counts.save(bs.out / "profile-dev.json")
     held_counts.save(bs.out / "profile-held-out.json")
-    size = pool_size(loaded, bs, counts)
-    cfg = loaded.runner.config
-    budget = {**size.to_json(len(cfg.moe_layers) * cfg.num_experts), "cap": bs.gpu_memory}
-    _say(bs, f"budget: {budget['pool_slots']} expert slots, sized by {budget['sized_by']}: Ostinato keeps "
+    size, budget = pool_size(loaded, bs, counts)
+    fmts = ", ".join(f"{name} x{g['layers']} layers" for name, g in budget["groups"].items())
+    _say(bs, f"budget: {budget['bytes'] / 2**30:.2f} GiB ({budget['pool_slots']} mean expert slots; {fmts}), "
+             f"sized by {budget['sized_by']}: Ostinato keeps "
              f"{budget['hot']} of {budget['total_experts']} experts resident ({100 * budget['fraction']:.1f}%)")
     skew = {"top_fraction": budget["fraction"]}
     for phase in ("all", "decode", "prefill"):
@@ -267,9 +287,9 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     residency = plan_residency(loaded.source, counts.total("all"), size, gpu_memory=bs.gpu_memory,
                                profile={"path": str(bs.out / "profile-dev.json"), "sessions": counts.sessions},
                                notes={"pool_slots": size.pool_slots, "budget": size.sized_by})
-    base = PolicySettings(expert_slots=budget["pool_slots"], gpu_memory=bs.gpu_memory, profile=counts,
-                          residency=residency, cpu_backend=bs.cpu_backend,
-                          allow_over_budget=bs.upper_bound)
+    base = PolicySettings(expert_slots=budget["pool_slots"], budget_bytes=budget["bytes"], gpu_memory=bs.gpu_memory,
+                          profile=counts, residency=residency, cpu_backend=bs.cpu_backend,
+                          allow_over_budget=bs.upper_bound, experts=bs.experts)
     np_info = calibrate_np(loaded, bs, base, counts)
     residency.calibration = {**np_info.get("calibration", {}), "upload_threshold": np_info["value"]}
     residency.save(bs.out / "residency.json")
@@ -292,7 +312,6 @@ def run_bench(bs: BenchSettings) -> dict:
     if bs.tune and not tune_set:
         _say(bs, "no development session's first turn fits the context: offload thresholds stay untuned")
     sweep_plan = sweep_requests(loaded.tokenizer, p.dev, bs, loaded.engine.max_context)
-    full_gpu = p.budget["total_experts"] + loaded.runner.config.num_experts_per_tok
     base = {
         "kind": "ostinato.bench", **environment(loaded, bs), "budget": p.budget,
         "split": {"sessions": bs.sessions, "development": len(p.dev), "held_out": len(p.held),
@@ -321,7 +340,7 @@ def run_bench(bs: BenchSettings) -> dict:
         warm_up(loaded)
         t_build = time.perf_counter() - t_build
         entry = _run_policy(loaded, backend, name, bs, p.held, tune_set, sweep_plan, np_)
-        entry["over_budget"] = name == "gpu" and p.budget["pool_slots"] < full_gpu
+        entry["over_budget"] = name == "gpu" and p.budget["bytes"] < p.budget["all_experts_bytes"]
         entry["wall_s"]["build"] = round(t_build, 1)
         turns[name] = entry.pop("turns")
         policies[name] = entry
@@ -383,12 +402,16 @@ def _fitting(sessions, loaded, n: int) -> list:
 
 def _probe_factory(probe: PolicySettings):
     """The profiling backend: `layers` with no resident layer and an offload threshold of 1."""
+    from ostinato.loader.build import expert_formats
+    from ostinato.planner.capacity import expert_sizes
     from ostinato.policies.factory import policy_factory
 
     def make(source, runner_settings):
         cfg = source.config
-        return policy_factory("layers", probe.with_(expert_slots=cfg.num_experts_per_tok + cfg.num_experts))(
-            source, runner_settings)
+        dtype = runner_settings.torch_dtype(cfg.torch_dtype)
+        groups = dict(expert_sizes(cfg, dtype, expert_formats(source, probe.experts)).values())
+        zero_and_staging = sum(groups.values()) * (cfg.num_experts_per_tok + cfg.num_experts)  # K + E per group
+        return policy_factory("layers", probe.with_(budget_bytes=zero_and_staging))(source, runner_settings)
     return make
 
 

@@ -123,7 +123,7 @@ def _bench_settings(a):
         sweep_prefixes=a.sweep_prefixes, sweep_prefix_tokens=a.sweep_prefix_tokens,
         upload_threshold=a.upload_threshold, calibration_from=a.calibration,
         cpu_backend=a.cpu_backend, upper_bound=a.upper_bound, out=Path(a.out), merge=a.merge,
-        progress=not a.no_progress)
+        progress=not a.no_progress, experts=a.experts)
 
 
 def cmd_bench(a) -> int:

@@ -35,9 +35,9 @@ import torch
 
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.kv_cache import KVCache
+from ostinato.layers.moe.pool import expert_nbytes
 from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
 from ostinato.planner.fill import fill
-from ostinato.quant.formats import row_bytes
 
 GiB = 2**30
 
@@ -118,7 +118,8 @@ def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """One pool slot: w13 [2F, D] and w2 [D, F] in the compute dtype."""
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize(dtype)
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    return expert_nbytes((2 * F, D), (D, F), None, dtype)
 
 
 def expert_sizes(cfg: ModelConfig, dtype: torch.dtype, formats: dict | None = None) -> dict[int, tuple[str, int]]:
@@ -128,10 +129,8 @@ def expert_sizes(cfg: ModelConfig, dtype: torch.dtype, formats: dict | None = No
     out = {}
     for l in cfg.moe_layers:
         qt = (formats or {}).get(l)
-        if qt is None:
-            out[l] = (str(dtype).removeprefix("torch."), expert_bytes(cfg, dtype))
-        else:
-            out[l] = ("/".join(qt), 2 * F * row_bytes(qt[0], D) + D * row_bytes(qt[1], F))
+        name = str(dtype).removeprefix("torch.") if qt is None else "/".join(qt)
+        out[l] = (name, expert_nbytes((2 * F, D), (D, F), qt, dtype))
     return out
 
 

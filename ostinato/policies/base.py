@@ -1,6 +1,14 @@
-"""What every baseline policy shares: the model's experts as a spec, one expert pool, host
+"""What every baseline policy shares: the model's experts as a spec, the expert pools, host
 experts and a CPU pool built from one load (build_parts); and, for the caches, the executor of
-a pass plan. The static placements (policies/static.py) run on HybridExperts, Ostinato's
+a pass plan.
+
+Experts keep their format as in Ostinato's placement (engine/placement.py): a GGUF file's
+experts stay in its block formats (`ModelExperts.formats`, loader.build.expert_formats), one
+pool per format group (ExpertPools, layers/moe/pool.py), host copies per format. So a
+policy's budget is bytes, not slots: every group's pool (its resident or cached experts, K
+zero slots and its staging slots) costs that group's expert bytes per slot (`pools_bytes`),
+and a policy chooses its residency so that the sum fits the budget. A float model is one group,
+where bytes // expert bytes is the old slot count. The static placements (policies/static.py) run on HybridExperts, Ostinato's
 executor; only a cache, whose placement changes with every pass, needs its own.
 
 A cache answers one question per MoE layer and forward pass: which pool slot serves each
@@ -33,7 +41,7 @@ Legend: T tokens, K top-k, E experts per layer, D hidden, F expert FFN, L model 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -41,17 +49,19 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.layers.moe.backend import MoEBackend
+from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import to_host
-from ostinato.layers.moe.pool import ExpertPool, HostExperts
+from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts, Qtypes, expert_nbytes
 from ostinato.engine.threads import ThreadLayout
-from ostinato.layers.moe.types import ExpertWeights, TopKOutput
+from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights, TopKOutput
+from ostinato.loader.build import expert_formats, load_layer_experts
 
 CPU = -1  # a plan's slot for "computed on the CPU"
 
 
 @dataclass
 class ModelExperts:
-    """The model's experts as a policy sees them: shapes, where to compute, how to load."""
+    """The model's experts as a policy sees them: shapes, formats, where to compute, how to load."""
 
     num_layers: int  # all model layers (rows of an index table)
     moe_layers: list[int]
@@ -61,31 +71,47 @@ class ModelExperts:
     ffn: int  # F
     device: torch.device
     dtype: torch.dtype
-    load: Callable[[int], ExpertWeights]  # one layer's stacked experts, on the host
+    load: Callable[[int], ExpertWeights | QuantExpertWeights]  # one layer's stacked experts, in its format
     max_tokens: int  # the largest pass (the runner's prefill chunk)
     threads: ThreadLayout | None = None  # whose workers the CPU pool takes (None: a host-driven process's)
+    formats: dict[int, Qtypes] = field(default_factory=dict)  # layer -> (qt13, qt2) of GGUF blocks; absent: float
+
+    def expert_size(self, layer: int) -> int:
+        """Bytes of one expert (gate, up, down) of `layer` as its pool holds it."""
+        D, F = self.hidden, self.ffn
+        return expert_nbytes((2 * F, D), (D, F), self.formats.get(layer), self.dtype)
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert (gate, up, down) in the compute dtype: the unit of the budget."""
-        return 3 * self.hidden * self.ffn * torch.empty((), dtype=self.dtype).element_size()
+        """One expert's bytes, the mean over the MoE layers where formats differ (as
+        planner/pipeline.size_pool counts it): the unit of a budget given in slots."""
+        sizes = [self.expert_size(l) for l in self.moe_layers]
+        return round(sum(sizes) / len(sizes)) if sizes else self.expert_size(-1)
+
+    def groups(self) -> dict[Qtypes, list[int]]:
+        """The pool groups (one per format) and their MoE layers, in ExpertPools' order."""
+        out: dict[Qtypes, list[int]] = {}
+        for layer in sorted(self.moe_layers):
+            out.setdefault(self.formats.get(layer), []).append(layer)
+        return out
 
     @property
     def total_experts(self) -> int:
         return len(self.moe_layers) * self.num_experts
 
     @classmethod
-    def from_source(cls, source, runner_settings, graphs: bool = True) -> "ModelExperts":
-        """graphs: the policy decodes through the graph handshake (a poller core is kept for it)."""
-        from ostinato.loader.build import load_experts_staged
-
+    def from_source(cls, source, runner_settings, graphs: bool = True, experts: str = "native") -> "ModelExperts":
+        """graphs: the policy decodes through the graph handshake (a poller core is kept for it);
+        experts: "native" keeps a GGUF file's block formats, "bf16" dequantizes them at load."""
         cfg = source.config
         dtype = runner_settings.torch_dtype(cfg.torch_dtype)
         device = runner_settings.torch_device()
+        formats = expert_formats(source, experts)
         return cls(cfg.num_hidden_layers, list(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok,
                    cfg.hidden_size, cfg.moe_intermediate_size, device, dtype,
-                   lambda layer: load_experts_staged(source, layer, device, dtype), runner_settings.prefill_chunk,
-                   runner_settings.thread_layout(graphs=graphs))
+                   lambda layer: load_layer_experts(source, layer, formats[layer], device, dtype),
+                   runner_settings.prefill_chunk, runner_settings.thread_layout(graphs=graphs),
+                   {l: qt for l, qt in formats.items() if qt is not None})
 
 
 @dataclass(frozen=True)
@@ -117,33 +143,59 @@ def usable_slots(spec: ModelExperts, slots: int, staging: int, policy: str) -> i
     return n
 
 
+def pools_bytes(spec: ModelExperts, hot: dict[int, list[int]], flex) -> int:
+    """Bytes of the pools build_parts makes for `hot` with `flex` (int, None or per group: flex_of)."""
+    total = 0
+    for qt, layers in spec.groups().items():
+        n = sum(len(hot.get(l, [])) for l in layers) + spec.top_k + flex_of(spec, qt, layers, hot, flex)
+        total += n * spec.expert_size(layers[0])
+    return total
+
+
+def check_fits(spec: ModelExperts, need: int, budget: int, policy: str, what: str) -> None:
+    if need > budget:
+        raise ConfigError(f"policy {policy}: {what} need {need / 2**20:.1f} MiB of expert pool (with each format "
+                          f"group's {spec.top_k} zero slots) but the budget is {budget / 2**20:.1f} MiB; give a "
+                          "larger budget")
+
+
+def flex_of(spec: ModelExperts, qt: Qtypes, layers: list[int], hot: dict[int, list[int]], flex) -> int:
+    """A group's flex slots: `flex` slots, a dict {qtypes: slots}, or None for the group's most cold
+    experts of a layer (as ExpertPools.build)."""
+    if isinstance(flex, dict):
+        return flex[qt]
+    if flex is None:
+        return max(spec.num_experts - len(hot.get(l, [])) for l in layers)
+    return flex
+
+
 def unpin(host: HostExperts | None) -> None:
     """HostExperts.unpin, for a backend that may have no host experts."""
     if host is not None:
         host.unpin()
 
 
-def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dict[int, list[int]], flex: int,
+def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dict[int, list[int]], flex,
                 cpu_backend: str):
-    """The pool (resident experts packed, K zero slots, `flex` slots for caches and staging),
-    page-locked host copies of `on_host`, and a CPU pool over them, from one load of each layer."""
-    from ostinato.layers.moe.cpu_experts import CpuExperts
-
+    """The pools, one per format group (resident experts packed, K zero slots, `flex` slots for
+    caches and staging: see flex_of), page-locked host copies of `on_host` in their formats, and a
+    CPU pool over them, from one load of each layer."""
     shape13, shape2 = (2 * spec.ffn, spec.hidden), (spec.hidden, spec.ffn)
     hot = {l: sorted(resident.get(l, [])) for l in spec.moe_layers}
-    pool = ExpertPool(hot, spec.num_layers, spec.num_experts, spec.top_k, flex, shape13, shape2,
-                      spec.device, spec.dtype)
+    pools = ExpertPools([ExpertPool({l: hot[l] for l in layers}, spec.num_layers, spec.num_experts, spec.top_k,
+                                    flex_of(spec, qt, layers, hot, flex), shape13, shape2, spec.device, spec.dtype,
+                                    qt) for qt, layers in spec.groups().items()])
     host_sets = {l: sorted(v) for l, v in on_host.items() if v}
-    host = HostExperts(host_sets, spec.num_experts, shape13, shape2, spec.dtype)
+    host = HostExperts(host_sets, spec.num_experts, shape13, shape2, spec.dtype, spec.formats)
     for layer in spec.moe_layers:
         w = spec.load(layer)
-        pool.fill_layer(layer, w)
+        pools.fill_layer(layer, w)
         if layer in host_sets:
             host.fill_layer(layer, w)
         del w
     cpus = spec.threads.workers if spec.threads is not None else None
     cpu = CpuExperts(host.layers, backend=cpu_backend, cpus=cpus) if host.layers else None
-    return pool, host, cpu
+    return pools, host, cpu
 
 
 @dataclass
@@ -172,11 +224,10 @@ class SlotExperts(MoEBackend):
     name = "slots"
     segmented = True
 
-    def __init__(self, spec: ModelExperts, pool: ExpertPool, host: HostExperts, cpu):
-        self.spec, self.pool, self.host, self.cpu = spec, pool, host, cpu
-        self.device = pool.device
+    def __init__(self, spec: ModelExperts, pools: ExpertPools, host: HostExperts, cpu):
+        self.spec, self.pools, self.host, self.cpu = spec, pools, host, cpu
+        self.device = pools.device
         self.on_cuda = self.device.type == "cuda"
-        self.expert_bytes = pool.expert_bytes
         self.counters: Counter = Counter()
         self.last_plan: PassPlan | None = None
         pin = self.on_cuda
@@ -200,7 +251,12 @@ class SlotExperts(MoEBackend):
 
     def resident_experts(self) -> int:
         """Experts held in pool slots for reuse across passes (resident or cached)."""
-        return self.pool.num_hot
+        return self.pools.num_hot
+
+    @property
+    def pool(self) -> ExpertPool:
+        """The pool of a one-group placement (every float model); ConfigError with several."""
+        return self.pools.single("this use of the pool")
 
     def stats(self) -> dict[str, float]:
         self._read_timing()
@@ -243,13 +299,13 @@ class SlotExperts(MoEBackend):
     def all_cpu_plan(self) -> PassPlan:
         return PassPlan(torch.full((self.spec.num_experts,), CPU, dtype=torch.int32))
 
-    def staging_plan(self, ids: torch.Tensor, base: torch.Tensor | None = None) -> PassPlan:
+    def staging_plan(self, layer: int, ids: torch.Tensor, base: torch.Tensor | None = None) -> PassPlan:
         """Upload every expert this pass uses that `base` does not place in the pool, each once,
-        into the staging slots at the end of the pool; then everything runs on the GPU."""
+        into the staging slots at the end of the layer's pool; then everything runs on the GPU."""
         slot = base.clone() if base is not None else torch.full((self.spec.num_experts,), CPU, dtype=torch.int32)
         used = torch.unique(ids).tolist()
         need = [e for e in used if int(slot[e]) < 0]
-        lo = self.pool.num_slots - self.spec.num_experts
+        lo = self.pools.of(layer).num_slots - self.spec.num_experts
         uploads = [(e, lo + i) for i, e in enumerate(need)]
         for e, s in uploads:
             slot[e] = s
@@ -264,19 +320,19 @@ class SlotExperts(MoEBackend):
             ids_h, w_h, x_h, ready = to_host(topk, x, self.x_host, self.on_cuda)
             if ready is not None:
                 ready.synchronize()
-            plan = self.staging_plan(ids_h)
+            plan = self.staging_plan(layer, ids_h)
             self._upload(layer, plan.uploads, count=False)
-            return self._gpu_branch(x, topk, self._device_slots(plan)).to(x.dtype)
+            return self._gpu_branch(layer, x, topk, self._device_slots(plan)).to(x.dtype)
         self.counters["routes"] += T * K
         self.counters["token_layers"] += T
         plan = self.static_plan(layer, T)
         if plan is not None and plan.slot_dev is not None and plan.all_gpu:
             self.last_plan = plan
-            return self._gpu_branch(x, topk, plan.slot_dev).to(x.dtype)
+            return self._gpu_branch(layer, x, topk, plan.slot_dev).to(x.dtype)
         ids_h, w_h, x_h, ready = to_host(topk, x, self.x_host, self.on_cuda)
         gpu = None
         if plan is not None and plan.slot_dev is not None:
-            gpu = self._gpu_branch(x, topk, plan.slot_dev)  # runs while the routing goes to the host
+            gpu = self._gpu_branch(layer, x, topk, plan.slot_dev)  # runs while the routing goes to the host
         if ready is not None:
             ready.synchronize()
         if plan is None:
@@ -284,7 +340,7 @@ class SlotExperts(MoEBackend):
             self._upload(layer, plan.uploads)
             slot_dev = self._device_slots(plan)
             if slot_dev is not None:
-                gpu = self._gpu_branch(x, topk, slot_dev)
+                gpu = self._gpu_branch(layer, x, topk, slot_dev)
         self.last_plan = plan
         cpu = self._cpu_branch(layer, T, x_h, ids_h, w_h, plan)
         if cpu is None:
@@ -292,19 +348,22 @@ class SlotExperts(MoEBackend):
         out = cpu.to(self.device, non_blocking=self.on_cuda, copy=True)
         return (out if gpu is None else gpu + out).to(x.dtype)
 
-    def _gpu_branch(self, x, topk: TopKOutput, slot_dev: torch.Tensor) -> torch.Tensor:
+    def _gpu_branch(self, layer: int, x, topk: TopKOutput, slot_dev: torch.Tensor) -> torch.Tensor:
+        pool = self.pools.of(layer)
         s = slot_dev[topk.ids]  # [T, K]
-        slots = torch.where(s >= 0, s, self.pool.zero_of_position[: topk.ids.shape[1]])
-        return self.pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
+        slots = torch.where(s >= 0, s, pool.zero_of_position[: topk.ids.shape[1]])
+        return pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
 
     def _upload(self, layer: int, uploads, count: bool = True) -> None:
         if not uploads:
             return
+        pool = self.pools.of(layer)
+        nbytes = 0
         for e, s in uploads:  # one copy per expert, from page-locked host memory
-            self.pool.upload(s, self.host, layer, e)
+            nbytes += pool.upload(s, self.host, layer, e)
         if count:
             self.counters["uploaded_experts"] += len(uploads)
-            self.counters["bytes_uploaded"] += len(uploads) * self.expert_bytes
+            self.counters["bytes_uploaded"] += nbytes
 
     # -- a decode step as graph segments ---------------------------------------------------------
     def _captured(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
@@ -316,7 +375,7 @@ class SlotExperts(MoEBackend):
         seg.weights.copy_(topk.weights, non_blocking=True)
         seg.x.copy_(x, non_blocking=True)
         self.chain.cut(lambda: self._between(layer, seg))
-        return (self._gpu_branch(x, topk, seg.slot_dev) + seg.cpu_dev).to(x.dtype)
+        return (self._gpu_branch(layer, x, topk, seg.slot_dev) + seg.cpu_dev).to(x.dtype)
 
     def _between(self, layer: int, seg: SegmentBuffers) -> None:
         """At replay, after the segment that ends with this layer's routing was launched: wait

@@ -16,13 +16,13 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.planner.profile import RouteCounts
 from ostinato.planner.residency import Residency
-from ostinato.policies.base import ModelExperts
+from ostinato.policies.base import ModelExperts, pools_bytes
 from ostinato.policies.caches import DecayingCachePolicy, ExpertCachePolicy
 from ostinato.policies.ostinato import close_backend, hybrid_from_parts
 from ostinato.policies.settings import OSTINATO_STEPS, PolicySettings, check_policy
 from ostinato.policies.static import BUILDERS
 
-# policy -> build(spec, expert slots, settings, development counts); the static placements run on
+# policy -> build(spec, budget bytes, settings, development counts); the static placements run on
 # the one executor (HybridExperts) and decode as one CUDA graph per GPU; the caches decide per pass
 BUILD = {**BUILDERS, "expert-cache": ExpertCachePolicy.build, "decaying-cache": DecayingCachePolicy.build}
 CACHES = ("expert-cache", "decaying-cache")
@@ -48,6 +48,11 @@ def residency_pool(spec: ModelExperts, hot: dict[int, list[int]]) -> int:
     return sum(len(hot.get(l, [])) for l in spec.moe_layers) + spec.top_k + flex
 
 
+def residency_bytes(spec: ModelExperts, hot: dict[int, list[int]]) -> int:
+    """Bytes of a residency's pools (per format group: hot, K zero and the group's flex slots)."""
+    return pools_bytes(spec, hot, None)
+
+
 def expert_slots(spec: ModelExperts, settings: PolicySettings) -> int:
     """The budget in expert-sized pool slots: given, or budget bytes // one expert's bytes, or
     (so that a baseline runs under the same budget as a plan) the residency's pool."""
@@ -62,6 +67,19 @@ def expert_slots(spec: ModelExperts, settings: PolicySettings) -> int:
                       "whose pool the policies share")
 
 
+def budget_bytes(spec: ModelExperts, settings: PolicySettings) -> int:
+    """The budget in bytes, what every policy's pools must fit: given, or slots of the mean expert's
+    bytes, or (so that a baseline runs under the same budget as a plan) the residency's pools."""
+    if settings.budget_bytes is not None:
+        return int(settings.budget_bytes)
+    if settings.expert_slots is not None:
+        return settings.expert_slots * spec.expert_bytes
+    residency = load_residency(settings.residency)
+    if residency is not None:
+        return residency_bytes(spec, residency.hot)
+    return expert_slots(spec, settings)  # raises: no budget
+
+
 def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
     """A policy over a model described by `spec` (no weight-source checks)."""
     check_policy(name)
@@ -73,7 +91,7 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
     settings = settings.with_(residency=load_residency(settings.residency))
     if name == "ktransformers" and settings.residency is not None:
         _check_budget(spec, settings, settings.residency)
-    return BUILD[name](spec, expert_slots(spec, settings), settings, load_profile(settings.profile))
+    return BUILD[name](spec, budget_bytes(spec, settings), settings, load_profile(settings.profile))
 
 
 def make_policy(name: str, source, runner_settings, settings: PolicySettings = PolicySettings()):
@@ -81,14 +99,13 @@ def make_policy(name: str, source, runner_settings, settings: PolicySettings = P
     from ostinato.engine.placement import PlacementSettings, apply_memory_cap, build_hybrid
 
     check_policy(name)
-    spec = ModelExperts.from_source(source, runner_settings, graphs=name not in CACHES)
+    spec = ModelExperts.from_source(source, runner_settings, graphs=name not in CACHES, experts=settings.experts)
     if name in OSTINATO_STEPS:
         residency = _ostinato_residency(spec, settings, name)
         upload, mixed, borrow = OSTINATO_STEPS[name]
-        # experts="bf16": the baselines (ModelExperts.load) dequantize a GGUF file's experts, so every policy
-        # of a comparison computes the same bf16 experts until they keep the file's blocks too
         place = PlacementSettings(gpu_memory=settings.gpu_memory, upload_threshold=settings.upload_threshold,
-                                  cpu_backend=settings.cpu_backend, mixed=mixed, borrow=borrow, experts="bf16")
+                                  cpu_backend=settings.cpu_backend, mixed=mixed, borrow=borrow,
+                                  experts=settings.experts)
         h = build_hybrid(source, residency, place, spec.device, spec.dtype, spec.max_tokens,
                          runner_settings.thread_layout())
         if not upload:
@@ -144,11 +161,12 @@ def _ostinato_residency(spec: ModelExperts, settings: PolicySettings, name: str)
 def _check_budget(spec: ModelExperts, settings: PolicySettings, residency: Residency) -> None:
     if settings.expert_slots is None and settings.budget_bytes is None:
         return
-    slots = expert_slots(spec, settings.with_(residency=None))
-    need = residency_pool(spec, residency.hot)
-    if need > slots:
-        raise ConfigError(f"the residency needs {need} pool slots ({residency.hot_count} hot, {spec.top_k} zero, "
-                          f"the rest flex) but the budget has {slots}: plan for this budget")
+    budget = budget_bytes(spec, settings.with_(residency=None))
+    need = residency_bytes(spec, residency.hot)
+    if need > budget:
+        raise ConfigError(f"the residency needs {need / 2**20:.1f} MiB of expert pool ({residency.hot_count} hot "
+                          f"experts, {spec.top_k} zero slots per format group, the rest flex) but the budget is "
+                          f"{budget / 2**20:.1f} MiB: plan for this budget")
 
 
 def _default_np() -> int:

@@ -1,8 +1,9 @@
 """Settings of the placement policies: one dataclass, documented defaults, checked once.
 
 Every policy runs under the same expert budget: the bytes the capacity test leaves for
-the expert pool (cap - dense weights - KV cache - activations - margin), counted in
-expert-sized slots, computed once and handed to every policy alike. A policy's whole pool
+the expert pool (cap - dense weights - KV cache - activations - margin), computed once and
+handed to every policy alike, in bytes (a GGUF file's experts keep their block formats, one
+pool per format: policies/base.py); a budget given in slots counts the mean expert's bytes. A policy's whole pool
 must fit it: its resident or cached experts, the K zero slots, and the staging slots of
 its upload path if it has one (one layer's experts, E, for `layers` and the caches;
 Ostinato's flex slots, the most cold experts of a layer). So a policy without an upload
@@ -56,12 +57,16 @@ class PolicySettings:
     upload_threshold: int | None = None  # ostinato's Np (default: the residency's calibrated value)
     cpu_backend: str = "auto"  # CpuExperts backend: auto | native | torch
     allow_over_budget: bool = False  # gpu: run although all experts exceed the budget (an upper bound only)
+    # every policy alike: "native" keeps a GGUF file's experts in its block formats, "bf16" dequantizes them
+    experts: str = "native"
 
     def __post_init__(self):
         if self.offload_threshold < 1 or self.cache_max_tokens < 0:
             raise ConfigError("offload_threshold must be >= 1 and cache_max_tokens >= 0")
         if not 0.0 < self.decay <= 1.0:
             raise ConfigError(f"decay must be in (0, 1], got {self.decay}")
+        if self.experts not in ("native", "bf16"):
+            raise ConfigError(f"experts {self.experts!r}: give native or bf16")
         if self.expert_slots is not None and self.expert_slots < 0:
             raise ConfigError(f"expert_slots must be >= 0, got {self.expert_slots}")
 

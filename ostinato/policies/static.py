@@ -11,14 +11,17 @@ kernels") defines them:
 * `cpu`: nothing resident; every routed expert is computed on the CPU in every pass.
 * `gpu`: every expert resident, when all of them (and the K zero slots) fit the budget (the
   upper bound); else a ConfigError.
-* `fixed-per-layer` (KTransformers' placement, per-layer frequency): n = (budget slots - K) //
-  MoE layers experts of every layer are resident, each layer's n most routed in the development
-  profile; the CPU computes the others in every pass (no upload path, no staging slots).
+* `fixed-per-layer` (KTransformers' placement, per-layer frequency): the largest n whose pools
+  (n experts of every layer, K zero slots per format group) fit the budget's bytes, n = (budget
+  slots - K) // MoE layers for a float model; each layer's n most routed in the development
+  profile are resident; the CPU computes the others in every pass (no upload path, no staging
+  slots).
 * `fixed-uniform` (KTransformers' default `uniform`, chosen without a profile): the same n
   expert ids, 0 to n-1, resident in every layer; the CPU computes the others in every pass.
 * `layers` (llama.cpp's automatic fit, `--n-cpu-moe N`): whole MoE layers resident until the
-  budget is full: all of them if they fit with the K zero slots, else n = (budget slots - K - E
-  staging slots) // E of them, the last n (llama.cpp keeps the experts of the *first* N layers
+  budget's bytes are used: all of them if they fit with the K zero slots, else the most that fit
+  with E staging slots in every format group that keeps a host layer (for a float model n =
+  (budget slots - K - E) // E), the last n (llama.cpp keeps the experts of the *first* N layers
   on the CPU and offloads the last layers first). A host layer computes its routed experts on
   the CPU in passes below the offload threshold; a pass of at least the threshold copies each
   expert it uses in that layer once into the staging slots and computes the layer on the GPU
@@ -31,7 +34,9 @@ kernels") defines them:
   those the pass uses, and computes the layer on the GPU. It isolates Ostinato's execution
   paths from its placement.
 
-Slots a rule cannot use (the remainder of a division by layers) stay unused.
+The budget is bytes (policies/base.py): each format group's slots cost its expert bytes, so on
+a Q4_K_M file a Q6_K-down layer costs more than a Q4_K one. Bytes a rule cannot use (the
+remainder of a division by layers) stay unused.
 
 Legend: E experts per layer, L MoE layers, K top-k.
 """
@@ -41,21 +46,22 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.layers.moe.hybrid import HybridExperts
-from ostinato.policies.base import ModelExperts, usable_slots
+from ostinato.policies.base import ModelExperts, check_fits, pools_bytes
 from ostinato.policies.ostinato import hybrid_from_parts
 
 
-def cpu_policy(spec: ModelExperts, slots: int, settings, counts=None) -> HybridExperts:
+def cpu_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
     return hybrid_from_parts(spec, {}, None, settings.cpu_backend, flex=0)
 
 
-def gpu_policy(spec: ModelExperts, slots: int, settings, counts=None) -> HybridExperts:
-    if spec.total_experts + spec.top_k > slots and not settings.allow_over_budget:
-        gib = spec.total_experts * spec.expert_bytes / 2**30
-        raise ConfigError(f"policy gpu: all {spec.total_experts} experts ({gib:.2f} GiB) do not fit the "
-                          f"budget of {slots} expert slots ({slots * spec.expert_bytes / 2**30:.2f} GiB); "
-                          "give a larger --gpu-memory or compare against another policy")
+def gpu_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
+    """budget: bytes for the expert pools (as every builder here)."""
     every = {l: list(range(spec.num_experts)) for l in spec.moe_layers}
+    need = pools_bytes(spec, every, 0)
+    if need > budget and not settings.allow_over_budget:
+        raise ConfigError(f"policy gpu: all {spec.total_experts} experts ({need / 2**30:.2f} GiB with the zero "
+                          f"slots) do not fit the budget of {budget / 2**30:.2f} GiB; give a larger --gpu-memory "
+                          "or compare against another policy")
     return hybrid_from_parts(spec, every, None, settings.cpu_backend, flex=0)
 
 
@@ -68,37 +74,47 @@ def per_layer_top(counts: dict[int, torch.Tensor], layers: list[int], n: int) ->
     return out
 
 
-def per_layer_count(spec: ModelExperts, slots: int, name: str) -> int:
-    """n of a fixed-per-layer placement: the budget less the K zero slots, split over the layers."""
-    return min(spec.num_experts, usable_slots(spec, slots, 0, name) // max(1, len(spec.moe_layers)))
+def per_layer_count(spec: ModelExperts, budget: int, name: str) -> int:
+    """n of a fixed-per-layer placement: the largest n with n experts of every layer and each group's
+    K zero slots within `budget` bytes (pools_bytes is linear in n: one division)."""
+    zero = pools_bytes(spec, {}, 0)  # the K zero slots of every group
+    check_fits(spec, zero, budget, name, "the zero slots alone")
+    per_n = sum(spec.expert_size(l) for l in spec.moe_layers)  # one more expert in every layer
+    return min(spec.num_experts, (budget - zero) // max(1, per_n))
 
 
-def fixed_per_layer_policy(spec: ModelExperts, slots: int, settings, counts=None) -> HybridExperts:
+def fixed_per_layer_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
     if counts is None:
         raise ConfigError("policy fixed-per-layer ranks each layer's experts by a development profile: "
                           "pass --profile (from `ostinato profile`)")
-    resident = per_layer_top(counts.total("all"), spec.moe_layers, per_layer_count(spec, slots, "fixed-per-layer"))
+    resident = per_layer_top(counts.total("all"), spec.moe_layers, per_layer_count(spec, budget, "fixed-per-layer"))
     return hybrid_from_parts(spec, resident, None, settings.cpu_backend, flex=0)
 
 
-def fixed_uniform_policy(spec: ModelExperts, slots: int, settings, counts=None) -> HybridExperts:
-    n = per_layer_count(spec, slots, "fixed-uniform")
+def fixed_uniform_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
+    n = per_layer_count(spec, budget, "fixed-uniform")
     return hybrid_from_parts(spec, {l: list(range(n)) for l in spec.moe_layers}, None, settings.cpu_backend, flex=0)
 
 
-def layers_policy(spec: ModelExperts, slots: int, settings, counts=None) -> HybridExperts:
-    L, E = len(spec.moe_layers), spec.num_experts
-    n = usable_slots(spec, slots, 0, "layers") // E
-    if n < L:  # the host layers need one layer of staging for passes at or above the threshold
-        n = usable_slots(spec, slots, E, "layers") // E
-    n = min(n, L)
-    every = list(range(E))
-    resident = {l: every for l in spec.moe_layers[L - n:]}
-    return hybrid_from_parts(spec, resident, settings.offload_threshold, settings.cpu_backend,
-                             flex=E if n < L else 0)
+def layers_resident(spec: ModelExperts, budget: int) -> dict[int, list[int]]:
+    """The last n MoE layers whole, n the most whose pools fit `budget` bytes: each group's K zero
+    slots, and one layer of staging (E slots) in a group that keeps a host layer, for passes at or
+    above the threshold (flex None: the group's most cold experts of a layer, E or 0)."""
+    L, every = len(spec.moe_layers), list(range(spec.num_experts))
+    for n in range(L, -1, -1):
+        resident = {l: every for l in spec.moe_layers[L - n:]}
+        if pools_bytes(spec, resident, None) <= budget:
+            return resident
+    check_fits(spec, pools_bytes(spec, {}, None), budget, "layers", "its zero and staging slots")
+    return {}
 
 
-def ktransformers_policy(spec: ModelExperts, slots: int, settings, counts=None) -> HybridExperts:
+def layers_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
+    return hybrid_from_parts(spec, layers_resident(spec, budget), settings.offload_threshold, settings.cpu_backend,
+                             flex=None)
+
+
+def ktransformers_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
     residency = settings.residency  # read by the factory
     if residency is None:
         raise ConfigError("policy ktransformers runs Ostinato's residency by KTransformers' rules: give the "

@@ -46,6 +46,13 @@ def stored_shapes(shape13, shape2, qtypes: Qtypes):
     return (shape13[0], row_bytes(qtypes[0], shape13[1])), (shape2[0], row_bytes(qtypes[1], shape2[1]))
 
 
+def expert_nbytes(shape13, shape2, qtypes: Qtypes, dtype: torch.dtype) -> int:
+    """Bytes of one expert (gate, up, down) as a pool slot holds it: in dtype, or in its blocks."""
+    s13, s2 = stored_shapes(shape13, shape2, qtypes)
+    elt = 1 if qtypes is not None else torch.empty((), dtype=dtype).element_size()
+    return (s13[0] * s13[1] + s2[0] * s2[1]) * elt
+
+
 class ExpertPool:
     def __init__(self, hot: dict[int, list[int]], num_layers: int, num_experts: int, top_k: int,
                  flex_slots: int, shape13: tuple[int, int], shape2: tuple[int, int], device, dtype,
