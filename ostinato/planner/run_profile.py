@@ -7,10 +7,14 @@ from tqdm import tqdm
 from ostinato.planner.profile import CountingExperts, RouteCounts, session_stream
 
 
-def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profile") -> RouteCounts:
+def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profile", wrap=None,
+                     on_pass=None) -> RouteCounts:
+    """Route counts of every session's tokens, prefilled chunk by chunk. wrap(backend) -> a backend
+    that sees each pass's routing too, and on_pass(ids, start) runs after each pass (start 0: a new
+    session): how planner/skew.trace_sessions reads per-token routing from the same passes."""
     runner, tok, cfg = loaded.runner, loaded.tokenizer, loaded.runner.config
     counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
-    counter = CountingExperts(runner.experts, counts)
+    counter = CountingExperts(wrap(runner.experts) if wrap else runner.experts, counts)
     chunk = runner.settings.prefill_chunk
     with runner.experts_swapped(counter):
         bar = tqdm(sessions, desc=desc, disable=not progress, unit="session")
@@ -21,6 +25,8 @@ def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profi
                 part = st.is_output[i:i + chunk]
                 counter.is_output = torch.tensor(part, dtype=torch.bool, device=runner.device)
                 runner.forward(st.ids[i:i + chunk], i)
+                if on_pass is not None:
+                    on_pass(st.ids[i:i + chunk], i)
             n_out = sum(st.is_output)
             counts.tokens["decode"] += n_out
             counts.tokens["prefill"] += len(st.ids) - n_out

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
-from ostinato.planner.profile import CountingExperts, RouteCounts, session_stream
+from ostinato.planner.profile import RouteCounts
+from ostinato.planner.run_profile import profile_sessions
 from ostinato.synth.weights import TOKEN_CLASSES, token_classes
 
 
@@ -151,31 +151,24 @@ def _add_pass(stats: RouteStats, ids: dict[int, torch.Tensor], prev: dict[int, t
 
 def trace_sessions(loaded, sessions, progress: bool = True, desc: str = "trace") -> tuple[RouteCounts, RouteStats]:
     """`profile_sessions`' counts and, from the same passes, the per-token RouteStats."""
-    runner, tok, cfg = loaded.runner, loaded.tokenizer, loaded.runner.config
-    classes = token_classes(tok.tokenizer, cfg.vocab_size).to(runner.device)
-    counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
+    runner, cfg = loaded.runner, loaded.runner.config
+    classes = token_classes(loaded.tokenizer.tokenizer, cfg.vocab_size).to(runner.device)
     stats = RouteStats.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
-    trace = RouteTrace(runner.experts)
-    counter = CountingExperts(trace, counts)
-    chunk = runner.settings.prefill_chunk
-    with runner.experts_swapped(counter):
-        for s in tqdm(sessions, desc=desc, disable=not progress, unit="session"):
-            st = session_stream(s, tok, max_tokens=runner.max_context)
-            counts.max_tokens = max(counts.max_tokens, len(st.ids))
-            prev: dict[int, torch.Tensor] = {}
-            for i in range(0, len(st.ids), chunk):
-                part = st.ids[i:i + chunk]
-                counter.is_output = torch.tensor(st.is_output[i:i + chunk], dtype=torch.bool, device=runner.device)
-                trace.ids = {}
-                runner.forward(part, i)
-                cls = classes[torch.tensor(part, device=runner.device)]
-                prev = _add_pass(stats, trace.ids, prev, cls, cfg.num_experts)
-            n_out = sum(st.is_output)
-            counts.tokens["decode"] += n_out
-            counts.tokens["prefill"] += len(st.ids) - n_out
-            counts.sessions += 1
-    counts.prefill = {l: c.cpu() for l, c in counts.prefill.items()}
-    counts.decode = {l: c.cpu() for l, c in counts.decode.items()}
+    trace = None
+    prev: dict[int, torch.Tensor] = {}
+
+    def wrap(backend):
+        nonlocal trace
+        trace = RouteTrace(backend)
+        return trace
+
+    def on_pass(ids: list[int], start: int) -> None:
+        nonlocal prev
+        cls = classes[torch.tensor(ids, device=runner.device)]
+        prev = _add_pass(stats, trace.ids, {} if start == 0 else prev, cls, cfg.num_experts)
+        trace.ids = {}
+
+    counts = profile_sessions(loaded, sessions, progress, desc, wrap=wrap, on_pass=on_pass)
     return counts, stats.cpu()
 
 
