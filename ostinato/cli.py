@@ -38,13 +38,15 @@ def cmd_synth(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from ostinato.engine.factory import load_engine
+    from ostinato.engine.factory import load_engine, startup_summary, summary_text
     from ostinato.engine.sampling import SamplingParams
     from ostinato.engine.session import GenerationStats
 
     t0 = time.perf_counter()
-    loaded = load_engine(a.model, runner_settings(a), placement_settings(a))
+    loaded = load_engine(a.model, runner_settings(a), placement_settings(a), announce=False)
     load_s = time.perf_counter() - t0
+    summary = startup_summary(loaded)
+    logging.getLogger("ostinato").info(summary_text(summary))
     tok = loaded.tokenizer
     prompt = tok.encode(a.prompt) if a.raw else tok.render_ids([{"role": "user", "content": a.prompt}])
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
@@ -61,6 +63,7 @@ def cmd_generate(a) -> int:
             "prompt_tokens": stats.prompt_tokens, "output_ids": ids, "text": tok.decode(ids),
             "finish_reason": stats.finish_reason, "load_s": round(load_s, 3),
             "prefill_ms": round(1000 * stats.prefill_s, 3), "tpot_ms": round(stats.decode_ms_per_token, 3),
+            "summary": summary,
         }))
     else:
         print(dec.flush())

@@ -1,18 +1,27 @@
 """Model argument + settings -> a ready engine and its tokenizer: the one place that wires
-source, runner, placement and session slot together (generate, serve, replay, bench)."""
+source, runner, placement and session slot together (generate, serve, replay, bench), and
+the start-up summary of what it built (`startup_summary`), so every command states the
+same facts: what was loaded, where the experts live, and the memory and threads it uses."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
-from ostinato.engine.placement import PlacementSettings, hybrid_factory
+import torch
+
+from ostinato.config import ConfigError
+from ostinato.engine.placement import PlacementSettings, hybrid_factory, resolve_np
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
 from ostinato.engine.threads import claim_host_thread
+from ostinato.layers.moe.reference import ReferenceExperts
+from ostinato.loader.build import expert_formats
+from ostinato.loader.gguf import GGUFSource
 from ostinato.loader.source import open_source
 from ostinato.loader.tokenizer import ChatTokenizer
-from ostinato.planner.residency import Residency
+from ostinato.planner.residency import Residency, model_fingerprint
 
 log = logging.getLogger("ostinato")
 
@@ -23,6 +32,8 @@ class Loaded:
     tokenizer: ChatTokenizer
     source: object
     model_name: str
+    placement: PlacementSettings | None = None
+    residency: Residency | None = None  # the hybrid placement's plan, if one was given
 
     @property
     def runner(self) -> ModelRunner:
@@ -30,9 +41,11 @@ class Loaded:
 
 
 def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placement: PlacementSettings | None = None,
-                experts_factory=None) -> Loaded:
+                experts_factory=None, announce: bool = True) -> Loaded:
     """The placement comes from `placement` (a residency: hybrid CPU-GPU) or an explicit
-    experts_factory(source, runner_settings); with neither, every expert on one device."""
+    experts_factory(source, runner_settings); with neither, every expert on one device.
+    `announce`: log the start-up summary here (serve and generate log their own, later)."""
+    residency = None
     if experts_factory is None and placement is not None and placement.residency:
         residency = Residency.load(placement.residency)  # read once, here
         experts_factory = hybrid_factory(placement, residency)
@@ -42,10 +55,97 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
             # could push the engine past the memory cap
             settings = dataclasses.replace(settings, max_context=int(kv_tokens))
     source = open_source(model)
+    if residency is not None:
+        check_shapes(residency, source)
     tok = ChatTokenizer.from_dir(source.tokenizer_dir)
     if settings.torch_device().type == "cuda":  # the host thread on its core before the experts load
         claim_host_thread(settings.thread_layout())  # (its page-locked copies land on that core's node)
-    experts = experts_factory(source, settings) if experts_factory else None
-    runner = ModelRunner(source, settings, experts=experts)
-    log.info(runner.threads.describe())
-    return Loaded(Engine(runner, set(tok.eos_ids)), tok, source, str(model))
+    try:
+        experts = experts_factory(source, settings) if experts_factory else None
+        runner = ModelRunner(source, settings, experts=experts)
+    except torch.OutOfMemoryError:
+        raise ConfigError(f"{model}: out of GPU memory while loading; plan a residency that fits "
+                          "(`ostinato plan --gpu-memory ...`, then --residency) or give a smaller "
+                          "--max-context") from None
+    loaded = Loaded(Engine(runner, set(tok.eos_ids)), tok, source, str(model), placement, residency)
+    if announce:
+        log.info(summary_text(startup_summary(loaded)))
+    return loaded
+
+
+def check_shapes(residency: Residency, source) -> None:
+    """A plan made for other shapes fails naming both. The file records its experts per layer
+    and its layers (those `devices` and `hot` list); the fingerprint decides, so a hand-edited
+    file that lists fewer layers of the right model still loads."""
+    cfg = source.config
+    listed = sorted({l for v in residency.devices.values() for l in v} | set(residency.hot))
+    layers = listed[-1] + 1 if listed else 0
+    differ = residency.num_experts != cfg.num_experts or layers != cfg.num_hidden_layers
+    if differ and model_fingerprint(source) != residency.fingerprint:
+        exact = "" if listed == list(range(layers)) else "at least "
+        raise ConfigError(f"the residency file was planned for another shape ({exact}{layers} layers of "
+                          f"{residency.num_experts} experts; this model: {cfg.num_hidden_layers} layers of "
+                          f"{cfg.num_experts} experts): run `ostinato plan` for this model")
+
+
+def _expert_formats(loaded: Loaded) -> str:
+    """"GGUF Q4_K/Q4_K x24 layers, Q4_K/Q6_K x24" or "checkpoint, bf16 experts"."""
+    mode = loaded.placement.experts if loaded.placement else "native"
+    counts = Counter("/".join(f) if f else None for f in expert_formats(loaded.source, mode).values())
+    float_name = f"{str(loaded.runner.dtype).removeprefix('torch.')} experts"
+    parts = [f"{name or float_name} x{n}" for name, n in counts.items()]
+    parts[0] += " layers"
+    kind = "GGUF" if isinstance(loaded.source, GGUFSource) else "checkpoint"
+    return f"{kind} {', '.join(parts)}"
+
+
+def _gpu_share(residency: Residency) -> float | None:
+    """The share of routes on the GPU the plan reported (held-out profile, else development)."""
+    report = residency.notes.get("report") or {}
+    for name in ("held-out", "development"):
+        if "hot_share" in (report.get(name) or {}):
+            return float(report[name]["hot_share"])
+    return None
+
+
+def startup_summary(loaded: Loaded, url: str | None = None) -> dict:
+    """What was loaded and how it is placed, as a dict (generate --json prints it)."""
+    runner, cfg, res = loaded.runner, loaded.source.config, loaded.residency
+    devices = list(dict.fromkeys(runner.layer_devices or [str(runner.device)]))
+    total = len(cfg.moe_layers) * cfg.num_experts
+    on_gpu = runner.device.type == "cuda"
+    if res is not None:
+        resident, share = res.hot_count, _gpu_share(res)
+    elif isinstance(runner.experts, ReferenceExperts):  # every expert on the one device
+        resident, share = (total, 1.0) if on_gpu else (0, 0.0)
+    else:  # a baseline policy's placement: its own counters say (bench reports them)
+        own = getattr(runner.experts, "resident_experts", None)
+        resident, share = (own() if callable(own) else None), None
+    place = loaded.placement
+    return {
+        "model": loaded.model_name, "format": _expert_formats(loaded), "devices": devices,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "gpu_memory": place.gpu_memory if place else None,
+        "residency": place.residency if place else None,
+        "resident_experts": resident, "experts": total, "gpu_route_share": share,
+        "kv_tokens": runner.max_context, "threads": runner.threads.describe(),
+        "upload_threshold": resolve_np(place, res) if res is not None else None,
+        "url": url,
+    }
+
+
+def summary_text(s: dict) -> str:
+    """The summary as the lines a person reads at start-up."""
+    cap = f"{s['gpu_memory'] / 2**30:.1f} GiB" if s["gpu_memory"] else "none"
+    share = f", {100 * s['gpu_route_share']:.1f}% of routes expected on the GPU" \
+        if s["gpu_route_share"] is not None else ""
+    lines = [f"ready: {s['model']} ({s['format']}, {s['dtype']}) on {', '.join(s['devices'])}, GPU memory cap {cap}",
+             (f"  experts: {s['resident_experts']} of {s['experts']} resident on the GPU{share}"
+              if s["resident_experts"] is not None else f"  experts: {s['experts']}, placed by the policy")
+             + (f" (residency {s['residency']})" if s["residency"] else ""),
+             f"  context: {s['kv_tokens']} KV tokens"
+             + (f"; Np (upload threshold): {s['upload_threshold']} tokens" if s["upload_threshold"] else ""),
+             "  " + s["threads"].replace("\n", "\n  ")]
+    if s["url"]:
+        lines.append(f"  serving on {s['url']}")
+    return "\n".join(lines)

@@ -7,11 +7,13 @@ hybrid CPU-GPU) goes to `load_engine` as it is, like `ostinato generate` does.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from fastapi import FastAPI
 
+from ostinato.engine.factory import load_engine, startup_summary, summary_text
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
 from ostinato.server.handlers import DEFAULT_MAX_BODY
@@ -20,6 +22,7 @@ from ostinato.server.worker import EngineWorker
 
 
 DEFAULT_CONVERSATIONS = 4
+log = logging.getLogger("ostinato.server")
 
 
 def served_name(model: str) -> str:
@@ -38,16 +41,16 @@ def served_names(model: str, names: str | Sequence[str] | None) -> list[str]:
 def build_app(model: str, settings: RunnerSettings = RunnerSettings(), placement: PlacementSettings | None = None,
               api_key: str | None = None, name: str | Sequence[str] | None = None, warmup: bool = True,
               tool_call_parser: str | None = None, max_body_size: int = DEFAULT_MAX_BODY,
-              conversations: int = DEFAULT_CONVERSATIONS) -> FastAPI:
+              conversations: int = DEFAULT_CONVERSATIONS, url: str | None = None) -> FastAPI:
     """`conversations`: how many conversations besides the active one keep their KV cache
-    in host memory, so that an agent's side requests do not cost its session a prefill."""
+    in host memory, so that an agent's side requests do not cost its session a prefill.
+    `url`: where the server listens, for the start-up summary logged once the model is ready."""
     def load(progress):
-        from ostinato.engine.factory import load_engine
-
         progress("loading weights")
-        loaded = load_engine(model, settings, placement)
+        loaded = load_engine(model, settings, placement, announce=False)
         loaded.engine.keep_conversations(conversations)
         return loaded
 
-    return create_app(EngineWorker(load, warmup=warmup), served_names(model, name), api_key, tool_call_parser,
-                      max_body_size)
+    worker = EngineWorker(load, warmup=warmup)
+    worker.on_ready = lambda loaded: log.info(summary_text(startup_summary(loaded, url)))
+    return create_app(worker, served_names(model, name), api_key, tool_call_parser, max_body_size)

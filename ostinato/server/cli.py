@@ -2,6 +2,11 @@
 
 The model and placement flags (--model, --device, --dtype, --max-context, --residency,
 --gpu-memory, ...) are the shared ones of `ostinato generate`; this adds the network side.
+
+The model loads on the engine thread while the HTTP server already answers /health; a load
+that fails stops the server, and the command exits with the load's error (2 for one the user
+can fix, through the CLI's error line; 1 with a traceback otherwise), so that a supervisor sees
+the failure instead of a server answering 500.
 """
 from __future__ import annotations
 
@@ -42,11 +47,20 @@ def cmd_serve(a) -> int:
         raise FileNotFoundError(f"--residency {placement.residency}: no such file (write one with `ostinato plan`)")
     app = build_app(a.model, runner_settings(a), placement, a.api_key, a.served_model_name,
                     tool_call_parser=a.tool_call_parser, max_body_size=a.max_body_size,
-                    conversations=a.kv_conversations)
+                    conversations=a.kv_conversations, url=f"http://{a.host}:{a.port}")
     if not _is_loopback(a.host) and not a.api_key:
         print(f"ostinato: warning: serving on {a.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level))
+    worker = app.state.worker
+
+    def stop(error: Exception) -> None:  # on the engine thread; uvicorn's loop checks the flag
+        server.should_exit = True
+
+    worker.on_failed = stop
+    server.run()
+    if worker.exception is not None:
+        raise worker.exception  # the CLI prints a user's error in one line, anything else with its traceback
     return 0
 
 

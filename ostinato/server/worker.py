@@ -8,7 +8,9 @@ goes away sets the job's cancel event, which the engine checks after every token
 a job cancelled while still queued is skipped.
 
 Errors stay inside the job: an engine exception fails that request only, and the slot's
-cache stays consistent because the Engine records its tokens only after each forward.
+cache stays consistent because the Engine records its tokens only after each forward. A
+failed load is different: it goes to `on_failed`, which `ostinato serve` sets to stop the
+server, so that a supervisor sees the process exit instead of a server answering 500.
 """
 from __future__ import annotations
 
@@ -63,6 +65,8 @@ class EngineWorker:
     def __init__(self, load: Callable[[Callable[[str], None]], object], warmup: bool = True):
         self._load = load
         self.on_finished: Callable[[GenerationStats], None] = lambda stats: None  # metrics hook
+        self.on_ready: Callable[[object], None] = lambda loaded: None  # the loaded model, after warm-up
+        self.on_failed: Callable[[Exception], None] = self._log_failure  # the load's exception
         self._warmup = warmup
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ostinato-engine", daemon=True)
@@ -70,6 +74,7 @@ class EngineWorker:
         self.state = "loading"  # loading | ok | error
         self.phase = "starting"
         self.error: str | None = None
+        self.exception: Exception | None = None  # what failed the load
         self.started_at = time.monotonic()
         self.started_at_wall = time.time()
         self.placement: dict[str, float] = {}  # last runner.placement_stats(), read by /metrics
@@ -104,11 +109,17 @@ class EngineWorker:
                 self._warm(loaded)
             self.placement = loaded.runner.placement_stats()
             self.loaded, self.state, self.phase = loaded, "ok", "ready"
-        except Exception as e:  # shown by /health and every request; the process stays up
-            log.exception("loading the model failed")
-            self.error, self.state, self.phase = f"{type(e).__name__}: {e}", "error", "failed"
+        except Exception as e:  # shown by /health and every request until on_failed acts
+            self.exception, self.error, self.state, self.phase = e, f"{type(e).__name__}: {e}", "error", "failed"
+            self.on_failed(e)
+        else:
+            self.on_ready(loaded)
         while (job := self._jobs.get()) is not None:
             self._serve(job)
+
+    @staticmethod
+    def _log_failure(error: Exception) -> None:
+        log.error("loading the model failed", exc_info=error)
 
     @staticmethod
     def _warm(loaded) -> None:
