@@ -88,3 +88,18 @@ def test_worker_reports_a_failed_load():
     worker.start()
     worker.stop()
     assert worker.state == "error" and isinstance(worker.exception, FileNotFoundError) and seen == [worker.exception]
+
+
+def test_a_cap_without_a_residency_must_hold_every_expert():
+    """--gpu-memory without --residency puts every expert on the GPU: a cap too small for them is
+    refused at once with what to do (on a GPU machine load_engine runs this check, then sets the cap)."""
+    from ostinato.config import ConfigError
+    from ostinato.engine.factory import check_all_resident_fit
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.loader.source import open_source
+
+    source = open_source("synth:tiny?layers=2")
+    settings = RunnerSettings(device="cpu", dtype="bf16", max_context=1024)
+    check_all_resident_fit(source, settings, 8 * 2**30, "synth:tiny")
+    with pytest.raises(ConfigError, match="do not all fit under --gpu-memory.*plan a residency"):
+        check_all_resident_fit(source, settings, 2**20, "synth:tiny")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.placement import PlacementSettings, hybrid_factory, resolve_np
+from ostinato.engine.placement import PlacementSettings, apply_memory_cap, hybrid_factory, resolve_np
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
 from ostinato.engine.threads import claim_host_thread
@@ -21,6 +21,7 @@ from ostinato.loader.build import expert_formats
 from ostinato.loader.gguf import GGUFSource
 from ostinato.loader.source import open_source
 from ostinato.loader.tokenizer import ChatTokenizer
+from ostinato.planner.capacity import CapacityError, plan_capacity
 from ostinato.planner.residency import Residency, model_fingerprint
 
 log = logging.getLogger("ostinato")
@@ -57,6 +58,12 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
     source = open_source(model)
     if residency is not None:
         check_shapes(residency, source)
+    elif experts_factory is None and placement is not None and placement.gpu_memory:
+        if settings.torch_device().type == "cuda":
+            check_all_resident_fit(source, settings, placement.gpu_memory, str(model))
+            apply_memory_cap(settings.torch_device(), placement.gpu_memory)
+        else:
+            log.info("--gpu-memory: no GPU here, the cap does not apply")
     tok = ChatTokenizer.from_dir(source.tokenizer_dir)
     if settings.torch_device().type == "cuda":  # the host thread on its core before the experts load
         claim_host_thread(settings.thread_layout())  # (its page-locked copies land on that core's node)
@@ -71,6 +78,25 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
     if announce:
         log.info(summary_text(startup_summary(loaded)))
     return loaded
+
+
+def check_all_resident_fit(source, settings: RunnerSettings, cap: int, model: str) -> None:
+    """Without a residency every expert goes onto the GPU: under a cap that cannot hold them (the
+    capacity test: dense weights, KV cache, activations, margin), say what to do instead of
+    running out of memory half way through the load."""
+    cfg = source.config
+    dtype = settings.torch_dtype(cfg.torch_dtype)
+    kv = settings.max_context or min(16384, cfg.max_position_embeddings)
+    counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
+    total = len(cfg.moe_layers) * cfg.num_experts
+    try:
+        fits = plan_capacity(cfg, counts, cap, kv, dtype).max_hot_slots >= total
+    except CapacityError:
+        fits = False
+    if not fits:
+        raise ConfigError(f"{model}: its {total} experts do not all fit under --gpu-memory {cap / 2**30:.1f} GiB "
+                          f"with a {kv}-token KV cache; plan a residency for the cap first (`ostinato plan "
+                          f"--model {model} --profile P --gpu-memory ... -o R`), then give --residency R")
 
 
 def check_shapes(residency: Residency, source) -> None:
