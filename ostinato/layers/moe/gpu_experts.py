@@ -179,21 +179,25 @@ def align_routes(slots, zero_lo: int, zero_hi: int, block_m: int,
     return AlignedRoutes(sorted_routes, block_slots, num_padded)
 
 
+def triton_inputs(x, slots, weights, out, out_dtype):
+    """The Triton entry points' common start (bf16 and quantized pools): out [T, D] made, or
+    checked, and the inputs contiguous in the kernels' dtypes -> (x, slots, weights, out)."""
+    T, D = slots.shape[0], x.shape[1]
+    if out is None:
+        out = torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
+    assert out.shape == (T, D) and out.stride(1) == 1, "out must be [T, D] with unit last stride"
+    return x.contiguous(), slots.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous(), out
+
+
 def slot_experts_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
                         out_dtype=None, max_distinct=None, tuning=None):
     """The Triton paths on x's device (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    T, K = slots.shape
-    D = x.shape[1]
-    if out is None:
-        out = torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
+    T = slots.shape[0]
+    x, slots, weights, out = triton_inputs(x, slots, weights, out, out_dtype)
     if T == 0:
         return out
-    assert out.shape == (T, D) and out.stride(1) == 1, "out must be [T, D] with unit last stride"
     assert x.dtype == w13_pool.dtype == w2_pool.dtype, "x and the pools must share a dtype"
     tuning = tuning or _tuning_for(x.device.type, x.device.index)
-    x = x.contiguous()
-    slots = slots.to(torch.int32).contiguous()
-    weights = weights.to(torch.float32).contiguous()
     if T <= tuning["decode_max_tokens"]:
         from ostinato.kernels.triton.moe_decode import decode_forward
 

@@ -131,17 +131,11 @@ def slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero
 def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
                               qtypes, out_dtype=None, max_distinct=None, tuning=None):
     """The Triton paths on x's device (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    T, K = slots.shape
-    D = x.shape[1]
-    if out is None:
-        out = torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
+    T = slots.shape[0]
+    x, slots, weights, out = ge.triton_inputs(x, slots, weights, out, out_dtype)
     if T == 0:
         return out
-    assert out.shape == (T, D) and out.stride(1) == 1, "out must be [T, D] with unit last stride"
     tuning = tuning or _quant_tuning_for(x.device.type, x.device.index)
-    x = x.contiguous()
-    slots = slots.to(torch.int32).contiguous()
-    weights = weights.to(torch.float32).contiguous()
     if T <= tuning["decode_max_tokens"]:
         from ostinato.kernels.triton.moe_quant import decode_forward
 
