@@ -305,18 +305,32 @@ def test_bad_requests_leave_the_server_serving(http, client):
 
 
 def _health_latencies_while(live, work) -> list[float]:
-    """Run `work` in a thread; meanwhile time GET /health, one call after another."""
+    """Run `work` in a thread; meanwhile time GET /health, one call after another.
+
+    The server shares this process with the whole test session, so the objects earlier tests left are frozen
+    out of the cyclic collector while the clock runs: a full collection of them (hundreds of ms on CI) is the
+    test process's pause, not the server's loop being blocked."""
+    import gc
     thread = threading.Thread(target=work)
     latencies = []
-    with httpx.Client(base_url=live.url, timeout=10) as c:
-        c.get("/health")  # the connection is open before the clock starts
-        thread.start()
-        while thread.is_alive() or len(latencies) < 20:
-            t0 = time.perf_counter()
-            assert c.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-    thread.join()
+    gc.collect()
+    gc.freeze()
+    try:
+        with httpx.Client(base_url=live.url, timeout=10) as c:
+            c.get("/health")  # the connection is open before the clock starts
+            thread.start()
+            while thread.is_alive() or len(latencies) < 20:
+                t0 = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+        thread.join()
+    finally:
+        gc.unfreeze()
     return latencies
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def test_an_oversized_body_is_a_413_while_health_stays_quick(live, http):
@@ -342,7 +356,9 @@ def test_an_oversized_body_is_a_413_while_health_stays_quick(live, http):
         assert error["code"] == "request_too_large" and "--max-body-size" in error["message"], error
     print(f"/health during 413s: {len(latencies)} calls, median {1000 * sorted(latencies)[len(latencies) // 2]:.1f} "
           f"ms, max {1000 * max(latencies):.1f} ms")
-    assert max(latencies) < 0.1  # a 2-core machine answers in a few ms; 100 ms is the loop being blocked
+    # a 2-core machine answers in a few ms; the loop blocked by a body (the bug: 6 s for 5 MB) shows at every call
+    # during the upload, so the 99th percentile is the test, with a bound on one scheduling hiccup beside it
+    assert _quantile(latencies, 0.99) < 0.05 and max(latencies) < 0.5
     r = httpx.post(live.url + "/v1/messages", content=whole, headers={"x-api-key": KEY})
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     assert_alive(http)
