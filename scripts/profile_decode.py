@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
 from ostinato.engine.factory import load_engine  # noqa: E402
+from ostinato.engine.kv_cache import KVCache  # noqa: E402
 from ostinato.engine.placement import PlacementSettings  # noqa: E402
 from ostinato.engine.runner import RunnerSettings  # noqa: E402
 
@@ -149,8 +150,7 @@ def bytes_per_step(runner, context: int) -> dict[str, int]:
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if p.device.type == runner.device.type and p is not emb and ".experts." not in n)
     tied = cfg.tie_word_embeddings
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * context * elt
+    kv = KVCache.bytes_needed(cfg, context, runner.dtype)  # the model's own cache layout (per-head K/V, MLA latent)
     experts = len(cfg.moe_layers) * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * elt
     return {"dense_weights": int(dense + (emb.numel() * emb.element_size() if tied else 0)),
             "embedding_row": int(cfg.hidden_size * emb.element_size()),

@@ -170,7 +170,7 @@ def test_cuda_windowed_decode_matches_prefill(tiny_dir):
     """The model's windowed decode on CUDA (the kernel) against its prefill (SDPA), fp32."""
     from ostinato.engine.runner import ModelRunner, RunnerSettings
     from ostinato.loader.source import CheckpointSource
-    from ostinato.models.qwen3_moe import DecodeWindow
+    from ostinato.models.common import DecodeWindow
 
     r = ModelRunner(CheckpointSource(tiny_dir), RunnerSettings(device="cuda", dtype="fp32",
                                                                max_context=2048, cuda_graph=False))

@@ -7,7 +7,7 @@ import torch
 from ostinato.engine.graph import window_sizes
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.loader.source import CheckpointSource
-from ostinato.models.qwen3_moe import DecodeWindow
+from ostinato.models.common import DecodeWindow
 
 
 def test_window_sizes():

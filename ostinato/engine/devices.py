@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 from ostinato.config import ConfigError
-from ostinato.engine.kv_cache import LayerKV
+from ostinato.engine.kv_cache import allocate, layer_views
 from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import load_experts
-from ostinato.models.qwen3_moe import DecodeWindow
+from ostinato.models.common import DecodeWindow
 from ostinato.planner.assign import assign_devices, layer_map
 
 
@@ -105,22 +105,17 @@ def place_model(model: nn.Module, layer_devices: list[str]) -> None:
 
 
 class SplitKV:
-    """The KV cache of a split model: one [Ld, N, Hkv, Hd] block per device for its layers."""
+    """The KV cache of a split model: per device, its layers' cache tensors stacked
+    (engine/kv_cache.py: name -> [Ld, N, *S])."""
 
     def __init__(self, cfg, max_tokens: int, layer_devices: list[str], dtype: torch.dtype):
         self.max_tokens = max_tokens
-        self.blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.layers = []
-        shape = (max_tokens, cfg.num_key_value_heads, cfg.head_dim)
+        self.blocks: dict[str, dict[str, torch.Tensor]] = {}
+        views = {}
         for name in in_order(layer_devices):
-            n = layer_devices.count(name)
-            k = torch.zeros((n, *shape), device=physical(name), dtype=dtype)
-            self.blocks[name] = (k, torch.zeros_like(k))
-        seen: Counter = Counter()
-        for name in layer_devices:
-            k, v = self.blocks[name]
-            self.layers.append(LayerKV(k[seen[name]], v[seen[name]]))
-            seen[name] += 1
+            self.blocks[name] = allocate(cfg, layer_devices.count(name), max_tokens, physical(name), dtype)
+            views[name] = iter(layer_views(self.blocks[name]))
+        self.layers = [next(views[name]) for name in layer_devices]
 
 
 @dataclass(frozen=True)

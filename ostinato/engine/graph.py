@@ -37,7 +37,7 @@ import torch
 
 from ostinato.engine.devices import Segment, backend_of, device_scope
 from ostinato.layers.moe.backend import MoEBackend
-from ostinato.models.qwen3_moe import DecodeWindow
+from ostinato.models.common import DecodeWindow
 
 
 def window_sizes(max_context: int, smallest: int = 1024) -> list[int]:

@@ -45,6 +45,12 @@ class PlacementSettings:
             raise ConfigError(f"experts {self.experts!r}: give one of {', '.join(EXPERT_MODES)}")
 
 
+def expert_math(cfg) -> dict:
+    """What the model's experts compute beyond their weights, as pools and host copies take it:
+    the activation and whether they carry biases (gpt-oss)."""
+    return {"act": cfg.expert_act, "bias": cfg.expert_bias}
+
+
 DEFAULT_UPLOAD_THRESHOLD = 512  # used only until `ostinato calibrate` has measured Np
 
 
@@ -70,11 +76,11 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
     formats = expert_formats(source, place.experts)
     try:
         pools = ExpertPools.build(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok, None, (2 * F, D), (D, F),
-                                  device, dtype, formats)
+                                  device, dtype, formats, **expert_math(cfg))
     except torch.OutOfMemoryError:
         raise ConfigError(f"the expert pool ({sum(map(len, hot.values()))} hot experts and their flex slots) does "
                           "not fit the GPU memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
-    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats)
+    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats, **expert_math(cfg))
     for layer in cfg.moe_layers:
         experts = load_layer_experts(source, layer, formats[layer], device, dtype)
         pools.fill_layer(layer, experts)
@@ -93,6 +99,13 @@ def configure(hybrid: HybridExperts, place: PlacementSettings, residency: Reside
     """The placement's options on a built HybridExperts: borrowed memory, split with uploads."""
     if place.borrow and any(p.num_slots > p.flex_lo for p in hybrid.pools.groups):
         hybrid.borrow = Borrowing(hybrid, wait_copies=place.borrow_wait_copies)
+    return apply_calibration(hybrid, place, residency)
+
+
+def apply_calibration(hybrid: HybridExperts, place: PlacementSettings, residency: Residency) -> HybridExperts:
+    """What the residency's calibration decides for passes of many tokens: Np, and the split with
+    uploads. Passes only (a decode step is one token), so a loaded engine takes it in place."""
+    hybrid.upload_threshold = resolve_np(place, residency)
     if place.mixed and hybrid.on_cuda:  # a CPU-only machine has no second link to balance
         hybrid.mixed = MixedPass.from_calibration(residency.calibration)
     return hybrid
@@ -108,7 +121,7 @@ def hybrid_factory(place: PlacementSettings, residency: Residency | None = None)
     def make(source, runner_settings):
         cfg = source.config
         dtype = runner_settings.torch_dtype(cfg.torch_dtype)
-        kv_tokens = runner_settings.max_context or min(16384, cfg.max_position_embeddings)
+        kv_tokens = runner_settings.context(cfg)
         layer_devices = resolve_layer_devices(cfg, runner_settings.device_names(), residency, kv_tokens, dtype)
         threads = runner_settings.thread_layout(layer_devices)
         if layer_devices is not None:  # MoE layers split across devices: a pool on each
@@ -140,11 +153,12 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
             continue
         try:
             pools[name] = ExpertPools.build({l: hot[l] for l in layers}, cfg.num_hidden_layers, E,
-                                            cfg.num_experts_per_tok, None, (2 * F, D), (D, F), dev, dtype, formats)
+                                            cfg.num_experts_per_tok, None, (2 * F, D), (D, F), dev, dtype, formats,
+                                            **expert_math(cfg))
         except torch.OutOfMemoryError:
             raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
                               "--gpu-memory or --hot-fraction") from None
-    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats)
+    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats, **expert_math(cfg))
     for layer in cfg.moe_layers:
         pool = pools[layer_devices[layer]]
         experts = load_layer_experts(source, layer, formats[layer], pool.device, dtype)

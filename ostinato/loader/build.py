@@ -14,16 +14,16 @@ import torch
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.layers.moe.gpu_quant import QUANT_QTYPES  # the block formats both branches compute
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
-from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
+from ostinato.models.common import MoECausalLM
+from ostinato.models.registry import cast_, new_model
 from ostinato.quant.formats import row_bytes
 
 
-def build_model(source, device: torch.device | str, dtype: torch.dtype | None = None) -> Qwen3MoeForCausalLM:
+def build_model(source, device: torch.device | str, dtype: torch.dtype | None = None) -> MoECausalLM:
+    """The config's family (models/registry.py) in `dtype` (its fp32_params in fp32) on `device`."""
     cfg: ModelConfig = source.config
     dtype = dtype or cfg.torch_dtype
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    model = cast_(new_model(cfg), dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     known = set(source.names())
@@ -35,19 +35,34 @@ def build_model(source, device: torch.device | str, dtype: torch.dtype | None = 
     return model.eval().requires_grad_(False)
 
 
+def alloc_biases(cfg: ModelConfig, device, pin: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp32 b13 [E, 2F] and b2 [E, D] for experts with biases (gpt-oss), else (None, None)."""
+    if not cfg.expert_bias:
+        return None, None
+    E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    return (torch.empty((E, 2 * F), device=device, pin_memory=pin),
+            torch.empty((E, D), device=device, pin_memory=pin))
+
+
+def bias_args(w) -> dict:
+    """A source's load_*experts_ keyword arguments for w's biases (none without)."""
+    return {} if w.b13 is None else {"b13": w.b13, "b2": w.b2}
+
+
 def alloc_experts(cfg: ModelConfig, device, dtype: torch.dtype, pin: bool = False) -> ExpertWeights:
     E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     w13 = torch.empty((E, 2 * F, D), dtype=dtype, device=device, pin_memory=pin)
     w2 = torch.empty((E, D, F), dtype=dtype, device=device, pin_memory=pin)
-    return ExpertWeights(w13, w2)
+    return ExpertWeights(w13, w2, *alloc_biases(cfg, device, pin), cfg.expert_act)
 
 
 def load_experts(source, layer: int, device="cpu", dtype=None, pin: bool = False) -> ExpertWeights:
-    """One layer's experts, stacked, in memory allocated once (page-locked if `pin`)."""
+    """One layer's experts, stacked, in memory allocated once (page-locked if `pin`), with their
+    fp32 biases and their activation where the model's experts have them."""
     cfg = source.config
     w = alloc_experts(cfg, device, dtype or cfg.torch_dtype, pin)
     with torch.no_grad():
-        source.load_experts_(layer, w.w13, w.w2)
+        source.load_experts_(layer, w.w13, w.w2, **bias_args(w))
     return w
 
 
@@ -69,7 +84,7 @@ def alloc_quantized_experts(cfg: ModelConfig, qt13: str, qt2: str, device, pin: 
     E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     w13 = torch.empty((E, 2 * F, row_bytes(qt13, D)), dtype=torch.uint8, device=device, pin_memory=pin)
     w2 = torch.empty((E, D, row_bytes(qt2, F)), dtype=torch.uint8, device=device, pin_memory=pin)
-    return QuantExpertWeights(qt13, w13, qt2, w2)
+    return QuantExpertWeights(qt13, w13, qt2, w2, *alloc_biases(cfg, device, pin), cfg.expert_act)
 
 
 def load_quantized_experts(source, layer: int, device="cpu", pin: bool = False) -> QuantExpertWeights:
@@ -77,7 +92,7 @@ def load_quantized_experts(source, layer: int, device="cpu", pin: bool = False) 
     in memory allocated once (page-locked if `pin`)."""
     qt13, qt2 = source.expert_qtypes(layer)
     w = alloc_quantized_experts(source.config, qt13, qt2, device, pin)
-    source.load_quantized_experts_(layer, w.w13, w.w2)
+    source.load_quantized_experts_(layer, w.w13, w.w2, **bias_args(w))
     return w
 
 

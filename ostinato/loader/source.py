@@ -23,8 +23,9 @@ from urllib.parse import parse_qsl
 import torch
 from safetensors import safe_open
 
-from ostinato.config import ConfigError, ModelConfig
+from ostinato.config import ConfigError, ModelConfig, family_of
 from ostinato.layers.moe.types import expert_views
+from ostinato.loader import gpt_oss
 from ostinato.loader.gguf import GGUFSource, find_gguf
 from ostinato.synth.build import synth_source
 
@@ -94,17 +95,53 @@ class CheckpointSource:
             )
         return out.copy_(self._handle(self.files[name]).get_tensor(name))
 
-    def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None) -> None:
+        """One layer's experts as floats into the stacks (and their biases, for experts that have
+        them): per-expert tensors (Qwen3, DeepSeek), or gpt-oss's fused ones (loader/gpt_oss.py)."""
+        if gpt_oss.is_fused(self.files, layer):
+            self._check_fused(layer)
+            gpt_oss.load_float_(self._read, self.files, layer, w13, w2)
+            if b13 is not None:
+                gpt_oss.load_biases_(self._read, layer, b13, b2)
+            return
+        if b13 is not None:
+            raise ConfigError(f"{self.dir}: layer {layer}'s experts have no biases in this checkpoint")
         for name, view in expert_views(layer, w13, w2):
             self.load_(name, view)
 
+    def expert_qtypes(self, layer: int) -> tuple[str, str] | None:
+        """The block formats of a layer's experts where the checkpoint stores them quantized
+        (gpt-oss's MXFP4), else None (floats)."""
+        return gpt_oss.qtypes(self.files, layer)
+
+    def load_quantized_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor,
+                                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> None:
+        """One layer's MXFP4 experts in GGUF's block layout (repacked, lossless) and their biases."""
+        self._check_fused(layer)
+        gpt_oss.load_quantized_(self._read, self.files, layer, w13, w2)
+        if b13 is not None:
+            gpt_oss.load_biases_(self._read, layer, b13, b2)
+
+    def _check_fused(self, layer: int) -> None:
+        c = self.config
+        gpt_oss.check_shapes(self.shape, self.files, layer, c.num_experts, c.hidden_size, c.moe_intermediate_size)
+
+    def _read(self, name: str, e: int | None) -> torch.Tensor:
+        """Expert e's slice of a stacked tensor (None: all of it), read from its shard."""
+        sl = self._handle(self._file(name)).get_slice(name)
+        return sl[e] if e is not None else sl[:]
+
 
 def refuse_quantized(config: dict, where: Path) -> None:
-    """ConfigError for a config.json that declares a quantized checkpoint, naming its format."""
+    """ConfigError for a config.json that declares a quantized checkpoint, naming its format;
+    gpt-oss's MXFP4 experts (its own release format) are read (loader/gpt_oss.py)."""
     qc = config.get("quantization_config")
     if qc is None:
         return
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if str(method).lower() == "mxfp4" and family_of(config).name == "gpt_oss":
+        return  # only the experts are blocks; a dense tensor in another type is refused by load_
     name = QUANT_METHODS.get(str(method).lower(), f"quant_method {method!r}" if method else "an unnamed format")
     raise ConfigError(f"{where}: the checkpoint is quantized ({name}; quantization_config in config.json), which "
                       "Ostinato does not load from safetensors: use the unquantized (bf16) checkpoint, or a GGUF "

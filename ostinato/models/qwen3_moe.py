@@ -23,13 +23,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route
-from ostinato.layers.moe.types import TopKOutput
-from ostinato.models.rope import RotaryEmbedding, apply_rotary
-
-
-class ExpertsBackend(Protocol):
-    def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        """x [T, D], topk ids/weights [T, K] -> routing-weighted sum of experts [T, D]."""
+from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, DenseMLP, ExpertsBackend, KVShapes,
+                                    MoECausalLM, RMSNorm, RoutedBlock)
+from ostinato.models.rope import apply_rotary
 
 
 class LayerKV(Protocol):
@@ -37,35 +33,38 @@ class LayerKV(Protocol):
     v: torch.Tensor  # [max_len, Hkv, Hd]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, result cast back before the weight: as the reference does
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention over per-head K/V. Qwen3's by default (q/k norms, rotary over the
+    whole head, o_proj biased as q/k/v); GLM-4-MoE's with the options: q/k norms optional, rotary
+    on the first `rotary_dim` dims of a head only, no o_proj bias."""
+
+    def __init__(self, cfg: ModelConfig, qk_norm: bool = True, o_bias: bool | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
         self.h, self.hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.rd = rotary_dim or self.hd
         b = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.hd, bias=b)
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=b)
-        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=b)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=b if o_bias is None else o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rd == self.hd:
+            return apply_rotary(x, cos, sin)
+        return torch.cat((apply_rotary(x[..., :self.rd], cos, sin), x[..., self.rd:]), dim=-1)
 
     def forward(self, x, cos, sin, kv: LayerKV, start: int, window=None) -> torch.Tensor:
         T = x.shape[0]
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(T, self.h, self.hd)), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.hkv, self.hd)), cos, sin)
+        q = self.q_proj(x).view(T, self.h, self.hd)
+        k = self.k_proj(x).view(T, self.hkv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         v = self.v_proj(x).view(T, self.hkv, self.hd)
         if window is not None:
             return self._decode_window(q, k, v, kv, window)
@@ -120,32 +119,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(1, self.h * self.hd))
 
 
-class DecodeWindow:
-    """A decode step's position as a device tensor and the cache window it attends over."""
-
-    def __init__(self, position: torch.Tensor, size: int):
-        self.position = position  # [1] int64, on the model's device
-        self.size = size
-        self._cols = torch.arange(size, device=position.device)[None, :]
-        self.mask = None
-
-    def refresh(self) -> None:
-        """Recompute the mask from the device position: once per pass, inside any capture."""
-        self.mask = self._cols <= self.position  # [1, W] bool
-
-
-class DenseMLP(nn.Module):
-    def __init__(self, dim: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, inter, bias=False)
-        self.up_proj = nn.Linear(dim, inter, bias=False)
-        self.down_proj = nn.Linear(inter, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(RoutedBlock):
     """Router here; the routed experts come from the backend the runner plugs in."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -160,72 +134,20 @@ class SparseMoeBlock(nn.Module):
         return self.experts(self.layer, x, topk)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int):
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = SparseMoeBlock(cfg, i) if cfg.is_moe_layer(i) else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, kv: LayerKV, start: int, window=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, window)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Qwen3MoeModel(nn.Module):
+class Qwen3MoeForCausalLM(MoECausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        self.build(cfg, lambda i: DecoderLayer(Attention(cfg), SparseMoeBlock(cfg, i) if cfg.is_moe_layer(i) else
+                                               DenseMLP(cfg.hidden_size, cfg.intermediate_size), norm),
+                   norm, cfg.head_dim)
 
+    @staticmethod
+    def kv_shapes(cfg: ModelConfig) -> KVShapes:
+        """Per-head keys and values, after q/k norm and rotary."""
+        return {"k": (cfg.num_key_value_heads, cfg.head_dim), "v": (cfg.num_key_value_heads, cfg.head_dim)}
 
-class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen3MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg)
-
-    def set_experts(self, backend: ExpertsBackend) -> None:
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, SparseMoeBlock):
-                layer.mlp.experts = backend
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[LayerKV], start: int,
-                window: DecodeWindow | None = None):
-        """input_ids, positions [T] -> final hidden states [T, D] (after the last norm).
-
-        With a DecodeWindow (one token), the position is read from the device only, so the
-        pass can be captured once and replayed (see engine/graph.py). The pass is embed, then
-        run_layers over every layer, then the norm: the runner may run the layers in ranges
-        (one per device, engine/devices.py)."""
-        x, cos, sin = self.embed(input_ids, positions, start, window)
-        x = self.run_layers(range(len(self.model.layers)), x, cos, sin, kv, start, window)
-        return self.model.norm(x)
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int,
-              window: DecodeWindow | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The start of a pass: x [T, D] and the rotary cos, sin [T, Hd] (the window's mask
-        is refreshed here)."""
-        x = self.model.embed_tokens(input_ids)
-        if window is not None:
-            window.refresh()
-        seq_len = window.size if window is not None else start + input_ids.shape[0]
-        cos, sin = self.rotary(positions, seq_len, x.dtype)
-        return x, cos, sin
-
-    def run_layers(self, layers: range, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: list[LayerKV],
-                   start: int, window: DecodeWindow | None = None) -> torch.Tensor:
-        """Decoder layers `layers` (a range, in order) on x [T, D]."""
-        for i in layers:
-            x = self.model.layers[i](x, cos, sin, kv[i], start, window)
-        return x
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, D] -> logits [T, V] in fp32."""
-        return self.lm_head(hidden).float()
+    @staticmethod
+    def attention_shape(cfg: ModelConfig) -> AttentionShape:
+        hd = cfg.head_dim
+        return AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, hd, hd, hd)

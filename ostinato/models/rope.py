@@ -1,10 +1,11 @@
-"""Rotary position embeddings and the `rope_scaling` variants a Qwen3 config may carry.
+"""Rotary position embeddings and the `rope_scaling` variants a config may carry.
 
 Each variant only changes the inverse frequencies (and, for yarn, a scale on cos/sin),
 so the model asks `RotaryEmbedding` for (cos, sin) of the positions of a pass and
-applies them the same way whatever the variant.
+applies them the same way whatever the variant. Qwen3 rotates half-split pairs
+(`apply_rotary`); DeepSeek lays its pairs out interleaved (`apply_rotary_interleaved`).
 
-Legend: T tokens, H heads, Hd head dim.
+Legend: T tokens, H heads, Hd rotary dim.
 """
 from __future__ import annotations
 
@@ -21,17 +22,27 @@ def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def softmax_scale(head_dim: int, rope_scaling: dict | None) -> float:
+    """DeepSeek's attention scale: head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 when a
+    scaled rope gives mscale_all_dim (yarn's attention factor, folded into the softmax)."""
+    scale = head_dim ** -0.5
+    m_all = (rope_scaling or {}).get("mscale_all_dim")
+    if m_all:
+        scale *= yarn_mscale(rope_scaling["factor"], m_all) ** 2
+    return scale
+
+
 def _yarn(base: float, dim: int, sc: dict, max_pos: int) -> tuple[torch.Tensor, float]:
     orig = sc.get("original_max_position_embeddings") or max_pos
     factor = sc.get("factor") or max_pos / orig
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attn = sc.get("attention_factor")
     if attn is None:
         m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
-        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
 
     def correction_dim(rot: float) -> float:
         return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
@@ -63,8 +74,8 @@ def _llama3(inv: torch.Tensor, sc: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """Computes (cos, sin) for positions; holds no parameters, so models stay pure."""
 
-    def __init__(self, cfg: ModelConfig):
-        self.dim = cfg.head_dim
+    def __init__(self, cfg: ModelConfig, dim: int):
+        self.dim = dim
         self.base = cfg.rope_theta
         self.max_pos = cfg.max_position_embeddings
         sc = dict(cfg.rope_scaling or {})
@@ -120,3 +131,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, Hd] whose pairs are (x0, x1), (x2, x3), ...; cos/sin [T, Hd] as above. The
+    rotated pairs come out half-split (all first members, then all second ones), as transformers
+    lays them out: queries and keys get the same permutation, so their dot products are those of
+    the interleaved rotation."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

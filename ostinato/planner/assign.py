@@ -51,7 +51,7 @@ def assign_devices(cfg: ModelConfig, devices: list[str], kv_tokens: int, dtype: 
     """device -> its decoder layers, by the rule above (equal caps when none are given); formats:
     the experts' block formats per MoE layer (their real bytes), as plan_capacity takes them."""
     layers, embed, head = dense_parts(cfg, dtype)
-    kv_layer = kv_bytes(cfg, max(kv_tokens, 0), dtype) // cfg.num_hidden_layers
+    kv_layer = kv_bytes(cfg, max(kv_tokens, 0), dtype, layers=1)
     sizes = expert_sizes(cfg, dtype, formats)
     costs = [w + kv_layer + (cfg.num_experts * sizes[i][1] if i in sizes else 0) for i, w in enumerate(layers)]
     ranges = assign_layers(costs, caps or [1] * len(devices), embed, head)

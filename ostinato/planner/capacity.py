@@ -24,8 +24,9 @@ Everything here is a pure function of the config, the counts and the settings; t
 verification (planner/verify.py) runs the largest pass of the longest request in the
 engine under the cap and reads torch.cuda.max_memory_allocated.
 
-Legend: T tokens of a pass, N KV tokens, D hidden, H / Hkv query / KV heads, Hd head dim,
-E experts per layer, K top-k, F expert FFN, I dense FFN, V vocabulary, L MoE layers.
+Legend: T tokens of a pass, N KV tokens, D hidden, H / Hkv query / KV heads, Dq / Dv / Dr q-k /
+v / rotary head dims, E experts per layer, K top-k, F expert FFN, I dense FFN, V vocabulary,
+L MoE layers.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import torch
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.kv_cache import KVCache
 from ostinato.layers.moe.pool import expert_nbytes
-from ostinato.models.qwen3_moe import Qwen3MoeForCausalLM
+from ostinato.models.registry import attention_shape, new_model, param_bytes
 from ostinato.planner.fill import fill
 
 GiB = 2**30
@@ -110,16 +111,15 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Every parameter of the model (experts are not parameters) in the compute dtype."""
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
-    return sum(p.numel() for p in model.parameters()) * itemsize(dtype)
+    """Every parameter of the model (experts are not parameters) in the compute dtype (those the
+    model keeps in fp32, a router say, in fp32)."""
+    return param_bytes(new_model(cfg), dtype)
 
 
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """One pool slot: w13 [2F, D] and w2 [D, F] in the compute dtype."""
+    """One pool slot: w13 [2F, D] and w2 [D, F] in the compute dtype (and fp32 biases, gpt-oss)."""
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
-    return expert_nbytes((2 * F, D), (D, F), None, dtype)
+    return expert_nbytes((2 * F, D), (D, F), None, dtype, cfg.expert_bias)
 
 
 def expert_sizes(cfg: ModelConfig, dtype: torch.dtype, formats: dict | None = None) -> dict[int, tuple[str, int]]:
@@ -130,7 +130,7 @@ def expert_sizes(cfg: ModelConfig, dtype: torch.dtype, formats: dict | None = No
     for l in cfg.moe_layers:
         qt = (formats or {}).get(l)
         name = str(dtype).removeprefix("torch.") if qt is None else "/".join(qt)
-        out[l] = (name, expert_nbytes((2 * F, D), (D, F), qt, dtype))
+        out[l] = (name, expert_nbytes((2 * F, D), (D, F), qt, dtype, cfg.expert_bias))
     return out
 
 
@@ -174,17 +174,24 @@ def largest_fitting(need, limit: int, most: int) -> int:
     return lo
 
 
-def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
-    return KVCache.bytes_needed(cfg, tokens, dtype)
+def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype, layers: int | None = None) -> int:
+    """The KV cache of `layers` decoder layers (default: all) for `tokens` tokens."""
+    return KVCache.bytes_needed(cfg, tokens, dtype, layers)
 
 
 def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score_share: float = 1.0) -> dict:
     """A conservative bound on the buffers of one forward pass of T tokens attending to N.
 
+    The attention's shape is the model's (models/common.py AttentionShape): H query heads, Hkv
+    key/value heads as the kernel reads them, q/k and v head dims Dq, Dv (Qwen3: Hd, Hd; MLA:
+    H heads of Dn + Dr and Dv), Dr the rotary dims, X the elements per cached token expanded
+    from the cache before attending (MLA's up-projected K/V and assembled K; 0 for Qwen3).
     b = the compute dtype's size; every term counts buffers that can be alive together:
       hidden     6 T D b + 2 T D 4        residual, norm output, branch outputs, sums; fp32 RMSNorm
-      qkv        3 T (H + 2 Hkv) Hd b     projections, q/k norm, rotary (rotate-half copy)
-      attention  13 s H T N + T N (1 + b) + (3 H + 2 Hkv) N Hd 4 + T H Hd (12 + b)
+      qkv        3 T (H Dq + Hkv (Dq + Dv)) b
+                                          projections, q/k norm, rotary (rotate-half copy)
+      attention  13 s H T N + T N (1 + b) + ((2 H + Hkv) Dq + (H + Hkv) Dv) N 4 + T H (8 Dq + (4 + b) Dv)
+                 + N X b
                  A pass after the first chunk carries a mask, and torch's SDPA then runs
                  grouped-query attention in its math kernel (aten _scaled_dot_product_
                  attention_math), in fp32: the scores [H, T, N] and, inside _safe_softmax,
@@ -192,27 +199,32 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
                  per score. s = the share of the H x T x N scores materialised at once (1
                  today; less if the engine chunks heads or rows; 0 for a fused kernel).
                  Then the mask (bool and in the compute dtype), K/V in fp32, expanded to H
-                 heads, K scaled; q in fp32, scaled, the fp32 output and its cast.
-      rope       2 T Hd (4 + b)           cos/sin
-      router     T E (b + 8) + T K 12     logits, fp32 softmax, top-k ids (int64) and weights
+                 heads, K scaled; q in fp32, scaled, the fp32 output and its cast; what a
+                 prefill expands from a compressed cache.
+      rope       2 T Dr (4 + b)           cos/sin
+      router     T E (b + 8) + T K 12     logits, fp32 softmax, top-k ids (int64) and weights;
+                 + T E 13 + T D 4         sigmoid routing: fp32 input, scores, biased and masked
+                                          scores, the group mask
       experts    T K (2F 4 + D 4 + 8) + T D (4 + b)
                                           per route gate/up (fp32), per-route outputs (fp32),
                                           sorted route ids; the fp32 layer sum and its cast
+      shared     3 T S F b                S shared experts' gate, up and product
       dense mlp  3 T I b                  only if the model has dense MLP layers
       logits     V (b + 4)                the last token's logits, then fp32
     """
-    D, H, Hkv, Hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, K, F, I, V = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.intermediate_size, \
-        cfg.vocab_size
+    D, E, K, F, I, V = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, \
+        cfg.intermediate_size, cfg.vocab_size
+    H, Hkv, Dq, Dv, Dr, X = attention_shape(cfg)
     b = itemsize(dtype)
     parts = {
         "hidden": 6 * T * D * b + 2 * T * D * 4,
-        "qkv": 3 * T * (H + 2 * Hkv) * Hd * b,
-        "attention": int(13 * score_share * H * T * N) + T * N * (1 + b) + (3 * H + 2 * Hkv) * N * Hd * 4
-        + T * H * Hd * (12 + b),
-        "rope": 2 * T * Hd * (4 + b),
-        "router": T * E * (b + 8) + T * K * 12,
+        "qkv": 3 * T * (H * Dq + Hkv * (Dq + Dv)) * b,
+        "attention": int(13 * score_share * H * T * N) + T * N * (1 + b)
+        + ((2 * H + Hkv) * Dq + (H + Hkv) * Dv) * N * 4 + T * H * (8 * Dq + (4 + b) * Dv) + N * X * b,
+        "rope": 2 * T * Dr * (4 + b),
+        "router": T * E * (b + 8) + T * K * 12 + (T * E * 13 + T * D * 4 if cfg.scoring_func == "sigmoid" else 0),
         "experts": T * K * (2 * F * 4 + D * 4 + 8) + T * D * (4 + b),
+        "shared_experts": 3 * T * cfg.n_shared_experts * F * b,
         "dense_mlp": 3 * T * I * b if len(cfg.moe_layers) < cfg.num_hidden_layers else 0,
         "logits": V * (b + 4),
     }
@@ -245,12 +257,10 @@ _gib = fmt_bytes
 
 def dense_parts(cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int, int]:
     """(dense bytes of each decoder layer, embedding bytes, final norm + lm_head bytes)."""
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
-    b = itemsize(dtype)
-    size = lambda m: sum(p.numel() for p in m.parameters()) * b  # noqa: E731
+    model = new_model(cfg)
+    size = lambda m: param_bytes(model, dtype, m.named_parameters())  # noqa: E731
     layers = [size(layer) for layer in model.model.layers]
-    head = size(model.model.norm) + model.lm_head.weight.numel() * b  # a copy of its own when tied
+    head = size(model.model.norm) + model.lm_head.weight.numel() * itemsize(dtype)  # a copy of its own when tied
     return layers, size(model.model.embed_tokens), head
 
 
@@ -272,7 +282,7 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
         per_layer, embed, head = dense_parts(cfg, dtype)
         moe = [l for l in layers if cfg.is_moe_layer(l)]
         dense = sum(per_layer[l] for l in layers) + (embed if first else 0) + (head if last else 0)
-        kv = kv_bytes(cfg, kv_tokens, dtype) // cfg.num_hidden_layers * len(layers)
+        kv = kv_bytes(cfg, kv_tokens, dtype, len(layers))
     counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in moe}
     who = f"{label}: " if label else ""
     act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share)

@@ -8,6 +8,7 @@ profile it came from, and the calibrated cost-model constants once `calibrate` r
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -22,18 +23,32 @@ FORMAT = "ostinato.residency"
 VERSION = 1
 
 
+# routing settings beyond softmax top-k: hashed where they differ from ModelConfig's defaults, so
+# a Qwen3 model's fingerprint stays what it was before the other families came
+ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
+
+
 def model_fingerprint(source) -> str:
-    """sha256 over the architecture's shapes and every router's weights (checkpoint dtype)."""
+    """sha256 over the architecture's shapes, the routing settings and every router's weights
+    (checkpoint dtype), its selection bias too where it has one."""
     cfg: ModelConfig = source.config
     h = hashlib.sha256()
     keys = ("hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
             "norm_topk_prob", "vocab_size")
-    h.update(json.dumps({k: getattr(cfg, k) for k in keys}, sort_keys=True).encode())
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    shapes = {k: getattr(cfg, k) for k in keys}
+    shapes |= {k: getattr(cfg, k) for k in ROUTING_KEYS if getattr(cfg, k) != defaults[k]}
+    h.update(json.dumps(shapes, sort_keys=True).encode())
+    names = set(source.names())
     for layer in cfg.moe_layers:
-        name = f"model.layers.{layer}.mlp.gate.weight"
-        t = torch.empty(source.shape(name), dtype=cfg.torch_dtype)
-        source.load_(name, t)
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        router = f"model.layers.{layer}.mlp.gate."
+        if router + "weight" not in names:
+            router = f"model.layers.{layer}.mlp.router."  # gpt-oss's, a linear with a bias
+        bias = [router + b for b in ("e_score_correction_bias", "bias") if router + b in names]
+        for name in [router + "weight", *bias]:
+            t = torch.empty(source.shape(name), dtype=cfg.torch_dtype)
+            source.load_(name, t)
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return "sha256:" + h.hexdigest()
 
 

@@ -53,7 +53,7 @@ from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import to_host
 from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts, Qtypes, expert_nbytes
 from ostinato.engine.threads import ThreadLayout
-from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights, TopKOutput
+from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights, TopKOutput
 from ostinato.loader.build import expert_formats, load_layer_experts
 
 CPU = -1  # a plan's slot for "computed on the CPU"
@@ -75,11 +75,13 @@ class ModelExperts:
     max_tokens: int  # the largest pass (the runner's prefill chunk)
     threads: ThreadLayout | None = None  # whose workers the CPU pool takes (None: a host-driven process's)
     formats: dict[int, Qtypes] = field(default_factory=dict)  # layer -> (qt13, qt2) of GGUF blocks; absent: float
+    act: ExpertAct = SILU  # the experts' activation
+    bias: bool = False  # the experts have biases (gpt-oss), kept in fp32 beside each slot
 
     def expert_size(self, layer: int) -> int:
-        """Bytes of one expert (gate, up, down) of `layer` as its pool holds it."""
+        """Bytes of one expert (gate, up, down, its biases) of `layer` as its pool holds it."""
         D, F = self.hidden, self.ffn
-        return expert_nbytes((2 * F, D), (D, F), self.formats.get(layer), self.dtype)
+        return expert_nbytes((2 * F, D), (D, F), self.formats.get(layer), self.dtype, self.bias)
 
     @property
     def expert_bytes(self) -> int:
@@ -111,7 +113,7 @@ class ModelExperts:
                    cfg.hidden_size, cfg.moe_intermediate_size, device, dtype,
                    lambda layer: load_layer_experts(source, layer, formats[layer], device, dtype),
                    runner_settings.prefill_chunk, runner_settings.thread_layout(graphs=graphs),
-                   {l: qt for l, qt in formats.items() if qt is not None})
+                   {l: qt for l, qt in formats.items() if qt is not None}, cfg.expert_act, cfg.expert_bias)
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,10 @@ def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dic
     hot = {l: sorted(resident.get(l, [])) for l in spec.moe_layers}
     pools = ExpertPools([ExpertPool({l: hot[l] for l in layers}, spec.num_layers, spec.num_experts, spec.top_k,
                                     flex_of(spec, qt, layers, hot, flex), shape13, shape2, spec.device, spec.dtype,
-                                    qt) for qt, layers in spec.groups().items()])
+                                    qt, act=spec.act, bias=spec.bias) for qt, layers in spec.groups().items()])
     host_sets = {l: sorted(v) for l, v in on_host.items() if v}
-    host = HostExperts(host_sets, spec.num_experts, shape13, shape2, spec.dtype, spec.formats)
+    host = HostExperts(host_sets, spec.num_experts, shape13, shape2, spec.dtype, spec.formats, act=spec.act,
+                       bias=spec.bias)
     for layer in spec.moe_layers:
         w = spec.load(layer)
         pools.fill_layer(layer, w)

@@ -8,7 +8,11 @@ to the smaller magnitude (ggml's first-minimum search). Because the scale is a p
 that search is the same as comparing |x| / scale with the midpoints between entries, which
 is what `torch.bucketize` does here, without materialising 16 errors per value.
 
-Legend: B blocks.
+Hugging Face's MXFP4 (gpt-oss checkpoints) has the same codes and scale bytes, stored apart
+(`*_blocks`, `*_scales`) and with even / odd elements in the low / high nibbles: `from_hf` and
+`to_hf` repack between the two without changing a bit of what they mean.
+
+Legend: B blocks, G blocks of a row.
 """
 from __future__ import annotations
 
@@ -51,3 +55,27 @@ def decode(b: torch.Tensor) -> torch.Tensor:
     code = torch.cat([qs & 0x0F, qs >> 4], dim=1)
     table = torch.tensor(KVALUES, dtype=torch.float32, device=b.device)
     return table[code.long()] * half_scale(b[:, :1])
+
+
+def from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Hugging Face MXFP4 (gpt-oss checkpoints) -> GGUF blocks.
+
+    blocks uint8 [..., G, 16]: byte i of a 32-value block holds element 2i in its low nibble
+    and 2i + 1 in its high one; scales uint8 [..., G]: E8M0, the block is 2^(s - 127) times the
+    e2m1 values. -> uint8 [..., G * 17], GGUF's layout (the scale byte, then element i in the
+    low nibble and i + 16 in the high one of byte i). The e2m1 codes are the same, and GGUF's
+    doubled table with 2^(e - 128) is the same value as 2^(s - 127) times the plain one, so
+    the scale byte is kept as it is: a lossless repack.
+    """
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32] natural order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat((scales[..., None], qs), dim=-1).flatten(-2)
+
+
+def to_hf(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks uint8 [..., G * 17] -> Hugging Face (blocks [..., G, 16], scales [..., G]):
+    from_hf's inverse."""
+    b = rows.unflatten(-1, (-1, BLOCK_BYTES))  # [..., G, 17]
+    qs = b[..., 1:]
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [..., G, 32] natural order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), b[..., 0].contiguous()

@@ -1,6 +1,6 @@
 """Synthetic checkpoints: tokenizer + config + weights, on disk or in memory.
 
-`write_checkpoint` writes exactly the Hugging Face layout of Qwen3-30B-A3B (config.json,
+`write_checkpoint` writes exactly the Hugging Face layout of the preset's family (config.json,
 sharded safetensors with an index, tokenizer.json, tokenizer_config.json with the chat
 template, generation_config.json). `write_gguf_file` writes the same model as one
 llama.cpp qwen3moe GGUF file in a quantization recipe (synth/gguf_writer.py). `synth_source`
@@ -18,16 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ostinato.config import cache_root
 from ostinato.synth.gguf_writer import write_gguf
 from ostinato.synth.presets import TOKENIZER_VOCAB, Regime, preset_config
 from ostinato.synth.source import SynthSource
 from ostinato.synth.weights import SynthSpec
 
 SHARD_BYTES = 4 * 2**30
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("OSTINATO_CACHE", Path.home() / ".cache" / "ostinato"))
 
 
 def find_workloads() -> Path | None:
@@ -74,7 +71,7 @@ def cached_tokenizer(preset: str) -> Path:
     trainer = (here / "tokenizer.py").read_bytes() + (here / "chat_template.py").read_bytes()
     vocab = TOKENIZER_VOCAB[preset]
     key = hashlib.sha1(f"{vocab}:{text_origin()}".encode() + trainer).hexdigest()[:12]
-    d = cache_dir() / "tokenizers" / f"bpe{vocab}-{key}"
+    d = cache_root() / "tokenizers" / f"bpe{vocab}-{key}"
     if not (d / "tokenizer.json").is_file():
         tmp = d.with_name(d.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
@@ -137,7 +134,7 @@ def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None =
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shards, cur, size = [], [], 0
     for name, shape in spec.shapes.items():
-        nbytes = 2 * int(torch.Size(shape).numel())
+        nbytes = spec.dtype_of(name).itemsize * int(torch.Size(shape).numel())
         if cur and size + nbytes > SHARD_BYTES:
             shards.append(cur)
             cur, size = [], 0
@@ -147,7 +144,7 @@ def write_checkpoint(preset: str, out: Path, seed: int = 0, layers: int | None =
     weight_map, total = {}, 0
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: spec.tensor(n, device=device).cpu() for n in names}
+        tensors = {n: spec.tensor(n, device=device, dtype=spec.dtype_of(n)).cpu() for n in names}
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, out / fname, metadata={"format": "pt"})
         weight_map |= {n: fname for n in names}

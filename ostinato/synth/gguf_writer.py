@@ -124,6 +124,9 @@ def _encode(w: torch.Tensor, qtype: str) -> np.ndarray:
 
 def check_writable(cfg: ModelConfig) -> None:
     """ConfigError for what llama.cpp's qwen3moe cannot express (it would run a different model)."""
+    if cfg.family != "qwen3_moe":
+        raise ConfigError(f"cannot write a {cfg.family} checkpoint as a GGUF file: the writer knows llama.cpp's "
+                          "qwen3moe only (write the Hugging Face checkpoint instead)")
     problems = []
     if not cfg.norm_topk_prob:
         problems.append("norm_topk_prob is false (llama.cpp's qwen3moe always renormalises the top-k weights)")

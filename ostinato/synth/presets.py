@@ -1,8 +1,20 @@
-"""Synthetic model presets: config.json contents with the real Qwen3-30B-A3B keys.
+"""Synthetic model presets: config.json contents with the real keys of their family.
 
 `tiny` is the CI model (CPU, every test run); `tiny-k` is its sibling for GGUF K-quants,
 whose rows must be multiples of 256 values (two layers, so Q4_K_M gives one Q4_K and one
 Q6_K down projection); `qwen3-30b-a3b` has the real shapes.
+`tiny-deepseek-v3` is DeepSeek-V3 (`DeepseekV3ForCausalLM`) for CI: one dense first layer,
+then MoE layers with a shared expert, grouped routing (n_group > 1), low-rank queries,
+latent attention and yarn rope with mscale; `deepseek-v3-shaped` has DeepSeek-V3's real
+dimensions with as many of its layers (3 dense, then MoE) as fit about 100 GiB in bf16 (7:
+92.4 GiB; the full model's 61 do not fit a GPU machine, and its multi-token-prediction
+layer is left out: num_nextn_predict_layers 0). `tiny-glm4-moe` is GLM-4-MoE
+(`Glm4MoeForCausalLM`), DeepSeek-V3's MoE under grouped-query attention, for CI.
+`tiny-gpt-oss` is gpt-oss (`GptOssForCausalLM`) for CI: sliding and full attention layers,
+sinks, attention / router / expert biases, the clamped SwiGLU, bf16 experts in the fused,
+interleaved layout; `tiny-gpt-oss-mxfp4` the same model with MXFP4 experts (the Hugging Face
+`*_blocks` / `*_scales` form and quantization_config); `gpt-oss-120b` has the real shapes
+(36 layers of 128 experts, top-4, MXFP4 experts).
 A preset can be cut to fewer layers (`--layers`) for file-based runs on small disks.
 
 A routing regime (`Regime`, named in REGIMES) says how the model routes beyond the
@@ -79,7 +91,185 @@ TINY_K = {
     "vocab_size": 4096,
 }
 
-PRESETS = {"tiny": TINY, "tiny-k": TINY_K, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# DeepSeek-V3's config.json keys (its quantization_config and remote-code auto_map left out:
+# the synthetic checkpoint is bf16 and loads with transformers' own DeepseekV3ForCausalLM)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 7,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 0,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+# mscale differs from mscale_all_dim so that both yarn factors (cos/sin and the softmax scale) count
+TINY_DEEPSEEK_V3 = {
+    **DEEPSEEK_V3,
+    "first_k_dense_replace": 1,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "kv_lora_rank": 32,
+    "max_position_embeddings": 8192,
+    "moe_intermediate_size": 64,
+    "n_group": 4,
+    "n_routed_experts": 16,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                     "original_max_position_embeddings": 2048, "type": "yarn"},
+    "topk_group": 2,
+    "v_head_dim": 24,
+    "vocab_size": 8192,
+}
+
+# gpt-oss-120b's config.json (openai's release: MXFP4 experts, everything else bf16); a synthetic
+# source or checkpoint of it holds its experts in MXFP4 too (about 61 GiB of them)
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "num_local_experts": 128,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"],
+        "quant_method": "mxfp4",
+    },
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
+# CI-sized gpt-oss in bf16: sliding (window 8, so that short prompts cross it) and full layers,
+# sinks, biases, yarn as gpt-oss has it (truncate false). swiglu_limit 1.0, not 7.0: the tiny
+# model's gate and up values are of unit size, and the clamps must act for the tests to see them.
+TINY_GPT_OSS = {
+    **{k: v for k, v in GPT_OSS_120B.items() if k != "quantization_config"},
+    "head_dim": 32,
+    "hidden_size": 128,
+    "intermediate_size": 64,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 16,
+    "pad_token_id": None,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 4.0, "original_max_position_embeddings": 2048,
+                     "rope_type": "yarn", "truncate": False},
+    "sliding_window": 8,
+    "swiglu_limit": 1.0,
+    "vocab_size": 8192,
+}
+
+# The same model with MXFP4 experts as openai's checkpoints store them (the quantized path)
+TINY_GPT_OSS_MXFP4 = {**TINY_GPT_OSS, "quantization_config": GPT_OSS_120B["quantization_config"]}
+
+# GLM-4-MoE (transformers' Glm4MoeConfig keys) for CI: DeepSeek-V3's MoE under grouped-query
+# attention with q/k norms, q/k/v biases and rotary on half of each head
+TINY_GLM4_MOE = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "first_k_dense_replace": 1,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "hidden_size": 128,
+    "initializer_range": 0.02,
+    "intermediate_size": 256,
+    "max_position_embeddings": 8192,
+    "model_type": "glm4_moe",
+    "moe_intermediate_size": 64,
+    "n_group": 2,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "num_nextn_predict_layers": 0,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0",
+    "use_cache": True,
+    "use_qk_norm": True,
+    "vocab_size": 8192,
+}
+
+PRESETS = {"tiny": TINY, "tiny-k": TINY_K, "qwen3-30b-a3b": QWEN3_30B_A3B,
+           "tiny-deepseek-v3": TINY_DEEPSEEK_V3, "deepseek-v3-shaped": DEEPSEEK_V3, "tiny-glm4-moe": TINY_GLM4_MOE,
+           "tiny-gpt-oss": TINY_GPT_OSS, "tiny-gpt-oss-mxfp4": TINY_GPT_OSS_MXFP4, "gpt-oss-120b": GPT_OSS_120B}
 
 # Router bias scale (see synth/weights.py) of each preset, chosen so that the 40-45% of
 # experts most routed in development sessions receive 80-85% of held-out routes:
@@ -87,10 +277,17 @@ PRESETS = {"tiny": TINY, "tiny-k": TINY_K, "qwen3-30b-a3b": QWEN3_30B_A3B}
 # 40% on the H200 (results/2026-11-29-h200/); 0.5, chosen from a per-layer fit of that run, measured
 # 76.7% at 40% and 80.2% at 44% of held-out tau2 / SWE-agent routes (results/2026-11-29-h200x2/):
 # inside BENCHMARK.md's 80-85% for 40-45% only at its upper end of experts.
-DEFAULT_SKEW = {"tiny": 1.0, "tiny-k": 1.0, "qwen3-30b-a3b": 0.5}  # tiny-k: tiny's, not measured
+DEFAULT_SKEW = {"tiny": 1.0, "tiny-k": 1.0, "qwen3-30b-a3b": 0.5,  # tiny-k: tiny's, not measured
+                # tiny-deepseek-v3, tiny-glm4-moe: the 7 of 16 experts most routed on 1500 random tokens get 82% /
+                # 84% of another 1500's routes (a quick count, not `ostinato skew`)
+                "tiny-deepseek-v3": 1.0, "tiny-glm4-moe": 1.0,
+                "deepseek-v3-shaped": 0.5,  # qwen3-30b-a3b's, not measured
+                "tiny-gpt-oss": 1.0, "tiny-gpt-oss-mxfp4": 1.0, "gpt-oss-120b": 0.5}  # likewise
 
 # Tokenizer vocabulary trained for each preset; the embedding keeps the preset's size.
-TOKENIZER_VOCAB = {"tiny": 4096, "tiny-k": 4096, "qwen3-30b-a3b": 32768}
+TOKENIZER_VOCAB = {"tiny": 4096, "tiny-k": 4096, "qwen3-30b-a3b": 32768, "tiny-deepseek-v3": 4096,
+                   "deepseek-v3-shaped": 32768, "tiny-glm4-moe": 4096, "tiny-gpt-oss": 4096, "tiny-gpt-oss-mxfp4": 4096,
+                   "gpt-oss-120b": 32768}
 
 
 def preset_config(name: str, layers: int | None = None) -> dict:
@@ -101,7 +298,10 @@ def preset_config(name: str, layers: int | None = None) -> dict:
         if not 1 <= layers <= cfg["num_hidden_layers"]:
             raise ValueError(f"--layers must be in 1..{cfg['num_hidden_layers']} for {name}")
         cfg["num_hidden_layers"] = layers
-        cfg["max_window_layers"] = layers
+        if "max_window_layers" in cfg:  # Qwen3's key
+            cfg["max_window_layers"] = layers
+        if "layer_types" in cfg:  # gpt-oss's: one per layer
+            cfg["layer_types"] = cfg["layer_types"][:layers]
     return cfg
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from ostinato.config import ModelConfig
+from ostinato.loader import gpt_oss as gpt_oss_layout
+from ostinato.synth import gpt_oss as synth_gpt_oss
 
 
 class SynthSource:
@@ -19,6 +21,8 @@ class SynthSource:
         self.tokenizer_dir = tokenizer_dir
         self.config = ModelConfig.from_dict(config)
         self.generate_on = "cuda" if torch.cuda.is_available() else "cpu"
+        # gpt-oss's fused experts are read as the loader reads a checkpoint's (loader/gpt_oss.py)
+        self._read = synth_gpt_oss.reader(spec, self.generate_on) if self.config.family == "gpt_oss" else None
 
     def names(self) -> list[str]:
         return list(self.spec.shapes)
@@ -31,7 +35,13 @@ class SynthSource:
             return self.spec.fill_(name, out)
         return out.copy_(self.spec.tensor(name, device=self.generate_on, dtype=out.dtype))
 
-    def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None) -> None:
+        if self._read is not None:  # gpt-oss: the loader's reading of its layout, over generated tensors
+            gpt_oss_layout.load_float_(self._read, self.spec.shapes, layer, w13, w2)
+            if b13 is not None:
+                gpt_oss_layout.load_biases_(self._read, layer, b13, b2)
+            return
         if w13.device.type == self.generate_on:
             return self.spec.fill_experts_(layer, w13, w2)
         # generate on the GPU a few experts at a time, copy to host memory
@@ -42,3 +52,13 @@ class SynthSource:
             self.spec.fill_experts_(layer, a, b, first=e)
             w13[e:e + step].copy_(a)
             w2[e:e + step].copy_(b)
+
+    def expert_qtypes(self, layer: int) -> tuple[str, str] | None:
+        """gpt-oss's MXFP4 experts (a preset with quantization_config mxfp4), else None: floats."""
+        return gpt_oss_layout.qtypes(self.spec.shapes, layer) if self._read is not None else None
+
+    def load_quantized_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor,
+                                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> None:
+        gpt_oss_layout.load_quantized_(self._read, self.spec.shapes, layer, w13, w2)
+        if b13 is not None:
+            gpt_oss_layout.load_biases_(self._read, layer, b13, b2)

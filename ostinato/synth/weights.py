@@ -1,4 +1,4 @@
-"""The weights of a synthetic Qwen3-MoE, one tensor at a time, by name.
+"""The weights of a synthetic model (Qwen3-MoE, DeepSeek-V3), one tensor at a time, by name.
 
 Routing in a random model is nearly uniform; agent sessions route skewed and stably.
 The skew is put into the model's own weights, so every engine that loads the checkpoint
@@ -41,6 +41,18 @@ writers, zero columns in every reader but the routers), after channel 0:
 
 With no knob set (`flat`), only channel 0 is reserved and every tensor is the same as
 before regimes existed.
+
+DeepSeek-V3 gets the same construction through its own tensors: its router (`mlp.gate`)
+reads the channels, its selection bias `e_score_correction_bias` is a small random vector
+(fp32, as DeepSeek stores it; it only chooses, so it shifts routing without shaping the
+weights), the readers of the residual (q_a_proj or q_proj, kv_a_proj_with_mqa, the shared
+and dense MLPs) have the zero columns, q_b_proj and kv_b_proj read latents and are plain.
+GLM-4-MoE has DeepSeek's MoE with per-head attention, whose q/k/v biases are small random
+vectors. The persistence regime needs Qwen3's per-head q/k norms and full rotary for its
+constant-query head and is refused for the other attentions; depth and content apply.
+gpt-oss has a layout of its own (fused, interleaved experts with biases, MXFP4 blocks, sinks,
+a router with a bias): synth/gpt_oss.py writes those tensors by the same construction; those
+it shares with Qwen3 (embedding, norms, q/k/v/o weights, lm_head) come from here.
 """
 from __future__ import annotations
 
@@ -51,7 +63,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from ostinato.config import ModelConfig
 from ostinato.layers.moe.types import expert_views
+from ostinato.models.registry import model_class
+from ostinato.synth import gpt_oss
 from ostinato.synth.hashrand import fill_uniform_, normal_vector, tensor_key, uniform_bits
 from ostinato.synth.presets import DEFAULT_SKEW, Regime, preset_config
 
@@ -64,6 +79,11 @@ STATE_SHARPNESS = 32.0  # score at distance 0; with STATE_FREQS a window of ~10 
 STATE_WINDOW = 10.0  # effective number of tokens averaged (1 / sum of squared weights)
 TOKEN_CLASSES = ("space", "punct", "digit", "word", "ident", "special")
 WRITERS = ("o_proj", "down_proj")
+LATENT_READERS = ("q_b_proj", "kv_b_proj")  # MLA's up-projections: they read latents, not the residual
+SELECTION_BIAS_STD = 0.03  # DeepSeek's e_score_correction_bias, against sigmoid scores in (0, 1)
+FP32_TENSORS = ("e_score_correction_bias",)  # stored fp32 in the checkpoint (name endings)
+ATTENTION_BIASES = ("q_proj.bias", "k_proj.bias", "v_proj.bias")  # GLM-4-MoE's, added after the projection
+ATTENTION_BIAS_STD = 0.1
 
 
 def token_class(text: str) -> int:
@@ -104,42 +124,54 @@ class SynthSpec:
         return preset_config(self.preset, self.layers)
 
     @cached_property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config)
+
+    @cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the checkpoint, in the Hugging Face naming, in a fixed order."""
-        c = self.config
-        D, hd, H, Hkv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
-        F, E = c["moe_intermediate_size"], c["num_experts"]
+        c, mc = self.config, self.model_config
+        if mc.family == "gpt_oss":  # fused experts, biases, sinks: its own layout (synth/gpt_oss.py)
+            return gpt_oss.shapes(c)
+        D, E = c["hidden_size"], mc.num_experts
         out = {"model.embed_tokens.weight": (c["vocab_size"], D)}
+        attention = _mla_shapes if mc.kv_lora_rank else _gqa_shapes
         for i in range(c["num_hidden_layers"]):
             p = f"model.layers.{i}."
-            out |= {
-                p + "input_layernorm.weight": (D,),
-                p + "self_attn.q_proj.weight": (H * hd, D),
-                p + "self_attn.k_proj.weight": (Hkv * hd, D),
-                p + "self_attn.v_proj.weight": (Hkv * hd, D),
-                p + "self_attn.o_proj.weight": (D, H * hd),
-                p + "self_attn.q_norm.weight": (hd,),
-                p + "self_attn.k_norm.weight": (hd,),
-                p + "post_attention_layernorm.weight": (D,),
-            }
-            if i in c["mlp_only_layers"] or (i + 1) % c["decoder_sparse_step"] != 0:
-                I = c["intermediate_size"]
-                out |= {p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D),
-                        p + "mlp.down_proj.weight": (D, I)}
+            out[p + "input_layernorm.weight"] = (D,)
+            out |= {p + "self_attn." + n: shape for n, shape in attention(c, mc).items()}
+            out[p + "post_attention_layernorm.weight"] = (D,)
+            if not mc.is_moe_layer(i):
+                out |= _mlp_shapes(p + "mlp.", D, c["intermediate_size"])
                 continue
             out[p + "mlp.gate.weight"] = (E, D)
+            if mc.scoring_func == "sigmoid":
+                out[p + "mlp.gate.e_score_correction_bias"] = (E,)
+            F = c["moe_intermediate_size"]
             for e in range(E):
-                q = f"{p}mlp.experts.{e}."
-                out |= {q + "gate_proj.weight": (F, D), q + "up_proj.weight": (F, D), q + "down_proj.weight": (D, F)}
+                out |= _mlp_shapes(f"{p}mlp.experts.{e}.", D, F)
+            if mc.n_shared_experts:
+                out |= _mlp_shapes(p + "mlp.shared_experts.", D, mc.n_shared_experts * F)
         out["model.norm.weight"] = (D,)
         if not c["tie_word_embeddings"]:
             out["lm_head.weight"] = (c["vocab_size"], D)
         return out
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The tensor's dtype in the checkpoint: bf16, but the selection bias fp32 (and gpt-oss's
+        MXFP4 blocks and scales uint8)."""
+        if self.model_config.family == "gpt_oss":
+            return gpt_oss.dtype_of(name)
+        return torch.float32 if name.endswith(FP32_TENSORS) else torch.bfloat16
+
     @cached_property
     def channels(self) -> dict[str, range]:
         """Residual channels only the routers read: bias, then those the regime adds."""
         r, out = self.regime, {"bias": range(BIAS_CHANNEL, BIAS_CHANNEL + 1)}
+        mc = self.model_config
+        if r.persistence and (mc.kv_lora_rank or not mc.qk_norm or mc.partial_rotary_factor != 1 or mc.attention_bias):
+            raise ValueError("the persistence regime builds its local-attention head from Qwen3's q/k norms and full "
+                             f"rotary, which {self.preset}'s attention has not: use flat, layered or content")
         if r.persistence:
             out["state"] = range(1, 1 + STATE_CHANNELS)
         if r.content:
@@ -171,7 +203,7 @@ class SynthSpec:
 
     def router_bias(self, layer: int) -> torch.Tensor:
         """Per-expert router logit bias of one layer, [E] fp32."""
-        E = self.config["num_experts"]
+        E = self.model_config.num_experts
         z = normal_vector(tensor_key(self.seed, f"bias.{layer}"), E)
         if not self.regime.is_flat:  # the layers follow the profile, not the luck of E draws
             z = (z - z.mean()) / z.std()
@@ -192,6 +224,12 @@ class SynthSpec:
         """Write tensor `name` into `out` (any device, any float dtype)."""
         c = self.config
         kind = name.rsplit(".", 2)[-2]
+        if self.model_config.family == "gpt_oss" and gpt_oss.owns(name):
+            return gpt_oss.fill_(self, name, out)
+        if name.endswith("e_score_correction_bias"):
+            return fill_uniform_(out, tensor_key(self.seed, name), SELECTION_BIAS_STD)
+        if name.endswith(ATTENTION_BIASES):
+            return fill_uniform_(out, tensor_key(self.seed, name), ATTENTION_BIAS_STD)
         if kind.endswith("norm"):
             out.fill_(1.0)
             if kind in ("q_norm", "k_norm") and self._is_state_layer(name):
@@ -219,12 +257,16 @@ class SynthSpec:
             layer = int(name.split(".")[2])
             out[:, BIAS_CHANNEL] = self.router_bias(layer).to(out.device, out.dtype)
             self._router_regime_(layer, out)
+        elif kind in LATENT_READERS:
+            pass
         else:
             out[:, :R] = 0
             if kind in ("q_proj", "k_proj") and self._is_state_layer(name):
                 self._state_reader_(out)
         if kind == "lm_head" and self.active_vocab is not None:
             out[self.active_vocab:] = 0
+        if name.endswith(model_class(self.model_config).fp32_params) and self.dtype_of(name) == torch.bfloat16:
+            out.copy_(out.to(torch.bfloat16))  # the model keeps it fp32: the checkpoint's bf16 values, in memory too
         return out
 
     def _is_state_layer(self, name: str) -> bool:
@@ -265,3 +307,33 @@ class SynthSpec:
         """Experts [first, first + n) of one layer into w13 [n, 2F, D] and w2 [n, D, F]."""
         for name, view in expert_views(layer, w13, w2, first):
             self.fill_(name, view)
+
+
+def _mlp_shapes(prefix: str, dim: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, dim), prefix + "up_proj.weight": (inter, dim),
+            prefix + "down_proj.weight": (dim, inter)}
+
+
+def _gqa_shapes(c: dict, mc: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Qwen3's attention (q/k norms), or GLM-4-MoE's (q/k/v biases with attention_bias, q/k norms
+    with use_qk_norm; o_proj never has a bias: synthetic Qwen3 models have attention_bias false)."""
+    D, hd, H, Hkv = mc.hidden_size, mc.head_dim, mc.num_attention_heads, mc.num_key_value_heads
+    out = {"q_proj.weight": (H * hd, D), "k_proj.weight": (Hkv * hd, D), "v_proj.weight": (Hkv * hd, D),
+           "o_proj.weight": (D, H * hd)}
+    if mc.attention_bias:
+        out |= {"q_proj.bias": (H * hd,), "k_proj.bias": (Hkv * hd,), "v_proj.bias": (Hkv * hd,)}
+    if mc.qk_norm:
+        out |= {"q_norm.weight": (hd,), "k_norm.weight": (hd,)}
+    return out
+
+
+def _mla_shapes(c: dict, mc: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's latent attention (no attention_bias: the checkpoints have none)."""
+    if c.get("attention_bias"):
+        raise ValueError("synthetic latent attention has no attention biases (attention_bias must be false)")
+    D, H, R, Rq = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], c["q_lora_rank"]
+    dn, dr, dv = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    out = {"q_proj.weight": (H * (dn + dr), D)} if Rq is None else {
+        "q_a_proj.weight": (Rq, D), "q_a_layernorm.weight": (Rq,), "q_b_proj.weight": (H * (dn + dr), Rq)}
+    return out | {"kv_a_proj_with_mqa.weight": (R + dr, D), "kv_a_layernorm.weight": (R,),
+                  "kv_b_proj.weight": (H * (dn + dv), R), "o_proj.weight": (D, H * dv)}

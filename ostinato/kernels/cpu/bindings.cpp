@@ -142,6 +142,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_ptr(args, "expert_ids", &ColdArgs::expert_ids);
   def_ptr(args, "weights", &ColdArgs::weights);
   def_ptr(args, "out", &ColdArgs::out);
+  def_ptr(args, "b13", &ColdArgs::b13);
+  def_ptr(args, "b2", &ColdArgs::b2);
+  args.def_property(
+      "act", [](const ColdArgs& a) { return int(a.act); }, [](ColdArgs& a, int v) { a.act = Act(v); });
   args.def_property(
       "w_dtype", [](const ColdArgs& a) { return int(a.w_dtype); },
       [](ColdArgs& a, int v) { a.w_dtype = DType(v); });
@@ -162,6 +166,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("R", &ColdArgs::R)
       .def_readwrite("out_stride", &ColdArgs::out_stride)
       .def_readwrite("amx_min_tokens", &ColdArgs::amx_min_tokens)
+      .def_readwrite("act_alpha", &ColdArgs::act_alpha)
+      .def_readwrite("act_limit", &ColdArgs::act_limit)
       .def_readwrite("down_mode", &ColdArgs::down_mode)
       .def_readwrite("prefetch", &ColdArgs::prefetch);
 

@@ -45,9 +45,9 @@ def load_error() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("OSTINATO_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "ostinato"
-    return base / "ext" / build_key()
+    from ostinato.config import cache_root
+
+    return cache_root() / "ext" / build_key()
 
 
 def build_key() -> str:

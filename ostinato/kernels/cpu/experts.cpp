@@ -114,6 +114,9 @@ void validate(const ColdArgs& a) {
   check(int(a.x_dtype) == 0 || int(a.x_dtype) == 1, "x_dtype must be float32 or bfloat16");
   check(int(a.isa) >= 0 && int(a.isa) <= 3, "unknown isa");
   check(a.down_mode >= 0 && a.down_mode <= 2, "down_mode must be 0, 1 or 2");
+  check(int(a.act) == 0 || int(a.act) == 1, "act must be 0 (silu) or 1 (clamped_swiglu)");
+  check(a.act != Act::kClampedSwiglu || a.act_limit > 0, "clamped_swiglu needs act_limit > 0");
+  check((a.b13 == nullptr) == (a.b2 == nullptr), "b13 and b2 must both be set or both be null");
   if (a.qt13 != QType::kNone || a.qt2 != QType::kNone) validate_quant(a);
   if (a.isa != Isa::kAuto && int(a.isa) > int(best_isa(f)))
     throw std::invalid_argument(std::string("cold_experts: this CPU does not support isa '") +

@@ -3,9 +3,12 @@
 // Legend: T tokens, R routes, E experts, D hidden size, F expert FFN size.
 //
 //   out[t, :] = sum over routes r with token_idx[r] == t, in ascending expert order, of
-//               weights[r] * w2[e] @ (silu(w13[e][:F] @ x[t]) * (w13[e][F:] @ x[t]))
+//               weights[r] * (w2[e] @ act(w13[e][:F] @ x[t] + b13[e][:F], w13[e][F:] @ x[t] + b13[e][F:])
+//                             + b2[e])
 //
-// with e = expert_ids[r]; rows of out[:T] without a route are zero. Intermediates are fp32.
+// with e = expert_ids[r]; act(g, u) = silu(g) * u unless the call names another (Act); the
+// biases are optional (absent: zero). Rows of out[:T] without a route are zero. Intermediates
+// are fp32.
 // The result depends only on the inputs and the chosen ISA path, never on the number of
 // threads or on scheduling: every output element is produced by one task in a fixed order.
 //
@@ -36,6 +39,12 @@ int64_t qtype_block_values(QType qt);  // 0 for kNone
 int64_t qtype_block_bytes(QType qt);
 int64_t qtype_row_bytes(QType qt, int64_t n);  // n a multiple of the block values
 
+// The activation between the projections (vecmath.h act512):
+//   kSilu           h = silu(g) * u
+//   kClampedSwiglu  h = (u' + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit),
+//                   u' = clamp(u, -limit, limit)  (gpt-oss)
+enum class Act : int32_t { kSilu = 0, kClampedSwiglu = 1 };
+
 // Instruction-set paths, in increasing order. kAuto picks the best the CPU supports.
 //   kAvx512:     weights widened to fp32 (AVX-512F/BW), fp32 FMA.
 //   kAvx512Bf16: as kAvx512, but bf16 x bf16 gate/up products with VDPBF16PS.
@@ -61,6 +70,12 @@ struct ColdArgs {
   // Quantized experts: both set (they may differ), w_dtype then unused; w13 is uint8
   // [E, 2F, qtype_row_bytes(qt13, D)], w2 uint8 [E, D, qtype_row_bytes(qt2, F)]. Needs AVX512_VNNI.
   QType qt13 = QType::kNone, qt2 = QType::kNone;
+  // The experts' activation, and their optional fp32 biases b13[E, 2F] (gate then up) and
+  // b2[E, D]: both null or both set, for float and quantized weights alike.
+  Act act = Act::kSilu;
+  float act_alpha = 1.0f, act_limit = 0.0f;
+  const float* b13 = nullptr;
+  const float* b2 = nullptr;
   // Activations x[T, D], row stride x_stride (elements).
   const void* x = nullptr;
   DType x_dtype = DType::kBFloat16;

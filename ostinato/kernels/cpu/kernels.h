@@ -5,10 +5,11 @@
 //
 // A call runs in up to four phases; a phase starts when the previous one has finished:
 //   0  prepare activations: convert x rows to fp32 (vector path) / pack them into AMX tiles;
-//   1  gate/up: h[p, f] = silu(w13[e][f] . x[t]) * (w13[e][F+f] . x[t]), tasks (s, f-block);
+//   1  gate/up: h[p, f] = act(w13[e][f] . x[t] + b13[e][f], w13[e][F+f] . x[t] + b13[e][F+f]),
+//      tasks (s, f-block) (act and the biases as the call says: experts.h);
 //   2  down, "direct" (few routes, h fits in L2): one task per d-block covering every
-//      expert, out[t, d] = fma(weight, w2[e][d] . h[p], out[t, d]) over s ascending;
-//      down, "scatter" (many routes): tasks (s, d-block) write y[p, d] = w2[e][d] . h[p];
+//      expert, out[t, d] = fma(weight, w2[e][d] . h[p] + b2[e][d], out[t, d]) over s ascending;
+//      down, "scatter" (many routes): tasks (s, d-block) write y[p, d] = w2[e][d] . h[p] + b2[e][d];
 //   3  (scatter only) one task per token: out[t, d] = fma(weight, y[p, d], out[t, d]) over
 //      its positions p ascending, i.e. the same expert order and operations as direct, so
 //      both modes give the same bits.
@@ -98,7 +99,7 @@ struct Plan {
 
   // Workspace (owned by the runner).
   bool scatter = false;  // down-projection mode (see above)
-  float* h = nullptr;  // [R, F32] by position p (vector slots); gate values until silu
+  float* h = nullptr;  // [R, F32] by position p (vector slots); gate values until the activation
   float* u = nullptr;  // [R, F32] up values, read by the gate/up task's epilogue
   float* y = nullptr;  // [R, D] by position p (scatter mode)
   float* xconv = nullptr;  // [T, D32] converted x (kSplit, or kF32 from bf16 x)

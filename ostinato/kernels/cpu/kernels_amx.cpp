@@ -95,6 +95,7 @@ void amx_gate_up(const Plan& p, int32_t s, int64_t f0) {
   const uint16_t* w13 = static_cast<const uint16_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * F * D;
   const uint16_t* xp = p.xpack + p.xpack_off[s];
   const int32_t nb = num_blocks(p, s);
+  const float* bg = a.b13 ? a.b13 + int64_t(p.exp_id[s]) * 2 * F : nullptr;  // gate biases, then up
   alignas(64) float c[4][256];
   TileScope tiles;
   for (int32_t b = 0; b < nb; b += 2) {
@@ -142,9 +143,14 @@ void amx_gate_up(const Plan& p, int32_t s, int64_t f0) {
         for (int i = 0; i < 16; i += 2) {  // rows r0 + i (even f) and r0 + i + 1
           __m256i hi[2];
           for (int j = 0; j < 2; ++j) {
+            // a tile row is one f for 16 tokens: its biases broadcast along the row
+            __m512 g = _mm512_loadu_ps(cg + (i + j) * 16), u = _mm512_loadu_ps(cu + (i + j) * 16);
+            if (bg) {
+              g = _mm512_add_ps(g, _mm512_set1_ps(bg[r0 + i + j]));
+              u = _mm512_add_ps(u, _mm512_set1_ps(bg[F + r0 + i + j]));
+            }
             // AMX runs on bf16 weights only: h rounds to bf16 (nearest even), as in the vector path
-            const __m512 h = silu_mul512(_mm512_loadu_ps(cg + (i + j) * 16), _mm512_loadu_ps(cu + (i + j) * 16));
-            hi[j] = (__m256i)_mm512_cvtneps_pbh(h);
+            hi[j] = (__m256i)_mm512_cvtneps_pbh(act512(g, u, a));
           }
           const int64_t kk = ((r0 + i) % 32) / 2;
           _mm512_storeu_si512(p.hhi + off + kk * 32, pair_rows(hi[0], hi[1]));
@@ -160,6 +166,7 @@ void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
   const uint16_t* w2 = static_cast<const uint16_t*>(a.w2) + (int64_t(p.exp_id[s]) * D + d0) * F;
   const uint16_t* hhi = p.hhi + p.hpack_off[s];
   const int32_t nb = num_blocks(p, s);
+  const float* b2 = a.b2 ? a.b2 + int64_t(p.exp_id[s]) * D + d0 : nullptr;  // y = w2 . h + b2
   alignas(64) float c[2][256];
   TileScope tiles;
   for (int32_t b = 0; b < nb; b += 2) {
@@ -182,6 +189,10 @@ void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
+    if (b2)
+      for (int bb = 0; bb < (two ? 2 : 1); ++bb)
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(c[bb] + i * 16, _mm512_add_ps(_mm512_loadu_ps(c[bb] + i * 16),
+                                                                                    _mm512_set1_ps(b2[i])));
     for (int bb = 0; bb < (two ? 2 : 1); ++bb) {
       const int32_t q0 = p.start[s] + (b + bb) * 16;
       const int32_t nq = std::min(16, p.start[s + 1] - q0);

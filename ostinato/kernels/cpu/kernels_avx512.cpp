@@ -148,12 +148,14 @@ inline void dots_n(const W* const* w, const A* const* a, int nt, const W* const*
   for (int i = 0; i < kRows; ++i) out[i][0] = o[i][0];
 }
 
-// h[f0, f0 + 32) = silu(g) * u for one route, where h holds g and u the up values; the
-// chunk is 32 positions in either layout (split only permutes inside a chunk). Positions
-// of f >= F become 0: the down kernels read whole chunks. With bf16 weights h is rounded to
-// bf16 (nearest even), as the GPU kernels and the reference model round it before the down
-// projection, so the two branches of a layer compute the same function.
-inline void silu_chunk(float* h, const float* u, int64_t f0, int64_t F, bool split, bool round_bf16) {
+// h[f0, f0 + 32) = act(g, u) for one route (silu(g) * u unless the call says otherwise),
+// where h holds g and u the up values (biases added); the chunk is 32 positions in either
+// layout (split only permutes inside a chunk). Positions of f >= F become 0: the down kernels
+// read whole chunks. With bf16 weights h is rounded to bf16 (nearest even), as the GPU kernels
+// and the reference model round it before the down projection, so the two branches of a layer
+// compute the same function.
+inline void act_chunk(const ColdArgs& a, float* h, const float* u, int64_t f0, int64_t F, bool split,
+                      bool round_bf16) {
   __mmask16 valid[2] = {0, 0};
   for (int pos = 0; pos < 32; ++pos) {
     int64_t f = f0 + (split ? (pos < 16 ? 2 * pos : 2 * (pos - 16) + 1) : pos);
@@ -163,7 +165,7 @@ inline void silu_chunk(float* h, const float* u, int64_t f0, int64_t F, bool spl
     const __mmask16 m = valid[half];
     const __m512 g = _mm512_maskz_loadu_ps(m, h + f0 + 16 * half);
     const __m512 uv = _mm512_maskz_loadu_ps(m, u + f0 + 16 * half);
-    __m512 hv = silu_mul512(g, uv);
+    __m512 hv = act512(g, uv, a);
     if (round_bf16) hv = round_bf16_512(hv);
     _mm512_storeu_ps(h + f0 + 16 * half, _mm512_maskz_mov_ps(m, hv));
   }
@@ -174,6 +176,7 @@ void gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1, bool split_h) {
   const ColdArgs& a = p.a;
   const W* w13 = static_cast<const W*>(a.w13) + int64_t(p.exp_id[s]) * 2 * a.F * a.D;
   const int32_t q0 = p.start[s], q1 = p.start[s + 1];
+  const float* bg = a.b13 ? a.b13 + int64_t(p.exp_id[s]) * 2 * a.F : nullptr;  // gate biases, then up
   for (int64_t f = f0; f < f1; f += 4) {
     const int nr = int(std::min<int64_t>(4, f1 - f));
     const W* rows[kRows];
@@ -202,15 +205,15 @@ void gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1, bool split_h) {
         float* u = p.u + int64_t(q + j) * p.F32;
         for (int i = 0; i < nr; ++i) {
           const int64_t idx = split_h ? split_index(f + i) : f + i;
-          h[idx] = r[i][j];
-          u[idx] = r[4 + i][j];
+          h[idx] = bg ? r[i][j] + bg[f + i] : r[i][j];
+          u[idx] = bg ? r[4 + i][j] + bg[a.F + f + i] : r[4 + i][j];
         }
       }
     }
   }
   for (int32_t q = q0; q < q1; ++q)
-    silu_chunk(p.h + int64_t(q) * p.F32, p.u + int64_t(q) * p.F32, f0, a.F, split_h,
-               a.w_dtype == DType::kBFloat16);
+    act_chunk(a, p.h + int64_t(q) * p.F32, p.u + int64_t(q) * p.F32, f0, a.F, split_h,
+              a.w_dtype == DType::kBFloat16);
 }
 
 template <class W>
@@ -222,6 +225,7 @@ void down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
   if (!p.scatter && s + 1 < int32_t(p.exp_id.size()) && !p.amx[s + 1])
     w2_next = static_cast<const W*>(a.w2) + int64_t(p.exp_id[s + 1]) * a.D * a.F;
   const int32_t q0 = p.start[s], q1 = p.start[s + 1];
+  const float* b2 = a.b2 ? a.b2 + int64_t(p.exp_id[s]) * a.D : nullptr;  // y = w2 . h + b2
   for (int64_t d = d0; d < d1; d += kRows) {
     const int nr = int(std::min<int64_t>(kRows, d1 - d));
     const W* rows[kRows];
@@ -240,6 +244,8 @@ void down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
       float r[kRows][2];
       dots_n<W, float>(rows, acts, nt, a.prefetch && q == q0 && pf ? next : nullptr, a.F, r);
       for (int j = 0; j < nt; ++j) {
+        if (b2)
+          for (int i = 0; i < nr; ++i) r[i][j] += b2[d + i];
         if (p.scatter) {
           float* y = p.y + int64_t(q + j) * a.D + d;
           for (int i = 0; i < nr; ++i) y[i] = r[i][j];

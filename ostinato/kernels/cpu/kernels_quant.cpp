@@ -554,14 +554,21 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
       f += nr;
     }
   }
-  // h = bf16(silu(gate) * up), as the bf16 kernels round it, then quantized for w2.
+  // h = bf16(act(gate + bg, up + bu)), as the bf16 kernels round it, then quantized for w2.
+  const float* bg = a.b13 ? a.b13 + int64_t(p.exp_id[s]) * 2 * a.F : nullptr;
   alignas(64) float h32[32];
   for (int32_t q = q0; q < q1; ++q)
     for (int64_t c = f0; c < f1; c += 32) {
       const float* g = p.h + int64_t(q) * p.F32 + c;
       const float* u = p.u + int64_t(q) * p.F32 + c;
-      for (int i = 0; i < 2; ++i)
-        _mm512_store_ps(h32 + 16 * i, round_bf16_512(silu_mul512(_mm512_loadu_ps(g + 16 * i), _mm512_loadu_ps(u + 16 * i))));
+      for (int i = 0; i < 2; ++i) {
+        __m512 gv = _mm512_loadu_ps(g + 16 * i), uv = _mm512_loadu_ps(u + 16 * i);
+        if (bg) {
+          gv = _mm512_add_ps(gv, _mm512_loadu_ps(bg + c + 16 * i));
+          uv = _mm512_add_ps(uv, _mm512_loadu_ps(bg + a.F + c + 16 * i));
+        }
+        _mm512_store_ps(h32 + 16 * i, round_bf16_512(act512(gv, uv, a)));
+      }
       put_h_chunk(p, q, c / 32, h32);
     }
 }
@@ -571,6 +578,7 @@ void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
   const int64_t rb = p.rb2;
   const uint8_t* w2 = static_cast<const uint8_t*>(a.w2) + int64_t(p.exp_id[s]) * a.D * rb;
   const int32_t q0 = p.start[s], q1 = p.start[s + 1];
+  const float* b2 = a.b2 ? a.b2 + int64_t(p.exp_id[s]) * a.D : nullptr;  // y = w2 . h + b2
   for (int32_t q = q0; q < q1; q += kQTok) {
     const int nt = std::min(kQTok, q1 - q);
     QActView acts[kQTok];
@@ -584,7 +592,7 @@ void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
       qdot(a.qt2, rows, nr, a.F, acts, nt, window(rows[0], nr, rb, w2 + d1 * rb, kPfBytes, a.prefetch && q == q0), res);
       for (int r = 0; r < nr; ++r)
         for (int j = 0; j < nt; ++j) {
-          const float v = res[r * nt + j];
+          const float v = b2 ? res[r * nt + j] + b2[d + r] : res[r * nt + j];
           if (p.scatter) {
             p.y[int64_t(q + j) * a.D + d + r] = v;
           } else {

@@ -1,5 +1,5 @@
-// Vector math shared by the AVX-512 and AMX kernels. Include after <immintrin.h> inside a
-// `#pragma GCC target` region that enables AVX-512F.
+// Vector math shared by the AVX-512 and AMX kernels. Include after <immintrin.h> and experts.h
+// inside a `#pragma GCC target` region that enables AVX-512F.
 #pragma once
 
 namespace ostinato {
@@ -42,6 +42,17 @@ inline __m512 round_bf16_512(__m512 x) {
 inline __m512 silu_mul512(__m512 g, __m512 u) {
   const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+// The call's activation of 16 lanes (experts.h Act). The clamps keep a NaN operand (MINPS and
+// MAXPS return their second operand when one is NaN), as torch's clamp does.
+inline __m512 act512(__m512 g, __m512 u, const ColdArgs& a) {
+  if (a.act == Act::kSilu) return silu_mul512(g, u);
+  const __m512 lim = _mm512_set1_ps(a.act_limit), one = _mm512_set1_ps(1.0f);
+  g = _mm512_min_ps(lim, g);
+  u = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), _mm512_min_ps(lim, u));
+  const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-a.act_alpha), g));
+  return _mm512_mul_ps(_mm512_add_ps(u, one), _mm512_div_ps(g, _mm512_add_ps(one, e)));
 }
 
 }  // namespace ostinato

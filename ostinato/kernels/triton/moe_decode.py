@@ -7,10 +7,12 @@ At decode every expert's weights are read once for one token, so the kernels are
 bytes in flight: many programs each streaming a slab of rows with unit-stride loads,
 fp32 accumulation on CUDA cores (tensor cores buy nothing at M = 1).
 - _w13_kernel, grid (R, F/BLOCK_F): gate and up rows of one route's slot, fused
-  silu(gate) * up into h[R, F] (fp32). A zero-slot route returns before reading.
+  act(gate + b, up + b) (silu(gate) * up; the biases and activation of gpu_experts.Epilogue,
+  constexprs) into h[R, F] (fp32). A zero-slot route returns before reading.
 - _w2_kernel, grid (T, D/BLOCK_D): all K routes of a token in one [K, BLOCK_D, BLOCK_F]
   tile, zero-slot lanes masked off (never read), summed over k by a fixed-shape reduction
-  (deterministic, no atomics); writes out[T, D] once. Measured on an H200: 9 us for the
+  (deterministic, no atomics), each hot route's down bias added before its weight; writes
+  out[T, D] once. Measured on an H200: 9 us for the
   w2 of 8 experts, against 15 us for a loop over k with one [BLOCK_D, BLOCK_F] tile.
 Slot offsets are int64: N * 2F * D exceeds 2^31 elements for real pools.
 """
@@ -20,11 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.kernels.triton.expert_act import activate
+
 
 @triton.jit
-def _w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, zero_lo, zero_hi, K, D, F,
-                stride_xt, stride_we, stride_wf, stride_wd,
-                BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, b13_ptr, zero_lo, zero_hi, K, D, F,
+                stride_xt, stride_we, stride_wf, stride_wd, ALPHA, LIMIT,
+                BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
+                HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     route = tl.program_id(0)
     pid_f = tl.program_id(1)
     s = tl.load(slots_ptr + route)
@@ -51,16 +56,20 @@ def _w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, zero_lo, zero_hi, K, D, F,
         acc_u += wu.to(tl.float32) * xv[None, :]
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
-    h = gate * tl.sigmoid(gate) * up
+    if HAS_BIAS:  # b13[N, 2F] fp32: gate biases, then up
+        bias_row = b13_ptr + s.to(tl.int64) * 2 * F + offs_f
+        gate += tl.load(bias_row, mask=mask_f, other=0.0)
+        up += tl.load(bias_row + F, mask=mask_f, other=0.0)
+    h = activate(gate, up, ACT, ALPHA, LIMIT)
     h = h.to(w13_ptr.dtype.element_ty).to(tl.float32)  # rounded once to the weights' dtype, as prefill
     tl.store(h_ptr + route.to(tl.int64) * F + offs_f, h, mask=mask_f)
 
 
 @triton.jit
-def _w2_kernel(h_ptr, slots_ptr, weights_ptr, w2_ptr, out_ptr, zero_lo, zero_hi, K, D, F,
+def _w2_kernel(h_ptr, slots_ptr, weights_ptr, w2_ptr, out_ptr, b2_ptr, zero_lo, zero_hi, K, D, F,
                stride_we, stride_wd, stride_wf, stride_ot,
                KP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-               NUM_STAGES: tl.constexpr):
+               NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr):
     # All K routes of the token at once: [KP, BLOCK_D, BLOCK_F] tiles keep K times more
     # loads in flight than a loop over k; a zero-slot route's lanes are masked off, so its
     # weights are never read. The sum over k is one fixed-shape tl.sum: deterministic.
@@ -86,26 +95,32 @@ def _w2_kernel(h_ptr, slots_ptr, weights_ptr, w2_ptr, out_ptr, zero_lo, zero_hi,
         mask = hot[:, None, None] & mask_d[None, :, None] & mask_f[None, None, :]
         wv = tl.load(rows + offs_f[None, None, :] * stride_wf, mask=mask, other=0.0)
         part += tl.sum(wv.to(tl.float32) * hv[:, None, :], axis=2)
+    if HAS_BIAS:  # b2[N, D] fp32, of the hot lanes only
+        part += tl.load(b2_ptr + s.to(tl.int64)[:, None] * D + offs_d[None, :],
+                        mask=hot[:, None] & mask_d[None, :], other=0.0)
     wt = tl.load(weights_ptr + routes, mask=hot, other=0.0)
     acc = tl.sum(part * wt[:, None], axis=0)
     tl.store(out_row, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-def decode_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out, cfg_w13, cfg_w2):
-    """x[T, D], slots[T, K] int32, weights[T, K] f32 (contiguous) -> out[T, D]."""
+def decode_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out, cfg_w13, cfg_w2, epi):
+    """x[T, D], slots[T, K] int32, weights[T, K] f32 (contiguous) -> out[T, D]; epi: the
+    activation and optional bias pools (gpu_experts.Epilogue)."""
     T, K = slots.shape
     D = x.shape[1]
     F = w2_pool.shape[2]
+    e = epi.kernel_args(x)
     h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)  # [R, F]
     grid = (T * K, triton.cdiv(F, cfg_w13["BLOCK_F"]))
-    _w13_kernel[grid](x, slots, w13_pool, h, zero_lo, zero_hi, K, D, F,
+    _w13_kernel[grid](x, slots, w13_pool, h, e["b13_ptr"], zero_lo, zero_hi, K, D, F,
                       x.stride(0), w13_pool.stride(0), w13_pool.stride(1), w13_pool.stride(2),
-                      BLOCK_F=cfg_w13["BLOCK_F"], BLOCK_D=cfg_w13["BLOCK_D"],
-                      NUM_STAGES=cfg_w13.get("num_stages", 1), num_warps=cfg_w13["num_warps"])
+                      e["ALPHA"], e["LIMIT"], BLOCK_F=cfg_w13["BLOCK_F"], BLOCK_D=cfg_w13["BLOCK_D"],
+                      NUM_STAGES=cfg_w13.get("num_stages", 1), HAS_BIAS=e["HAS_BIAS"], ACT=e["ACT"],
+                      num_warps=cfg_w13["num_warps"])
     grid = (T, triton.cdiv(D, cfg_w2["BLOCK_D"]))
-    _w2_kernel[grid](h, slots, weights, w2_pool, out, zero_lo, zero_hi, K, D, F,
+    _w2_kernel[grid](h, slots, weights, w2_pool, out, e["b2_ptr"], zero_lo, zero_hi, K, D, F,
                      w2_pool.stride(0), w2_pool.stride(1), w2_pool.stride(2), out.stride(0),
                      KP=triton.next_power_of_2(K), BLOCK_D=cfg_w2["BLOCK_D"],
                      BLOCK_F=cfg_w2["BLOCK_F"], NUM_STAGES=cfg_w2.get("num_stages", 1),
-                     num_warps=cfg_w2["num_warps"])
+                     HAS_BIAS=e["HAS_BIAS"], num_warps=cfg_w2["num_warps"])
     return out

@@ -16,10 +16,11 @@ A fill and three launches instead of the ~20 small torch ops of align_routes, wh
 cost 70-110 us of GPU time per call in a graph and 400-800 us eager on an H200. The
 scatter's in-chunk rank is quadratic in CHUNK (33 us at CHUNK=1024, 4 us at 256).
 - _w13_kernel, grid (B, F/BLOCK_N): gathers x rows of a block's routes and multiplies
-  them by the gate and the up rows of its slot; silu(gate) * up in the epilogue,
-  stored to h[R, F] by route id (pool dtype, the operand of the second tl.dot).
-- _w2_kernel, grid (B, D/BLOCK_N): h rows @ w2[slot]^T, times the routing weight,
-  stored in fp32 to y[R, D] by route id.
+  them by the gate and the up rows of its slot; act(gate + b, up + b) in the epilogue
+  (silu(gate) * up, or gpu_experts.Epilogue's biases and activation), stored to h[R, F] by
+  route id (pool dtype, the operand of the second tl.dot).
+- _w2_kernel, grid (B, D/BLOCK_N): h rows @ w2[slot]^T (+ the down bias), times the routing
+  weight, stored in fp32 to y[R, D] by route id.
 - _combine_kernel, grid (T, D/BLOCK_D): out[t] = sum of y[t*K + k] over hot k in the
   order k = 0..K-1 (deterministic, no atomics); zero-slot rows of y are never read.
 Slot offsets are int64: N * 2F * D exceeds 2^31 elements for real pools.
@@ -29,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ostinato.kernels.triton.expert_act import activate
 
 
 @triton.jit
@@ -121,10 +124,10 @@ def align_forward(slots, zero_lo, zero_hi, num_slots, block_m, size, cfg):
 
 
 @triton.jit
-def _w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_padded_ptr,
-                R, K, D, F, stride_xt, stride_we, stride_wf, stride_wd,
+def _w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_padded_ptr, b13_ptr,
+                R, K, D, F, stride_xt, stride_we, stride_wf, stride_wd, ALPHA, LIMIT,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -156,16 +159,20 @@ def _w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_p
         a_ptrs += BLOCK_K
         bg_ptrs += BLOCK_K * stride_wd
         bu_ptrs += BLOCK_K * stride_wd
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    if HAS_BIAS:  # b13[N, 2F] fp32: a column's gate and up biases
+        bias_row = b13_ptr + s.to(tl.int64) * 2 * F + offs_n
+        acc_g += tl.load(bias_row, mask=mask_n, other=0.0)[None, :]
+        acc_u += tl.load(bias_row + F, mask=mask_n, other=0.0)[None, :]
+    h = activate(acc_g, acc_u, ACT, ALPHA, LIMIT)
     h_ptrs = h_ptr + routes.to(tl.int64)[:, None] * F + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, block_slots_ptr,
-               num_padded_ptr, R, D, F, stride_we, stride_wd, stride_wf,
+               num_padded_ptr, b2_ptr, R, D, F, stride_we, stride_wd, stride_wf,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -191,6 +198,8 @@ def _w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, block_slots
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wf
+    if HAS_BIAS:  # b2[N, D] fp32, before the routing weight
+        acc += tl.load(b2_ptr + s.to(tl.int64) * D + offs_n, mask=mask_n, other=0.0)[None, :]
     acc *= tl.load(weights_ptr + routes, mask=valid, other=0.0)[:, None]
     y_ptrs = y_ptr + rows[:, None] * D + offs_n[None, :]
     tl.store(y_ptrs, acc, mask=valid[:, None] & mask_n[None, :])
@@ -213,8 +222,9 @@ def _combine_kernel(y_ptr, slots_ptr, out_ptr, zero_lo, zero_hi, K, D, stride_ot
 
 
 def prefill_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out, aligned, cfg,
-                    cfg_combine):
-    """x[T, D], slots[T, K] int32, weights[T, K] f32 (contiguous), aligned routes -> out[T, D]."""
+                    cfg_combine, epi):
+    """x[T, D], slots[T, K] int32, weights[T, K] f32 (contiguous), aligned routes -> out[T, D];
+    epi: the activation and optional bias pools (gpu_experts.Epilogue)."""
     T, K = slots.shape
     R = T * K
     D = x.shape[1]
@@ -224,15 +234,16 @@ def prefill_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 tests: no tf32 rounding
     tiles = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                  PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    e = epi.kernel_args(x)
     h = torch.empty(R, F, dtype=w13_pool.dtype, device=x.device)  # [R, F]
     y = torch.empty(R, D, dtype=torch.float32, device=x.device)  # [R, D]
     grid = (num_blocks, triton.cdiv(F, cfg["BLOCK_N"]))
-    _w13_kernel[grid](x, w13_pool, h, sorted_routes, block_slots, num_padded, R, K, D, F,
+    _w13_kernel[grid](x, w13_pool, h, sorted_routes, block_slots, num_padded, e["b13_ptr"], R, K, D, F,
                       x.stride(0), w13_pool.stride(0), w13_pool.stride(1), w13_pool.stride(2),
-                      **tiles)
+                      e["ALPHA"], e["LIMIT"], HAS_BIAS=e["HAS_BIAS"], ACT=e["ACT"], **tiles)
     grid = (num_blocks, triton.cdiv(D, cfg["BLOCK_N"]))
-    _w2_kernel[grid](h, w2_pool, y, weights, sorted_routes, block_slots, num_padded, R, D, F,
-                     w2_pool.stride(0), w2_pool.stride(1), w2_pool.stride(2), **tiles)
+    _w2_kernel[grid](h, w2_pool, y, weights, sorted_routes, block_slots, num_padded, e["b2_ptr"], R, D, F,
+                     w2_pool.stride(0), w2_pool.stride(1), w2_pool.stride(2), HAS_BIAS=e["HAS_BIAS"], **tiles)
     grid = (T, triton.cdiv(D, cfg_combine["BLOCK_D"]))
     _combine_kernel[grid](y, slots, out, zero_lo, zero_hi, K, D, out.stride(0),
                           BLOCK_D=cfg_combine["BLOCK_D"], num_warps=cfg_combine["num_warps"])

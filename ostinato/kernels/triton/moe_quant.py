@@ -18,8 +18,9 @@ gguf.quants computes them ((d * sc) * q - dmin * m), so an interpreted run match
 (compiled, a fused multiply-add may round the last bit differently).
 
 - decode (T small; the same computation as moe_decode, memory bound):
-  _decode_w13_kernel, grid (R, F/BLOCK_F): gate and up rows of one route, silu(gate) * up
-  rounded to the activation dtype into h[R, F]; a zero-slot route returns before reading.
+  _decode_w13_kernel, grid (R, F/BLOCK_F): gate and up rows of one route, act(gate, up)
+  (silu(gate) * up, or gpu_experts.Epilogue's biases and activation) rounded to the activation
+  dtype into h[R, F]; a zero-slot route returns before reading.
   _decode_w2_kernel, grid (T, D/BLOCK_D): the K routes of a token as K * BLOCK_D rows of one
   tile (loads in flight for all of them), zero-slot rows masked off (never read), a fixed-shape
   sum over k (deterministic); writes out[T, D] once.
@@ -38,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ostinato.kernels.triton.expert_act import activate
 from ostinato.kernels.triton.moe_prefill import _combine_kernel
 
 LANES = tl.constexpr(16)  # lanes per group; its 32 values share their scales in every format
@@ -195,10 +197,10 @@ def dequantize_rows(q: torch.Tensor, qtype: str, n: int, block_r: int = 16,
 
 
 @triton.jit
-def _decode_w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, zero_lo, zero_hi, K, D, F,
-                       stride_xt, stride_ws, stride_wr,
+def _decode_w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, b13_ptr, zero_lo, zero_hi, K, D, F,
+                       stride_xt, stride_ws, stride_wr, ALPHA, LIMIT,
                        QT: tl.constexpr, BLOCK_F: tl.constexpr, GROUPS: tl.constexpr,
-                       NUM_STAGES: tl.constexpr):
+                       NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     route = tl.program_id(0)
     pid_f = tl.program_id(1)
     s = tl.load(slots_ptr + route)
@@ -228,16 +230,20 @@ def _decode_w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, zero_lo, zero_hi, K, D,
         acc_u += u_lo * x_lo + u_hi * x_hi
     gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
     up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
-    h = gate * tl.sigmoid(gate) * up
+    if HAS_BIAS:  # b13[N, 2F] fp32: gate biases, then up
+        bias_row = b13_ptr + s.to(tl.int64) * 2 * F + offs_f
+        gate += tl.load(bias_row, mask=offs_f < F, other=0.0)
+        up += tl.load(bias_row + F, mask=offs_f < F, other=0.0)
+    h = activate(gate, up, ACT, ALPHA, LIMIT)
     tl.store(h_ptr + route.to(tl.int64) * F + offs_f, h.to(h_ptr.dtype.element_ty),
              mask=offs_f < F)
 
 
 @triton.jit
-def _decode_w2_kernel(h_ptr, slots_ptr, weights_ptr, w2_ptr, out_ptr, zero_lo, zero_hi, K, D, F,
+def _decode_w2_kernel(h_ptr, slots_ptr, weights_ptr, w2_ptr, out_ptr, b2_ptr, zero_lo, zero_hi, K, D, F,
                       stride_ws, stride_wr, stride_ot,
                       QT: tl.constexpr, KP: tl.constexpr, BLOCK_D: tl.constexpr,
-                      GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                      GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr):
     # Tile rows are (k, d) pairs, k-major: all K routes of the token at once, as moe_decode.
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -266,32 +272,38 @@ def _decode_w2_kernel(h_ptr, slots_ptr, weights_ptr, w2_ptr, out_ptr, zero_lo, z
         h_lo = tl.load(h_rows + e_lo, mask=mask, other=0.0).to(tl.float32)
         h_hi = tl.load(h_rows + e_hi, mask=mask, other=0.0).to(tl.float32)
         acc += w_lo * h_lo + w_hi * h_hi
-    part = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights_ptr + route, mask=live, other=0.0)
+    part = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:  # b2[N, D] fp32, of the live rows only, before the routing weight
+        part += tl.load(b2_ptr + s.to(tl.int64) * D + d, mask=live, other=0.0)
+    part = part * tl.load(weights_ptr + route, mask=live, other=0.0)
     y = tl.sum(tl.reshape(part, (KP, BLOCK_D)), axis=0)
     tl.store(out_row, y.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 def decode_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
-                   cfg_w13, cfg_w2):
+                   cfg_w13, cfg_w2, epi):
     """x[T, D] (contiguous), slots[T, K] int32, weights[T, K] f32 (contiguous) -> out[T, D].
 
-    qtypes = (qtype of w13, qtype of w2); h is rounded to x's dtype, as prefill's.
+    qtypes = (qtype of w13, qtype of w2); h is rounded to x's dtype, as prefill's; epi: the
+    activation and optional bias pools (gpu_experts.Epilogue).
     """
     T, K = slots.shape
     D = x.shape[1]
     F = w13_pool.shape[1] // 2
+    e = epi.kernel_args(x)
     h = torch.empty(T * K, F, dtype=x.dtype, device=x.device)  # [R, F]
     grid = (T * K, triton.cdiv(F, cfg_w13["BLOCK_F"]))
-    _decode_w13_kernel[grid](x, slots, w13_pool, h, zero_lo, zero_hi, K, D, F,
-                             x.stride(0), w13_pool.stride(0), w13_pool.stride(1),
+    _decode_w13_kernel[grid](x, slots, w13_pool, h, e["b13_ptr"], zero_lo, zero_hi, K, D, F,
+                             x.stride(0), w13_pool.stride(0), w13_pool.stride(1), e["ALPHA"], e["LIMIT"],
                              QT=qtypes[0], BLOCK_F=cfg_w13["BLOCK_F"], GROUPS=cfg_w13["GROUPS"],
-                             NUM_STAGES=cfg_w13["num_stages"], num_warps=cfg_w13["num_warps"])
+                             NUM_STAGES=cfg_w13["num_stages"], HAS_BIAS=e["HAS_BIAS"], ACT=e["ACT"],
+                             num_warps=cfg_w13["num_warps"])
     grid = (T, triton.cdiv(D, cfg_w2["BLOCK_D"]))
-    _decode_w2_kernel[grid](h, slots, weights, w2_pool, out, zero_lo, zero_hi, K, D, F,
+    _decode_w2_kernel[grid](h, slots, weights, w2_pool, out, e["b2_ptr"], zero_lo, zero_hi, K, D, F,
                             w2_pool.stride(0), w2_pool.stride(1), out.stride(0),
                             QT=qtypes[1], KP=triton.next_power_of_2(K), BLOCK_D=cfg_w2["BLOCK_D"],
                             GROUPS=cfg_w2["GROUPS"], NUM_STAGES=cfg_w2["num_stages"],
-                            num_warps=cfg_w2["num_warps"])
+                            HAS_BIAS=e["HAS_BIAS"], num_warps=cfg_w2["num_warps"])
     return out
 
 
@@ -305,10 +317,11 @@ def _b_tiles(rows, gg, i, mask, QT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _prefill_w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_padded_ptr,
-                        R, K, D, F, stride_xt, stride_ws, stride_wr,
+def _prefill_w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_padded_ptr, b13_ptr,
+                        R, K, D, F, stride_xt, stride_ws, stride_wr, ALPHA, LIMIT,
                         QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        GROUPS: tl.constexpr, PRECISION: tl.constexpr):
+                        GROUPS: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        ACT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -345,16 +358,20 @@ def _prefill_w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_pt
         b_lo, b_hi, _, _ = _b_tiles(up_rows, gg, i, mask, QT, GROUPS, BLOCK_N)
         acc_u = tl.dot(a_lo, b_lo.to(dtype), acc_u, input_precision=PRECISION)
         acc_u = tl.dot(a_hi, b_hi.to(dtype), acc_u, input_precision=PRECISION)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    if HAS_BIAS:  # b13[N, 2F] fp32: a column's gate and up biases
+        bias_row = b13_ptr + s.to(tl.int64) * 2 * F + offs_n
+        acc_g += tl.load(bias_row, mask=offs_n < F, other=0.0)[None, :]
+        acc_u += tl.load(bias_row + F, mask=offs_n < F, other=0.0)[None, :]
+    h = activate(acc_g, acc_u, ACT, ALPHA, LIMIT)
     h_ptrs = h_ptr + routes.to(tl.int64)[:, None] * F + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n < F)[None, :])
 
 
 @triton.jit
 def _prefill_w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, block_slots_ptr,
-                       num_padded_ptr, R, D, F, stride_ws, stride_wr,
+                       num_padded_ptr, b2_ptr, R, D, F, stride_ws, stride_wr,
                        QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       GROUPS: tl.constexpr, PRECISION: tl.constexpr):
+                       GROUPS: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -383,17 +400,20 @@ def _prefill_w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, blo
         a_hi = tl.load(h_rows + e_hi[None, :], mask=a_mask, other=0.0)
         acc = tl.dot(a_lo, b_lo.to(dtype), acc, input_precision=PRECISION)
         acc = tl.dot(a_hi, b_hi.to(dtype), acc, input_precision=PRECISION)
+    if HAS_BIAS:  # b2[N, D] fp32, before the routing weight
+        acc += tl.load(b2_ptr + s.to(tl.int64) * D + offs_n, mask=offs_n < D, other=0.0)[None, :]
     acc *= tl.load(weights_ptr + routes, mask=valid, other=0.0)[:, None]
     y_ptrs = y_ptr + routes.to(tl.int64)[:, None] * D + offs_n[None, :]
     tl.store(y_ptrs, acc, mask=valid[:, None] & (offs_n < D)[None, :])
 
 
 def prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out, aligned,
-                    cfg, cfg_combine):
+                    cfg, cfg_combine, epi):
     """x[T, D], slots[T, K] int32, weights[T, K] f32 (contiguous), aligned routes -> out[T, D].
 
     aligned: (sorted_routes, block_slots, num_padded) from moe_prefill.align_forward or
-    gpu_experts.align_routes with cfg["BLOCK_M"]. h[R, F] is kept in x's dtype.
+    gpu_experts.align_routes with cfg["BLOCK_M"]. h[R, F] is kept in x's dtype. epi: the
+    activation and optional bias pools (gpu_experts.Epilogue).
     """
     T, K = slots.shape
     R = T * K
@@ -405,15 +425,17 @@ def prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_
     tiles = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "GROUPS": cfg["GROUPS"],
              "PRECISION": precision, "num_warps": cfg["num_warps"],
              "num_stages": cfg["num_stages"]}
+    e = epi.kernel_args(x)
     h = torch.empty(R, F, dtype=x.dtype, device=x.device)  # [R, F]
     y = torch.empty(R, D, dtype=torch.float32, device=x.device)  # [R, D]
     grid = (num_blocks, triton.cdiv(F, cfg["BLOCK_N"]))
-    _prefill_w13_kernel[grid](x, w13_pool, h, sorted_routes, block_slots, num_padded, R, K, D, F,
-                              x.stride(0), w13_pool.stride(0), w13_pool.stride(1),
-                              QT=qtypes[0], **tiles)
+    _prefill_w13_kernel[grid](x, w13_pool, h, sorted_routes, block_slots, num_padded, e["b13_ptr"], R, K, D, F,
+                              x.stride(0), w13_pool.stride(0), w13_pool.stride(1), e["ALPHA"], e["LIMIT"],
+                              QT=qtypes[0], HAS_BIAS=e["HAS_BIAS"], ACT=e["ACT"], **tiles)
     grid = (num_blocks, triton.cdiv(D, cfg["BLOCK_N"]))
-    _prefill_w2_kernel[grid](h, w2_pool, y, weights, sorted_routes, block_slots, num_padded, R, D,
-                             F, w2_pool.stride(0), w2_pool.stride(1), QT=qtypes[1], **tiles)
+    _prefill_w2_kernel[grid](h, w2_pool, y, weights, sorted_routes, block_slots, num_padded, e["b2_ptr"], R, D,
+                             F, w2_pool.stride(0), w2_pool.stride(1), QT=qtypes[1], HAS_BIAS=e["HAS_BIAS"],
+                             **tiles)
     grid = (T, triton.cdiv(D, cfg_combine["BLOCK_D"]))
     _combine_kernel[grid](y, slots, out, zero_lo, zero_hi, K, D, out.stride(0),
                           BLOCK_D=cfg_combine["BLOCK_D"], num_warps=cfg_combine["num_warps"])

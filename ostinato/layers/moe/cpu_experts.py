@@ -5,6 +5,9 @@ Legend: T tokens, R cold routes, E experts, D hidden size, F expert FFN size.
     out[t] = sum over routes r with token_idx[r] == t of
              weights[r] * w2[e] @ (silu(w13[e][:F] @ x[t]) * (w13[e][F:] @ x[t])),  e = expert_ids[r]
 
+(with the layer's experts' activation and biases where they have them, types.py: gpt-oss adds
+b13 to gate and up, clamps them, and adds b2 after the down projection; the biases live in fp32)
+
 written into out[:T] (fp32; rows without a route are zero). CpuExperts owns the host
 expert weights of its layers (used in place, never copied: the engine pins them) and a
 resident native thread pool; `submit` hands a layer's cold routes to the pool and returns
@@ -37,11 +40,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import torch.nn.functional as nnf
 
 from ostinato.config import ConfigError
 from ostinato.engine.threads import process_layout
-from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
+from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights, check_biases
 from ostinato.quant import formats
 
 ISAS = {"auto": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
@@ -60,10 +62,14 @@ def torch_reference(
     weights: torch.Tensor,  # [R]
     out: torch.Tensor | None = None,  # [>= T, D] fp32
     h_dtype: torch.dtype | None = None,
+    *,
+    b13: torch.Tensor | None = None,  # [E, 2F]
+    b2: torch.Tensor | None = None,  # [E, D]
+    act: ExpertAct = SILU,
 ) -> torch.Tensor:
-    """The oracle in plain torch: fp32 math on the given (bf16 or fp32) weights; the FFN
-    intermediate h is rounded to h_dtype (default: the weights' dtype) before the down
-    projection, as the GPU kernels and the reference model do."""
+    """The oracle in plain torch: fp32 math on the given (bf16 or fp32) weights and biases; the
+    FFN intermediate h = act(gate, up) is rounded to h_dtype (default: the weights' dtype) before
+    the down projection, as the GPU kernels and the reference model do."""
     T, D = x.shape
     F = w2.shape[2]
     if out is None:
@@ -75,8 +81,12 @@ def torch_reference(
         sel = (eid == e).nonzero().squeeze(1)
         t = tok[sel]
         gu = x[t].float() @ w13[e].float().T  # [n, 2F]
-        h = (nnf.silu(gu[:, :F]) * gu[:, F:]).to(h_dtype or w2.dtype).float()  # [n, F]
+        if b13 is not None:
+            gu = gu + b13[e].float()
+        h = act(gu[:, :F], gu[:, F:]).to(h_dtype or w2.dtype).float()  # [n, F]
         y = h @ w2[e].float().T  # [n, D]
+        if b2 is not None:
+            y = y + b2[e].float()
         res.index_add_(0, t, y * wts[sel, None])
     return out
 
@@ -122,8 +132,12 @@ def quant_reference(
         sel = (eid == e).nonzero().squeeze(1)
         t = tok[sel]
         gu = xq[t] @ formats.dequantize(w.w13[e], w.qt13, D).T  # [n, 2F]
-        h = _through_q8((nnf.silu(gu[:, :F]) * gu[:, F:]).bfloat16().float())  # [n, F]
+        if w.b13 is not None:
+            gu = gu + w.b13[e].float()
+        h = _through_q8(w.act(gu[:, :F], gu[:, F:]).bfloat16().float())  # [n, F]
         y = h @ formats.dequantize(w.w2[e], w.qt2, F).T  # [n, D]
+        if w.b2 is not None:
+            y = y + w.b2[e].float()
         res.index_add_(0, t, y * wts[sel, None])
     return out
 
@@ -133,7 +147,8 @@ class CpuExperts:
 
     layers: {layer index: weights} or a list (index = position): ExpertWeights (bf16 or fp32)
     or QuantExpertWeights (GGUF blocks; a 4-tuple (qt13, w13, qt2, w2) is read as one),
-    contiguous, on the CPU. cpus: the logical CPU of each pool worker (a thread layout's
+    contiguous, on the CPU, each with its activation and optional biases (fp32 ones are used in
+    place; others, a few KiB per expert, are copied to fp32 once). cpus: the logical CPU of each pool worker (a thread layout's
     workers, engine/threads.py); without it, the layout of a host-driven process with
     num_threads workers (default: every physical core but the caller's, since the thread
     that calls wait() takes tasks as the last worker).
@@ -206,7 +221,8 @@ class CpuExperts:
             if isinstance(w, QuantExpertWeights):
                 self._future = self._executor.submit(quant_reference, w, x, token_idx, expert_ids, weights, out)
             else:
-                self._future = self._executor.submit(torch_reference, w.w13, w.w2, x, token_idx, expert_ids, weights, out)
+                self._future = self._executor.submit(torch_reference, w.w13, w.w2, x, token_idx, expert_ids, weights,
+                                                     out, b13=w.b13, b2=w.b2, act=w.act)
             return
         try:
             self._native.submit(self._fill_args(layer, x, token_idx, expert_ids, weights, out))
@@ -295,8 +311,8 @@ def _as_weights(i, w) -> ExpertWeights | QuantExpertWeights:
     """A layer's experts as ExpertWeights or QuantExpertWeights; block types of a float GGUF
     type (BF16, F32 views; F16 copied to fp32 once) become ExpertWeights."""
     if isinstance(w, ExpertWeights) or (not isinstance(w, QuantExpertWeights) and len(w) == 2):
-        return ExpertWeights(*w)
-    q = QuantExpertWeights(*w)
+        return _fp32_biases(ExpertWeights(*w))
+    q = _fp32_biases(QuantExpertWeights(*w))
     floats = (q.qt13 in _FLOAT_QTYPES, q.qt2 in _FLOAT_QTYPES)
     if floats == (False, False):
         for qt in (q.qt13, q.qt2):
@@ -314,7 +330,16 @@ def _as_weights(i, w) -> ExpertWeights | QuantExpertWeights:
         v = t.contiguous().view(dtype)
         return v.float() if dtype == torch.float16 else v
 
-    return ExpertWeights(as_float(q.w13), as_float(q.w2))
+    return ExpertWeights(as_float(q.w13), as_float(q.w2), q.b13, q.b2, q.act)
+
+
+def _fp32_biases(w):
+    """w with contiguous fp32 biases (the kernels' type), copied only when they are not (one missing:
+    left for check_biases to name)."""
+    if w.b13 is None or w.b2 is None or all(b.dtype == torch.float32 and b.is_contiguous()
+                                            for b in (w.b13, w.b2)):
+        return w
+    return w._replace(b13=w.b13.float().contiguous(), b2=w.b2.float().contiguous())
 
 
 def _checked_quant(i, w: QuantExpertWeights) -> QuantExpertWeights:
@@ -336,8 +361,16 @@ def _checked_quant(i, w: QuantExpertWeights) -> QuantExpertWeights:
 
 
 def _checked(i, w):
-    if isinstance(w, QuantExpertWeights):
-        return _checked_quant(i, w)
+    w = _checked_quant(i, w) if isinstance(w, QuantExpertWeights) else _checked_float(i, w)
+    E, D, F = _dims(w)
+    try:
+        check_biases(w, E, F, D, f"layer {i}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return w
+
+
+def _checked_float(i, w):
     E, F2, D = w.w13.shape
     if w.w2.shape != (E, D, F2 // 2) or F2 % 2:
         raise ValueError(f"layer {i}: w13 {tuple(w.w13.shape)} and w2 {tuple(w.w2.shape)} "
@@ -416,4 +449,7 @@ def _layer_args(ext, w, isa: str, amx_min_tokens: int):
         a.w_dtype = _DTYPES[w.w13.dtype]
     a.E, a.D, a.F = _dims(w)
     a.isa, a.amx_min_tokens = ISAS[isa], amx_min_tokens
+    a.act, a.act_alpha, a.act_limit = w.act.code, w.act.alpha, w.act.limit
+    if w.b13 is not None:  # fp32 and contiguous (_fp32_biases), kept alive by the layer's weights
+        a.b13, a.b2 = w.b13.data_ptr(), w.b2.data_ptr()
     return a

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F_
+
+from ostinato.layers.moe.types import SILU, ExpertAct
 
 TUNED_DIR = Path(__file__).resolve().parents[2] / "kernels" / "tuned"
 
@@ -104,11 +105,13 @@ def _is_hot(slots: torch.Tensor, zero_lo: int, zero_hi: int) -> torch.Tensor:
 
 
 def slot_experts_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
-                       out_dtype=None):
+                       out_dtype=None, b13_pool=None, b2_pool=None, act: ExpertAct = SILU):
     """Plain PyTorch: loop over the distinct hot slots (host sync), fp32 math.
 
-    x[T, D], slots[T, K] int, weights[T, K] f32, w13_pool[N, 2F, D], w2_pool[N, D, F]
-    -> out[T, D] = sum_k weights[t,k] * w2[s] @ (silu(w13[s][:F] @ x[t]) * (w13[s][F:] @ x[t]))
+    x[T, D], slots[T, K] int, weights[T, K] f32, w13_pool[N, 2F, D], w2_pool[N, D, F],
+    optional biases b13_pool[N, 2F], b2_pool[N, D] (fp32)
+    -> out[T, D] = sum_k weights[t,k] * (w2[s] @ act(w13[s][:F] @ x[t] + b13[s][:F],
+                                                     w13[s][F:] @ x[t] + b13[s][F:]) + b2[s])
     """
     T, K = slots.shape
     flat = slots.reshape(-1).long()  # [R]
@@ -117,9 +120,15 @@ def slot_experts_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, o
     for s in torch.unique(flat[_is_hot(flat, zero_lo, zero_hi)]).tolist():
         routes = (flat == s).nonzero().squeeze(1)
         xs = x[routes // K].float()  # [n, D]
-        gate, up = (xs @ w13_pool[s].float().t()).chunk(2, dim=-1)  # [n, F] each
-        h = (F_.silu(gate) * up).to(w2_pool.dtype).float()  # rounded to the weights' dtype, as the kernels
-        partial[routes] = (h @ w2_pool[s].float().t()) * wflat[routes, None]
+        gu = xs @ w13_pool[s].float().t()  # [n, 2F]
+        if b13_pool is not None:
+            gu = gu + b13_pool[s].float()
+        gate, up = gu.chunk(2, dim=-1)  # [n, F] each
+        h = act(gate, up).to(w2_pool.dtype).float()  # rounded to the weights' dtype, as the kernels
+        y = h @ w2_pool[s].float().t()
+        if b2_pool is not None:
+            y = y + b2_pool[s].float()
+        partial[routes] = y * wflat[routes, None]
     result = partial.view(T, K, -1).sum(1)  # fixed order over k
     if out is None:
         return result.to(out_dtype or x.dtype)
@@ -189,26 +198,53 @@ def triton_inputs(x, slots, weights, out, out_dtype):
     return x.contiguous(), slots.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous(), out
 
 
+class Epilogue(NamedTuple):
+    """What the kernels apply around the two matmuls of an expert: optional fp32 bias pools
+    b13[N, 2F] and b2[N, D] (None: no bias) and the activation (types.ExpertAct)."""
+
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
+    act: ExpertAct
+
+    @classmethod
+    def of(cls, b13_pool, b2_pool, act: ExpertAct) -> "Epilogue":
+        if (b13_pool is None) != (b2_pool is None):
+            raise ValueError("b13_pool and b2_pool go together")
+        for b in (b13_pool, b2_pool):
+            if b is not None:
+                assert b.dtype == torch.float32 and b.is_contiguous(), "bias pools are contiguous fp32"
+        return cls(b13_pool, b2_pool, act)
+
+    def kernel_args(self, x: torch.Tensor) -> dict:
+        """The kernels' bias pointers (x stands in when absent: never read), HAS_BIAS, ACT,
+        ALPHA and LIMIT."""
+        has = self.b13 is not None
+        return {"b13_ptr": self.b13 if has else x, "b2_ptr": self.b2 if has else x, "HAS_BIAS": has,
+                "ACT": self.act.code, "ALPHA": float(self.act.alpha), "LIMIT": float(self.act.limit)}
+
+
 def slot_experts_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
-                        out_dtype=None, max_distinct=None, tuning=None):
+                        out_dtype=None, max_distinct=None, tuning=None, b13_pool=None, b2_pool=None,
+                        act: ExpertAct = SILU):
     """The Triton paths on x's device (CUDA, or CPU under TRITON_INTERPRET=1)."""
     T = slots.shape[0]
     x, slots, weights, out = triton_inputs(x, slots, weights, out, out_dtype)
     if T == 0:
         return out
     assert x.dtype == w13_pool.dtype == w2_pool.dtype, "x and the pools must share a dtype"
+    epi = Epilogue.of(b13_pool, b2_pool, act)
     tuning = tuning or _tuning_for(x.device.type, x.device.index)
     if T <= tuning["decode_max_tokens"]:
         from ostinato.kernels.triton.moe_decode import decode_forward
 
         return decode_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
-                              tuning["decode_w13"], tuning["decode_w2"])
+                              tuning["decode_w13"], tuning["decode_w2"], epi)
     from ostinato.kernels.triton.moe_prefill import prefill_forward
 
     cfg = prefill_config(tuning, T, x.dtype)
     aligned = aligned_routes(slots, zero_lo, zero_hi, w13_pool.shape[0], cfg["BLOCK_M"], tuning, max_distinct)
     return prefill_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
-                           aligned, cfg, tuning["combine"])
+                           aligned, cfg, tuning["combine"], epi)
 
 
 def aligned_routes(slots, zero_lo, zero_hi, num_slots: int, block_m: int, tuning: dict,
@@ -226,11 +262,14 @@ def aligned_routes(slots, zero_lo, zero_hi, num_slots: int, block_m: int, tuning
 
 
 def slot_experts_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
-                         out_dtype=None, max_distinct=None):
+                         out_dtype=None, max_distinct=None, b13_pool=None, b2_pool=None,
+                         act: ExpertAct = SILU):
     """GPU branch of one MoE layer: out[T, D] = sum over the K slots of each token.
 
     x[T, D] (bf16 or fp32), slots[T, K] int32 pool slots, weights[T, K] float32,
     w13_pool[N, 2F, D], w2_pool[N, D, F]; [zero_lo, zero_hi) are the zero slots.
+    The experts' activation `act` and optional fp32 biases b13_pool[N, 2F], b2_pool[N, D]
+    (a zero slot's never read: a cold route adds nothing, bias included).
     Output dtype: out's when given, else out_dtype or x's (pass torch.float32 for fp32).
     max_distinct: bound on distinct hot slots in one call (e.g. experts per layer); it
     only sizes prefill's padded buffer, default: all non-zero slots of the pool.
@@ -238,6 +277,7 @@ def slot_experts_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi,
     """
     if x.device.type == "cpu":
         return slot_experts_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
-                                  out_dtype=out_dtype)
+                                  out_dtype=out_dtype, b13_pool=b13_pool, b2_pool=b2_pool, act=act)
     return slot_experts_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
-                               out_dtype=out_dtype, max_distinct=max_distinct)
+                               out_dtype=out_dtype, max_distinct=max_distinct, b13_pool=b13_pool,
+                               b2_pool=b2_pool, act=act)

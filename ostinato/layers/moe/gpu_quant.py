@@ -28,10 +28,10 @@ import functools
 import json
 
 import torch
-import torch.nn.functional as F_
 
 from ostinato.config import ConfigError
 from ostinato.layers.moe import gpu_experts as ge
+from ostinato.layers.moe.types import SILU, ExpertAct
 from ostinato.quant.formats import dequantize, row_bytes
 
 QUANT_QTYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # the block formats the kernels read
@@ -103,11 +103,12 @@ def check_quant_pools(x, w13_pool, w2_pool, qtypes) -> None:
 
 
 def slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
-                             qtypes, out_dtype=None):
+                             qtypes, out_dtype=None, b13_pool=None, b2_pool=None, act: ExpertAct = SILU):
     """Plain PyTorch: loop over the distinct hot slots (host sync), dequantized fp32 weights.
 
-    out[T, D] = sum_k weights[t,k] * w2[s] @ round(silu(w13[s][:F] @ x[t]) * (w13[s][F:] @ x[t]))
-    with w = dequantize(pool[s]) and round() to x's dtype.
+    out[T, D] = sum_k weights[t,k] * (w2[s] @ round(act(w13[s][:F] @ x[t] + b13[s][:F],
+                                                        w13[s][F:] @ x[t] + b13[s][F:])) + b2[s])
+    with w = dequantize(pool[s]), round() to x's dtype, the biases optional.
     """
     T, K = slots.shape
     D = x.shape[1]
@@ -119,9 +120,15 @@ def slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero
     for s in torch.unique(flat[hot]).tolist():
         routes = (flat == s).nonzero().squeeze(1)
         xs = x[routes // K].float()  # [n, D]
-        gate, up = (xs @ dequantize(w13_pool[s], qtypes[0], D).t()).chunk(2, dim=-1)  # [n, F]
-        h = (F_.silu(gate) * up).to(x.dtype).float()
-        partial[routes] = (h @ dequantize(w2_pool[s], qtypes[1], F).t()) * wflat[routes, None]
+        gu = xs @ dequantize(w13_pool[s], qtypes[0], D).t()  # [n, 2F]
+        if b13_pool is not None:
+            gu = gu + b13_pool[s].float()
+        gate, up = gu.chunk(2, dim=-1)  # [n, F]
+        h = act(gate, up).to(x.dtype).float()
+        y = h @ dequantize(w2_pool[s], qtypes[1], F).t()
+        if b2_pool is not None:
+            y = y + b2_pool[s].float()
+        partial[routes] = y * wflat[routes, None]
     result = partial.view(T, K, -1).sum(1)  # fixed order over k
     if out is None:
         return result.to(out_dtype or x.dtype)
@@ -129,24 +136,26 @@ def slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero
 
 
 def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
-                              qtypes, out_dtype=None, max_distinct=None, tuning=None):
+                              qtypes, out_dtype=None, max_distinct=None, tuning=None, b13_pool=None,
+                              b2_pool=None, act: ExpertAct = SILU):
     """The Triton paths on x's device (CUDA, or CPU under TRITON_INTERPRET=1)."""
     T = slots.shape[0]
     x, slots, weights, out = ge.triton_inputs(x, slots, weights, out, out_dtype)
     if T == 0:
         return out
+    epi = ge.Epilogue.of(b13_pool, b2_pool, act)
     tuning = tuning or _quant_tuning_for(x.device.type, x.device.index)
     if T <= tuning["decode_max_tokens"]:
         from ostinato.kernels.triton.moe_quant import decode_forward
 
         return decode_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
-                              tuning["decode_w13"], tuning["decode_w2"])
+                              tuning["decode_w13"], tuning["decode_w2"], epi)
     from ostinato.kernels.triton.moe_quant import prefill_forward
 
     cfg = prefill_config(tuning, T, x.dtype)
     aligned = ge.aligned_routes(slots, zero_lo, zero_hi, w13_pool.shape[0], cfg["BLOCK_M"], tuning, max_distinct)
     return prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
-                           aligned, cfg, tuning["combine"])
+                           aligned, cfg, tuning["combine"], epi)
 
 
 @functools.cache
@@ -155,17 +164,20 @@ def _quant_tuning_for(device_type: str, index: int | None) -> dict:
 
 
 def slot_experts_quant_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None,
-                               *, qtypes, out_dtype=None, max_distinct=None):
+                               *, qtypes, out_dtype=None, max_distinct=None, b13_pool=None, b2_pool=None,
+                               act: ExpertAct = SILU):
     """GPU branch of one MoE layer over quantized pools: out[T, D] = sum over the K slots.
 
     As gpu_experts.slot_experts_forward, with w13_pool uint8 [N, 2F, row_bytes(qt13, D)],
     w2_pool uint8 [N, D, row_bytes(qt2, F)] and qtypes = (qt13, qt2), each in QUANT_QTYPES.
-    x[T, D] bf16 in the engine (fp16, fp32 in tests). CUDA tensors run the Triton kernels
-    (capturable); CPU tensors the torch path.
+    x[T, D] bf16 in the engine (fp16, fp32 in tests); the activation and optional fp32 biases as
+    slot_experts_forward takes them. CUDA tensors run the Triton kernels (capturable); CPU
+    tensors the torch path.
     """
     check_quant_pools(x, w13_pool, w2_pool, qtypes)
+    epi = dict(b13_pool=b13_pool, b2_pool=b2_pool, act=act)
     if x.device.type == "cpu":
         return slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi,
-                                        out, qtypes=qtypes, out_dtype=out_dtype)
+                                        out, qtypes=qtypes, out_dtype=out_dtype, **epi)
     return slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
-                                     qtypes=qtypes, out_dtype=out_dtype, max_distinct=max_distinct)
+                                     qtypes=qtypes, out_dtype=out_dtype, max_distinct=max_distinct, **epi)

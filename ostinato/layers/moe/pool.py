@@ -19,6 +19,11 @@ Q4_K_M file gives some layers Q6_K down projections, so the layers of a GPU are 
 by their format, one pool per group (`ExpertPools`, `of(layer)`); a bf16 model is one
 group. Zero slots are zero bytes: every block format here decodes them to 0.
 
+The experts' activation (types.ExpertAct, e.g. gpt-oss's clamped SwiGLU) is a property of the
+pool and of the host copies, and experts with biases (gpt-oss) keep them beside the weights,
+fp32, slot for slot: b13[N, 2F] and b2[N, D] in a pool, [n, 2F] and [n, D] per layer on the
+host; a zero slot's biases are zeros and never read.
+
 Legend: S hot slots, K top-k, U flexible slots, E experts, F expert FFN, D hidden.
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.gpu_quant import slot_experts_quant_forward
-from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
+from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights
 from ostinato.quant.formats import row_bytes
 
 COLD = -1
@@ -46,22 +51,30 @@ def stored_shapes(shape13, shape2, qtypes: Qtypes):
     return (shape13[0], row_bytes(qtypes[0], shape13[1])), (shape2[0], row_bytes(qtypes[1], shape2[1]))
 
 
-def expert_nbytes(shape13, shape2, qtypes: Qtypes, dtype: torch.dtype) -> int:
-    """Bytes of one expert (gate, up, down) as a pool slot holds it: in dtype, or in its blocks."""
+def expert_nbytes(shape13, shape2, qtypes: Qtypes, dtype: torch.dtype, bias: bool = False) -> int:
+    """Bytes of one expert (gate, up, down, and its fp32 biases if `bias`) as a pool slot holds it:
+    in dtype, or in its blocks."""
     s13, s2 = stored_shapes(shape13, shape2, qtypes)
     elt = 1 if qtypes is not None else torch.empty((), dtype=dtype).element_size()
-    return (s13[0] * s13[1] + s2[0] * s2[1]) * elt
+    return (s13[0] * s13[1] + s2[0] * s2[1]) * elt + (bias_floats(shape13, shape2) * 4 if bias else 0)
+
+
+def bias_floats(shape13, shape2) -> int:
+    """fp32 values of one expert's biases: 2F + D."""
+    return shape13[0] + shape2[0]
 
 
 class ExpertPool:
     def __init__(self, hot: dict[int, list[int]], num_layers: int, num_experts: int, top_k: int,
                  flex_slots: int, shape13: tuple[int, int], shape2: tuple[int, int], device, dtype,
-                 qtypes: Qtypes = None):
+                 qtypes: Qtypes = None, *, act: ExpertAct = SILU, bias: bool = False):
         """hot: the experts resident in this pool per layer it serves (its keys are its layers);
-        dtype: the activations' dtype, and the weights' unless qtypes gives their block formats."""
+        dtype: the activations' dtype, and the weights' unless qtypes gives their block formats;
+        act: the experts' activation; bias: the experts have biases (slots for them beside)."""
         self.layers = sorted(hot)
         self.qtypes = tuple(qtypes) if qtypes is not None else None
         self.dtype = dtype
+        self.act = act
         self.top_k, self.hidden = top_k, shape2[0]
         self.num_hot = sum(len(v) for v in hot.values())
         self.zero_lo, self.zero_hi = self.num_hot, self.num_hot + top_k
@@ -73,6 +86,8 @@ class ExpertPool:
         self.w2 = torch.empty((self.num_slots, *s2), device=device, dtype=wdtype)  # [N, D, F] (or bytes)
         self.w13[self.zero_lo:self.zero_hi].zero_()
         self.w2[self.zero_lo:self.zero_hi].zero_()
+        self.b13 = torch.zeros((self.num_slots, shape13[0]), device=device) if bias else None  # [N, 2F] fp32
+        self.b2 = torch.zeros((self.num_slots, shape2[0]), device=device) if bias else None  # [N, D] fp32
         table = torch.full((num_layers, num_experts), COLD, dtype=torch.int32)
         slot = 0
         for layer in sorted(hot):
@@ -85,12 +100,13 @@ class ExpertPool:
 
     @property
     def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        return self.w13.nbytes + self.w2.nbytes + (self.b13.nbytes + self.b2.nbytes if self.b13 is not None else 0)
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one slot (one expert in this pool's format)."""
-        return self.w13[0].nbytes + self.w2[0].nbytes
+        """Bytes of one slot (one expert in this pool's format, its biases included)."""
+        biases = self.b13[0].nbytes + self.b2[0].nbytes if self.b13 is not None else 0
+        return self.w13[0].nbytes + self.w2[0].nbytes + biases
 
     @property
     def format(self) -> str:
@@ -106,11 +122,12 @@ class ExpertPool:
         """The GPU branch over this pool's slots: out[T, D] = sum over the K slots of each token
         (x[T, D], slots[T, K] from slots_for, weights[T, K] fp32), in the pool's format's kernels
         (Triton on CUDA, capturable; plain torch on the CPU)."""
+        epi = dict(b13_pool=self.b13, b2_pool=self.b2, act=self.act)
         if self.qtypes is None:
             return slot_experts_forward(x, slots, weights, self.w13, self.w2, self.zero_lo, self.zero_hi, out,
-                                        out_dtype=out_dtype, max_distinct=max_distinct)
+                                        out_dtype=out_dtype, max_distinct=max_distinct, **epi)
         return slot_experts_quant_forward(x, slots, weights, self.w13, self.w2, self.zero_lo, self.zero_hi, out,
-                                          qtypes=self.qtypes, out_dtype=out_dtype, max_distinct=max_distinct)
+                                          qtypes=self.qtypes, out_dtype=out_dtype, max_distinct=max_distinct, **epi)
 
     def fill_layer(self, layer: int, experts: ExpertWeights | QuantExpertWeights) -> None:
         """Copy the hot experts of one layer (from any device, in this pool's format) into their slots."""
@@ -122,12 +139,16 @@ class ExpertPool:
             src = ids.to(experts.w13.device)
             self.w13[slots] = experts.w13[src].to(self.device, non_blocking=True)
             self.w2[slots] = experts.w2[src].to(self.device, non_blocking=True)
+            if self.b13 is not None:
+                self.b13[slots] = experts.b13[src].to(self.device, torch.float32)
+                self.b2[slots] = experts.b2[src].to(self.device, torch.float32)
 
     def _check_format(self, layer: int, experts) -> None:
         qtypes = (experts.qt13, experts.qt2) if isinstance(experts, QuantExpertWeights) else None
         if qtypes != self.qtypes:
             got = "/".join(qtypes) if qtypes else "float"
             raise ConfigError(f"layer {layer}: experts in {got} cannot fill a pool of {self.format} slots")
+        check_same_math(layer, experts, self.act, self.b13 is not None, "pool")
 
     def upload(self, slot: int, host: "HostExperts", layer: int, expert: int) -> int:
         """Copy one cold expert from page-locked host memory into `slot`, asynchronously on the
@@ -136,7 +157,11 @@ class ExpertPool:
         nb = self.device.type == "cuda"
         self.w13[slot].copy_(hw.w13[i], non_blocking=nb)
         self.w2[slot].copy_(hw.w2[i], non_blocking=nb)
-        return hw.w13[i].nbytes + hw.w2[i].nbytes
+        if self.b13 is None:
+            return hw.w13[i].nbytes + hw.w2[i].nbytes
+        self.b13[slot].copy_(hw.b13[i], non_blocking=nb)
+        self.b2[slot].copy_(hw.b2[i], non_blocking=nb)
+        return hw.w13[i].nbytes + hw.w2[i].nbytes + hw.b13[i].nbytes + hw.b2[i].nbytes
 
     def slots_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] -> slots [T, K] int32: hot experts' slots, cold ones the zero slot of
@@ -159,9 +184,11 @@ class ExpertPools:
 
     @classmethod
     def build(cls, hot: dict[int, list[int]], num_layers: int, num_experts: int, top_k: int, flex: int | None,
-              shape13, shape2, device, dtype, qtypes: dict[int, Qtypes] | None = None) -> "ExpertPools":
+              shape13, shape2, device, dtype, qtypes: dict[int, Qtypes] | None = None, *,
+              act: ExpertAct = SILU, bias: bool = False) -> "ExpertPools":
         """A pool per format of the layers in `hot` (qtypes: each layer's (qt13, qt2) or None; default:
-        all float); flex: flex slots of every pool, or None for each pool's most cold experts of a layer."""
+        all float); flex: flex slots of every pool, or None for each pool's most cold experts of a layer;
+        act, bias: the experts' activation and whether they have biases (every pool alike)."""
         qtypes = qtypes or {}
         groups: dict[Qtypes, list[int]] = {}
         for layer in sorted(hot):
@@ -170,7 +197,7 @@ class ExpertPools:
         for qt, layers in groups.items():
             n = flex if flex is not None else max(num_experts - len(hot[l]) for l in layers)
             pools.append(ExpertPool({l: hot[l] for l in layers}, num_layers, num_experts, top_k, n, shape13, shape2,
-                                    device, dtype, qt))
+                                    device, dtype, qt, act=act, bias=bias))
         return cls(pools)
 
     def of(self, layer: int) -> ExpertPool:
@@ -224,13 +251,16 @@ def pin_in_place(t: torch.Tensor) -> weakref.finalize | None:
 
 class HostExperts:
     """The cold experts of every layer, compacted, each layer in its format (float, or GGUF blocks
-    as QuantExpertWeights), in one page-locked host buffer per format for w13 and one for w2;
-    compact[layer][e] is the expert's index in its layer's stack, or -1."""
+    as QuantExpertWeights), in one page-locked host buffer per format for w13 and one for w2
+    (and fp32 ones for the biases of experts that have them); compact[layer][e] is the expert's
+    index in its layer's stack, or -1."""
 
     def __init__(self, cold: dict[int, list[int]], num_experts: int, shape13, shape2, dtype,
-                 qtypes: dict[int, Qtypes] | None = None):
-        """qtypes: each layer's (qt13, qt2) of GGUF blocks, or None (default for all): dtype weights."""
+                 qtypes: dict[int, Qtypes] | None = None, *, act: ExpertAct = SILU, bias: bool = False):
+        """qtypes: each layer's (qt13, qt2) of GGUF blocks, or None (default for all): dtype weights;
+        act, bias: the experts' activation and whether they have biases."""
         qtypes = qtypes or {}
+        self.act, self.bias = act, bias
         groups: dict[Qtypes, list[int]] = {}
         for layer in sorted(cold):
             groups.setdefault(qtypes.get(layer), []).append(layer)
@@ -244,15 +274,21 @@ class HostExperts:
             total = sum(len(cold[l]) for l in layers)
             w13_all = torch.empty((total, *s13), dtype=wdtype)
             w2_all = torch.empty((total, *s2), dtype=wdtype)
-            pins = [p for p in (pin_in_place(w13_all), pin_in_place(w2_all)) if p is not None]
+            buffers = [w13_all, w2_all]
+            if bias:
+                b13_all, b2_all = torch.zeros((total, shape13[0])), torch.zeros((total, shape2[0]))  # fp32
+                buffers += [b13_all, b2_all]
+            pins = [p for p in map(pin_in_place, buffers) if p is not None]
             self._pins += pins
-            self.pinned = self.pinned and len(pins) == 2
+            self.pinned = self.pinned and len(pins) == len(buffers)
             start = 0
             for layer in layers:
                 ids = sorted(cold[layer])
                 n = len(ids)
                 w13, w2 = w13_all[start:start + n], w2_all[start:start + n]
-                self.layers[layer] = ExpertWeights(w13, w2) if qt is None else QuantExpertWeights(qt[0], w13, qt[1], w2)
+                b13, b2 = (b13_all[start:start + n], b2_all[start:start + n]) if bias else (None, None)
+                self.layers[layer] = (ExpertWeights(w13, w2, b13, b2, act) if qt is None
+                                      else QuantExpertWeights(qt[0], w13, qt[1], w2, b13, b2, act))
                 c = torch.full((num_experts,), COLD, dtype=torch.int32)
                 c[ids] = torch.arange(n, dtype=torch.int32)
                 self.compact[layer] = c
@@ -273,6 +309,18 @@ class HostExperts:
             dst = self.layers[layer]
             if isinstance(dst, QuantExpertWeights) != isinstance(experts, QuantExpertWeights):
                 raise ConfigError(f"layer {layer}: host experts and the loaded experts differ in format")
+            check_same_math(layer, experts, self.act, self.bias, "host copy")
             src = ids.to(experts.w13.device)
             dst.w13.copy_(experts.w13[src])  # straight into page-locked memory, from any device
             dst.w2.copy_(experts.w2[src])
+            if self.bias:
+                dst.b13.copy_(experts.b13[src])
+                dst.b2.copy_(experts.b2[src])
+
+
+def check_same_math(layer: int, experts, act: ExpertAct, bias: bool, where: str) -> None:
+    """ConfigError unless the loaded experts compute what the pool or host copy was built for."""
+    if experts.act != act or (experts.b13 is not None) != bias:
+        got = f"{experts.act.kind}{' with biases' if experts.b13 is not None else ''}"
+        want = f"{act.kind}{' with biases' if bias else ''}"
+        raise ConfigError(f"layer {layer}: experts computing {got} cannot fill a {where} built for {want}")

@@ -2,7 +2,8 @@
 
 This is the oracle every faster path is tested against, and the backend of
 `ostinato generate` without a residency. It computes in the weights' dtype the way the
-Hugging Face implementation does, so whole-model logits match `transformers`.
+Hugging Face implementation does (biases and activation as the experts carry them), so
+whole-model logits match `transformers`.
 
 Legend: T tokens, K experts per token, D hidden, F expert FFN size.
 """
@@ -12,13 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from ostinato.layers.moe.backend import MoEBackend
-from ostinato.layers.moe.types import ExpertWeights, TopKOutput
+from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, TopKOutput
 
 
-def expert_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert: x [n, D], w13 [2F, D], w2 [D, F] -> [n, D]."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+def expert_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None, act: ExpertAct = SILU) -> torch.Tensor:
+    """One expert: x [n, D], w13 [2F, D], w2 [D, F], optional b13 [2F], b2 [D] -> [n, D]."""
+    b13 = None if b13 is None else b13.to(x.dtype)
+    b2 = None if b2 is None else b2.to(x.dtype)
+    gate, up = F.linear(x, w13, b13).chunk(2, dim=-1)
+    return F.linear(act(gate, up), w2, b2)
 
 
 def moe_forward(x: torch.Tensor, topk: TopKOutput, experts: ExpertWeights) -> torch.Tensor:
@@ -35,7 +39,8 @@ def moe_forward(x: torch.Tensor, topk: TopKOutput, experts: ExpertWeights) -> to
         sel = order[begin:begin + n]
         begin += n
         tok = sel // K
-        y = expert_forward(x[tok], experts.w13[e], experts.w2[e])
+        b13, b2 = (None, None) if experts.b13 is None else (experts.b13[e], experts.b2[e])
+        y = expert_forward(x[tok], experts.w13[e], experts.w2[e], b13, b2, experts.act)
         w = topk.weights.reshape(-1)[sel].to(x.dtype)
         out.index_add_(0, tok, y * w[:, None])
     return out

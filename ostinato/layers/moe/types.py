@@ -6,7 +6,11 @@ F expert FFN size (moe_intermediate_size), S hot slots in a pool.
 Expert weights of one layer are stacked, in the checkpoint's own row-major layout:
   w13[E, 2F, D]  gate_proj rows [0, F) then up_proj rows [F, 2F)
   w2 [E, D, F]   down_proj
-One expert computes  y = w2 @ (silu(w13[:F] @ x) * (w13[F:] @ x)).
+  b13[E, 2F], b2[E, D]  optional biases (gpt-oss), fp32 in the pools and host copies
+One expert computes  y = w2 @ act(w13[:F] @ x + b13[:F], w13[F:] @ x + b13[F:]) + b2,
+act the model's (ExpertAct): silu(g) * u by default; without biases the b terms are absent.
+A checkpoint that interleaves gate and up (gpt-oss: even columns gate, odd up) is
+de-interleaved at load, so every kernel keeps the [gate; up] layout.
 
 Quantized experts (QuantExpertWeights) keep the same rows in GGUF block formats
 (ostinato/quant/formats.py), blocks along the input dimension:
@@ -16,9 +20,47 @@ layers Q6_K down projections).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+ACT_KINDS = ("silu", "clamped_swiglu")
+
+
+@dataclass(frozen=True)
+class ExpertAct:
+    """The activation between an expert's two projections, a property of the model family:
+      silu            h = silu(g) * u                                      (Qwen3-MoE, DeepSeek)
+      clamped_swiglu  g' = min(g, limit), u' = clamp(u, -limit, limit),
+                      h = (u' + 1) * g' * sigmoid(alpha * g')              (gpt-oss: 1.702, 7.0)
+    g and u include their biases when the experts have them."""
+
+    kind: str = "silu"
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ACT_KINDS:
+            raise ValueError(f"unknown expert activation {self.kind!r} (known: {', '.join(ACT_KINDS)})")
+        if self.kind == "clamped_swiglu" and not self.limit > 0:
+            raise ValueError(f"clamped_swiglu needs a positive limit, got {self.limit}")
+
+    @property
+    def code(self) -> int:
+        """The kernels' number for the kind (kernels/cpu/experts.h Act, the Triton ACT constexpr)."""
+        return ACT_KINDS.index(self.kind)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """h from gate and up (same shapes, any float dtype; computed in that dtype)."""
+        if self.kind == "silu":
+            return torch.nn.functional.silu(gate) * up
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+SILU = ExpertAct()
 
 
 class TopKOutput(NamedTuple):
@@ -33,6 +75,9 @@ class ExpertWeights(NamedTuple):
 
     w13: torch.Tensor  # [E, 2F, D]
     w2: torch.Tensor  # [E, D, F]
+    b13: torch.Tensor | None = None  # [E, 2F] gate then up biases, or None
+    b2: torch.Tensor | None = None  # [E, D] down bias, or None
+    act: ExpertAct = SILU
 
     @property
     def num_experts(self) -> int:
@@ -40,7 +85,7 @@ class ExpertWeights(NamedTuple):
 
     @property
     def expert_bytes(self) -> int:
-        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size() + bias_bytes(self)
 
 
 class QuantExpertWeights(NamedTuple):
@@ -50,6 +95,9 @@ class QuantExpertWeights(NamedTuple):
     w13: torch.Tensor  # uint8 [E, 2F, row_bytes(qt13, D)]
     qt2: str  # e.g. "Q6_K"
     w2: torch.Tensor  # uint8 [E, D, row_bytes(qt2, F)]
+    b13: torch.Tensor | None = None  # [E, 2F] float biases, or None
+    b2: torch.Tensor | None = None  # [E, D]
+    act: ExpertAct = SILU
 
     @property
     def num_experts(self) -> int:
@@ -65,7 +113,24 @@ class QuantExpertWeights(NamedTuple):
 
     @property
     def expert_bytes(self) -> int:
-        return self.w13[0].numel() + self.w2[0].numel()
+        return self.w13[0].numel() + self.w2[0].numel() + bias_bytes(self)
+
+
+def bias_bytes(w: ExpertWeights | QuantExpertWeights) -> int:
+    """Bytes of one expert's biases (0 without)."""
+    return sum(b[0].numel() * b.element_size() for b in (w.b13, w.b2) if b is not None)
+
+
+def check_biases(w: ExpertWeights | QuantExpertWeights, E: int, F: int, D: int, what: str = "experts") -> None:
+    """ValueError unless b13 and b2 are both None or [E, 2F] and [E, D] float tensors beside the weights."""
+    if (w.b13 is None) != (w.b2 is None):
+        raise ValueError(f"{what}: b13 and b2 go together (got only one)")
+    if w.b13 is None:
+        return
+    for name, b, want in (("b13", w.b13, (E, 2 * F)), ("b2", w.b2, (E, D))):
+        if tuple(b.shape) != want or not b.is_floating_point() or b.device != w.w13.device:
+            raise ValueError(f"{what}: {name} must be a float tensor {list(want)} on {w.w13.device}, "
+                             f"got {b.dtype} {list(b.shape)} on {b.device}")
 
 
 def expert_views(layer: int, w13: torch.Tensor, w2: torch.Tensor, first: int = 0):

@@ -1,0 +1,188 @@
+"""What every model family shares: the pass the runner drives, and the pieces of a decoder.
+
+A family's model (models/qwen3_moe.py, models/deepseek_v3.py) is a `MoECausalLM`: the
+runner embeds, runs decoder layers in ranges (one per device) and takes the logits, the
+same way for every family; the routed experts are a backend plugged into each MoE block
+(`set_experts`). A family declares what the engine allocates around it: its KV cache per
+token and layer (`kv_shapes`: the cache stores whatever the attention needs, per-head K/V
+or a compressed latent), the attention buffers a prefill holds (`attention_shape`, for the
+planner's capacity test) and the parameters that stay fp32 in a bf16 model (`fp32_params`).
+
+Legend: T new tokens, D hidden, Hd rotary dim, V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ostinato.config import ModelConfig
+from ostinato.layers.moe.types import TopKOutput
+
+KVShapes = dict[str, tuple[int, ...]]  # one layer's cache tensors: name -> per-token shape
+
+
+class AttentionShape(NamedTuple):
+    """The attention of one layer as a prefill computes it (planner/capacity.py bounds its
+    buffers with this): heads of queries and of keys/values as the kernel reads them, their
+    head dims, the rotary dims, and the elements per cached token that a prefill builds from
+    the cache before attending (MLA: the up-projected keys and values and the assembled keys;
+    0 where the cache holds K/V themselves)."""
+
+    heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    rope_dim: int
+    expanded_per_token: int = 0
+
+
+class ExpertsBackend(Protocol):
+    def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        """x [T, D], topk ids/weights [T, K] -> routing-weighted sum of experts [T, D]."""
+
+
+class RMSNorm(nn.Module):
+    """fp32 statistics; the result cast back before the weight multiplies it (Qwen3, DeepSeek), or with
+    `fp32_weight` the weight applied in fp32 and the product cast back (gpt-oss): as each reference does."""
+
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.fp32_weight = eps, fp32_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (self.weight.float() * xf).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, dim: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter, bias=False)
+        self.up_proj = nn.Linear(dim, inter, bias=False)
+        self.down_proj = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RoutedBlock(nn.Module):
+    """An MoE block: its router is a parameter of the model, its routed experts the backend
+    the runner plugs in (`experts`)."""
+
+    experts: ExpertsBackend | None = None
+
+
+class DecodeWindow:
+    """A decode step's position as a device tensor and the cache window it attends over."""
+
+    def __init__(self, position: torch.Tensor, size: int):
+        self.position = position  # [1] int64, on the model's device
+        self.size = size
+        self._cols = torch.arange(size, device=position.device)[None, :]
+        self.mask = None
+
+    def refresh(self) -> None:
+        """Recompute the mask from the device position: once per pass, inside any capture."""
+        self.mask = self._cols <= self.position  # [1, W] bool
+
+
+class DecoderLayer(nn.Module):
+    """Every family's layer: attention and MLP, each after its norm and added to the residual."""
+
+    def __init__(self, attention: nn.Module, mlp: nn.Module, norm: Callable[[], nn.Module]):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+
+    def forward(self, x, cos, sin, kv, start: int, window=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, window)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """The checkpoint's `model.`: embed_tokens, the decoder layers, the final norm."""
+
+    def __init__(self, cfg: ModelConfig, layer: Callable[[int], nn.Module], norm: Callable[[], nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer(i) for i in range(cfg.num_hidden_layers))
+        self.norm = norm()
+
+
+class MoECausalLM(nn.Module):
+    """The pass every family's model runs. A subclass builds `self.model` (embed_tokens,
+    layers, norm), `self.lm_head` and `self.rotary`, and says what the engine allocates for it."""
+
+    fp32_params: tuple[str, ...] = ()  # parameter name endings kept in fp32 whatever the compute dtype
+
+    config: ModelConfig
+
+    @staticmethod
+    def kv_shapes(cfg: ModelConfig) -> KVShapes:
+        """The cache tensors of one decoder layer (every layer has the same) and their shape per token."""
+        raise NotImplementedError
+
+    @staticmethod
+    def attention_shape(cfg: ModelConfig) -> AttentionShape:
+        raise NotImplementedError
+
+    def build(self, cfg: ModelConfig, layer: Callable[[int], nn.Module], norm: Callable[[], nn.Module],
+              rope_dim: int) -> None:
+        """The parts every family has: `model` (DecoderStack of layer(i)), lm_head (tied to the
+        embedding if the config says so) and the rotary table of `rope_dim` dims."""
+        from ostinato.models.rope import RotaryEmbedding
+
+        self.config = cfg
+        self.model = DecoderStack(cfg, layer, norm)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg, rope_dim)
+
+    def set_experts(self, backend: ExpertsBackend) -> None:
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, RoutedBlock):
+                layer.mlp.experts = backend
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list, start: int,
+                window: DecodeWindow | None = None):
+        """input_ids, positions [T] -> final hidden states [T, D] (after the last norm).
+
+        With a DecodeWindow (one token), the position is read from the device only, so the
+        pass can be captured once and replayed (see engine/graph.py). The pass is embed, then
+        run_layers over every layer, then the norm: the runner may run the layers in ranges
+        (one per device, engine/devices.py)."""
+        x, cos, sin = self.embed(input_ids, positions, start, window)
+        x = self.run_layers(range(len(self.model.layers)), x, cos, sin, kv, start, window)
+        return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int,
+              window: DecodeWindow | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The start of a pass: x [T, D] and the rotary cos, sin [T, Hd] (the window's mask
+        is refreshed here)."""
+        x = self.model.embed_tokens(input_ids)
+        if window is not None:
+            window.refresh()
+        seq_len = window.size if window is not None else start + input_ids.shape[0]
+        cos, sin = self.rotary(positions, seq_len, x.dtype)
+        return x, cos, sin
+
+    def run_layers(self, layers: range, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: list,
+                   start: int, window: DecodeWindow | None = None) -> torch.Tensor:
+        """Decoder layers `layers` (a range, in order) on x [T, D]."""
+        for i in layers:
+            x = self.model.layers[i](x, cos, sin, kv[i], start, window)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V] in fp32."""
+        return self.lm_head(hidden).float()

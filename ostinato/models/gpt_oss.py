@@ -1,0 +1,146 @@
+"""gpt-oss (`GptOssForCausalLM`) as a pure nn.Module, as transformers computes it.
+
+Same seams as Qwen3-MoE (models/common.py): one session, no batch dimension, the routed
+experts a backend the runner plugs in. What differs:
+
+* attention with biases on q/k/v/o, no q/k norms, and a learned logit per head, the sink,
+  that joins every softmax's denominator (a key no value comes with):
+      p_j = exp(s_j) / (exp(sink_h) + sum_j' exp(s_j'))
+  so a head may attend to nothing. Sliding-window layers (`layer_types`) let a query see
+  the `sliding_window` most recent keys, itself included; the others attend to all.
+  Attention here is plain torch (scores in fp32, queries in chunks that bound the score
+  tensor); a decode step whose position lives on the device (DecodeWindow) attends to the
+  window's cache rows, or, on a sliding layer, gathers its `sliding_window` rows by an index
+  computed on the device: capturable, and independent of the window's size;
+* the router is a linear with a bias; top-k on its logits, softmax over the k chosen
+  (layers/moe/router.py `route_topk_softmax`);
+* the experts have biases and the clamped SwiGLU (ModelConfig.expert_act); the checkpoint
+  interleaves gate and up, the loader de-interleaves them (loader/gpt_oss.py), so every
+  expert backend sees the project's [gate; up] layout;
+* RMSNorm multiplies by its weight in fp32, then rounds (transformers keeps the norms fp32).
+
+Legend: T new tokens, L cached + new tokens, W keys a query sees, D hidden, H query heads,
+Hkv KV heads, G = H / Hkv, Hd head dim, E experts, K experts per token.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ostinato.config import ModelConfig
+from ostinato.layers.moe.router import route_topk_softmax
+from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, KVShapes, MoECausalLM, RMSNorm,
+                                    RoutedBlock)
+from ostinato.models.rope import apply_rotary
+
+SCORE_BUDGET = 1 << 27  # bytes of fp32 scores one chunk of queries may hold (prefill)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """q [H, T, Hd], k and v [Hkv, W, Hd], sinks [H], mask [T, W] or [1, W] bool (True: attend)
+    -> [H, T, Hd] in q's dtype. Scores and softmax in fp32; every query head of a KV head reads
+    that head's keys once (no repeat)."""
+    H, T, Hd = q.shape
+    Hkv = k.shape[0]
+    G = H // Hkv
+    s = torch.matmul(q.reshape(Hkv, G * T, Hd), k.transpose(1, 2)).float().mul_(scale)  # [Hkv, G*T, W]
+    s = s.view(Hkv, G, T, -1).masked_fill_(~mask, float("-inf"))
+    sink = sinks.float().view(Hkv, G, 1, 1)
+    m = torch.maximum(s.amax(-1, keepdim=True), sink)  # finite: the sink is
+    p = s.sub_(m).exp_()  # in place: one fp32 score tensor at a time
+    p = p.div_(p.sum(-1, keepdim=True) + torch.exp(sink - m))
+    o = torch.matmul(p.to(v.dtype).view(Hkv, G * T, -1), v)  # [Hkv, G*T, Hd]
+    return o.view(H, T, Hd)
+
+
+class SinkAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.h, self.hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D, b = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(D, self.h * self.hd, bias=b)
+        self.k_proj = nn.Linear(D, self.hkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(D, self.hkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.h * self.hd, D, bias=b)
+        self.sinks = nn.Parameter(torch.zeros(self.h))
+        self.window = cfg.window_of(layer)  # None: full attention
+        self.scale = self.hd ** -0.5
+
+    def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
+        T = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(T, self.h, self.hd), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(T, self.hkv, self.hd), cos, sin)
+        v = self.v_proj(x).view(T, self.hkv, self.hd)
+        if window is not None:
+            o = self._decode(q, k, v, kv, window)
+        else:
+            kv.k[start:start + T] = k
+            kv.v[start:start + T] = v
+            o = self._prefill(q.transpose(0, 1), kv, start, T)
+        return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.hd))
+
+    def _prefill(self, q: torch.Tensor, kv, start: int, T: int) -> torch.Tensor:
+        """q [H, T, Hd] of positions [start, start + T), the cache holding them -> [H, T, Hd]."""
+        end = start + T
+        span = min(end, self.window + T) if self.window else end  # keys one chunk reads, at most
+        step = max(1, SCORE_BUDGET // (4 * self.h * span))
+        out = []
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            lo = max(0, start + t0 - self.window + 1) if self.window else 0  # first key of the chunk
+            i = torch.arange(start + t0, start + t1, device=q.device)[:, None]  # query positions
+            j = torch.arange(lo, start + t1, device=q.device)[None, :]  # key positions
+            mask = j <= i
+            if self.window:
+                mask &= j > i - self.window
+            k_ = kv.k[lo:start + t1].transpose(0, 1)  # [Hkv, W, Hd]
+            v_ = kv.v[lo:start + t1].transpose(0, 1)
+            out.append(sink_attention(q[:, t0:t1], k_, v_, self.sinks, self.scale, mask))
+        return torch.cat(out, dim=1)
+
+    def _decode(self, q, k, v, kv, window: DecodeWindow) -> torch.Tensor:
+        """One token whose position lives on the device: its KV written there, attention over
+        the window's rows (full layers) or the `sliding_window` rows that end at the position
+        (sliding layers, gathered by a device-side index). -> [H, 1, Hd]."""
+        kv.k.index_copy_(0, window.position, k)
+        kv.v.index_copy_(0, window.position, v)
+        if self.window is None:
+            k_, v_, mask = kv.k[:window.size], kv.v[:window.size], window.mask  # mask [1, W]
+        else:
+            rows = window.position - (self.window - 1) + torch.arange(self.window, device=q.device)  # [W]
+            mask = (rows >= 0)[None, :]
+            rows = rows.clamp(min=0)
+            k_, v_ = kv.k.index_select(0, rows), kv.v.index_select(0, rows)
+        return sink_attention(q.transpose(0, 1), k_.transpose(0, 1), v_.transpose(0, 1), self.sinks, self.scale,
+                              mask)
+
+
+class GptOssMoE(RoutedBlock):
+    """The router (a linear with bias) here; the routed experts come from the backend."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.top_k = layer, cfg.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(self.layer, x, route_topk_softmax(self.router(x), self.top_k, x.dtype))
+
+
+class GptOssForCausalLM(MoECausalLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=True)  # noqa: E731
+        self.build(cfg, lambda i: DecoderLayer(SinkAttention(cfg, i), GptOssMoE(cfg, i), norm), norm, cfg.head_dim)
+
+    @staticmethod
+    def kv_shapes(cfg: ModelConfig) -> KVShapes:
+        """Per-head keys (after rotary) and values, every layer the whole context (a sliding
+        layer reads only its window of them)."""
+        return {"k": (cfg.num_key_value_heads, cfg.head_dim), "v": (cfg.num_key_value_heads, cfg.head_dim)}
+
+    @staticmethod
+    def attention_shape(cfg: ModelConfig) -> AttentionShape:
+        hd = cfg.head_dim
+        return AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, hd, hd, hd)
