@@ -1,13 +1,15 @@
 """The Anthropic Messages API, reasoning split, chat template kwargs, tokenize, model names.
 
 The server runs the tiny synthetic checkpoint with a chat template that opens `<think>`
-in the prompt when `enable_thinking` is set (as thinking models' templates do). The
+in the prompt when `enable_thinking` is set (as thinking models' templates do), and writes
+a `reasoning_effort` it is given (as gpt-oss's does). The
 model's own text is random, so every test that needs a given output forces it: the
 wanted text goes through /tokenize, its ids come back as `ostinato_forced_ids`, and
 the engine emits exactly those tokens through the whole serving path.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 
@@ -18,15 +20,18 @@ import pytest
 
 from ostinato.engine.runner import RunnerSettings
 from ostinato.server.app import build_app
+from ostinato.server.steering import Asked
 from ostinato.synth.chat_template import CHAT_TEMPLATE
-from tests.test_server import CTX, KEY, LiveServer
+from tests.test_server import CTX, KEY, LiveServer, check_parameter_table
 
 NAME, ALIAS = "tiny-think", "tiny-alias"
 TOOLS = [{"name": "get_weather", "description": "Current weather of a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 GENERATION_PROMPT = "{{- '<|im_start|>assistant\\n' -}}\n{%- endif -%}"
-THINKING_PROMPT = ("{{- '<|im_start|>assistant\\n' -}}\n{%- if enable_thinking is defined and enable_thinking -%}\n"
+THINKING_PROMPT = ("{{- '<|im_start|>assistant\\n' -}}\n{%- if reasoning_effort is defined -%}\n"
+                   "{{- 'Effort: ' + reasoning_effort + '\\n' -}}\n{%- endif -%}\n"
+                   "{%- if enable_thinking is defined and enable_thinking -%}\n"
                    "{{- '<think>\\n' -}}\n{%- endif -%}\n{%- endif -%}")
 CALL_TEXT = ('<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n'
              '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')
@@ -236,6 +241,120 @@ def test_bad_messages_get_anthropic_errors(http, body, status, words):
     error = r.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert words in error["error"]["message"], error
+
+
+# Every parameter of a messages body (the anthropic client's and ours), as on the OpenAI route
+# (test_server.CHAT_PARAMS): honoured, with a check of the Job or the answer; inert; or refused.
+MESSAGES_PARAMS = {
+    "model": ("honoured", {}, "test_tokenize_detokenize_and_names"),
+    "messages": ("honoured", {}, "test_same_prompt_as_the_openai_route"),
+    "max_tokens": ("honoured", {"max_tokens": 3}, lambda j, r: j.params.max_tokens == 3),
+    "system": ("honoured", {"system": "Be brief."}, lambda j, r: "Be brief." in r.app_prompt),
+    "stop_sequences": ("honoured", {"stop_sequences": ["a b"]}, lambda j, r: j.stop == ["a b"]),
+    "stream": ("honoured", {"stream": True}, lambda j, r: "event: message_stop" in r.text),
+    "temperature": ("honoured", {"temperature": 0.5}, lambda j, r: j.params.temperature == 0.5),
+    "top_p": ("honoured", {"top_p": 0.9}, lambda j, r: j.params.top_p == 0.9),
+    "top_k": ("honoured", {"top_k": 4}, lambda j, r: j.params.top_k == 4),
+    "seed": ("honoured", {"seed": 3}, lambda j, r: j.params.seed == 3),
+    "ignore_eos": ("honoured", {"ignore_eos": True}, lambda j, r: j.params.ignore_eos),
+    "ostinato_forced_ids": ("honoured", {"ostinato_forced_ids": [5]}, lambda j, r: j.forced == [5]),
+    "tools": ("honoured", {"tools": TOOLS}, lambda j, r: "get_weather" in r.app_prompt),
+    "tool_choice": ("honoured", {"tools": TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}},
+                    lambda j, r: j.steering.asked == Asked(call=True, name="get_weather", single=True)),
+    "thinking": ("honoured", {"max_tokens": 9, "thinking": {"type": "enabled", "budget_tokens": 4}},
+                 lambda j, r: r.app_prompt.endswith("<think>\n") and j.steering.asked.budget == 4),
+    "output_config": ("honoured", {"output_config": {"effort": "high"}}, lambda j, r: "Effort: high" in r.app_prompt),
+    "metadata": ("inert", {"metadata": {"user_id": "u-1"}}, "an identifier for abuse detection"),
+    "cache_control": ("inert", {"cache_control": {"type": "ephemeral"}}, "the KV cache is reused on any shared prefix"),
+    "service_tier": ("inert", {"service_tier": "standard_only"}, "one queue serves every request"),
+    "speed": ("inert", {"speed": "fast"}, "the same"),
+    "inference_geo": ("inert", {"inference_geo": "eu"}, "it runs where this server runs"),
+    "user_profile_id": ("inert", {"user_profile_id": "p"}, "attribution"),
+    "workspace_id": ("inert", {"workspace_id": "w"}, "attribution"),
+    "container": ("refused", {"container": "c-1"}, "container"),
+    "diagnostics": ("refused", {"diagnostics": {"previous_message_id": "msg_1"}}, "diagnostics"),
+    "mcp_servers": ("refused", {"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "MCP"),
+    "context_management": ("refused", {"context_management": {"edits": []}}, "context_management"),
+}
+MORE_MESSAGES_REFUSED = [
+    ({"tools": [{**TOOLS[0], "strict": True}]}, "strict"),
+    ({"tools": [{**TOOLS[0], "input_examples": [{"city": "Oslo"}]}]}, "into the description"),
+    ({"tools": [{**TOOLS[0], "defer_loading": True}]}, "tool search"),
+    ({"tools": [{**TOOLS[0], "allowed_callers": ["code_execution_20250825"]}]}, "allowed_callers"),
+    ({"messages": USER + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather",
+                                                            "input": {}}]}], "tools": TOOLS}, "tool_result"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}}, "thinking.display"),
+    ({"thinking": {"type": "between_tools"}}, "thinking.type"),
+    ({"thinking": {"type": "disabled", "budget_tokens": 1024}}, "budget_tokens goes with"),
+    ({"tools": TOOLS, "tool_choice": {"type": "auto", "name": "get_weather"}}, "a name goes with type 'tool'"),
+]
+
+
+@pytest.fixture
+def jobs(live, monkeypatch):
+    """The jobs the server hands the engine, as they are submitted."""
+    seen = []
+    submit = live.app.state.worker.submit
+    monkeypatch.setattr(live.app.state.worker, "submit", lambda job: (seen.append(job), submit(job)))
+    return seen
+
+
+def test_every_messages_parameter_is_honoured_or_refused(live, http, monkeypatch):
+    from anthropic.resources.messages import Messages
+
+    from ostinato.server.messages_protocol import MessagesRequest
+
+    transport = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
+    sdk = set(inspect.signature(Messages.create).parameters) - transport
+    assert sdk - set(MESSAGES_PARAMS) == set() and set(MessagesRequest.model_fields) <= set(MESSAGES_PARAMS)
+
+    post = check_parameter_table(live, http, monkeypatch, "/v1/messages",
+                                 {"model": NAME, "messages": USER, "max_tokens": 1}, MESSAGES_PARAMS, __name__)
+    for body, words in MORE_MESSAGES_REFUSED:
+        r, _ = post(body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+
+
+def test_a_final_assistant_message_is_continued(live, claude, jobs):
+    prefill = [*USER, {"role": "assistant", "content": "The best answer is ("}]
+    out = claude.messages.create(model=NAME, max_tokens=3, messages=prefill, extra_body={"temperature": 0})
+    prompt = live.app.state.worker.loaded.tokenizer.decode(jobs[0].prompt)
+    assert prompt.endswith("<|im_start|>assistant\nThe best answer is (")  # no end of turn, no new turn
+    assert count(claude, messages=prefill) == len(jobs[0].prompt) and out.usage.output_tokens == 3
+    blocks = [{"type": "text", "text": "The best "}, {"type": "text", "text": "answer is (  "}]
+    claude.messages.create(model=NAME, max_tokens=3, messages=[*USER, {"role": "assistant", "content": blocks}],
+                           extra_body={"temperature": 0})
+    assert jobs[1].prompt == jobs[0].prompt  # text blocks joined, trailing whitespace dropped
+
+
+def test_effort_goes_to_a_template_that_reads_it(http, claude):
+    client = openai.OpenAI(base_url=str(http.base_url.join("/v1")), api_key=KEY, max_retries=0)
+    kw = dict(model=NAME, messages=USER, max_tokens=1, extra_body={"ostinato_return_ids": True})
+    low = client.chat.completions.create(**kw, reasoning_effort="low").model_extra["ostinato_prompt_ids"]
+    assert "Effort: low\n" in http.post("/detokenize", json={"tokens": low}).json()["prompt"]
+    assert count(claude, messages=USER, output_config={"effort": "low"}) == len(low) > count(claude, messages=USER)
+
+
+def test_a_thinking_budget_closes_the_reasoning(claude):
+    """The tiny model never closes its reasoning by itself: the budget does, at the same point of the
+    same greedy output, which goes on as the answer."""
+    def thought(**thinking):
+        out = claude.messages.create(model=NAME, max_tokens=24, messages=USER, thinking=thinking,
+                                     extra_body={"ignore_eos": True, "temperature": 0})
+        assert out.usage.output_tokens == 24 and out.content[0].type == "thinking", out.content
+        return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in out.content]
+    short, long = thought(type="enabled", budget_tokens=3), thought(type="enabled", budget_tokens=12)
+    [(_, unbounded)] = thought(type="adaptive")  # thinking on, no budget: all of it is reasoning
+    assert [kind for kind, _ in short] == [kind for kind, _ in long] == ["thinking", "text"]
+    assert short[0][1] and long[0][1].startswith(short[0][1]) and unbounded.startswith(long[0][1])
+    assert len(short[0][1]) < len(long[0][1]) < len(unbounded)
+
+
+def test_tool_choice_tool_writes_the_named_call(claude):
+    out = claude.messages.create(model=NAME, max_tokens=40, messages=USER, tools=TOOLS,
+                                 tool_choice={"type": "tool", "name": "get_weather"})
+    assert out.content[0].type == "tool_use" and out.content[0].name == "get_weather"
 
 
 def test_anthropic_errors_for_auth_and_routes(live, http):

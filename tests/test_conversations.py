@@ -4,13 +4,18 @@ An interleaved workload (a main session of several turns, a side request after e
 on the tiny checkpoint with and without saved conversations; the cached-token rate of
 the main session's turns after the first is high with them and low without, and every
 output is the same either way (greedy: the restored KV is the KV a prefill would write).
+The byte cap is checked on a store over a hand-made slot: the host memory it takes stays
+under the cap at every step, the copy being restored included, and is what was allocated.
 """
 from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
+from ostinato.engine.conversations import Conversations, block_tokens, common_prefix, kv_bytes
 from ostinato.engine.factory import load_engine
+from ostinato.engine.kv_cache import LayerKV
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sampling import SamplingParams
 from ostinato.engine.session import GenerationStats
@@ -88,26 +93,163 @@ def test_a_continuing_turn_is_not_saved(engine):
     run(engine, SYSTEM + list(range(1000, 1100)))  # a side request overwrites most of it: saved
     [saved] = engine.conversations.saved
     assert saved.tokens == before
-    assert saved.k.shape[:2] == (engine.runner.config.num_hidden_layers, len(saved.tokens))
+    host = engine.conversations.host
+    assert len(saved.blocks) == host.blocks_for(len(saved.tokens))
+    assert host.views[saved.blocks[0]]["k"].shape[:2] == (engine.runner.config.num_hidden_layers, host.block)
     engine.reset()
     assert engine.conversations.saved == [] and engine.cached == []
 
 
+def hand_made_slot(shapes=(("k", (2, 4)), ("v", (2, 4))), tokens: int = 64, layers: int = 3) -> list[LayerKV]:
+    g = torch.Generator().manual_seed(0)
+    return [LayerKV({name: torch.randn(tokens, *shape, generator=g) for name, shape in shapes}) for _ in range(layers)]
+
+
+def test_a_byte_cap_bounds_the_copies():
+    layers = hand_made_slot()
+    block = block_tokens(64)  # 16 positions
+    per_block = kv_bytes(layers, block)
+    assert per_block == block * 2 * 3 * 2 * 4 * 4  # K and V, 3 layers, 2 heads of 4, fp32
+    store = Conversations(capacity=4, max_bytes=3 * per_block)
+    pool = []  # the host memory taken after each step
+
+    def step(what, *args):
+        out = getattr(store, what)(*args)
+        pool.append(store.pool_bytes // per_block)
+        return out
+    a, b, c, d, e, f, g = ([k] * n for k, n in ((1, 10), (2, 20), (3, 10), (4, 60), (5, 12), (6, 40), (2, 30)))
+    step("save", a, layers)
+    step("save", b, layers)  # 1 + 2 blocks: the cap
+    b_kv = [(layer.k[:20].clone(), layer.v[:20].clone()) for layer in layers]
+    for layer in layers:  # the slot moves on: later copies hold other values
+        layer.k.add_(1)
+        layer.v.add_(1)
+    step("save", c, layers)  # no room left: the least recently used (a) goes
+    assert [s.tokens for s in store.saved] == [b, c]
+    step("save", d, layers)  # 4 blocks, larger than the cap: not kept, and nothing dropped for it
+    assert [s.tokens for s in store.saved] == [b, c]
+
+    assert step("take", b + [7, 8], 3) == 20 and store.taken.tokens == b
+    assert store.nbytes == 3 * per_block  # the copy on its way into the slot still counts
+    step("save", f, layers)  # 2 restoring + 3 > 3, however much is dropped: not kept
+    assert [s.tokens for s in store.saved] == [c]
+    step("save", e, layers)  # 2 restoring + 1 + 1 > 3: c goes
+    assert [s.tokens for s in store.saved] == [e]
+    step("restore", 0, 20, layers)
+    assert store.taken is None and store.nbytes == per_block
+    for layer, (k, v) in zip(layers, b_kv):
+        assert torch.equal(layer.k[:20], k) and torch.equal(layer.v[:20], v)
+    step("save", g, layers)  # the session again, longer: into the blocks its last copy freed
+    assert [s.tokens for s in store.saved] == [e, g]
+
+    assert pool == [1, 3, 3, 3, 3, 3, 3, 3, 3] and max(pool) * per_block <= store.max_bytes
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for views in store.host.views
+                for t in views.values()}
+    assert sum(storages.values()) == store.pool_bytes  # the bytes counted are the allocations'
+    assert not store.host.gpu  # a CPU slot: plain host memory, synchronous copies
+    assert step("take", e, 0) == 12 and step("take", e, 0) == 0
+
+
+def test_the_count_cap_and_no_byte_cap():
+    layers = hand_made_slot(shapes=(("ckv", (6,)),))  # latent attention's one compressed row per token
+    store = Conversations(capacity=2)
+    for k in range(4):
+        store.save([k] * 5, layers)
+    assert [s.tokens[0] for s in store.saved] == [2, 3] and store.pool_bytes == 2 * kv_bytes(layers, 16)
+    store.save([3] * 8, layers)  # it extends a saved one, which it replaces
+    assert [s.tokens for s in store.saved] == [[2] * 5, [3] * 8]
+    want = layers[1].ckv[:8].clone()
+    layers[1].ckv.zero_()
+    assert store.take([3] * 9, beyond=0) == 8
+    store.restore(2, 8, layers)  # positions 0 and 1 are the slot's already
+    assert torch.equal(layers[1].ckv[2:8], want[2:]) and not layers[1].ckv[:2].any()
+    for k in range(5, 8):  # with room under no cap, the pool grows rather than drop what the count keeps
+        store.save([k] * 40, layers)
+    assert len(store.saved) == 2 and store.pool_bytes == 6 * kv_bytes(layers, 16)
+    store.clear()
+    assert store.saved == [] and store.nbytes == 0 and len(store.host.free) == 6
+    Conversations(capacity=0).save([1] * 5, layers)  # keeps nothing, copies nothing
+
+
+def test_long_conversations_span_blocks():
+    layers = hand_made_slot(tokens=2048)
+    assert block_tokens(2048) == 64 and block_tokens(10**6) == 2048 and block_tokens(100) == 16
+    store = Conversations(capacity=1)
+    store.save(list(range(1000)), layers)
+    want = [layer.v[:1000].clone() for layer in layers]
+    for layer in layers:
+        layer.v.zero_()
+    assert store.take(list(range(1000)) + [5], beyond=100) == 1000
+    store.restore(100, 1000, layers)  # 100 is inside the second block
+    assert all(torch.equal(layer.v[100:1000], w[100:]) and not layer.v[:100].any() for layer, w in zip(layers, want))
+
+
+@pytest.mark.gpu
+def test_copies_of_a_gpu_slot_are_page_locked_in_place():
+    layers = [LayerKV({name: t.cuda() for name, t in layer.tensors.items()}) for layer in hand_made_slot()]
+    store = Conversations(capacity=2)
+    store.save([1] * 20, layers)
+    [saved] = store.saved
+    assert store.host.gpu and store.host.pinned
+    assert all(t.is_pinned() and t.device.type == "cpu" for b in saved.blocks for t in store.host.views[b].values())
+    want = [(layer.k[:20].clone(), layer.v[:20].clone()) for layer in layers]
+    for layer in layers:
+        layer.k.zero_()
+        layer.v.zero_()
+    assert store.take([1] * 22, beyond=0) == 20
+    store.restore(0, 20, layers)
+    for layer, (k, v) in zip(layers, want):
+        assert torch.equal(layer.k[:20], k) and torch.equal(layer.v[:20], v)
+
+
+def scraped(metrics: str, name: str) -> float:
+    [value] = [float(line.split(" ")[1]) for line in metrics.splitlines() if line.split(" ")[0] == name]
+    return value
+
+
 def test_over_http_a_side_request_keeps_the_session_cached(tiny_dir):
-    app = build_app(str(tiny_dir), RunnerSettings(max_context=1024), name="tiny", warmup=False)
+    app = build_app(str(tiny_dir), RunnerSettings(max_context=1024), name="tiny", warmup=False,
+                    conversation_bytes=2**20)
     system = {"role": "system", "content": "You are a careful assistant. " * 10}
     main = [system, {"role": "user", "content": "Plan a trip to the sea, step by step."}]
 
     def ask(c, messages):
-        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0})
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                 "ostinato_return_ids": True})
         assert r.status_code == 200, r.text
         return r.json()
     with LiveServer(app) as server:
         server.wait_ready()
         with httpx.Client(base_url=server.url, timeout=120) as c:
             first = ask(c, main)
-            ask(c, [system, {"role": "user", "content": "Write a title for this chat: trip"}])
+            side = ask(c, [system, {"role": "user", "content": "Write a title for this chat: trip"}])
             main += [first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
             second = ask(c, main)
-    usage = second["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+            metrics = c.get("/metrics").text
+        engine = app.state.worker.loaded.engine
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"]
+    # the slot held the side request (its prompt and output, less the last token, never run): what the
+    # session shares with it stayed, the rest of its prefix was copied back
+    side_slot = side["ostinato_prompt_ids"] + side["choices"][0]["ostinato_output_ids"][:-1]
+    restored = cached - common_prefix(side_slot, second["ostinato_prompt_ids"])
+    assert restored > 0 and scraped(metrics, "ostinato_restored_tokens_total") == restored
+    store = engine.conversations
+    [held] = store.saved  # the side request's, copied out when the session came back
+    assert held.tokens == side_slot and store.max_bytes == 2**20
+    assert scraped(metrics, "ostinato_kv_conversations") == 1
+    assert scraped(metrics, "ostinato_kv_conversation_bytes") == store.nbytes \
+        == store.host.blocks_for(len(side_slot)) * kv_bytes(engine.runner.kv.layers, store.host.block)
+    # the session's copy went back into the slot; its blocks stay in the pool, free for the next copy
+    assert scraped(metrics, "ostinato_kv_conversation_pool_bytes") == store.pool_bytes > store.nbytes
+
+
+def test_kv_cache_memory_flag(tiny_dir, capsys):
+    from ostinato.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "--model", str(tiny_dir)]).kv_cache_memory is None
+    assert parse(["serve", "--model", str(tiny_dir), "--kv-cache-memory", "24GiB"]).kv_cache_memory == 24 * 2**30
+    with pytest.raises(SystemExit):
+        parse(["serve", "--model", str(tiny_dir), "--kv-cache-memory", "plenty"])
+    assert "--kv-cache-memory" in capsys.readouterr().err

@@ -7,25 +7,23 @@ then appends to the same cache. A forced output (the recorded tokens of a replay
 turn) replaces sampling, so replays of different placements run identical tokens.
 
 An agent also sends side requests (a title, a summary, a sub-agent) between the turns of
-its session; each would overwrite the slot and the next turn would prefill the whole
-conversation again. `Conversations` keeps the KV of the most recent other conversations
-in host memory (page-locked beside a GPU), least recently used dropped first: before a
-request overwrites much of the slot (more than an eighth of it; a turn that only
-re-renders its last answer differently is not worth the copy) the slot is copied out, and
-a request that extends a saved conversation further than the slot does has that prefix
-copied back, which costs a copy over PCIe instead of a prefill.
-
-Legend: L layers, n tokens, Hkv KV heads, Hd head dim.
+its session. Before a request overwrites much of the slot (more than an eighth of it; a
+turn that only re-renders its last answer differently is not worth the copy) the slot's
+conversation is copied out to host memory (conversations.py), and a request that extends a
+saved conversation further than the slot does has that prefix copied back, which costs a
+copy over PCIe instead of a prefill.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+from ostinato.engine.conversations import Conversations, common_prefix
 from ostinato.engine.runner import ModelRunner
 from ostinato.engine.sampling import Sampler, SamplingParams
 
@@ -54,74 +52,16 @@ class GenerationStats:
         return 1000 * self.decode_s / max(1, self.output_tokens - 1)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-@dataclass
-class SavedKV:
-    tokens: list[int]
-    k: torch.Tensor  # [L, n, Hkv, Hd] in host memory
-    v: torch.Tensor
-
-
-def _sync(layers) -> None:
-    for device in {layer.k.device for layer in layers if layer.k.is_cuda}:
-        torch.cuda.synchronize(device)
-
-
-class Conversations:
-    """The KV caches of up to `capacity` conversations besides the slot's, most recent last."""
-
-    def __init__(self, capacity: int = 0):
-        self.capacity = capacity
-        self.saved: list[SavedKV] = []
-
-    def save(self, tokens: list[int], layers) -> None:
-        """Copy the KV of `tokens` (the slot's first len(tokens) positions) out of the slot."""
-        if self.capacity < 1 or not tokens:
-            return
-        n, first = len(tokens), layers[0].k
-        pin = any(layer.k.is_cuda for layer in layers)
-        k = torch.empty((len(layers), n, *first.shape[1:]), dtype=first.dtype, pin_memory=pin)
-        v = torch.empty_like(k, pin_memory=pin)
-        for i, layer in enumerate(layers):
-            k[i].copy_(layer.k[:n], non_blocking=pin)
-            v[i].copy_(layer.v[:n], non_blocking=pin)
-        _sync(layers)  # the next forward overwrites what was copied
-        # a saved prefix of this conversation says nothing more: this one replaces it
-        self.saved = [s for s in self.saved if common_prefix(s.tokens, tokens) < len(s.tokens)]
-        self.saved.append(SavedKV(list(tokens), k, v))
-        del self.saved[:-self.capacity]
-
-    def take(self, prompt: list[int], beyond: int) -> tuple[SavedKV | None, int]:
-        """The saved conversation sharing the longest prefix with `prompt`, if that is longer
-        than `beyond`, and the length; it leaves the store (the slot is to hold it)."""
-        n, i = max(((common_prefix(s.tokens, prompt), i) for i, s in enumerate(self.saved)), default=(0, -1))
-        return (self.saved.pop(i), n) if n > beyond else (None, 0)
-
-    @staticmethod
-    def restore(saved: SavedKV, start: int, n: int, layers) -> None:
-        """Copy positions [start, n) of `saved` back into the slot."""
-        for i, layer in enumerate(layers):
-            layer.k[start:n].copy_(saved.k[i, start:n], non_blocking=True)
-            layer.v[start:n].copy_(saved.v[i, start:n], non_blocking=True)
-        _sync(layers)
-
-
 class Engine:
     """The single session slot over a model runner. Not thread-safe: one caller at a time.
     `conversations`: how many other conversations' KV to keep in host memory (0: none)."""
 
-    def __init__(self, runner: ModelRunner, eos_ids: set[int], conversations: int = 0):
+    def __init__(self, runner: ModelRunner, eos_ids: set[int], conversations: int = 0,
+                 conversation_bytes: int | None = None):
         self.runner = runner
         self.eos_ids = set(eos_ids)
         self.cached: list[int] = []  # tokens whose KV is in the cache, in order
-        self.conversations = Conversations(conversations)
+        self.conversations = Conversations(conversations, conversation_bytes)
 
     @property
     def max_context(self) -> int:
@@ -129,23 +69,24 @@ class Engine:
 
     def reset(self) -> None:
         self.cached = []
-        self.conversations.saved.clear()
+        self.conversations.clear()
 
-    def keep_conversations(self, count: int) -> None:
-        """Keep the KV of up to `count` other conversations in host memory (0: none)."""
-        self.conversations = Conversations(count)
+    def keep_conversations(self, count: int, max_bytes: int | None = None) -> None:
+        """Keep the KV of up to `count` other conversations in host memory (0: none), together
+        at most `max_bytes` (None: no cap but the count)."""
+        self.conversations = Conversations(count, max_bytes)
 
     def _switch(self, prompt: list[int], stats: GenerationStats) -> int:
         """Save the slot's conversation if this prompt would overwrite much of it; restore a
         saved one that this prompt extends further. -> the prefix now in the slot."""
         reuse = common_prefix(self.cached, prompt)
-        saved, n = self.conversations.take(prompt, beyond=reuse)
+        n = self.conversations.take(prompt, beyond=reuse)
         layers = self.runner.kv.layers
         if len(self.cached) - reuse > len(self.cached) // 8:
             self.conversations.save(self.cached, layers)
-        if saved is not None:
+        if n:
             self.cached = self.cached[:reuse]  # what the slot holds even if a copy fails half-way
-            self.conversations.restore(saved, reuse, n, layers)
+            self.conversations.restore(reuse, n, layers)
             stats.restored_tokens = min(n, len(prompt) - 1) - reuse  # the last prompt token runs anyway
             self.cached, reuse = prompt[:n], n
         return reuse
@@ -158,8 +99,11 @@ class Engine:
         return logits, reuse
 
     def generate(self, prompt: list[int], params: SamplingParams, forced: list[int] | None = None,
-                 cancel: threading.Event | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
-        """Yield output token ids one by one; `stats` (if given) is filled as they come."""
+                 cancel: threading.Event | None = None, stats: GenerationStats | None = None,
+                 insert: deque[int] | None = None) -> Iterator[int]:
+        """Yield output token ids one by one; `stats` (if given) is filled as they come.
+        `insert`: ids to emit next in place of sampled ones, which the caller may add to between
+        tokens (a server writing a tool call's opening; a forced output takes precedence)."""
         stats = stats if stats is not None else GenerationStats()
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -174,8 +118,11 @@ class Engine:
         t0 = time.perf_counter()
         logits, stats.cached_tokens = self._prefill(prompt, stats)
         for i in range(limit):
-            sampled = sampler(logits)  # the step's logits reach the host, as in any decode; a forced
-            token = forced[i] if forced is not None else sampled  # replay that skipped it would time launches
+            if insert and forced is None:
+                token = insert.popleft()  # this step's logits go unread
+            else:
+                sampled = sampler(logits)  # the step's logits reach the host, as in any decode; a forced
+                token = forced[i] if forced is not None else sampled  # replay that skipped it would time launches
             now = time.perf_counter()
             if i == 0:
                 stats.prefill_s = now - t0

@@ -28,11 +28,12 @@ from ostinato.server.errors import APIError
 from ostinato.server.messages_protocol import CountTokensRequest, MessagesRequest
 from ostinato.server.messages_responses import MessageShape
 from ostinato.server.metrics import Metrics
-from ostinato.server.parsing import Family
+from ostinato.server.parsing import FORMATS, Family
 from ostinato.server.prompts import (Prepared, prepare_chat, prepare_completion, prepare_messages, render,
                                      render_conversation)
 from ostinato.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
 from ostinato.server.responses import ChatShape, CompletionShape
+from ostinato.server.steering import Steering
 from ostinato.server.worker import EngineWorker, Failed, Job, Token
 
 
@@ -112,6 +113,16 @@ class Generations:
     def _parser(self, prep: Prepared, loaded):
         return self.family(loaded).parser(prep.tools, prep.in_reasoning)
 
+    def _steering(self, prep: Prepared, loaded) -> Steering | None:
+        if prep.forced is not None or not prep.asked.anything:
+            return None  # a forced output is emitted as it is
+        family = self.family(loaded)
+        if prep.asked.call and FORMATS[family.tool_format] is None:
+            raise APIError(400, "tool_choice requires a tool call, but this model's chat template shows no tool-call "
+                                "format to write it in: start the server with --tool-call-parser "
+                                f"({', '.join(k for k, v in FORMATS.items() if v)})", param="tool_choice")
+        return Steering(prep.asked, family, loaded.tokenizer.encode, prep.in_reasoning)
+
     async def chat(self, request: Request):
         def shape(req, prep, loaded):
             ids = prep.prompt if req.ostinato_return_ids else None
@@ -179,10 +190,11 @@ class Generations:
             req = await run_in_threadpool(parse_body, endpoint.body, await read_body(request, self.max_body_size))
             self.check_model(req.model)
             prep = await run_in_threadpool(endpoint.prepare, req, loaded, self.defaults(loaded))
+            steering = self._steering(prep, loaded)
         except APIError as e:
             raise self._fail(path, e) from None
         shape = endpoint.shape(req, prep, loaded)
-        run = Run(self.worker, Job(prep.prompt, prep.params, prep.forced, prep.stop), request)
+        run = Run(self.worker, Job(prep.prompt, prep.params, prep.forced, prep.stop, steering), request)
         try:
             first = await run.next()
         except BaseException:

@@ -7,7 +7,9 @@ request counts and TTFT are taken on the request side, where the client's wait i
 seen. The placement counters are whatever `runner.placement_stats()` returns (routes,
 cold routes, CPU experts, bytes uploaded, ...), as `ostinato_placement_*` gauges, plus
 the cold-route share when routes are counted; the engine thread takes them after each
-request (only it touches the runner), the scrape reads that copy.
+request (only it touches the runner), the scrape reads that copy. So it is with the
+conversations held beside the slot (engine/conversations.py): their count, their bytes, and
+the host memory their pool took.
 """
 from __future__ import annotations
 
@@ -49,7 +51,15 @@ class Metrics:
         self.prompt_tokens = Counter("ostinato_prompt_tokens", "prompt tokens of finished generations", registry=r)
         self.cached_tokens = Counter("ostinato_cached_prompt_tokens", "prompt tokens whose KV cache was reused",
                                      registry=r)
+        self.restored_tokens = Counter("ostinato_restored_tokens", "cached prompt tokens whose KV was copied back "
+                                       "from a held conversation (not kept in the slot)", registry=r)
         self.generated_tokens = Counter("ostinato_generated_tokens", "tokens generated (or forced)", registry=r)
+        Gauge("ostinato_kv_conversations", "conversations whose KV copy is held besides the slot's "
+              "(--kv-conversations)", registry=r).set_function(lambda: worker.conversations["held"])
+        Gauge("ostinato_kv_conversation_bytes", "host memory the held KV copies take",
+              registry=r).set_function(lambda: worker.conversations["bytes"])
+        Gauge("ostinato_kv_conversation_pool_bytes", "host memory taken for KV copies, free blocks included "
+              "(--kv-cache-memory caps it)", registry=r).set_function(lambda: worker.conversations["pool"])
         Gauge("ostinato_queue_depth", "requests waiting for the engine", registry=r).set_function(
             lambda: worker.queued)
         Gauge("ostinato_ready", "1 once the model is loaded", registry=r).set_function(
@@ -60,6 +70,7 @@ class Metrics:
         """Called on the engine thread after every generation, however it ended."""
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.cached_tokens.inc(stats.cached_tokens)
+        self.restored_tokens.inc(stats.restored_tokens)
         self.generated_tokens.inc(stats.output_tokens)
         if stats.output_tokens > 1:
             self.tpot.observe(stats.decode_s / (stats.output_tokens - 1))

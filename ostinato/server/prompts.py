@@ -18,6 +18,7 @@ from ostinato.server.errors import APIError
 from ostinato.server.messages_protocol import Conversation, MessagesRequest
 from ostinato.server.parsing.base import THINK_OPEN
 from ostinato.server.protocol import ChatRequest, CompletionRequest, logit_bias_ids
+from ostinato.server.steering import Asked
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Prepared:
     stop: list[str]
     tools: dict[str, dict] | None  # declared functions (name -> parameters schema) to parse calls of
     in_reasoning: bool = False  # the prompt ends inside an opened <think>
+    asked: Asked = Asked()  # what the server is to write into the output (server/steering.py)
 
 
 @dataclass
@@ -48,12 +50,28 @@ class Rendered:
 
 
 def render(tok, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any] | None,
-           add_generation_prompt: bool = True) -> Rendered:
+           add_generation_prompt: bool = True, continued: str | None = None) -> Rendered:
+    """`continued`: the final assistant message's text, which the output continues: the prompt
+    ends right after it (no end of turn, no new generation prompt)."""
     try:
-        text = tok.apply_chat_template(messages, tools, add_generation_prompt, **(kwargs or {}))
+        text = tok.apply_chat_template(messages, tools, add_generation_prompt and continued is None,
+                                       **(kwargs or {}))
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from None
+    if continued is not None:
+        at = text.rfind(continued)
+        if at < 0:
+            raise APIError(400, "the chat template does not write the final assistant message's text as it is, "
+                                "so it cannot be continued: end the messages with a user turn", param="messages")
+        text = text[:at + len(continued)]
     return Rendered(tok.encode(text), text, tools)
+
+
+def check_template_reads(tok, variable: str, param: str) -> None:
+    """A request field that becomes a chat template variable needs a template that reads it."""
+    if not any(variable in template for template in tok.templates.values()):
+        raise APIError(400, f"{param}: this model's chat template does not read {variable}, so it would change "
+                            "nothing: leave it out", param=param)
 
 
 def _check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
@@ -90,7 +108,9 @@ def _params(req, prompt: list[int], loaded, defaults: SamplingDefaults) -> Sampl
 
 def prepare_chat(req: ChatRequest, loaded, defaults: SamplingDefaults) -> Prepared:
     tok = loaded.tokenizer
-    rendered = render(tok, [m.for_template() for m in req.messages], req.template_tools(), req.chat_template_kwargs)
+    if req.reasoning_effort is not None:
+        check_template_reads(tok, "reasoning_effort", "reasoning_effort")
+    rendered = render(tok, [m.for_template() for m in req.messages], req.template_tools(), req.template_kwargs())
     forced = None
     if req.ostinato_forced_output is not None:
         message = req.ostinato_forced_output.model_dump(exclude_none=True)
@@ -101,11 +121,14 @@ def prepare_chat(req: ChatRequest, loaded, defaults: SamplingDefaults) -> Prepar
     if req.ostinato_forced_ids is not None:
         forced = _check_ids(req.ostinato_forced_ids, loaded.runner.config.vocab_size, "ostinato_forced_ids")
     return Prepared(rendered.ids, _params(req, rendered.ids, loaded, defaults), forced, req.stop_list(),
-                    rendered.declared, rendered.opens_reasoning)
+                    rendered.declared, rendered.opens_reasoning, req.asked())
 
 
 def render_conversation(req: Conversation, loaded) -> Rendered:
-    return render(loaded.tokenizer, req.template_messages(), req.template_tools(), req.template_kwargs())
+    if req.output_config is not None and req.output_config.effort is not None:
+        check_template_reads(loaded.tokenizer, "reasoning_effort", "output_config.effort")
+    return render(loaded.tokenizer, req.template_messages(), req.template_tools(), req.template_kwargs(),
+                  continued=req.prefill())
 
 
 def prepare_messages(req: MessagesRequest, loaded, defaults: SamplingDefaults) -> Prepared:
@@ -114,7 +137,7 @@ def prepare_messages(req: MessagesRequest, loaded, defaults: SamplingDefaults) -
     if req.ostinato_forced_ids is not None:
         forced = _check_ids(req.ostinato_forced_ids, loaded.runner.config.vocab_size, "ostinato_forced_ids")
     return Prepared(rendered.ids, _params(req, rendered.ids, loaded, defaults), forced, req.stop_list(),
-                    rendered.declared, rendered.opens_reasoning)
+                    rendered.declared, rendered.opens_reasoning, req.asked())
 
 
 def prepare_completion(req: CompletionRequest, loaded, defaults: SamplingDefaults) -> Prepared:

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI-compatible API as pydantic models.
 
 Validation happens here, once, in strict mode (no "5" -> 5 coercion), so a bad request
-becomes a 400 that names the field before anything reaches the engine queue. Only what
-Ostinato uses is modelled: unknown fields are ignored (clients send many optional ones),
-features it cannot honour (n > 1, logprobs, echo) are rejected rather than silently
-dropped. Sampling takes OpenAI's parameters (temperature, top_p, presence_penalty,
+becomes a 400 that names the field before anything reaches the engine queue. Every field
+of OpenAI's bodies is honoured, inert by its nature (user, metadata, service_tier, the
+prompt-cache hints, prediction: none changes the output) or refused with a 400 that says
+what to do (n > 1, logprobs, JSON response formats, strict schemas, audio, store, the old
+`functions`; tests/test_server.py lists each); fields no API defines are ignored.
+Sampling takes OpenAI's parameters (temperature, top_p, presence_penalty,
 frequency_penalty, logit_bias) and vLLM's (top_k, min_p, repetition_penalty); a field left
 out (or null) takes the model's default from its generation_config.json, else OpenAI's
 (temperature 1, top_p 1, the others off). max_tokens defaults to, and is capped at, the
@@ -17,8 +19,11 @@ one model served, as vLLM and llama.cpp's server do.
 
 tool_choice: "none" renders the prompt without the tools and returns the output as plain
 content; "auto" (the default with tools) parses the model family's tool calls into `tool_calls`;
-"required" and a named function are validated (tools given, the name among them) and
-then behave like "auto": decoding is not constrained, the output is reported as written.
+"required" and a named function (validated: tools given, the name among them) make the server
+write the opening of a call, named when one is named or only one is declared, and
+parallel_tool_calls false ends the output after the first call (server/steering.py); the
+arguments are the model's, not constrained by the schema. `reasoning_effort` goes to the chat
+template (gpt-oss's reads it), refused where the template does not read it.
 
 Extensions, all optional:
 
@@ -40,6 +45,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ostinato.server.errors import APIError
+from ostinato.server.steering import Asked
 
 _FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
 
@@ -149,6 +155,9 @@ class FunctionDef(_Body):
     @model_validator(mode="after")
     def _check(self) -> "FunctionDef":
         check_schema(self.parameters)
+        if self.strict:
+            raise ValueError("strict: true asks for arguments that always match the schema, which needs constrained "
+                             "decoding this server does not have: send strict false (or leave it out)")
         return self
 
 
@@ -188,7 +197,9 @@ class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    store: bool | None = None
     ignore_eos: bool = False
     ostinato_forced_ids: list[int] | None = None
     ostinato_return_ids: bool = False
@@ -198,8 +209,12 @@ class _Generation(_Body):
         logit_bias_ids(self.logit_bias)
         if self.n != 1:
             raise ValueError(f"n must be 1: this server keeps one session slot and returns one choice (got {self.n})")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
+        if self.logprobs not in (None, False, 0) or self.top_logprobs not in (None, 0):
+            raise ValueError("logprobs (and top_logprobs) are not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options go with stream: true")
+        if self.store:
+            raise ValueError("store: true is not supported (this server keeps no completions to fetch later)")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported "
                              "(no constrained decoding): ask for the format in the prompt")
@@ -213,6 +228,9 @@ class _Generation(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def asked(self) -> Asked:
+        return Asked()
+
 
 class ChatRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
@@ -220,12 +238,33 @@ class ChatRequest(_Generation):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # a chat template variable (gpt-oss reads it)
     chat_template_kwargs: dict[str, Any] | None = None
     ostinato_forced_output: AssistantOutput | None = None
+    # OpenAI's, refused when they ask for something (see _check_chat)
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    verbosity: str | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatRequest":
         check_template_kwargs(self.chat_template_kwargs)
+        if self.functions is not None or self.function_call is not None:
+            raise ValueError("functions and function_call are the old form of tools: send tools and tool_choice")
+        if self.audio is not None or (self.modalities is not None and self.modalities != ["text"]):
+            raise ValueError("this server writes text only: leave audio out and modalities at [\"text\"]")
+        if self.web_search_options is not None:
+            raise ValueError("web_search_options: this server has no web search; declare a search tool instead")
+        if self.moderation is not None:
+            raise ValueError("moderation is not supported: this server runs no moderation model")
+        if self.verbosity not in (None, "medium"):
+            raise ValueError(f"verbosity {self.verbosity!r} is not supported: ask for the length in the prompt")
+        if self.reasoning_effort is not None and "reasoning_effort" in (self.chat_template_kwargs or {}):
+            raise ValueError("give reasoning_effort or chat_template_kwargs.reasoning_effort, not both")
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
@@ -245,11 +284,25 @@ class ChatRequest(_Generation):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_tools(self) -> list[dict] | None:
-        """Tools as the chat template sees them: none at all with tool_choice 'none'.
-        'required' and a named function are validated but do not constrain decoding."""
+        """Tools as the chat template sees them: none at all with tool_choice 'none'."""
         if not self.tools or self.tool_choice == "none":
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**(self.chat_template_kwargs or {}), **effort}
+
+    def asked(self) -> Asked:
+        """'required' and a named function make the server write a call's opening (with the
+        name when one is named or only one declared); parallel_tool_calls false ends the
+        output after the first call (server/steering.py)."""
+        names = [t.function.name for t in self.tools or []] if self.tool_choice != "none" else []
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        call = named is not None or (self.tool_choice == "required" and bool(names))
+        if call and named is None and len(names) == 1:
+            named = names[0]
+        return Asked(call=call, name=named, single=self.parallel_tool_calls is False and bool(names))
 
 
 class CompletionRequest(_Generation):

@@ -9,21 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ostinato.server.parsing.base import THINK_CLOSE, Block, Delta, OutputParser, ToolFormat
-from ostinato.server.parsing.deepseek import CALLS_BEGIN, DeepSeekV3
+from ostinato.server.parsing.deepseek import CALLS_BEGIN, DeepSeekV3, DeepSeekV31
 from ostinato.server.parsing.harmony import Harmony
 from ostinato.server.parsing.hermes import Hermes
 from ostinato.server.parsing.qwen3_coder import Qwen3Coder
 
 FORMATS: dict[str, type[ToolFormat] | None] = {
-    "hermes": Hermes, "qwen3_coder": Qwen3Coder, "harmony": Harmony, "deepseek_v3": DeepSeekV3, "none": None}
+    "hermes": Hermes, "qwen3_coder": Qwen3Coder, "harmony": Harmony, "deepseek_v3": DeepSeekV3,
+    "deepseek_v31": DeepSeekV31, "none": None}
 
 __all__ = ["FORMATS", "Block", "Delta", "Family", "OutputParser", "ToolFormat", "detect_format"]
 
 
 def detect_format(template: str) -> str:
     """The tool-call format a chat template teaches, from the markup it writes."""
-    if CALLS_BEGIN in template:
-        return "deepseek_v3"
+    if CALLS_BEGIN in template:  # V3 fences the arguments as JSON; V3.1 writes them bare
+        return "deepseek_v3" if "```json" in template else "deepseek_v31"
     if "<|channel|>" in template and "<|message|>" in template:
         return "harmony"
     if "<function=" in template and "<parameter=" in template:

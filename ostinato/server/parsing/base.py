@@ -78,14 +78,23 @@ def until(text: str, ends: tuple[str, ...], final: bool) -> tuple[str, int]:
 
 class ToolFormat:
     """One family's tool-call markup. `scan` must be monotone: the blocks of a prefix are a
-    prefix of the blocks of the whole (each one's text a prefix of its final text)."""
+    prefix of the blocks of the whole (each one's text a prefix of its final text). `head`
+    and `call_end` are what the server writes to require a call and watches for to end after
+    one (server/steering.py)."""
     name = ""
     reasons = False  # the format carries reasoning itself (harmony's analysis channel)
+    call_end = ""  # the markup that closes a call (empty where an end-of-turn token does)
 
     def __init__(self, tools: dict[str, dict]):
         self.tools = tools  # declared function name -> its parameters' JSON schema
 
     def scan(self, text: str, final: bool) -> list[Block]:
+        raise NotImplementedError
+
+    @classmethod
+    def head(cls, name: str | None) -> str:
+        """The markup that opens a call, up to its name, or with `name` up to its arguments
+        (and the brace that opens JSON arguments), as the chat template writes it."""
         raise NotImplementedError
 
 

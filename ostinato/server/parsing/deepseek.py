@@ -1,12 +1,21 @@
-"""DeepSeek V3 tool calls, between special tokens, arguments in a fenced JSON block:
+"""DeepSeek tool calls, between special tokens (the bars are U+FF5C, the spaces U+2581).
+
+V3 writes the type, then the name, then the arguments in a fenced JSON block:
 
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
     ```json
     {...}
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-(the bars are U+FF5C, the spaces U+2581). The arguments stream between the fences; a
-call without the fence (arguments right after the name's line) is accepted as well.
+V3.1 (and its chat template) drops the type and the fence: the name comes before the
+separator, the arguments' JSON right after it:
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+The two share the scan over the calls; each reads a call's body its own way. The arguments
+stream as they come (between the fences in V3); a V3 call without the fence, or a V3.1
+call with one, is accepted as well. The name is known once the separator (V3: the line
+after it) is complete, so a call shows nothing before.
 """
 from __future__ import annotations
 
@@ -34,6 +43,11 @@ def _arguments(rest: str, complete: bool) -> str:
 
 class DeepSeekV3(ToolFormat):
     name = "deepseek_v3"
+    call_end = CALL_END
+
+    @classmethod
+    def head(cls, name: str | None) -> str:
+        return CALLS_BEGIN + CALL_BEGIN + "function" + SEP + ("" if name is None else name + "\n```json\n{")
 
     def scan(self, out: str, final: bool) -> list[Block]:
         begin = out.find(CALLS_BEGIN)
@@ -67,3 +81,17 @@ class DeepSeekV3(ToolFormat):
         if head is None or head.group(1).strip() not in self.tools:
             return None
         return call(head.group(1).strip(), _arguments(body[head.end():], complete), start)
+
+
+class DeepSeekV31(DeepSeekV3):
+    name = "deepseek_v31"
+
+    @classmethod
+    def head(cls, name: str | None) -> str:
+        return CALLS_BEGIN + CALL_BEGIN + ("" if name is None else name + SEP + "{")
+
+    def _call(self, body: str, complete: bool, start: int) -> Block | None:
+        at = body.find(SEP)
+        if at < 0 or body[:at].strip() not in self.tools:
+            return None
+        return call(body[:at].strip(), _arguments(body[at + len(SEP):], complete), start)

@@ -25,7 +25,12 @@ _RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 class Harmony(ToolFormat):
     name = "harmony"
-    reasons = True
+    reasons = True  # call_end: <|call|> is an end-of-turn token, a call ends the output anyway
+
+    @classmethod
+    def head(cls, name: str | None) -> str:
+        to = CHANNEL + "commentary to=functions."
+        return to if name is None else to + name + " <|constrain|>json" + MESSAGE + "{"
 
     def scan(self, out: str, final: bool) -> list[Block]:
         blocks, pos = [], 0

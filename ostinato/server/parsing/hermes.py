@@ -63,6 +63,12 @@ def _is_json(s: str) -> bool:
 
 class Hermes(ToolFormat):
     name = "hermes"
+    call_end = CLOSE
+
+    @classmethod
+    def head(cls, name: str | None) -> str:
+        opening = OPEN + '\n{"name": '
+        return opening + '"' if name is None else opening + json.dumps(name, ensure_ascii=False) + ', "arguments": {'
 
     def scan(self, out: str, final: bool) -> list[Block]:
         return blocks_between(out, final, OPEN, CLOSE, self._call)

@@ -67,6 +67,11 @@ def convert(value: str, kind: str | None) -> str:
 
 class Qwen3Coder(ToolFormat):
     name = "qwen3_coder"
+    call_end = CLOSE
+
+    @classmethod
+    def head(cls, name: str | None) -> str:
+        return OPEN + "\n<function=" + ("" if name is None else name + ">\n")
 
     def scan(self, out: str, final: bool) -> list[Block]:
         return blocks_between(out, final, OPEN, CLOSE, self._call)
