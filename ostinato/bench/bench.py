@@ -7,8 +7,9 @@ engine (the previous one closed and freed first), warmed up, tuned on developmen
 where it has a threshold, and replayed on the held-out sessions. Steps:
 
 1. split the sessions by task into development and held-out (bench/sessions.py);
-2. profile development sessions (and held-out ones, for the skew figure) with the `layers`
-   policy uploading every pass (threshold 1, no resident layer), which fits any budget;
+2. profile development sessions (and held-out ones, for the skew figure, its spread over the
+   layers and the persistence of experts across tokens) with the `layers` policy uploading
+   every pass (threshold 1, no resident layer), which fits any budget;
 3. the budget in expert-sized pool slots, the same for every policy, and 4. the plan: the
    most-routed experts that fit it with Ostinato's zero and flex slots, exactly as `ostinato
    plan` makes it (planner/pipeline.py: --expert-budget bytes, or the pool of a --hot-fraction
@@ -253,7 +254,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     from ostinato.engine.factory import load_engine
     from ostinato.planner.pipeline import plan_residency
     from ostinato.planner.run_profile import profile_sessions
-    from ostinato.planner.skew import hot_share
+    from ostinato.planner.skew import trace_sessions
 
     dev, held = select_sessions(bs.sessions, bs.max_sessions)
     _say(bs, f"sessions: {len(dev)} development, {len(held)} held-out ({bs.sessions})")
@@ -265,11 +266,13 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
         from ostinato.planner.profile import RouteCounts
 
         counts, held_counts = (RouteCounts.load(p) for p in bs.profiles)
+        held_stats = None  # per-token statistics are not saved with the counts: no persistence figure
         _say(bs, f"profiles: {counts.sessions} development and {held_counts.sessions} held-out sessions from "
                  f"{', '.join(bs.profiles)}")
     else:
         counts = profile_sessions(loaded, dev, progress=bs.progress, desc="profile dev")
-        held_counts = profile_sessions(loaded, held, progress=bs.progress, desc="profile held-out")
+        # the same passes and counts as profile_sessions, plus each token's experts (persistence)
+        held_counts, held_stats = trace_sessions(loaded, held, progress=bs.progress, desc="profile held-out")
     counts.save(bs.out / "profile-dev.json")
     held_counts.save(bs.out / "profile-held-out.json")
     size, budget = pool_size(loaded, bs, counts)
@@ -277,10 +280,8 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     _say(bs, f"budget: {budget['bytes'] / 2**30:.2f} GiB ({budget['pool_slots']} mean expert slots; {fmts}), "
              f"sized by {budget['sized_by']}: Ostinato keeps "
              f"{budget['hot']} of {budget['total_experts']} experts resident ({100 * budget['fraction']:.1f}%)")
-    skew = {"top_fraction": budget["fraction"]}
-    for phase in ("all", "decode", "prefill"):
-        share = hot_share(counts.total("all"), held_counts.total(phase), budget["fraction"])[0]
-        skew[f"held_out_{phase}_share"] = round(share, 4)
+    skew = routing_figures(counts, held_counts, budget["fraction"], held_stats,
+                           loaded.runner.config.num_experts_per_tok)
     _say(bs, f"skew: the top {100 * budget['fraction']:.1f}% of experts by development routes receive "
              f"{100 * skew['held_out_all_share']:.1f}% of held-out routes")
 
@@ -296,6 +297,27 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] plan: {residency.hot_count} hot experts -> "
              f"{bs.out / 'residency.json'}; Np = {np_info['value']} ({np_info['how']})")
     return Prepared(loaded, dev, held, budget, skew, np_info, base.with_(upload_threshold=np_info["value"]))
+
+
+def routing_figures(counts, held_counts, fraction: float, held_stats, top_k: int) -> dict:
+    """BENCHMARK.md's routing figures of a run: the share of held-out routes on the top `fraction`
+    of experts by development routes (all, decode, prefill), its spread over the MoE layers, and,
+    given the held-out sessions' per-token statistics (planner/skew.RouteStats), the share of
+    top-k experts consecutive tokens keep against independent draws (persistence; held_stats None:
+    not measured, as with saved profiles)."""
+    from ostinato.planner.skew import hot_share, persistence_report, spread_report
+
+    out = {"top_fraction": fraction}
+    for phase in ("all", "decode", "prefill"):
+        share, per_layer = hot_share(counts.total("all"), held_counts.total(phase), fraction)
+        out[f"held_out_{phase}_share"] = round(share, 4)
+        if phase == "all":
+            spread = spread_report(per_layer)
+            out["layers"] = {k: spread[k] for k in ("min_layer", "median_layer", "max_layer", "layer_ranges")}
+    if held_stats is not None and held_stats.pairs:
+        p = persistence_report(held_stats, top_k)
+        out["persistence"] = {k: p[k] for k in ("overlap", "independent", "excess")}
+    return out
 
 
 def run_bench(bs: BenchSettings) -> dict:

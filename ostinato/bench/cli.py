@@ -61,10 +61,11 @@ def cmd_replay(a) -> int:
         sessions = held if a.split == "held-out" else dev
     tokenizer, layers, engine = None, None, "reference"
     if a.endpoint:
-        if a.tokenizer:
+        if a.tokenizer:  # a model argument (a checkpoint, a GGUF file, synth:PRESET): its tokenizer
+            from ostinato.loader.source import open_source
             from ostinato.loader.tokenizer import ChatTokenizer
 
-            tokenizer = ChatTokenizer.from_dir(a.tokenizer)
+            tokenizer = ChatTokenizer.from_dir(open_source(a.tokenizer).tokenizer_dir)
         target = HttpTarget(a.endpoint, kind=a.endpoint_kind, tokenizer=tokenizer, api_key=a.api_key,
                             model=a.served_model, first_token=a.first_token, api=a.api)
         engine = target.name
@@ -140,16 +141,16 @@ def cmd_bench(a) -> int:
 def cmd_report(a) -> int:
     """The report and plots of a bench folder again, from its results.json (e.g. a run cut
     short by a time limit, which writes its plots only at the end)."""
-    from ostinato.bench.report import add_external, finish_result, format_table
+    from ostinato.bench.report import add_external, finish_result, format_table, load_results
 
+    if a.regimes:
+        return _report_regimes(a)
+    if not a.folder:
+        raise ConfigError("give a bench folder (the --out of `ostinato bench`), or --regimes NAME=DIR ...")
+    if a.out:
+        raise ConfigError("--out is where --regimes writes; a bench folder's report is written into the folder")
     out = Path(a.folder)
-    path = out / "results.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no results.json (the --out folder of `ostinato bench`)")
-    result = json.loads(path.read_text())
-    turns = result.pop("turns", {})
-    for k in ("comparisons", "targets", "files", "plot_error"):
-        result.pop(k, None)
+    result, turns = load_results(out)
     for spec in a.engine or []:
         name, _, file = spec.partition("=")
         if not (name and file):
@@ -161,6 +162,26 @@ def cmd_report(a) -> int:
     result = finish_result(result, turns, out, with_plots=True)
     print(format_table(result))
     print(f"report: {result['files']['report']}; plots: {len(result['files']['plots'])}")
+    return 0
+
+
+def _report_regimes(a) -> int:
+    """`report --regimes`: one table and one figure over bench runs that differ only in the
+    synthetic model's routing regime (bench/regimes.py)."""
+    from ostinato.bench.regimes import format_verdicts, write_regimes_report
+
+    if a.folder or a.engine:
+        raise ConfigError("--regimes compares bench folders given as NAME=DIR: drop the folder and --engine")
+    specs = []
+    for spec in a.regimes:
+        name, _, folder = spec.partition("=")
+        if not (name and folder):
+            raise ConfigError(f"--regimes {spec!r}: give NAME=DIR, e.g. layered=res/regimes/layered")
+        specs.append((name, folder))
+    doc = write_regimes_report(specs, a.out or "ostinato-regimes")
+    print(format_verdicts(doc))
+    print(f"report: {doc['files']['report']}; figure: {doc['files']['figure'] or doc.get('figure_error')}")
+    print(json.dumps(doc))
     return 0
 
 
@@ -193,7 +214,8 @@ def add_bench_commands(sub) -> None:
                    help="the route an endpoint is replayed through: chat completions, or /v1/messages (our server; "
                         "needs --tokenizer)")
     p.add_argument("--served-model", help="model name to send (default: the server's first model)")
-    p.add_argument("--tokenizer", help="checkpoint directory whose tokenizer measures recorded lengths (HTTP)")
+    p.add_argument("--tokenizer", help="the model whose tokenizer measures recorded lengths over HTTP (a checkpoint "
+                   "directory, a GGUF file or synth:PRESET)")
     p.add_argument("--first-token", default="chunk", choices=["chunk", "text"],
                    help="what marks the first token over HTTP (default: the first streamed chunk)")
     p.add_argument("--policy", choices=POLICIES,
@@ -239,11 +261,16 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("report", help="write a bench folder's report.md and plots again from its results.json")
-    p.add_argument("folder", help="the --out folder of `ostinato bench`")
+    p = sub.add_parser("report", help="write a bench folder's report.md and plots again from its results.json; "
+                                      "or compare bench folders of one model under several routing regimes")
+    p.add_argument("folder", nargs="?", help="the --out folder of `ostinato bench`")
     p.add_argument("--engine", action="append", metavar="NAME=FILE",
                    help="add an engine replayed over HTTP on the same turns: FILE holds the output of `ostinato "
                         "replay --endpoint` (its last JSON line); NAME llama.cpp fills the llama.cpp target")
+    p.add_argument("--regimes", nargs="+", metavar="NAME=DIR",
+                   help="bench folders of one synthetic model under routing regimes (synth:P?regime=R), one run each, "
+                        "measured alike otherwise: regimes.md, regimes.json and regimes.png into --out")
+    p.add_argument("--out", help="folder for the --regimes report (default ./ostinato-regimes)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("demo", help="the benchmark on the embedded default (tiny model, generated sessions)")

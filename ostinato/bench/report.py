@@ -271,7 +271,7 @@ def markdown(result: dict, plots: list[str]) -> str:
              f"- skew: the top {100 * result['skew']['top_fraction']:.1f}% of experts by development routes "
              f"receive {100 * result['skew']['held_out_all_share']:.1f}% of held-out routes "
              f"(decode {100 * result['skew']['held_out_decode_share']:.1f}%, prefill "
-             f"{100 * result['skew']['held_out_prefill_share']:.1f}%)",
+             f"{100 * result['skew']['held_out_prefill_share']:.1f}%){routing_note(result['skew'])}",
              f"- Np = {result['np']['value']} ({result['np']['how']}){_predicted(result)}", *_cpu_note(result),
              *_merged_note(result), "",
              "## Held-out sessions", "",
@@ -340,6 +340,21 @@ def markdown(result: dict, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def routing_note(skew: dict) -> str:
+    """The spread of the skew figure over the layers and the persistence of experts across
+    tokens, where the run measured them (bench.routing_figures)."""
+    text = ""
+    if skew.get("layers"):
+        lay = skew["layers"]
+        text += (f"; per MoE layer {100 * lay['min_layer']:.1f}% to {100 * lay['max_layer']:.1f}% (median "
+                 f"{100 * lay['median_layer']:.1f}%)")
+    if skew.get("persistence"):
+        per = skew["persistence"]
+        text += (f"; consecutive tokens share {100 * per['overlap']:.1f}% of their top-k experts "
+                 f"({100 * per['independent']:.1f}% for independent draws)")
+    return text
+
+
 def _cpu_note(result: dict) -> list[str]:
     if not str(result["device"]).startswith("cpu"):
         return []
@@ -359,6 +374,22 @@ def _predicted(result: dict) -> str:
 
 def _gib(v):
     return "none (logical budget)" if v is None else f"{v / 2**30:.1f} GiB"
+
+
+DERIVED = ("comparisons", "targets", "files", "plot_error")  # what finish_result adds to a result
+
+
+def load_results(folder: str | Path) -> tuple[dict, dict]:
+    """A bench folder's results.json -> (the result as the run measured it, without what
+    finish_result derives from it; the raw turns per policy)."""
+    path = Path(folder) / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no results.json (the --out folder of `ostinato bench`)")
+    result = json.loads(path.read_text())
+    turns = result.pop("turns", {})
+    for k in DERIVED:
+        result.pop(k, None)
+    return result, turns
 
 
 def finish_result(result: dict, turns: dict, out: Path, with_plots: bool = True) -> dict:
