@@ -7,8 +7,11 @@ the whole module; the tests that need another app (loading states) use a fake lo
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +24,7 @@ import uvicorn
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.session import common_prefix
 from ostinato.server.app import build_app
+from ostinato.server.parsing.hermes import Hermes
 from ostinato.server.routes import create_app
 from ostinato.server.worker import EngineWorker
 
@@ -197,6 +201,30 @@ def test_tool_choice_none_hides_the_tools(http):
     assert chat(http, tools=TOOLS, tool_choice=named, max_tokens=1)["usage"]["completion_tokens"] == 1
 
 
+def test_a_required_call_is_written_and_parallel_false_ends_after_one(http):
+    """The tiny model writes gibberish, so the server's part shows: the call's opening, with the name."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    head = http.post("/tokenize", json={"prompt": Hermes.head("get_weather")}).json()["tokens"]
+    n = len(head) + 4
+    out = chat(http, tools=TOOLS, tool_choice=named, max_tokens=n, ostinato_return_ids=True)["choices"][0]
+    assert out["ostinato_output_ids"][:len(head)] == head
+    [call] = out["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["function"]["arguments"].startswith("{")
+    one_tool = chat(http, tools=TOOLS, tool_choice="required", max_tokens=n, ostinato_return_ids=True)["choices"][0]
+    assert one_tool["ostinato_output_ids"] == out["ostinato_output_ids"]  # the only function: named
+    stream = [json.loads(line[6:]) for line in http.post("/v1/chat/completions", json={
+        "model": NAME, "messages": USER, "tools": TOOLS, "tool_choice": named, "max_tokens": n, "temperature": 0,
+        "stream": True}).text.splitlines() if line.startswith("data: {")]
+    assert [tc["function"]["name"] for c in stream for tc in c["choices"][0]["delta"].get("tool_calls", [])
+            if "name" in tc["function"]] == ["get_weather"]
+
+    [end] = http.post("/tokenize", json={"prompt": "</tool_call>"}).json()["tokens"]
+    closing = dict(tools=TOOLS, tool_choice=named, max_tokens=n, logit_bias={str(end): 100})  # every token closes
+    many, one = chat(http, **closing), chat(http, **closing, parallel_tool_calls=False)
+    assert many["usage"]["completion_tokens"] == n and many["choices"][0]["finish_reason"] == "length"
+    assert one["usage"]["completion_tokens"] == len(head) + 1 and one["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_forced_ids_and_stop_sequences(http):
     base = chat(http, max_tokens=12, ostinato_return_ids=True)
     ids, text = base["choices"][0]["ostinato_output_ids"], base["choices"][0]["message"]["content"]
@@ -284,6 +312,124 @@ def test_bad_requests_get_a_clear_error(http, body, status, words):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert words in error["message"], error
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# Every parameter of the chat and text completion bodies (the openai client's and ours): honoured, with a
+# check of what reaches the engine (the Job: prompt, sampling, stops, steering) or of the answer; inert,
+# changing nothing by its nature (the Job equals a plain request's); or refused with a 400 naming it.
+CHAT_PARAMS = {
+    "model": ("honoured", {"model": NAME}, "test_health_models_and_model_name"),
+    "messages": ("honoured", {}, "test_same_tokens_as_ostinato_generate"),
+    "max_tokens": ("honoured", {"max_tokens": 3}, lambda j, r: j.params.max_tokens == 3),
+    "max_completion_tokens": ("honoured", {"max_tokens": 5, "max_completion_tokens": 2},
+                              lambda j, r: j.params.max_tokens == 2),
+    "temperature": ("honoured", {"temperature": 0.7}, lambda j, r: j.params.temperature == 0.7),
+    "top_p": ("honoured", {"top_p": 0.9}, lambda j, r: j.params.top_p == 0.9),
+    "top_k": ("honoured", {"top_k": 5}, lambda j, r: j.params.top_k == 5),
+    "min_p": ("honoured", {"min_p": 0.2}, lambda j, r: j.params.min_p == 0.2),
+    "repetition_penalty": ("honoured", {"repetition_penalty": 1.3}, lambda j, r: j.params.repetition_penalty == 1.3),
+    "presence_penalty": ("honoured", {"presence_penalty": 0.5}, lambda j, r: j.params.presence_penalty == 0.5),
+    "frequency_penalty": ("honoured", {"frequency_penalty": 0.25}, lambda j, r: j.params.frequency_penalty == 0.25),
+    "logit_bias": ("honoured", {"logit_bias": {"5": 3}}, lambda j, r: j.params.logit_bias == ((5, 3.0),)),
+    "seed": ("honoured", {"seed": 7}, lambda j, r: j.params.seed == 7),
+    "stop": ("honoured", {"stop": ["a b", "c"]}, lambda j, r: j.stop == ["a b", "c"]),
+    "n": ("honoured", {"n": 1}, lambda j, r: len(r.json()["choices"]) == 1),
+    "stream": ("honoured", {"stream": True}, lambda j, r: r.text.rstrip().endswith("data: [DONE]")),
+    "stream_options": ("honoured", {"stream": True, "stream_options": {"include_usage": True}},
+                       lambda j, r: '"usage": {"prompt_tokens"' in r.text),
+    "tools": ("honoured", {"tools": TOOLS}, lambda j, r: "get_weather" in r.app_prompt),
+    "tool_choice": ("honoured", {"tools": TOOLS, "tool_choice": NAMED},
+                    lambda j, r: j.steering.asked.call and j.steering.asked.name == "get_weather"),
+    "parallel_tool_calls": ("honoured", {"tools": TOOLS, "parallel_tool_calls": False},
+                            lambda j, r: j.steering.asked.single),
+    "response_format": ("honoured", {"response_format": {"type": "text"}},
+                        lambda j, r: isinstance(r.json()["choices"][0]["message"]["content"], str)),
+    "ignore_eos": ("honoured", {"ignore_eos": True}, lambda j, r: j.params.ignore_eos),
+    "chat_template_kwargs": ("honoured", {"chat_template_kwargs": {"x": 1}},
+                             "test_anthropic.test_thinking_opened_by_the_template"),
+    "reasoning_effort": ("refused", {"reasoning_effort": "low"}, "does not read reasoning_effort"),  # honoured
+    # where the template reads it: test_anthropic.test_effort_goes_to_a_template_that_reads_it
+    "ostinato_forced_output": ("honoured", {"ostinato_forced_output": {"content": "x"}}, "test_streamed_tool_call"),
+    "ostinato_forced_ids": ("honoured", {"ostinato_forced_ids": [5]}, lambda j, r: j.forced == [5]),
+    "ostinato_return_ids": ("honoured", {"ostinato_return_ids": True}, lambda j, r: "ostinato_prompt_ids" in r.json()),
+    "user": ("inert", {"user": "u-1"}, "an identifier for abuse monitoring"),
+    "safety_identifier": ("inert", {"safety_identifier": "h-1"}, "the same"),
+    "metadata": ("inert", {"metadata": {"team": "a"}}, "tags of a stored completion (store is refused)"),
+    "prompt_cache_key": ("inert", {"prompt_cache_key": "k"}, "the KV cache is reused on any shared prefix"),
+    "prompt_cache_options": ("inert", {"prompt_cache_options": {"mode": "implicit"}}, "the same"),
+    "prompt_cache_retention": ("inert", {"prompt_cache_retention": "24h"}, "the same"),
+    "service_tier": ("inert", {"service_tier": "flex"}, "one queue serves every request"),
+    "prediction": ("inert", {"prediction": {"type": "content", "content": "x"}}, "a latency hint: the output is "
+                                                                                  "the same without it"),
+    "logprobs": ("refused", {"logprobs": True}, "logprobs"),
+    "top_logprobs": ("refused", {"top_logprobs": 2}, "top_logprobs"),
+    "audio": ("refused", {"audio": {"voice": "alloy", "format": "wav"}}, "text only"),
+    "modalities": ("refused", {"modalities": ["text", "audio"]}, "text only"),
+    "functions": ("refused", {"functions": [{"name": "f"}]}, "send tools"),
+    "function_call": ("refused", {"function_call": "auto"}, "send tools"),
+    "store": ("refused", {"store": True}, "store"),
+    "web_search_options": ("refused", {"web_search_options": {}}, "no web search"),
+    "moderation": ("refused", {"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    "verbosity": ("refused", {"verbosity": "low"}, "verbosity"),
+}
+MORE_REFUSED = [  # values of honoured parameters that ask for what is not done
+    ({"n": 2}, "n must be 1"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"stream_options": {"include_usage": True}}, "stream_options go with stream"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "strict"),
+]
+COMPLETION_PARAMS = {"prompt", "echo", "suffix", "best_of"}  # beyond the chat ones: test_text_completions, BAD
+
+
+def test_every_request_parameter_is_honoured_or_refused(live, http, monkeypatch):
+    from openai.resources.chat.completions import Completions as Chat
+    from openai.resources.completions import Completions
+
+    from ostinato.server.protocol import ChatRequest, CompletionRequest
+
+    transport = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
+    sdk = {name for f in (Chat.create, Completions.create) for name in inspect.signature(f).parameters} - transport
+    listed = set(CHAT_PARAMS) | COMPLETION_PARAMS
+    assert sdk - listed == set() and set(ChatRequest.model_fields) | set(CompletionRequest.model_fields) <= listed
+
+    check_parameter_table(live, http, monkeypatch, "/v1/chat/completions",
+                          {"model": NAME, "messages": USER, "max_tokens": 1, "temperature": 0}, CHAT_PARAMS, __name__)
+
+
+def check_parameter_table(live, http, monkeypatch, route: str, base: dict, table: dict, here: str):
+    """Each entry of `table` (name -> (kind, extra body, check)) posted to `route` on top of `base`:
+    refused: a 400 whose message holds `check`; inert: the engine job equals the plain request's;
+    honoured: check(job, response) holds, or `check` names the test of its effect ("module.test", or
+    "test" in the module `here`). -> post(extra body) -> (response, engine job), for more checks."""
+    jobs = []
+    submit = live.app.state.worker.submit
+    monkeypatch.setattr(live.app.state.worker, "submit", lambda job: (jobs.append(job), submit(job)))
+
+    def post(extra: dict):
+        jobs.clear()
+        r = http.post(route, json={**base, **extra})
+        r.app_prompt = live.app.state.worker.loaded.tokenizer.decode(jobs[0].prompt) if jobs else ""
+        return r, (jobs[0] if jobs else None)
+    _, plain = post({})
+    for name, (kind, body, check) in table.items():
+        r, job = post(body)
+        if kind == "refused":
+            assert r.status_code == 400 and check in r.json()["error"]["message"], (name, r.text)
+            continue
+        assert r.status_code == 200, (name, r.text)
+        if kind == "inert":
+            assert (job.prompt, job.params, job.stop, job.steering) == \
+                (plain.prompt, plain.params, plain.stop, plain.steering), name
+        elif callable(check):
+            assert check(job, r), name
+        else:  # the test of its effect, in this module or another
+            module, _, test = check.rpartition(".")
+            assert hasattr(importlib.import_module(f"tests.{module}") if module else sys.modules[here], test), check
+    return post
+    for body, words in MORE_REFUSED:
+        r, _ = post(body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
 
 
 def test_bad_requests_leave_the_server_serving(http, client):
@@ -511,15 +657,19 @@ def test_health_while_loading_and_after_a_failed_load():
     release = threading.Event()
 
     def load(progress):
-        progress("reading shards")
+        progress("profiling", 3, 8)
         release.wait(30)
         raise RuntimeError("checkpoint is corrupt")
 
     worker = EngineWorker(load)
     with LiveServer(create_app(worker, "broken")) as server:
-        r = httpx.get(server.url + "/health")
-        assert r.status_code == 503 and r.json()["status"] == "loading"
-        assert r.json()["progress"]["phase"] == "reading shards"
+        deadline = time.monotonic() + 10
+        while (r := httpx.get(server.url + "/health")).json().get("phase") == "starting":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert r.status_code == 503
+        assert {k: r.json()[k] for k in ("status", "phase", "done", "of")} == \
+            {"status": "loading", "phase": "profiling", "done": 3, "of": 8}
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
         release.set()

@@ -49,6 +49,8 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
     residency = None
     if experts_factory is None and placement is not None and placement.residency:
         residency = Residency.load(placement.residency)  # read once, here
+        if placement.gpu_memory is None and residency.gpu_memory:  # the cap it was planned for
+            placement = dataclasses.replace(placement, gpu_memory=int(residency.gpu_memory))
         experts_factory = hybrid_factory(placement, residency)
         kv_tokens = residency.capacity.get("kv_tokens")
         if kv_tokens and settings.max_context is None:
@@ -80,20 +82,25 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
     return loaded
 
 
-def check_all_resident_fit(source, settings: RunnerSettings, cap: int, model: str) -> None:
-    """Without a residency every expert goes onto the GPU: under a cap that cannot hold them (the
-    capacity test: dense weights, KV cache, activations, margin), say what to do instead of
-    running out of memory half way through the load."""
+def all_resident_fit(source, settings: RunnerSettings, cap: int) -> bool:
+    """Whether every expert fits on the GPU under `cap` beside the dense weights, the KV cache, the
+    activations and the margin (the capacity test)."""
     cfg = source.config
     dtype = settings.torch_dtype(cfg.torch_dtype)
-    kv = settings.max_context or min(16384, cfg.max_position_embeddings)
     counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
-    total = len(cfg.moe_layers) * cfg.num_experts
     try:
-        fits = plan_capacity(cfg, counts, cap, kv, dtype).max_hot_slots >= total
+        return plan_capacity(cfg, counts, cap, settings.context(cfg), dtype).max_hot_slots >= \
+            len(cfg.moe_layers) * cfg.num_experts
     except CapacityError:
-        fits = False
-    if not fits:
+        return False
+
+
+def check_all_resident_fit(source, settings: RunnerSettings, cap: int, model: str) -> None:
+    """Without a residency every expert goes onto the GPU: under a cap that cannot hold them, say
+    what to do instead of running out of memory half way through the load."""
+    cfg = source.config
+    kv, total = settings.context(cfg), len(cfg.moe_layers) * cfg.num_experts
+    if not all_resident_fit(source, settings, cap):
         raise ConfigError(f"{model}: its {total} experts do not all fit under --gpu-memory {cap / 2**30:.1f} GiB "
                           f"with a {kv}-token KV cache; plan a residency for the cap first (`ostinato plan "
                           f"--model {model} --profile P --gpu-memory ... -o R`), then give --residency R")

@@ -24,7 +24,8 @@ from ostinato.engine.threads import ThreadLayout, claim_host_thread, process_lay
 from ostinato.layers.moe.graph_hybrid import for_graphs
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import build_model, load_all_experts
-from ostinato.models.qwen3_moe import DecodeWindow
+from ostinato.models.common import DecodeWindow
+from ostinato.planner.served import RouteTally
 
 
 def default_device() -> torch.device:
@@ -40,12 +41,17 @@ class RunnerSettings:
     cuda_graph: bool = True  # decode as captured graphs (one per device), when the experts backend allows it
     devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": MoE layers split across them, in order
     cpu_threads: int | None = None  # CPU expert workers; default: every physical core the layout leaves
+    count_routes: bool = False  # tally every pass's routes on the device (planner/served.py: serve learns from them)
 
     def thread_layout(self, layer_devices: Sequence[str] | None = None, graphs: bool = True) -> ThreadLayout:
         """The process's thread layout (engine/threads.py) for these devices (default: the
         settings'); graphs: the backend decodes through the graph handshake when it can."""
         gpus = [split.cuda_index(n) for n in split.gpus_in_order(list(layer_devices or self.device_names()))]
         return process_layout(gpus, graphs and self.cuda_graph and bool(gpus), self.cpu_threads)
+
+    def context(self, cfg) -> int:
+        """The KV cache's tokens: max_context, else min(16384, the model's max_position_embeddings)."""
+        return self.max_context or min(16384, cfg.max_position_embeddings)
 
     def device_names(self) -> list[str]:
         """The devices in layer order; `device` may itself be a comma list."""
@@ -72,11 +78,14 @@ class ModelRunner:
         self.config = source.config
         self.device = settings.torch_device()
         self.dtype = settings.torch_dtype(self.config.torch_dtype)
-        max_context = settings.max_context or min(16384, self.config.max_position_embeddings)
+        max_context = settings.context(self.config)
         self.layer_devices = getattr(experts, "layer_devices", None) or split.resolve_layer_devices(
             self.config, settings.device_names(), None, max_context, self.dtype)
         self.threads = settings.thread_layout(self.layer_devices)
         self._step_done = None  # a blocking event, where the host thread shares a poller's core
+        # the routes of every pass, counted where the model calls its experts (inside graphs too)
+        self.routes = RouteTally(self.config.moe_layers, self.config.num_experts,
+                                 self.config.num_experts_per_tok) if settings.count_routes else None
         if self.device.type == "cuda":
             claim_host_thread(self.threads)
             if self.threads.host_shares_poller:
@@ -87,7 +96,7 @@ class ModelRunner:
         self.experts = experts if experts is not None else ReferenceExperts(
             load_all_experts(source, device=self.device, dtype=self.dtype))
         self.model = build_model(source, self.device, self.dtype)
-        self.model.set_experts(self.experts)
+        self._plug(self.experts)
         self.kv = KVCache(self.config, max_context, self.device, self.dtype)
         self.segments = split.segments([str(self.device)] * self.config.num_hidden_layers)
         self.graphs = None
@@ -103,7 +112,7 @@ class ModelRunner:
                                                                                  self.dtype)
         self.model = build_model(source, "cpu", self.dtype)
         split.place_model(self.model, self.layer_devices)
-        self.model.set_experts(self.experts)
+        self._plug(self.experts)
         self.kv = split.SplitKV(self.config, max_context, self.layer_devices, self.dtype)
         self.graphs = None
         if self.settings.cuda_graph and self.device.type == "cuda":
@@ -121,22 +130,27 @@ class ModelRunner:
     def experts_swapped(self, backend):
         """Run passes through another backend for a while (profiling, calibration wrappers),
         host-driven: the captured decode graphs hold the old backend, so they are set aside
-        and come back, untouched, afterwards."""
+        and come back, untouched, afterwards. Their routes are not the served ones: not counted."""
         graphs, experts = self.graphs, self.experts
         self.graphs = None
         self.model.set_experts(backend)
         try:
             yield
         finally:
-            self.model.set_experts(experts)
+            self._plug(experts)
             self.graphs = graphs
+
+    def _plug(self, backend) -> None:
+        """The backend the model's MoE blocks call: the runner's, counted when routes are tallied."""
+        self.model.set_experts(self.routes.wrap(backend) if self.routes is not None and backend is not None
+                               else backend)
 
     def set_experts(self, backend) -> None:
         """Plug another experts backend in (a baseline policy): the old decode graphs go, and
         new ones are captured when the settings ask for them and the backend allows it."""
         self.graphs = None
         self.experts = backend
-        self.model.set_experts(backend)
+        self._plug(backend)
         if backend is not None and self.settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()  # may wrap a HybridExperts (each device's) in its graph backend
 
@@ -149,7 +163,7 @@ class ModelRunner:
             self.experts.wrap(lambda backend, name: for_graphs(backend, self.poller_core(name)))
         elif self.layer_devices is None:
             self.experts = for_graphs(self.experts, self.poller_core(str(self.device)))
-        self.model.set_experts(self.experts)
+        self._plug(self.experts)
         if not (self.experts.capturable or self.experts.segmented):
             return
         self.graphs = DecodeGraphs(self)

@@ -3,6 +3,7 @@ test + fill -> residency file), calibrate (cost-model constants measured in the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -95,21 +96,32 @@ def cmd_skew(a) -> int:
     return 0
 
 
-def _plan_profile(a, cfg):
-    """The development profile: from --profile, profiled now from --sessions, or none."""
+def _plan_profile(a, source):
+    """The development profile: from --profile, profiled now from --sessions (on an engine with no
+    expert resident, under --gpu-memory if given: planner/auto.py), or none."""
     from ostinato.planner.profile import RouteCounts
 
     if a.profile:
         return RouteCounts.load(a.profile), a.profile
     if a.sessions:
-        from ostinato.engine.factory import load_engine
-        from ostinato.engine.runner import RunnerSettings
-        from ostinato.planner.run_profile import profile_sessions
+        import tempfile
 
-        loaded = load_engine(a.model, RunnerSettings(device=a.device, dtype=a.dtype, cpu_threads=a.cpu_threads))
+        from ostinato.config import parse_bytes
+        from ostinato.engine.placement import PlacementSettings
+        from ostinato.engine.runner import RunnerSettings
+        from ostinato.planner.auto import load_cold
+        from ostinato.planner.run_profile import profile_sessions
+        from ostinato.policies.factory import release
+
+        settings = RunnerSettings(device=_device(a), dtype=a.dtype, cpu_threads=a.cpu_threads, max_context=a.max_context)
+        place = PlacementSettings(gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None,
+                                  experts=getattr(a, "experts", "native"))
+        with tempfile.TemporaryDirectory() as tmp:
+            loaded = load_cold(a.model, source, settings, place, Path(tmp) / "cold.json")
         prof = profile_sessions(loaded, _sessions(a.sessions, None))
         path = f"{a.output}.profile.json"
         prof.save(path)
+        release(loaded)
         del loaded
         return prof, path
     if a.hot_fraction in (0.0, 1.0) and not a.gpu_memory:
@@ -132,17 +144,13 @@ def _device(a) -> str | None:
 
 
 def _route_report(name: str, prof, hot: dict[int, list[int]], num_layers: int, top_k: int) -> dict:
-    """Hot share of a profile's routes and expected cold routes per decode token and layer."""
-    from ostinato.planner.fill import cold_routes
+    """Hot share of a profile's routes and expected cold routes per decode token and layer, printed."""
+    from ostinato.planner.pipeline import route_report
 
-    cold, total = cold_routes(prof.total("all"), hot)
-    cold_d, total_d = cold_routes(prof.decode, hot)
-    share, share_d = 1 - cold / max(total, 1), 1 - cold_d / max(total_d, 1)
-    per_token = cold_d / max(1, prof.tokens["decode"]) / num_layers  # = sum over cold experts of p_e, per layer
-    print(f"{name} routes on the GPU: {100 * share:.1f}% (decode {100 * share_d:.1f}%); "
-          f"expected cold routes per decode token and layer: {per_token:.2f} of {top_k}")
-    return {"hot_share": round(share, 4), "decode_hot_share": round(share_d, 4),
-            "cold_routes_per_token_layer": round(per_token, 4)}
+    r = route_report(prof, hot, num_layers)
+    print(f"{name} routes on the GPU: {100 * r['hot_share']:.1f}% (decode {100 * r['decode_hot_share']:.1f}%); "
+          f"expected cold routes per decode token and layer: {r['cold_routes_per_token_layer']:.2f} of {top_k}")
+    return r
 
 
 def _pool_size(a, cfg, counts, prof, device, formats=None):
@@ -195,6 +203,8 @@ def cmd_plan(a) -> int:
     from ostinato.planner.profile import RouteCounts
     from ostinato.planner.residency import Residency, model_fingerprint
 
+    if a.from_served:
+        return plan_from_served(a)
     if a.gpu_memory is None and a.hot_fraction is None:
         raise ValueError("give --gpu-memory (size the pool by the capacity test) or --hot-fraction")
     if a.hot_fraction is not None and not 0.0 <= a.hot_fraction <= 1.0:
@@ -205,7 +215,7 @@ def cmd_plan(a) -> int:
     cfg = source.config
     formats = expert_formats(source, getattr(a, "experts", "native"))  # what the engine will keep
     L, E, K = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
-    prof, prof_path = _plan_profile(a, cfg)
+    prof, prof_path = _plan_profile(a, source)
     counts = prof.total("all") if prof else {l: torch.zeros(E) for l in cfg.moe_layers}
     profile = {"path": prof_path, "sessions": prof.sessions if prof else 0,
                "tokens": prof.tokens if prof else {}, "max_tokens": prof.max_tokens if prof else 0}
@@ -233,6 +243,65 @@ def cmd_plan(a) -> int:
         _verify(a, res, cap, device)
     elif len(names) > 1 and a.gpu_memory and not a.no_verify:
         print("verification skipped: the run under the cap is measured on one device only (not yet per device)")
+    return 0
+
+
+def plan_from_served(a) -> int:
+    """The plan again, from the routes served with it (planner/served.py), for the same cap and
+    context (or the same share of experts, for a plan sized by one); the calibration is carried over.
+    Says how the share of the served routes on the GPU changes."""
+    import shutil
+
+    from ostinato.config import parse_bytes
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.loader.build import expert_formats
+    from ostinato.loader.source import open_source
+    from ostinato.planner.pipeline import plan_residency, route_report, size_pool
+    from ostinato.planner.profile import RouteCounts
+    from ostinato.planner.residency import Residency
+    from ostinato.planner.served import ServedRoutes, learned_counts, served_path
+
+    old = Residency.load(a.from_served)
+    served = ServedRoutes(served_path(a.from_served))
+    if served.counts is None:
+        raise ConfigError(f"{served.path}: no routes served with {a.from_served} yet (serve with it first)")
+    if len(old.devices) > 1:
+        raise ConfigError("--from-served plans one device; plan a split model with --devices and --profile")
+    source = open_source(a.model)
+    old.check(source)
+    cfg = source.config
+    dev_path = (old.profile or {}).get("path")
+    dev = RouteCounts.load(dev_path) if dev_path and Path(dev_path).is_file() else None
+    counts = learned_counts(dev, served)
+    dtype = RunnerSettings(device=_device(a), dtype=a.dtype).torch_dtype(cfg.torch_dtype)
+    cap = parse_bytes(a.gpu_memory) if a.gpu_memory else old.gpu_memory
+    kv = a.max_context or old.capacity.get("kv_tokens") or served.counts.max_tokens
+    total = len(cfg.moe_layers) * cfg.num_experts
+    formats = expert_formats(source, getattr(a, "experts", "native"))
+    if cap:
+        size = size_pool(cfg, counts, dtype, gpu_memory=cap, kv_tokens=kv, formats=formats)
+    else:
+        size = size_pool(cfg, counts, dtype, hot_fraction=old.hot_count / total, kv_tokens=kv, formats=formats)
+    res = plan_residency(source, counts, size, devices=old.devices, gpu_memory=cap,
+                         profile=dict(old.profile) | {"counts": f"{served.served_tokens} served tokens and the "
+                                                      f"development profile at weight {served.dev_weight():.4f}"},
+                         notes=dict(old.notes))
+    res.calibration = old.calibration
+    L = len(cfg.moe_layers)
+    before, after = route_report(served.counts, old.hot, L), route_report(served.counts, res.hot, L)
+    res.notes["report"] = dict(res.notes.get("report") or {}) | {"served": after, "served_before": before}
+    if dev is not None:
+        res.notes["report"]["development"] = route_report(dev, res.hot, L)
+    res.save(a.output)
+    if Path(a.output).resolve() != Path(a.from_served).resolve():  # the new plan learns on from here
+        shutil.copyfile(served.path, served_path(a.output))
+    print(f"{res.hot_count} hot experts of {total} ({100 * res.hot_count / total:.1f}%), planned from "
+          f"{served.served_tokens} served tokens -> {a.output}")
+    print(f"served routes on the GPU: {100 * before['hot_share']:.1f}% with the old plan -> "
+          f"{100 * after['hot_share']:.1f}% with the new (decode {100 * before['decode_hot_share']:.1f}% -> "
+          f"{100 * after['decode_hot_share']:.1f}%)")
+    if res.calibration:
+        print("the calibration was carried over from the old plan (`ostinato calibrate` measures it again)")
     return 0
 
 
@@ -284,10 +353,7 @@ def cmd_calibrate(a) -> int:
     if not a.residency:
         raise ValueError("give --residency (a plan from `ostinato plan`)")
     res = Residency.load(a.residency)
-    place = placement_settings(a)
-    if place.gpu_memory is None and res.gpu_memory:
-        place = dataclasses.replace(place, gpu_memory=res.gpu_memory)  # the cap it was planned for
-    place = dataclasses.replace(place, cpu_backend=a.cpu_backend)
+    place = dataclasses.replace(placement_settings(a), cpu_backend=a.cpu_backend)  # the plan's cap: load_engine
     kv = a.max_context or res.capacity.get("kv_tokens") or None
     settings = dataclasses.replace(runner_settings(a), max_context=kv)
     loaded = load_engine(a.model, settings, place)
@@ -365,6 +431,8 @@ def add_planner_commands(sub) -> None:
     p.add_argument("--profile", help="development profile from `ostinato profile`")
     p.add_argument("--sessions", help="profile these development sessions now (instead of --profile)")
     p.add_argument("--held-out", help="held-out profile, to report the hot share it gets")
+    p.add_argument("--from-served", metavar="RESIDENCY", help="plan again from the routes served with this "
+                   "residency (kept beside it by `ostinato serve`), for the same cap and context")
     p.add_argument("--gpu-memory", help="GPU memory cap, e.g. 32GiB: the pool gets what the capacity test leaves")
     p.add_argument("--hot-fraction", type=float, help="pool size as a share of all experts (checked against "
                    "--gpu-memory when both are given)")

@@ -24,7 +24,7 @@ import torch
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.planner.capacity import Capacity, CapacitySettings, expert_bytes, expert_sizes, max_hot_bytes, plan_capacity, \
     pool_groups
-from ostinato.planner.fill import fill
+from ostinato.planner.fill import cold_routes, fill
 from ostinato.planner.residency import Residency, model_fingerprint
 
 
@@ -89,3 +89,14 @@ def plan_residency(source, counts: dict[int, torch.Tensor], size: PoolSize, *, d
     return Residency(model_fingerprint(source), cfg.num_experts, fill(counts, size.hot), devices=devices or {},
                      gpu_memory=gpu_memory, profile=profile or {},
                      capacity=size.capacity.to_json() if size.capacity else {}, notes=notes or {})
+
+
+def route_report(prof, hot: dict[int, list[int]], num_layers: int) -> dict:
+    """A profile (RouteCounts) under a residency set: the share of its routes on the GPU, of its decode
+    routes, and the expected cold routes per decode token and MoE layer (sum of the cold experts' p_e)."""
+    cold, total = cold_routes(prof.total("all"), hot)
+    cold_d, total_d = cold_routes(prof.decode, hot)
+    share, share_d = 1 - cold / max(total, 1), 1 - cold_d / max(total_d, 1)
+    per_token = cold_d / max(1, prof.tokens["decode"]) / num_layers
+    return {"hot_share": round(share, 4), "decode_hot_share": round(share_d, 4),
+            "cold_routes_per_token_layer": round(per_token, 4)}

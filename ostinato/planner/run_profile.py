@@ -8,10 +8,11 @@ from ostinato.planner.profile import CountingExperts, RouteCounts, session_strea
 
 
 def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profile", wrap=None,
-                     on_pass=None) -> RouteCounts:
+                     on_pass=None, on_session=None) -> RouteCounts:
     """Route counts of every session's tokens, prefilled chunk by chunk. wrap(backend) -> a backend
     that sees each pass's routing too, and on_pass(ids, start) runs after each pass (start 0: a new
-    session): how planner/skew.trace_sessions reads per-token routing from the same passes."""
+    session): how planner/skew.trace_sessions reads per-token routing from the same passes.
+    on_session(done, of) after each session (serve's /health shows it)."""
     runner, tok, cfg = loaded.runner, loaded.tokenizer, loaded.runner.config
     counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
     counter = CountingExperts(wrap(runner.experts) if wrap else runner.experts, counts)
@@ -31,6 +32,8 @@ def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profi
             counts.tokens["decode"] += n_out
             counts.tokens["prefill"] += len(st.ids) - n_out
             counts.sessions += 1
+            if on_session is not None:
+                on_session(counts.sessions, len(sessions))
             bar.set_postfix(tokens=sum(counts.tokens.values()), longest=counts.max_tokens)
     counts.prefill = {l: c.cpu() for l, c in counts.prefill.items()}
     counts.decode = {l: c.cpu() for l, c in counts.decode.items()}

@@ -3,10 +3,12 @@
 Shared by `ostinato serve` and the tests, which run the same app under uvicorn in a
 thread. Nothing is loaded here: the engine thread loads the model once the server
 starts, so /health answers from the first moment. The experts placement (a residency:
-hybrid CPU-GPU) goes to `load_engine` as it is, like `ostinato generate` does.
+hybrid CPU-GPU) goes to `load_engine` as it is, like `ostinato generate` does; a GPU memory
+cap without one is planned for at start-up, or read from the plan cache (planner/auto.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +18,8 @@ from fastapi import FastAPI
 from ostinato.engine.factory import load_engine, startup_summary, summary_text
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
+from ostinato.planner.auto import AutoPlan, load_planned
+from ostinato.planner.served import ServedRoutes, served_path
 from ostinato.server.handlers import DEFAULT_MAX_BODY
 from ostinato.server.routes import create_app
 from ostinato.server.worker import EngineWorker
@@ -41,16 +45,38 @@ def served_names(model: str, names: str | Sequence[str] | None) -> list[str]:
 def build_app(model: str, settings: RunnerSettings = RunnerSettings(), placement: PlacementSettings | None = None,
               api_key: str | None = None, name: str | Sequence[str] | None = None, warmup: bool = True,
               tool_call_parser: str | None = None, max_body_size: int = DEFAULT_MAX_BODY,
-              conversations: int = DEFAULT_CONVERSATIONS, url: str | None = None) -> FastAPI:
+              conversations: int = DEFAULT_CONVERSATIONS, conversation_bytes: int | None = None,
+              url: str | None = None,
+              auto_plan: AutoPlan | None = AutoPlan(), learn: bool = True) -> FastAPI:
     """`conversations`: how many conversations besides the active one keep their KV cache
-    in host memory, so that an agent's side requests do not cost its session a prefill.
-    `url`: where the server listens, for the start-up summary logged once the model is ready."""
+    in host memory, so that an agent's side requests do not cost its session a prefill;
+    `conversation_bytes`: the most host memory those copies take together (None: no cap).
+    `url`: where the server listens, for the start-up summary logged once the model is ready.
+    `auto_plan`: with a cap and no residency, the plan comes from the cache or is made at start-up
+    (planner/auto.py); None: every expert on the GPU, refused when they do not fit the cap.
+    `learn`: count the routes served and keep them beside the plan (planner/served.py)."""
+    plans = placement is not None and (placement.residency or (placement.gpu_memory and auto_plan is not None))
+    settings = dataclasses.replace(settings, count_routes=bool(learn and plans))
+
     def load(progress):
-        progress("loading weights")
-        loaded = load_engine(model, settings, placement, announce=False)
-        loaded.engine.keep_conversations(conversations)
+        if placement is not None and not placement.residency and placement.gpu_memory and auto_plan is not None:
+            loaded = load_planned(model, settings, placement, auto_plan, progress)
+        else:
+            progress("loading weights")
+            loaded = load_engine(model, settings, placement, announce=False)
+        loaded.engine.keep_conversations(conversations, conversation_bytes)
         return loaded
 
     worker = EngineWorker(load, warmup=warmup)
-    worker.on_ready = lambda loaded: log.info(summary_text(startup_summary(loaded, url)))
+
+    def ready(loaded) -> None:  # on the engine thread, after the warm-up
+        routes = loaded.runner.routes
+        if routes is not None and loaded.placement is not None and loaded.placement.residency:
+            routes.reset()  # the warm-up's and the calibration's passes were not served
+            served = ServedRoutes(served_path(loaded.placement.residency))
+            worker.after_job = lambda: served.flush(routes)
+            worker.on_stop = lambda: served.flush(routes, force=True)
+        log.info(summary_text(startup_summary(loaded, url)))
+
+    worker.on_ready = ready
     return create_app(worker, served_names(model, name), api_key, tool_call_parser, max_body_size)

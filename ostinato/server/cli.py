@@ -1,7 +1,8 @@
 """`ostinato serve`: the OpenAI- and Anthropic-compatible server over one session slot.
 
 The model and placement flags (--model, --device, --dtype, --max-context, --residency,
---gpu-memory, ...) are the shared ones of `ostinato generate`; this adds the network side.
+--gpu-memory, ...) are the shared ones of `ostinato generate`; this adds the network side, and
+the plan serve makes for itself when given a cap and no residency (planner/auto.py).
 
 The model loads on the engine thread while the HTTP server already answers /health; a load
 that fails stops the server, and the command exits with the load's error (2 for one the user
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ostinato.config import ConfigError, parse_bytes
 from ostinato.model_args import add_model_args, placement_settings, runner_settings
+from ostinato.planner.auto import DEFAULT_SESSIONS, AutoPlan
 from ostinato.server.parsing import FORMATS
 
 
@@ -45,9 +47,14 @@ def cmd_serve(a) -> int:
     placement = placement_settings(a)  # a bad --gpu-memory fails here, before the port is bound
     if placement.residency and not Path(placement.residency).is_file():
         raise FileNotFoundError(f"--residency {placement.residency}: no such file (write one with `ostinato plan`)")
+    if a.replan and placement.residency:
+        raise ConfigError("--replan makes the plan serve keeps in its cache: give it without --residency "
+                          "(plan a file of your own again with `ostinato plan --from-served`)")
+    auto = AutoPlan(sessions=a.sessions or DEFAULT_SESSIONS, replan=a.replan)
     app = build_app(a.model, runner_settings(a), placement, a.api_key, a.served_model_name,
                     tool_call_parser=a.tool_call_parser, max_body_size=a.max_body_size,
-                    conversations=a.kv_conversations, url=f"http://{a.host}:{a.port}")
+                    conversations=a.kv_conversations, conversation_bytes=a.kv_cache_memory,
+                    url=f"http://{a.host}:{a.port}", auto_plan=auto, learn=not a.no_learn)
     if not _is_loopback(a.host) and not a.api_key:
         print(f"ostinato: warning: serving on {a.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -82,5 +89,16 @@ def add_server_commands(sub) -> None:
                    help="conversations besides the active one whose KV cache is kept in host memory (page-locked "
                         "with a GPU; each up to the KV cache's size), least recently used dropped first, so that "
                         "side requests do not make the session prefill again; 0: only the active one (default: 4)")
+    p.add_argument("--kv-cache-memory", type=_size, metavar="SIZE",
+                   help="the most host memory the --kv-conversations copies take together, e.g. 32GiB; the least "
+                        "recently used go first to make room, a conversation larger than it is not kept "
+                        "(default: no cap but the count; /metrics shows ostinato_kv_conversation_bytes)")
+    p.add_argument("--sessions", metavar="SPEC", help="with --gpu-memory and no --residency: the agent sessions "
+                   f"to plan on, your own recordings (a file or folder) or generated ones (default {DEFAULT_SESSIONS}); "
+                   "the plan is cached under $OSTINATO_CACHE (default ~/.cache/ostinato)")
+    p.add_argument("--replan", action="store_true", help="make the cached plan again: from the routes this "
+                   "server has served with it, else by profiling --sessions")
+    p.add_argument("--no-learn", action="store_true", help="do not count the routes served (kept beside the plan "
+                   "for --replan and `ostinato plan --from-served`; one small kernel per MoE layer and pass)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

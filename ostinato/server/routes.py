@@ -75,7 +75,7 @@ def create_app(worker: EngineWorker, names: str | Sequence[str], api_key: str | 
         if worker.state == "ok":
             return {"status": "ok"}
         if worker.state == "loading":
-            return JSONResponse({"status": "loading", "progress": worker.progress()}, status_code=503)
+            return JSONResponse({"status": "loading", **worker.progress()}, status_code=503)
         return JSONResponse({"status": "error", "error": worker.error}, status_code=500)
 
     @app.get("/metrics")

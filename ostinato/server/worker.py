@@ -5,7 +5,8 @@ the weights come in), then serves jobs from a FIFO queue, one at a time: two req
 never interleave in the KV cache, and each sees the cache the previous one left. A job
 reports through its `emit` callback (the bridge makes that thread-safe); a client that
 goes away sets the job's cancel event, which the engine checks after every token, and
-a job cancelled while still queued is skipped.
+a job cancelled while still queued is skipped. A job's steering (server/steering.py) sees
+the text after every token and may write tokens in or end the output.
 
 Errors stay inside the job: an engine exception fails that request only, and the slot's
 cache stays consistent because the Engine records its tokens only after each forward. A
@@ -18,11 +19,13 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ostinato.engine.sampling import SamplingParams
 from ostinato.engine.session import GenerationStats
+from ostinato.server.steering import Steering
 from ostinato.server.textstream import TextStream
 
 log = logging.getLogger("ostinato.server")
@@ -34,6 +37,7 @@ class Job:
     params: SamplingParams
     forced: list[int] | None = None
     stop: list[str] = field(default_factory=list)
+    steering: Steering | None = None  # tokens the server writes into the output (not with a forced one)
     cancel: threading.Event = field(default_factory=threading.Event)
     emit: Callable[[object], None] = lambda event: None
 
@@ -60,24 +64,31 @@ class Failed:
 
 
 class EngineWorker:
-    """`load(progress)` -> a `Loaded` (ostinato.engine.factory), called on the engine thread."""
+    """`load(progress)` -> a `Loaded` (ostinato.engine.factory), called on the engine thread;
+    progress(phase, done=None, of=None) says where the load is (/health shows it)."""
 
     def __init__(self, load: Callable[[Callable[[str], None]], object], warmup: bool = True):
         self._load = load
         self.on_finished: Callable[[GenerationStats], None] = lambda stats: None  # metrics hook
         self.on_ready: Callable[[object], None] = lambda loaded: None  # the loaded model, after warm-up
         self.on_failed: Callable[[Exception], None] = self._log_failure  # the load's exception
+        # on the engine thread, which owns the runner: after every job, and once when the worker stops
+        self.after_job: Callable[[], None] = lambda: None
+        self.on_stop: Callable[[], None] = lambda: None
         self._warmup = warmup
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ostinato-engine", daemon=True)
         self.loaded = None
         self.state = "loading"  # loading | ok | error
         self.phase = "starting"
+        self.done: int | None = None  # units of the phase done, of `of` (sessions profiled, ...)
+        self.of: int | None = None
         self.error: str | None = None
         self.exception: Exception | None = None  # what failed the load
         self.started_at = time.monotonic()
         self.started_at_wall = time.time()
         self.placement: dict[str, float] = {}  # last runner.placement_stats(), read by /metrics
+        self.conversations = {"held": 0, "bytes": 0, "pool": 0}  # engine.conversations after the last job
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -96,10 +107,13 @@ class EngineWorker:
         return self._jobs.qsize()
 
     def progress(self) -> dict:
-        return {"phase": self.phase, "elapsed_s": round(time.monotonic() - self.started_at, 1)}
+        out = {"phase": self.phase}
+        if self.of is not None:
+            out |= {"done": self.done, "of": self.of}
+        return out | {"elapsed_s": round(time.monotonic() - self.started_at, 1)}
 
-    def _set_phase(self, phase: str) -> None:
-        self.phase = phase
+    def _set_phase(self, phase: str, done: int | None = None, of: int | None = None) -> None:
+        self.phase, self.done, self.of = phase, done, of
 
     def _run(self) -> None:
         try:
@@ -116,6 +130,15 @@ class EngineWorker:
             self.on_ready(loaded)
         while (job := self._jobs.get()) is not None:
             self._serve(job)
+            self._hook(self.after_job)
+        self._hook(self.on_stop)
+
+    @staticmethod
+    def _hook(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("an engine hook failed")
 
     @staticmethod
     def _log_failure(error: Exception) -> None:
@@ -135,13 +158,24 @@ class EngineWorker:
             return
         tok = self.loaded.tokenizer
         text = TextStream(tok, [] if job.forced is not None else job.stop, tok.eos_ids)
-        stats, ids = GenerationStats(), []
+        stats, ids, insert = GenerationStats(), [], deque()
+        steering = job.steering if job.forced is None else None
+        steered = False  # the steering ended the output
         try:
-            for token in self.loaded.engine.generate(job.prompt, job.params, job.forced, job.cancel, stats):
+            if steering is not None:
+                insert.extend(steering.after("", 0))
+            for token in self.loaded.engine.generate(job.prompt, job.params, job.forced, job.cancel, stats, insert):
                 ids.append(token)
                 delta = text.feed(token)
                 if text.stopped:
                     job.cancel.set()  # the engine stops before another forward
+                elif steering is not None and not insert:  # what it wrote is all in the text
+                    more = steering.after(text.text, len(ids))
+                    if more is None:
+                        steered = True
+                        job.cancel.set()
+                    else:
+                        insert.extend(more)
                 job.emit(Token(token, delta))
             tail = text.flush()
         except Exception as e:
@@ -150,11 +184,11 @@ class EngineWorker:
             return
         finally:
             self._after(stats)
-        job.emit(Finished(ids, text.text, stats, self._reason(job, stats, text), tail, text.matched))
+        job.emit(Finished(ids, text.text, stats, self._reason(job, stats, text, steered), tail, text.matched))
 
     @staticmethod
-    def _reason(job: Job, stats: GenerationStats, text: TextStream) -> str:
-        if text.stopped:
+    def _reason(job: Job, stats: GenerationStats, text: TextStream, steered: bool) -> str:
+        if text.stopped or steered:
             return "stop"
         if job.forced is not None and stats.finish_reason == "stop" and stats.output_tokens < len(job.forced):
             return "length"  # the forced output was cut by max_tokens or the context
@@ -164,5 +198,7 @@ class EngineWorker:
         try:
             self.placement = self.loaded.runner.placement_stats()
             self.on_finished(stats)
+            store = self.loaded.engine.conversations
+            self.conversations = {"held": len(store.saved), "bytes": store.nbytes, "pool": store.pool_bytes}
         except Exception:
             log.exception("recording metrics failed")

@@ -29,6 +29,13 @@
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU) and their benchmarks (gguf from .carry/wheels)
+#   serve_plan [M] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health polled),
+#              the held-out replay through it (chat completions, then /v1/messages), the same turns in-process
+#              on its plan, and a second start from the cache
+#   regimes    [J] ostinato, fixed-per-layer and both caches under each routing regime of $M (REGIMES: flat layered
+#              layered-persistent; sizes REGIMES_ARGS), one bench run each in $R/regimes/REGIME, then `report --regimes`
+#              over every regime measured in full; about one regime a call (REGIMES=layered), a cut run is completed
+#              by the next call (--merge), a complete one kept (remove its folder to measure it again)
 # Results gather in $R (default /tmp/res; kept while the machine stays warm, else restored from
 # .carry/res); the call ends by packing $R into $OUT/res.tgz beside $OUT/log.txt.
 set -uo pipefail
@@ -179,6 +186,35 @@ phase_bench() {
     --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal --no-progress \
     --attention-scores "$(att)" --out "$R/bench" ${BENCH_ARGS:-}
 }
+phase_regimes() {  # [J] the same bench under each routing regime; the calibration of phase calib (routing aside, the same)
+  local pols="ostinato fixed-per-layer expert-cache decaying-cache" f=$R/res-cap.json cal="" kv sep="?" r d todo merge
+  local A=${REGIMES_ARGS:---max-sessions 4 --max-turns 4 --max-output 32 --sweep-prefixes 0 --tune-sessions 2 --tune-max-turns 4}
+  [[ $M == synth:* ]] || { say "regimes: $M is not a synthetic model: it has no routing regimes"; return 1; }
+  [[ $M == *\?* ]] && sep="&"
+  [[ -n $(field "$f" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
+  kv=$(field "$f" "d['capacity'].get('kv_tokens')")
+  for r in ${REGIMES:-flat layered layered-persistent}; do
+    d=$R/regimes/$r; todo=$pols; merge=""
+    if [[ -f $d/results.json ]]; then  # the policies it lacks ('-': none; '': unreadable, so all again)
+      todo=$(field "$d/results.json" "' '.join(p for p in '$pols'.split() if 'summary' not in d['policies'].get(p, {})) or '-'")
+      [[ $todo == - ]] && { say "regimes: $r already measured in $d (remove it to measure again)"; continue; }
+      if [[ -n $todo ]]; then merge=--merge; else todo=$pols; fi
+    fi
+    run 560 "$R/j_regimes_$r.txt" $O bench --model "$M${sep}regime=$r" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} \
+      --sessions "$S" ${kv:+--max-context $kv} $cal --no-progress --attention-scores "$(att)" --policies $todo \
+      --out "$d" $merge $A
+  done
+  local specs=()
+  for d in "$R"/regimes/*/; do
+    [[ -f $d/results.json ]] || continue
+    r=$(basename "$d")
+    if [[ $(field "$d/results.json" "all('summary' in d['policies'].get(p, {}) for p in '$pols'.split())") == True ]]; then
+      specs+=("$r=${d%/}")
+    else say "regimes: $r is not measured in full yet: left out of the report"; fi
+  done
+  (( ${#specs[@]} )) || { say "regimes: no regime measured in full yet"; return 1; }
+  run 60 "$R/j_regimes_report.txt" $O report --regimes "${specs[@]}" --out "$R/regimes"
+}
 phase_split() {  # where a split pass's time goes: split_path against its CPU branch alone and in parts
   run 240 "$R/b_split.txt" python3 scripts/split_interference.py --model "$M" --residency "$R/res-cap.json" \
     --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" ${SPLIT_ARGS:-}
@@ -217,6 +253,53 @@ phase_profile() {  # [Q] where a decode step's GPU time goes: all resident, then
   run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_all"
   [[ -f $R/res-cap.json ]] && run 200 "$R/q_profile_cap.txt" python3 scripts/profile_decode.py --model "$M" \
     --residency "$R/res-cap.json" --gpu-memory "$CAP" --out "$R/q_profile_cap"
+}
+# serve_ready PORT LOG LIMIT [ARGS...]: start `serve` on PORT, poll /health each second into $R/m_health.jsonl
+# until it answers ok (prints the seconds it took) or the process ends or LIMIT passes; the server's pid: $SERVE_PID
+serve_ready() {
+  local port=$1 log=$2 limit=$3; shift 3
+  $O serve --model "$M" --port "$port" ${THREADS:+--cpu-threads $THREADS} "$@" > "$log" 2>&1 &
+  SERVE_PID=$!
+  python3 - "$port" "$SERVE_PID" "$limit" "$R/m_health.jsonl" <<'PY' | tee -a "$LOG"
+import json, os, sys, time, urllib.error, urllib.request
+port, pid, limit, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+t0 = time.monotonic()
+while time.monotonic() - t0 < limit:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        print(f"serve exited before it was ready ({time.monotonic() - t0:.1f} s)"); sys.exit(1)
+    try:
+        body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read())
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read() or b"{}")
+    except OSError:
+        body = {"status": "not listening"}
+    with open(out, "a") as f:
+        f.write(json.dumps({"t": round(time.monotonic() - t0, 1), **body}) + "\n")
+    if body.get("status") == "ok":
+        print(f"serve ready after {time.monotonic() - t0:.1f} s"); sys.exit(0)
+    time.sleep(1)
+print(f"serve not ready after {limit} s"); sys.exit(1)
+PY
+}
+phase_serve_plan() {
+  local port=8091 A=${SERVE_REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32} plan
+  rm -rf "$OSTINATO_CACHE/plans"
+  say "serve from an empty plan cache"
+  serve_ready $port "$R/m_serve_first.log" 420 --gpu-memory "$CAP" || { kill $SERVE_PID 2>/dev/null; return 1; }
+  grep -a "planned\|ready:\|experts:\|context:\|threads:" "$R/m_serve_first.log" | tee -a "$LOG"
+  run 200 "$R/m_replay_http.txt" $O replay --endpoint http://127.0.0.1:$port --sessions "$S" $A
+  run 150 "$R/m_replay_messages.txt" $O replay --endpoint http://127.0.0.1:$port --api anthropic --tokenizer "$M" \
+    --sessions "$S" $A
+  kill $SERVE_PID; wait $SERVE_PID 2>/dev/null
+  plan=$(ls "$OSTINATO_CACHE"/plans/*/residency.json | head -1)
+  cp "$plan" "$R/m_plan.json"; cp "${plan%.json}.served.json" "$R/m_plan.served.json" 2>/dev/null
+  run 200 "$R/m_replay_inproc.txt" $O replay --model "$M" --residency "$plan" --sessions "$S" \
+    ${THREADS:+--cpu-threads $THREADS} $A
+  say "serve again: the plan from the cache"
+  serve_ready $port "$R/m_serve_second.log" 200 --gpu-memory "$CAP"
+  kill $SERVE_PID; wait $SERVE_PID 2>/dev/null
 }
 phase_threads() {  # [H] the default layout against explicit worker counts and 5a8b237's layout, one process
   run 420 "$R/h_threads.txt" python3 scripts/thread_sweep.py --model "$M" --residency "$R/res-cap.json" \

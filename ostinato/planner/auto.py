@@ -1,0 +1,201 @@
+"""`ostinato serve MODEL --gpu-memory CAP` without a residency file: the plan for this model, cap
+and machine comes from the plan cache, or is made now and kept there.
+
+A plan is cached under `$OSTINATO_CACHE` (default `~/.cache/ostinato`), in `plans/NAME-HASH/`,
+keyed by what it depends on (`plan_key`): the model's fingerprint (shapes and router weights),
+the cap, the KV context, the GPU and the CPU of this machine and the CPU workers, the compute
+dtype and the experts' format. The folder holds `key.json`, `profile.json` (the development
+routes), `residency.json` (the plan, calibrated) and `residency.served.json` once the server has
+routed requests with it (planner/served.py).
+
+Making a plan, in one engine (the dense part loads once):
+1. the engine loads in hybrid with nothing resident: the dense weights, the KV cache and an
+   empty expert pool under the cap; never every expert on the GPU;
+2. profiling: the sessions' token streams run through it as prefill passes (long ones take the
+   upload path) and their routes are counted; with `replan` and served routes, the learned
+   counts are used instead (planner/served.py);
+3. planning: the capacity test on the cap, then the most-routed experts that fit
+   (planner/pipeline.py), as `ostinato plan` does;
+4. the planned pool replaces the empty one in the loaded engine;
+5. calibrating: the cost model's constants and Np, measured in that engine (planner/calibrate.py);
+6. the plan goes into the cache, and the engine serves.
+
+Every phase is reported to `progress(phase, done, of)` (serve's /health) and timed into the
+plan's notes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ostinato.config import ConfigError, cache_root
+from ostinato.planner.calibrate import CalibrateSettings, cpu_model, device_name
+
+log = logging.getLogger("ostinato")
+
+PLAN_VERSION = 1  # a change in how plans are made invalidates the cached ones
+DEFAULT_SESSIONS = "embedded:8"
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    sessions: str = DEFAULT_SESSIONS  # what to profile on: a session spec (bench/sessions.py)
+    replan: bool = False  # make a new plan even if one is cached (from the served routes, if any)
+    calibrate: CalibrateSettings = CalibrateSettings()
+    cache: Path | None = None  # default: cache_root()
+
+
+def plan_key(source, settings, place) -> dict:
+    """What a plan depends on (module docstring)."""
+    from ostinato.planner.residency import model_fingerprint
+
+    cfg, device = source.config, settings.torch_device()
+    gpu = {"name": device_name(device)}
+    if device.type == "cuda":
+        gpu["memory"] = torch.cuda.get_device_properties(device).total_memory
+    threads = settings.thread_layout()
+    return {"version": PLAN_VERSION, "model": model_fingerprint(source), "gpu_memory": place.gpu_memory,
+            "kv_tokens": settings.context(cfg), "gpu": gpu, "cpu": cpu_model(), "cpu_workers": len(threads.workers),
+            "dtype": str(settings.torch_dtype(cfg.torch_dtype)).removeprefix("torch."), "experts": place.experts}
+
+
+def plan_dir(model: str, key: dict, root: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(model).rstrip("/")).name or str(model)).strip("-") or "model"
+    return (root or cache_root()) / "plans" / f"{name[:48]}-{digest}"
+
+
+def _noop(phase: str, done: int | None = None, of: int | None = None) -> None:
+    pass
+
+
+def load_planned(model: str, settings, place, auto: AutoPlan = AutoPlan(), progress=_noop):
+    """The engine for `model` under `place.gpu_memory` with no residency given: every expert on the
+    GPU when they all fit under the cap, else the cached plan, else a plan made now (module
+    docstring). -> a Loaded whose `residency` and `placement.residency` name the plan used."""
+    from ostinato.engine.factory import all_resident_fit, load_engine
+    from ostinato.loader.source import open_source
+
+    if place.residency or place.gpu_memory is None:
+        raise ValueError("load_planned plans for a cap, without a residency")
+    if len(settings.device_names()) > 1:
+        raise ConfigError("serving several GPUs without a residency is not planned for you yet: plan with "
+                          "`ostinato plan --devices ... --gpu-memory ...`, then give --residency")
+    source = open_source(model)
+    if all_resident_fit(source, settings, place.gpu_memory):
+        log.info("every expert fits under the GPU memory cap: no plan needed")
+        progress("loading weights")
+        return load_engine(model, settings, place, announce=False)
+    key = plan_key(source, settings, place)
+    folder = plan_dir(model, key, auto.cache)
+    path = folder / "residency.json"
+    if path.is_file() and not auto.replan:
+        log.info("plan from the cache: %s", path)
+        progress("loading weights")
+        return load_engine(model, settings, dataclasses.replace(place, residency=str(path)), announce=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "key.json").write_text(json.dumps(key, indent=1) + "\n")
+    return _make_plan(model, source, settings, place, auto, folder, progress)
+
+
+def load_cold(model: str, source, settings, place, path: Path):
+    """The engine with no expert resident: the dense part, the KV cache and an empty pool (its zero
+    and flex slots) under the cap, every expert in host memory; the plan it runs is written to
+    `path`. Profiling runs on it, so that it never needs every expert on the GPU."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.loader.build import expert_formats
+    from ostinato.planner.pipeline import plan_residency, size_pool
+
+    cfg = source.config
+    zeros = {l: torch.zeros(cfg.num_experts) for l in cfg.moe_layers}
+    size = size_pool(cfg, zeros, settings.torch_dtype(cfg.torch_dtype), gpu_memory=place.gpu_memory, hot_fraction=0.0,
+                     kv_tokens=settings.context(cfg), formats=expert_formats(source, place.experts))
+    plan_residency(source, zeros, size, notes={"planned_by": "the profile's engine: no expert resident"}).save(path)
+    return load_engine(model, settings, dataclasses.replace(place, residency=str(path)), announce=False)
+
+
+def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, progress):
+    from ostinato.bench.sessions import load_sessions
+    from ostinato.engine.placement import apply_calibration, hybrid_factory
+    from ostinato.loader.build import expert_formats
+    from ostinato.planner.calibrate import calibrate, model_checks
+    from ostinato.planner.pipeline import plan_residency, route_report, size_pool
+    from ostinato.planner.profile import RouteCounts
+    from ostinato.planner.run_profile import profile_sessions
+    from ostinato.planner.served import ServedRoutes, learned_counts, served_path
+    from ostinato.policies.factory import release, use_policy
+    from ostinato.policies.ostinato import inner
+
+    cfg = source.config
+    dtype = settings.torch_dtype(cfg.torch_dtype)
+    kv, cap = settings.context(cfg), place.gpu_memory
+    formats = expert_formats(source, place.experts)
+    path, times = folder / "residency.json", {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        times[name] = round(now - clock, 2)
+        clock = now
+
+    progress("loading weights")
+    loaded = load_cold(model, source, settings, place, folder / "cold.json")
+    lap("load")
+
+    served = ServedRoutes(served_path(path))
+    dev_path = folder / "profile.json"
+    dev = RouteCounts.load(dev_path) if dev_path.is_file() else None
+    if auto.replan and served.counts is not None:
+        counts, how = learned_counts(dev, served), f"{served.served_tokens} served tokens"
+        log.info("planning again from the routes of %d served tokens (the development profile weighs %.3f now)",
+                 served.served_tokens, served.dev_weight())
+    else:
+        sessions = load_sessions(auto.sessions)
+        if not sessions:
+            raise ConfigError(f"--sessions {auto.sessions}: no sessions to plan on")
+        progress("profiling", 0, len(sessions))
+        dev = profile_sessions(loaded, sessions, desc="profiling", on_session=lambda i, n: progress("profiling", i, n))
+        dev.save(dev_path)
+        counts, how = dev.total("all"), f"{dev.sessions} sessions ({auto.sessions})"
+        lap("profile")
+
+    progress("planning")
+    size = size_pool(cfg, counts, dtype, gpu_memory=cap, kv_tokens=kv, formats=formats)
+    profile = {"path": str(dev_path), "sessions": dev.sessions if dev else 0, "tokens": dev.tokens if dev else {},
+               "max_tokens": dev.max_tokens if dev else 0, "counts": how}
+    res = plan_residency(source, counts, size, profile=profile, notes={"planned_by": "serve"})
+    if dev is not None:
+        res.notes["report"] = {"development": route_report(dev, res.hot, len(cfg.moe_layers))}
+    final = dataclasses.replace(place, residency=str(path))
+    release(loaded)  # the empty pool goes before the planned one is allocated
+    use_policy(loaded, hybrid_factory(final, res)(source, loaded.runner.settings))
+    lap("plan")
+
+    progress("calibrating")
+    cal = calibrate(loaded, auto.calibrate)
+    if dev is not None:
+        cal["model"] = {"profile": str(dev_path), **model_checks(cal, dev, res.hot, cfg)}
+    res.calibration = cal
+    apply_calibration(inner(loaded.runner.experts), final, res)
+    loaded.engine.reset()
+    lap("calibrate")
+    res.notes["phases_s"] = times
+    tmp = path.with_name(path.name + ".tmp")
+    res.save(tmp)
+    os.replace(tmp, path)  # a second server never reads half a plan
+    (folder / "cold.json").unlink(missing_ok=True)
+    loaded.residency, loaded.placement = res, final
+    log.info("planned %d of %d experts resident for %s under the cap (%s), in %s s -> %s", res.hot_count,
+             len(cfg.moe_layers) * cfg.num_experts, model, how,
+             " + ".join(f"{k} {v}" for k, v in times.items()), path)
+    return loaded

@@ -1,0 +1,326 @@
+"""`ostinato serve MODEL --gpu-memory CAP` plans for itself (planner/auto.py): it plans in hybrid
+from the start, caches the plan, a second start reuses it, the server counts what it routes and
+keeps it beside the plan (planner/served.py), and `--replan` / `plan --from-served` plan again from
+those routes. On the CPU the cap sizes the plan (the capacity test) without being enforced."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.runner import RunnerSettings
+from ostinato.planner.auto import AutoPlan, load_planned, plan_dir, plan_key
+from ostinato.planner.calibrate import CalibrateSettings
+from ostinato.planner.residency import Residency
+from ostinato.planner.served import ServedRoutes, learned_counts, served_path
+
+MODEL = "synth:tiny?layers=2"
+SETTINGS = RunnerSettings(device="cpu", max_context=1024)
+FAST = CalibrateSettings(reps=2, gpu_reps=2, step_reps=2, sizes=(64, 256), pass_layers=1, pass_reps=1,
+                         sessions="embedded:1")
+
+
+def _cap_holding(hot: int) -> int:
+    """The smallest cap (bytes) whose capacity test holds `hot` experts for MODEL under SETTINGS."""
+    from ostinato.loader.source import open_source
+    from ostinato.planner.capacity import CapacityError, plan_capacity
+
+    cfg = open_source(MODEL).config
+    counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
+    lo, hi = 2**20, 2**36
+    while hi - lo > 2**10:
+        mid = (lo + hi) // 2
+        try:
+            n = plan_capacity(cfg, counts, mid, SETTINGS.context(cfg), SETTINGS.torch_dtype(cfg.torch_dtype)).max_hot_slots
+        except CapacityError:
+            n = -1
+        lo, hi = (lo, mid) if n >= hot else (mid, hi)
+    return hi
+
+
+class Phases(list):
+    def __call__(self, phase, done=None, of=None):
+        self.append((phase, done, of))
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """The first start: a plan made under a cap that holds 12 of the 32 experts, were they routed evenly
+    (the skewed development routes need fewer flex slots, so more fit)."""
+    cache = tmp_path_factory.mktemp("plans")
+    place = PlacementSettings(gpu_memory=_cap_holding(12))
+    auto = AutoPlan(sessions="embedded:2", calibrate=FAST, cache=cache)
+    phases = Phases()
+    t0 = time.perf_counter()
+    loaded = load_planned(MODEL, SETTINGS, place, auto, phases)
+    seconds = time.perf_counter() - t0
+    return {"loaded": loaded, "place": place, "auto": auto, "phases": phases, "seconds": seconds}
+
+
+def test_first_start_plans_in_hybrid_and_caches(planned, tmp_path):
+    from ostinato.cli import build_parser
+
+    loaded, phases = planned["loaded"], planned["phases"]
+    res = loaded.residency
+    assert [p for p, _, _ in phases if p != "profiling"] == ["loading weights", "planning", "calibrating"]
+    assert [(d, n) for p, d, n in phases if p == "profiling"] == [(0, 2), (1, 2), (2, 2)]
+    assert 12 <= res.hot_count < 32 and res.gpu_memory == planned["place"].gpu_memory
+    # the plan `ostinato plan` makes from the same profile under the same cap
+    a = build_parser().parse_args(["plan", "--model", MODEL, "--device", "cpu", "--profile", res.profile["path"],
+                                   "--gpu-memory", str(res.gpu_memory), "--max-context", "1024", "--no-verify",
+                                   "-o", str(tmp_path / "cli.json")])
+    assert a.func(a) == 0 and Residency.load(tmp_path / "cli.json").hot == res.hot
+    assert res.calibration["upload_threshold"] > 0 and set(res.notes["phases_s"]) == {"load", "profile", "plan",
+                                                                                       "calibrate"}
+    assert 0 < res.notes["report"]["development"]["hot_share"] < 1
+    path = loaded.placement.residency
+    folder = plan_dir(MODEL, plan_key(loaded.source, SETTINGS, planned["place"]), planned["auto"].cache)
+    assert path == str(folder / "residency.json") and Residency.load(path).hot == res.hot
+    assert (folder / "profile.json").is_file() and not (folder / "cold.json").exists()
+    key = json.loads((folder / "key.json").read_text())
+    assert key["gpu_memory"] == planned["place"].gpu_memory and key["kv_tokens"] == 1024
+    # the engine it returned serves the plan: its experts in the pool, the calibrated Np applied
+    h = loaded.runner.experts
+    assert h.pools.num_hot == res.hot_count and h.upload_threshold == res.calibration["upload_threshold"]
+
+
+def test_second_start_reuses_the_plan(planned):
+    phases = Phases()
+    t0 = time.perf_counter()
+    again = load_planned(MODEL, SETTINGS, planned["place"], planned["auto"], phases)
+    seconds = time.perf_counter() - t0
+    assert phases == [("loading weights", None, None)]
+    assert again.residency.hot == planned["loaded"].residency.hot
+    assert again.placement.residency == planned["loaded"].placement.residency
+    assert seconds < planned["seconds"] / 2, (seconds, planned["seconds"])
+    print(f"first start {planned['seconds']:.1f} s, second {seconds:.1f} s")
+
+
+def test_another_cap_is_another_plan(planned):
+    other = PlacementSettings(gpu_memory=_cap_holding(20))
+    source = planned["loaded"].source
+    assert plan_dir(MODEL, plan_key(source, SETTINGS, other)) != plan_dir(MODEL, plan_key(source, SETTINGS,
+                                                                                            planned["place"]))
+
+
+def test_every_expert_fitting_needs_no_plan(tmp_path):
+    phases = Phases()
+    loaded = load_planned(MODEL, SETTINGS, PlacementSettings(gpu_memory=_cap_holding(32)),
+                          AutoPlan(cache=tmp_path), phases)
+    assert loaded.residency is None and phases == [("loading weights", None, None)]
+    assert not (tmp_path / "plans").exists()
+
+
+def test_server_counts_its_routes_beside_the_plan(planned):
+    from ostinato.server.app import build_app
+    from tests.test_server import LiveServer
+
+    app = build_app(MODEL, SETTINGS, planned["place"], auto_plan=planned["auto"], warmup=True)
+    with LiveServer(app) as live:
+        live.wait_ready()
+        health = httpx.get(live.url + "/health").json()
+        assert health == {"status": "ok"}
+        body = {"messages": [{"role": "user", "content": "Write a haiku about caches."}], "max_tokens": 12,
+                "temperature": 0}
+        for _ in range(2):
+            r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        out = r.json()["usage"]["completion_tokens"]
+        prompt = r.json()["usage"]["prompt_tokens"]
+    served = ServedRoutes(served_path(planned["loaded"].placement.residency))
+    # the warm-up and the calibration are not counted: two requests, their decode steps and prefills
+    K = planned["loaded"].runner.config.num_experts_per_tok
+    assert served.counts is not None and 0 < served.counts.tokens["decode"] <= 2 * out
+    assert served.counts.tokens["prefill"] <= 2 * prompt
+    for layer, c in served.counts.total("all").items():
+        assert int(c.sum()) == K * served.served_tokens, layer
+
+
+def test_tally_counts_what_the_router_chose():
+    """The tally around the experts backend against the ids the backend itself receives."""
+    from ostinato.engine.factory import load_engine
+
+    loaded = load_engine(MODEL, RunnerSettings(device="cpu", max_context=256, count_routes=True), announce=False)
+    runner = loaded.runner
+    from ostinato.layers.moe.backend import MoEBackend
+
+    seen = {"prefill": [], "decode": []}
+    inner = runner.experts
+
+    class Recorder(MoEBackend):
+        def __call__(self, layer, x, topk):
+            seen["decode" if x.shape[0] == 1 else "prefill"].append((layer, topk.ids.clone()))
+            return inner(layer, x, topk)
+
+    runner.set_experts(Recorder())
+    runner.routes.reset()
+    runner.forward(list(range(5, 60)), 0)
+    for i in range(4):
+        runner.forward([7 + i], 55 + i)
+    got = runner.routes.take()
+    E = runner.config.num_experts
+    for phase in ("prefill", "decode"):
+        want = {l: torch.zeros(E, dtype=torch.int64) for l in runner.config.moe_layers}
+        for layer, ids in seen[phase]:
+            want[layer] += torch.bincount(ids.flatten(), minlength=E)
+        for l in want:
+            assert torch.equal(getattr(got, phase)[l], want[l]), (phase, l)
+    assert got.tokens == {"prefill": 55, "decode": 4}
+    assert all(int(c.sum()) == 0 for c in runner.routes.take().total("all").values())  # take() zeroed it
+
+
+def test_served_routes_decay_by_tokens(tmp_path):
+    from ostinato.planner.profile import RouteCounts
+
+    def counts(expert: int, tokens: int) -> RouteCounts:
+        rc = RouteCounts.zeros([0], 4)
+        rc.decode[0][expert] = tokens
+        rc.tokens["decode"] = tokens
+        return rc
+
+    s = ServedRoutes(tmp_path / "r.served.json", half_life=100)
+    s.add(counts(0, 100))
+    s.add(counts(1, 100))  # expert 0's routes are now one half-life old
+    assert s.counts.decode[0].tolist() == [50, 100, 0, 0] and s.served_tokens == 200
+    s.save()
+    back = ServedRoutes(tmp_path / "r.served.json")
+    assert back.half_life == 100 and back.served_tokens == 200 and back.counts.decode[0].tolist() == [50, 100, 0, 0]
+    dev = counts(3, 40)
+    learned = learned_counts(dev, back)  # the development profile is two half-lives old
+    assert learned[0].tolist() == [50.0, 100.0, 0.0, 10.0]
+
+
+def _skew_served_to_cold(res: Residency, path, tokens: int = 5000, half_life: int = 1000) -> list[tuple]:
+    """A served file whose routes all go to two cold experts per layer, outweighing the development
+    profile (five half-lives): -> the (layer, expert) pairs it favours."""
+    from ostinato.planner.profile import RouteCounts
+
+    layers = sorted(res.hot)
+    rc = RouteCounts.zeros(layers, res.num_experts)
+    favoured = []
+    for l in layers:
+        cold = [e for e in range(res.num_experts) if e not in res.hot[l]][:2]
+        for e in cold:
+            rc.decode[l][e] = tokens
+            favoured.append((l, e))
+    rc.tokens["decode"] = tokens
+    served = ServedRoutes(served_path(path), half_life=half_life)
+    served.counts, served.served_tokens = rc, tokens
+    served.save()
+    return favoured
+
+
+def test_plan_from_served_learns_and_reports(planned, tmp_path, capsys):
+    import shutil
+
+    from ostinato.cli import build_parser
+
+    src = tmp_path / "r.json"
+    shutil.copyfile(planned["loaded"].placement.residency, src)
+    old = Residency.load(src)
+    favoured = _skew_served_to_cold(old, src)
+    a = build_parser().parse_args(["plan", "--model", MODEL, "--device", "cpu", "--from-served", str(src),
+                                   "-o", str(tmp_path / "new.json")])
+    assert a.func(a) == 0
+    new = Residency.load(tmp_path / "new.json")
+    # the same cap and pool; how many of its slots are hot depends on the flex slots the new counts need
+    assert new.gpu_memory == old.gpu_memory and new.capacity["pool_bytes"] == old.capacity["pool_bytes"]
+    assert all(e in new.hot[l] for l, e in favoured)
+    report = new.notes["report"]
+    assert report["served_before"]["hot_share"] == 0.0 and report["served"]["hot_share"] == 1.0
+    assert new.calibration == old.calibration and served_path(tmp_path / "new.json").is_file()
+    assert "0.0% with the old plan -> 100.0% with the new" in capsys.readouterr().out
+
+
+def test_replan_uses_the_served_routes(planned, tmp_path):
+    import shutil
+
+    cache = tmp_path / "cache"
+    folder = plan_dir(MODEL, plan_key(planned["loaded"].source, SETTINGS, planned["place"]), cache)
+    shutil.copytree(plan_dir(MODEL, plan_key(planned["loaded"].source, SETTINGS, planned["place"]),
+                             planned["auto"].cache), folder)
+    favoured = _skew_served_to_cold(Residency.load(folder / "residency.json"), folder / "residency.json")
+    phases = Phases()
+    auto = AutoPlan(replan=True, calibrate=FAST, cache=cache)
+    loaded = load_planned(MODEL, SETTINGS, planned["place"], auto, phases)
+    assert "profiling" not in [p for p, _, _ in phases]
+    assert all(e in loaded.residency.hot[l] for l, e in favoured)
+    assert Residency.load(folder / "residency.json").hot == loaded.residency.hot
+
+
+def test_cli_failures_exit_with_one_line(tmp_path):
+    from tests.test_serve_startup import _serve
+
+    r = _serve("--model", MODEL, "--gpu-memory", "64MiB", "--max-context", 1024)  # not even the dense part
+    assert r.returncode == 2 and "cannot hold the dense weights" in r.stderr and "Traceback" not in r.stderr
+    Residency("sha256:0", 16, {}).save(tmp_path / "r.json")
+    r = _serve("--model", MODEL, "--gpu-memory", "4GiB", "--residency", tmp_path / "r.json", "--replan")
+    assert r.returncode == 2 and "--replan" in r.stderr and r.stderr.count("ostinato: error:") == 1
+    r = _serve("--model", MODEL, "--gpu-memory", _cap_holding(12), "--max-context", 1024,
+               "--sessions", tmp_path / "none.jsonl")
+    assert r.returncode == 2 and "none.jsonl" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.gpu
+def test_the_tally_counts_inside_the_decode_graph(tiny_dir, tmp_path):
+    """Half the experts cold, routes counted: every graph replay still equals the synchronous step
+    bit for bit, and the graph's tally equals the synchronous engine's (decode steps counted in
+    the captured graph, none from the warm-up once reset)."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.loader.source import CheckpointSource
+    from tests.test_graph import replay_vs_eager
+    from tests.test_hybrid import _residency_for
+
+    _residency_for(CheckpointSource(tiny_dir), 0.5).save(tmp_path / "half.json")
+    place = PlacementSettings(residency=str(tmp_path / "half.json"))
+    engines = [load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
+                                                         cuda_graph=g, count_routes=True), place) for g in (True, False)]
+    graphed, sync = engines
+    assert graphed.runner.graphs is not None
+    for e in engines:
+        e.runner.routes.reset()
+    steps = 64
+    replay_vs_eager(graphed, sync, steps=steps)
+    a, b = graphed.runner.routes.take(), sync.runner.routes.take()
+    for phase in ("prefill", "decode"):
+        for l in a.prefill:
+            assert torch.equal(getattr(a, phase)[l], getattr(b, phase)[l]), (phase, l)
+    assert a.tokens == {"prefill": 100, "decode": steps}
+    graphed.runner.experts.close()
+
+
+def test_a_plan_brings_its_cap_and_context(planned):
+    """Served with --residency and neither --gpu-memory nor --max-context: the plan's are used."""
+    from ostinato.engine.factory import load_engine, startup_summary
+
+    res = planned["loaded"].residency
+    loaded = load_engine(MODEL, RunnerSettings(device="cpu"), PlacementSettings(residency=planned["loaded"].placement.residency),
+                         announce=False)
+    assert loaded.placement.gpu_memory == res.gpu_memory and loaded.runner.max_context == res.capacity["kv_tokens"]
+    assert startup_summary(loaded)["gpu_memory"] == res.gpu_memory
+
+
+def test_plan_with_sessions_profiles_with_no_expert_resident(tmp_path, monkeypatch):
+    """`plan --sessions` profiles on the engine planner/auto.load_cold builds, never every expert on the GPU."""
+    import ostinato.engine.factory as factory
+    from ostinato.cli import build_parser
+
+    real, seen = factory.load_engine, []
+
+    def spy(model, settings=RunnerSettings(), placement=None, *args, **kw):
+        seen.append(Residency.load(placement.residency).hot_count if placement and placement.residency else None)
+        return real(model, settings, placement, *args, **kw)
+
+    monkeypatch.setattr(factory, "load_engine", spy)
+    cap = _cap_holding(12)
+    a = build_parser().parse_args(["plan", "--model", MODEL, "--device", "cpu", "--sessions", "embedded:1",
+                                   "--gpu-memory", str(cap), "--max-context", "1024", "--no-verify",
+                                   "-o", str(tmp_path / "r.json")])
+    assert a.func(a) == 0
+    assert seen == [0]
+    res = Residency.load(tmp_path / "r.json")
+    assert 0 < res.hot_count < 32 and res.profile["sessions"] == 1 and (tmp_path / "r.json.profile.json").is_file()
