@@ -43,10 +43,13 @@ def demo_settings(out: str | Path = "ostinato-demo", sessions: str = "embedded:6
     return replace(bs, **kw)
 
 
-def run_demo(bs: BenchSettings, stdout=sys.stdout) -> dict:
+def run_demo(bs: BenchSettings, stdout=None) -> dict:
+    """stdout: where the table goes (default: sys.stdout as it is at the call)."""
     from ostinato.bench.report import format_table
 
     import torch
+
+    stdout = stdout or sys.stdout
 
     threads = torch.get_num_threads()
     if bs.runner.torch_device().type == "cpu":
