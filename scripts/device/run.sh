@@ -28,6 +28,7 @@
 #              the GGUF file $LGGUF, else `ostinato synth` writes $LQUANT of $M's preset)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
+#   tests_wave2 [M][O] GPU-marked tests: the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU) and their benchmarks (gguf from .carry/wheels)
 #   serve_plan [M] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health polled),
 #              the held-out replay through it (chat completions, then /v1/messages), the same turns in-process
@@ -115,6 +116,11 @@ phase_tests_quant() {
     tests/test_moe_quant_triton.py tests/test_cpu_quant.py tests/test_gguf.py
   run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py
   run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py
+}
+phase_tests_wave2() {  # [M][O] the GPU-marked tests of the served-route tally and the new model families
+  run 300 "$R/tests_wave2.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
+    tests/test_serve_plan.py tests/test_gpt_oss.py tests/test_deepseek_v3.py tests/test_expert_act_triton.py \
+    tests/test_conversations.py
 }
 phase_skew() {
   $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1
