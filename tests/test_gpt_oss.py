@@ -300,3 +300,19 @@ def test_gpt_oss_120b_preset_shapes():
     assert spec.dtype_of("model.layers.0.mlp.experts.down_proj_blocks") == torch.uint8
     sizes = expert_sizes(c, torch.bfloat16, {l: layout.MXFP4 for l in c.moe_layers})
     assert set(sizes.values()) == {("MXFP4/MXFP4", (5760 + 2880) * 90 * 17 + (5760 + 2880) * 4)}
+
+
+def test_the_capacity_test_counts_the_scores_of_one_chunk_of_queries():
+    """gpt-oss attends in chunks of queries holding at most SCORE_BUDGET bytes of fp32 scores, so the
+    capacity test's bound on a long pass is the chunk's, not the whole H x T x N (27.5 GiB for 120b's
+    2048-token chunk over 16k tokens)."""
+    from ostinato.loader.source import open_source
+    from ostinato.models.gpt_oss import SCORE_BUDGET
+    from ostinato.planner.capacity import activation_bytes
+
+    cfg = open_source("synth:gpt-oss-120b").config
+    H, T, N = cfg.num_attention_heads, 2048, 16384
+    attention = activation_bytes(cfg, T, N, torch.bfloat16)["attention"]
+    assert 13 * SCORE_BUDGET // 4 <= attention < 13 * H * T * N / 16
+    # a short pass whose scores fit one chunk is counted whole, as before
+    assert activation_bytes(cfg, 4, 64, torch.bfloat16)["attention"] >= 13 * H * 4 * 64

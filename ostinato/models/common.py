@@ -29,7 +29,8 @@ class AttentionShape(NamedTuple):
     buffers with this): heads of queries and of keys/values as the kernel reads them, their
     head dims, the rotary dims, and the elements per cached token that a prefill builds from
     the cache before attending (MLA: the up-projected keys and values and the assembled keys;
-    0 where the cache holds K/V themselves)."""
+    0 where the cache holds K/V themselves), and the most attention scores a pass holds at once
+    where the model computes its attention in chunks of queries (0: the whole H x T x N)."""
 
     heads: int
     kv_heads: int
@@ -37,6 +38,7 @@ class AttentionShape(NamedTuple):
     v_dim: int
     rope_dim: int
     expanded_per_token: int = 0
+    max_scores: int = 0
 
 
 class ExpertsBackend(Protocol):

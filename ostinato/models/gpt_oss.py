@@ -143,4 +143,5 @@ class GptOssForCausalLM(MoECausalLM):
     @staticmethod
     def attention_shape(cfg: ModelConfig) -> AttentionShape:
         hd = cfg.head_dim
-        return AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, hd, hd, hd)
+        return AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, hd, hd, hd,
+                              max_scores=SCORE_BUDGET // 4)  # fp32 scores of one chunk of queries

@@ -197,7 +197,9 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
                  attention_math), in fp32: the scores [H, T, N] and, inside _safe_softmax,
                  the softmax, the -inf test (bool) and the where() result coexist: 13 bytes
                  per score. s = the share of the H x T x N scores materialised at once (1
-                 today; less if the engine chunks heads or rows; 0 for a fused kernel).
+                 today; less if the engine chunks heads or rows; 0 for a fused kernel); a
+                 model that attends in chunks of queries (gpt-oss) caps them at its
+                 AttentionShape.max_scores.
                  Then the mask (bool and in the compute dtype), K/V in fp32, expanded to H
                  heads, K scaled; q in fp32, scaled, the fp32 output and its cast; what a
                  prefill expands from a compressed cache.
@@ -214,12 +216,17 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
     """
     D, E, K, F, I, V = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, \
         cfg.intermediate_size, cfg.vocab_size
-    H, Hkv, Dq, Dv, Dr, X = attention_shape(cfg)
+    shape = attention_shape(cfg)
+    H, Hkv, Dq, Dv, Dr, X = shape.heads, shape.kv_heads, shape.qk_dim, shape.v_dim, shape.rope_dim, \
+        shape.expanded_per_token
+    scores = score_share * H * T * N  # held at once; a model that attends in chunks of queries bounds them
+    if shape.max_scores:
+        scores = min(scores, shape.max_scores)
     b = itemsize(dtype)
     parts = {
         "hidden": 6 * T * D * b + 2 * T * D * 4,
         "qkv": 3 * T * (H * Dq + Hkv * (Dq + Dv)) * b,
-        "attention": int(13 * score_share * H * T * N) + T * N * (1 + b)
+        "attention": int(13 * scores) + T * N * (1 + b)
         + ((2 * H + Hkv) * Dq + (H + Hkv) * Dv) * N * 4 + T * H * (8 * Dq + (4 + b) * Dv) + N * X * b,
         "rope": 2 * T * Dr * (4 + b),
         "router": T * E * (b + 8) + T * K * 12 + (T * E * 13 + T * D * 4 if cfg.scoring_func == "sigmoid" else 0),
