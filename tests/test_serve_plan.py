@@ -324,3 +324,15 @@ def test_plan_with_sessions_profiles_with_no_expert_resident(tmp_path, monkeypat
     assert seen == [0]
     res = Residency.load(tmp_path / "r.json")
     assert 0 < res.hot_count < 32 and res.profile["sessions"] == 1 and (tmp_path / "r.json.profile.json").is_file()
+
+
+def test_serve_takes_the_model_as_its_argument(tmp_path):
+    """`ostinato serve MODEL` as `--model MODEL`; none or two different ones are refused in one line."""
+    from tests.test_serve_startup import _serve
+
+    r = _serve(tmp_path / "missing")
+    assert r.returncode == 2 and "no such model directory" in r.stderr, r.stderr
+    r = _serve()
+    assert r.returncode == 2 and "give the model to serve" in r.stderr
+    r = _serve("synth:tiny", "--model", "synth:tiny-k")
+    assert r.returncode == 2 and "two models given" in r.stderr and r.stderr.count("ostinato: error:") == 1

@@ -44,6 +44,13 @@ def cmd_serve(a) -> int:
 
     from ostinato.server.app import build_app
 
+    if a.model and a.model_arg and a.model != a.model_arg:
+        raise ConfigError(f"two models given ({a.model_arg} and --model {a.model}): give one")
+    a.model = a.model or a.model_arg
+    if not a.model:
+        raise ConfigError("give the model to serve: `ostinato serve MODEL` (a checkpoint directory, a .gguf file or "
+                          "synth:PRESET)")
+
     placement = placement_settings(a)  # a bad --gpu-memory fails here, before the port is bound
     if placement.residency and not Path(placement.residency).is_file():
         raise FileNotFoundError(f"--residency {placement.residency}: no such file (write one with `ostinato plan`)")
@@ -75,6 +82,10 @@ def add_server_commands(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs "
                                      "(one session slot)")
     add_model_args(p)
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model takes it")
+    for action in p._actions:  # MODEL or --model
+        if action.dest == "model":
+            action.required = False
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require this key ('Authorization: Bearer KEY') on the /v1 routes")
