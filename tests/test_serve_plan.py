@@ -78,9 +78,9 @@ def test_first_start_plans_in_hybrid_and_caches(planned, tmp_path):
                                                                                        "calibrate"}
     assert 0 < res.notes["report"]["development"]["hot_share"] < 1
     path = loaded.placement.residency
-    folder = plan_dir(MODEL, plan_key(loaded.source, SETTINGS, planned["place"]), planned["auto"].cache)
+    folder = plan_dir(MODEL, plan_key(loaded.source, SETTINGS, planned["place"], "embedded:2"), planned["auto"].cache)
     assert path == str(folder / "residency.json") and Residency.load(path).hot == res.hot
-    assert (folder / "profile.json").is_file() and not (folder / "cold.json").exists()
+    assert (folder / "profile.json").is_file() and not list(folder.glob("cold*.json"))
     key = json.loads((folder / "key.json").read_text())
     assert key["gpu_memory"] == planned["place"].gpu_memory and key["kv_tokens"] == 1024
     # the engine it returned serves the plan: its experts in the pool, the calibrated Np applied
@@ -100,11 +100,12 @@ def test_second_start_reuses_the_plan(planned):
     print(f"first start {planned['seconds']:.1f} s, second {seconds:.1f} s")
 
 
-def test_another_cap_is_another_plan(planned):
+def test_another_cap_or_other_sessions_is_another_plan(planned):
     other = PlacementSettings(gpu_memory=_cap_holding(20))
-    source = planned["loaded"].source
-    assert plan_dir(MODEL, plan_key(source, SETTINGS, other)) != plan_dir(MODEL, plan_key(source, SETTINGS,
-                                                                                            planned["place"]))
+    source, place = planned["loaded"].source, planned["place"]
+    dirs = {plan_dir(MODEL, plan_key(source, SETTINGS, p, sessions))
+            for p, sessions in ((place, "embedded:2"), (other, "embedded:2"), (place, "embedded:8"))}
+    assert len(dirs) == 3
 
 
 def test_every_expert_fitting_needs_no_plan(tmp_path):
@@ -240,12 +241,12 @@ def test_replan_uses_the_served_routes(planned, tmp_path):
     import shutil
 
     cache = tmp_path / "cache"
-    folder = plan_dir(MODEL, plan_key(planned["loaded"].source, SETTINGS, planned["place"]), cache)
-    shutil.copytree(plan_dir(MODEL, plan_key(planned["loaded"].source, SETTINGS, planned["place"]),
-                             planned["auto"].cache), folder)
+    key = plan_key(planned["loaded"].source, SETTINGS, planned["place"], "embedded:2")
+    folder = plan_dir(MODEL, key, cache)
+    shutil.copytree(plan_dir(MODEL, key, planned["auto"].cache), folder)
     favoured = _skew_served_to_cold(Residency.load(folder / "residency.json"), folder / "residency.json")
     phases = Phases()
-    auto = AutoPlan(replan=True, calibrate=FAST, cache=cache)
+    auto = AutoPlan(sessions="embedded:2", replan=True, calibrate=FAST, cache=cache)
     loaded = load_planned(MODEL, SETTINGS, planned["place"], auto, phases)
     assert "profiling" not in [p for p, _, _ in phases]
     assert all(e in loaded.residency.hot[l] for l, e in favoured)
@@ -336,3 +337,29 @@ def test_serve_takes_the_model_as_its_argument(tmp_path):
     assert r.returncode == 2 and "give the model to serve" in r.stderr
     r = _serve("synth:tiny", "--model", "synth:tiny-k")
     assert r.returncode == 2 and "two models given" in r.stderr and r.stderr.count("ostinato: error:") == 1
+
+
+def test_servers_sharing_a_plan_add_their_routes(tmp_path):
+    """Two servers' flushes into one served file: each adds its own routes to what the file holds."""
+    from ostinato.planner.profile import RouteCounts
+
+    class Tally:  # what RouteTally.take gives: the routes since the last take
+        def __init__(self, expert):
+            self.expert = expert
+
+        def take(self):
+            rc = RouteCounts.zeros([0], 4)
+            rc.decode[0][self.expert] = 10
+            rc.tokens["decode"] = 10
+            return rc
+
+    path = tmp_path / "r.served.json"
+    a, b = ServedRoutes(path, half_life=10**9), ServedRoutes(path, half_life=10**9)
+    a.flush(Tally(0), force=True)
+    b.flush(Tally(1), force=True)
+    a.flush(Tally(2), force=True)
+    final = ServedRoutes(path)
+    assert final.counts.decode[0].tolist() == [10, 10, 10, 0] and final.served_tokens == 30
+    assert not list(tmp_path.glob("*.tmp"))
+    path.write_text("{not json")
+    assert ServedRoutes(path).counts is None  # an unreadable file: counting starts again, serving goes on

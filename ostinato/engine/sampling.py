@@ -124,10 +124,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] (fp32) -> a token id."""
         token = self.select(self.process(logits))
-        if self.counts is not None:
-            self.seen.index_fill_(0, token, True)
-            self.counts.index_add_(0, token, self._one)
+        self.observe(token)
         return int(token)
+
+    def observe(self, token) -> None:
+        """A token of the output, drawn here or written in by the caller (steering): the penalties see it."""
+        if self.counts is not None:
+            token = torch.as_tensor([int(token)] if isinstance(token, int) else token, device=self.seen.device)
+            self.seen.index_fill_(0, token.reshape(-1), True)
+            self.counts.index_add_(0, token.reshape(-1), self._one)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The bias and penalties applied: the logits greedy decoding takes the argmax of."""

@@ -119,7 +119,8 @@ class Engine:
         logits, stats.cached_tokens = self._prefill(prompt, stats)
         for i in range(limit):
             if insert and forced is None:
-                token = insert.popleft()  # this step's logits go unread
+                token = insert.popleft()  # this step's logits go unread; the penalties still count it
+                sampler.observe(token)
             else:
                 sampled = sampler(logits)  # the step's logits reach the host, as in any decode; a forced
                 token = forced[i] if forced is not None else sampled  # replay that skipped it would time launches

@@ -39,6 +39,7 @@ import torch
 
 from ostinato.config import ConfigError, cache_root
 from ostinato.planner.calibrate import CalibrateSettings, cpu_model, device_name
+from ostinato.planner.served import file_lock, write_atomic
 
 log = logging.getLogger("ostinato")
 
@@ -54,8 +55,9 @@ class AutoPlan:
     cache: Path | None = None  # default: cache_root()
 
 
-def plan_key(source, settings, place) -> dict:
-    """What a plan depends on (module docstring)."""
+def plan_key(source, settings, place, sessions: str = DEFAULT_SESSIONS) -> dict:
+    """What a plan depends on (module docstring); `sessions`: the spec it profiles (a file or folder
+    by its resolved path)."""
     from ostinato.planner.residency import model_fingerprint
 
     cfg, device = source.config, settings.torch_device()
@@ -65,7 +67,8 @@ def plan_key(source, settings, place) -> dict:
     threads = settings.thread_layout()
     return {"version": PLAN_VERSION, "model": model_fingerprint(source), "gpu_memory": place.gpu_memory,
             "kv_tokens": settings.context(cfg), "gpu": gpu, "cpu": cpu_model(), "cpu_workers": len(threads.workers),
-            "dtype": str(settings.torch_dtype(cfg.torch_dtype)).removeprefix("torch."), "experts": place.experts}
+            "dtype": str(settings.torch_dtype(cfg.torch_dtype)).removeprefix("torch."), "experts": place.experts,
+            "sessions": sessions if sessions.startswith("embedded") else str(Path(sessions).expanduser().resolve())}
 
 
 def plan_dir(model: str, key: dict, root: Path | None = None) -> Path:
@@ -93,18 +96,20 @@ def load_planned(model: str, settings, place, auto: AutoPlan = AutoPlan(), progr
     source = open_source(model)
     if all_resident_fit(source, settings, place.gpu_memory):
         log.info("every expert fits under the GPU memory cap: no plan needed")
-        progress("loading weights")
-        return load_engine(model, settings, place, announce=False)
-    key = plan_key(source, settings, place)
+        progress("loading weights")  # nothing to learn for: no route tally
+        return load_engine(model, dataclasses.replace(settings, count_routes=False), place, announce=False)
+    key = plan_key(source, settings, place, auto.sessions)
     folder = plan_dir(model, key, auto.cache)
     path = folder / "residency.json"
-    if path.is_file() and not auto.replan:
-        log.info("plan from the cache: %s", path)
-        progress("loading weights")
-        return load_engine(model, settings, dataclasses.replace(place, residency=str(path)), announce=False)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "key.json").write_text(json.dumps(key, indent=1) + "\n")
-    return _make_plan(model, source, settings, place, auto, folder, progress)
+    if not (path.is_file() and not auto.replan):
+        folder.mkdir(parents=True, exist_ok=True)
+        with file_lock(path):  # a second server of the same key waits, then loads the first one's plan
+            if not path.is_file() or auto.replan:
+                write_atomic(folder / "key.json", json.dumps(key, indent=1) + "\n")
+                return _make_plan(model, source, settings, place, auto, folder, progress)
+    log.info("plan from the cache: %s", path)
+    progress("loading weights")
+    return load_engine(model, settings, dataclasses.replace(place, residency=str(path)), announce=False)
 
 
 def load_cold(model: str, source, settings, place, path: Path):
@@ -149,7 +154,9 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
         clock = now
 
     progress("loading weights")
-    loaded = load_cold(model, source, settings, place, folder / "cold.json")
+    cold = folder / f"cold-{os.getpid()}.json"
+    loaded = load_cold(model, source, settings, place, cold)
+    cold.unlink()
     lap("load")
 
     served = ServedRoutes(served_path(path))
@@ -165,7 +172,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
             raise ConfigError(f"--sessions {auto.sessions}: no sessions to plan on")
         progress("profiling", 0, len(sessions))
         dev = profile_sessions(loaded, sessions, desc="profiling", on_session=lambda i, n: progress("profiling", i, n))
-        dev.save(dev_path)
+        write_atomic(dev_path, json.dumps(dev.to_json()) + "\n")
         counts, how = dev.total("all"), f"{dev.sessions} sessions ({auto.sessions})"
         lap("profile")
 
@@ -190,10 +197,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     loaded.engine.reset()
     lap("calibrate")
     res.notes["phases_s"] = times
-    tmp = path.with_name(path.name + ".tmp")
-    res.save(tmp)
-    os.replace(tmp, path)  # a second server never reads half a plan
-    (folder / "cold.json").unlink(missing_ok=True)
+    write_atomic(path, json.dumps(res.to_json(), indent=1) + "\n")  # a second server never reads half a plan
     loaded.residency, loaded.placement = res, final
     log.info("planned %d of %d experts resident for %s under the cap (%s), in %s s -> %s", res.hot_count,
              len(cfg.moe_layers) * cfg.num_experts, model, how,

@@ -13,6 +13,7 @@ made from that traffic alone.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ class RouteTally:
     def __init__(self, layers: list[int], num_experts: int, top_k: int):
         self.layers, self.num_experts, self.top_k = list(layers), num_experts, top_k
         self.counts: dict[int, torch.Tensor] = {}  # layer -> [2, E] int64, allocated at its first pass
+        self._one: dict[torch.device, torch.Tensor] = {}  # a 1 per device, expanded to each pass's ids
 
     def wrap(self, backend):
         return _Counting(backend, self)
@@ -53,7 +55,10 @@ class RouteTally:
         if c is None:
             c = self.counts[layer] = torch.zeros(2, self.num_experts, dtype=torch.int64, device=topk.ids.device)
         ids = topk.ids.reshape(-1)
-        c[int(topk.ids.shape[0] == 1)].index_add_(0, ids, torch.ones_like(ids))
+        one = self._one.get(ids.device)
+        if one is None:
+            one = self._one[ids.device] = torch.ones(1, dtype=torch.int64, device=ids.device)
+        c[int(topk.ids.shape[0] == 1)].index_add_(0, ids, one.expand(ids.numel()))
 
     @torch.inference_mode()  # the counters were made inside the runner's passes
     def reset(self) -> None:
@@ -106,12 +111,22 @@ class ServedRoutes:
         self.path, self.half_life = Path(path), half_life
         self.counts: RouteCounts | None = None
         self.served_tokens = 0
-        if self.path.is_file():
-            d = json.loads(self.path.read_text())
-            self.counts, self.served_tokens = RouteCounts.from_json(d), int(d.get("served_tokens", 0))
-            self.half_life = int(d.get("half_life", half_life))
+        self._read()
         self._last_flush = time.monotonic()
         self._failed = False
+
+    def _read(self) -> None:
+        """The file as it is now (another server of the same plan may have added to it); one that
+        cannot be read is said, and counting starts again from nothing."""
+        if not self.path.is_file():
+            return
+        try:
+            d = json.loads(self.path.read_text())
+            self.counts, self.served_tokens = RouteCounts.from_json(d), int(d.get("served_tokens", 0))
+            self.half_life = int(d.get("half_life", self.half_life))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("%s cannot be read (%s): the served routes start again from none", self.path, e)
+            self.counts, self.served_tokens = None, 0
 
     def add(self, new: RouteCounts) -> None:
         n = sum(new.tokens.values())
@@ -123,21 +138,23 @@ class ServedRoutes:
 
     def save(self) -> None:
         d = self.counts.to_json() | {"served_tokens": self.served_tokens, "half_life": self.half_life}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(d) + "\n")
-        os.replace(tmp, self.path)  # a reader never sees half a file
+        write_atomic(self.path, json.dumps(d) + "\n")
 
     def flush(self, tally: RouteTally, force: bool = False) -> None:
         """Move the tally into the file: when forced (the server stops) or FLUSH_SECONDS after the
-        last time. A file that cannot be written is said once, and serving goes on."""
+        last time. The file is read again under a lock first, so that servers sharing a plan add
+        their routes instead of overwriting each other's. A file that cannot be written is said
+        once, and serving goes on."""
         if self._failed or not (force or time.monotonic() - self._last_flush >= FLUSH_SECONDS):
             return
         self._last_flush = time.monotonic()
-        self.add(tally.take())
-        if self.counts is None:
-            return
+        new = tally.take()
         try:
-            self.save()
+            with file_lock(self.path):
+                self._read()
+                self.add(new)
+                if self.counts is not None:
+                    self.save()
         except OSError as e:
             self._failed = True
             log.warning("cannot keep the served routes in %s (%s): the next plan will not learn from them",
@@ -157,3 +174,33 @@ def learned_counts(dev: RouteCounts | None, served: ServedRoutes) -> dict[int, t
         for l, c in dev.total("all").items():
             out[l] = out.get(l, 0) + w * c.double()
     return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file of this process, then rename: a reader (another server)
+    sees the old file or the new one, never half of one."""
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive advisory lock on `<path>.lock`, held while the block runs (servers and planners
+    of one plan folder take turns)."""
+    import fcntl
+
+    with open(Path(path).with_name(Path(path).name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

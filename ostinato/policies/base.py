@@ -135,16 +135,6 @@ class PassPlan:
         return "pool" if int(self.slot[expert]) >= 0 else "cpu"
 
 
-def usable_slots(spec: ModelExperts, slots: int, staging: int, policy: str) -> int:
-    """Slots of a budget left for resident or cached experts after the K zero slots and the
-    policy's staging slots."""
-    n = slots - spec.top_k - staging
-    if n < 0:
-        raise ConfigError(f"policy {policy}: a budget of {slots} expert slots cannot hold its {spec.top_k} zero "
-                          f"slots and {staging} staging slots; give a larger budget")
-    return n
-
-
 def pools_bytes(spec: ModelExperts, hot: dict[int, list[int]], flex) -> int:
     """Bytes of the pools build_parts makes for `hot` with `flex` (int, None or per group: flex_of)."""
     total = 0

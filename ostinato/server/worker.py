@@ -75,6 +75,7 @@ class EngineWorker:
         # on the engine thread, which owns the runner: after every job, and once when the worker stops
         self.after_job: Callable[[], None] = lambda: None
         self.on_stop: Callable[[], None] = lambda: None
+        self._current: Job | None = None  # the job the engine thread runs
         self._warmup = warmup
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ostinato-engine", daemon=True)
@@ -94,7 +95,12 @@ class EngineWorker:
         self.started_at = time.monotonic()
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what runs and what waits, then let the engine thread finish (its on_stop included)."""
+        with self._jobs.mutex:
+            waiting = [j for j in self._jobs.queue if j is not None]
+        for job in ([self._current] if self._current is not None else []) + waiting:
+            job.cancel.set()
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -122,14 +128,15 @@ class EngineWorker:
                 self._set_phase("warming up")
                 self._warm(loaded)
             self.placement = loaded.runner.placement_stats()
+            self.on_ready(loaded)  # inside the try: a start-up that fails here fails the load
             self.loaded, self.state, self.phase = loaded, "ok", "ready"
         except Exception as e:  # shown by /health and every request until on_failed acts
             self.exception, self.error, self.state, self.phase = e, f"{type(e).__name__}: {e}", "error", "failed"
             self.on_failed(e)
-        else:
-            self.on_ready(loaded)
         while (job := self._jobs.get()) is not None:
+            self._current = job
             self._serve(job)
+            self._current = None
             self._hook(self.after_job)
         self._hook(self.on_stop)
 
