@@ -13,7 +13,7 @@ from ostinato.layers.moe.types import ExpertWeights, TopKOutput
 from ostinato.planner.profile import RouteCounts
 from ostinato.planner.residency import Residency
 from ostinato.policies.base import ModelExperts
-from ostinato.policies.factory import build_policy, expert_slots
+from ostinato.policies.factory import budget_bytes, build_policy
 from ostinato.policies.ostinato import close_backend, resident_experts, set_offload_threshold
 from ostinato.policies.settings import POLICIES, PolicySettings
 
@@ -236,11 +236,12 @@ def test_ostinato_policy_split_and_upload_paths():
 
 def test_budget_is_the_same_for_every_policy():
     spec = _spec()
-    assert expert_slots(spec, PolicySettings(expert_slots=5)) == 5
-    assert expert_slots(spec, PolicySettings(budget_bytes=5 * spec.expert_bytes + 7)) == 5
-    assert expert_slots(spec, PolicySettings(residency=_residency(3))) == 9 + K + 13  # hot, zero, flex
+    assert budget_bytes(spec, PolicySettings(expert_slots=5)) == 5 * spec.expert_bytes
+    assert budget_bytes(spec, PolicySettings(budget_bytes=5 * spec.expert_bytes + 7)) == 5 * spec.expert_bytes + 7
+    # a residency's pools: its hot experts, the K zero slots and the flex slots (most cold experts of a layer)
+    assert budget_bytes(spec, PolicySettings(residency=_residency(3))) == (9 + K + 13) * spec.expert_bytes
     with pytest.raises(ConfigError, match="budget"):
-        expert_slots(spec, PolicySettings())
+        budget_bytes(spec, PolicySettings())
     with pytest.raises(ConfigError, match="unknown policy"):
         build_policy("nope", spec, _settings())
 

@@ -42,29 +42,9 @@ def load_residency(residency) -> Residency | None:
     return Residency.load(residency)
 
 
-def residency_pool(spec: ModelExperts, hot: dict[int, list[int]]) -> int:
-    """Pool slots a residency needs: hot experts, K zero slots, flex slots (most cold experts of a layer)."""
-    flex = max((spec.num_experts - len(hot.get(l, [])) for l in spec.moe_layers), default=0)
-    return sum(len(hot.get(l, [])) for l in spec.moe_layers) + spec.top_k + flex
-
-
 def residency_bytes(spec: ModelExperts, hot: dict[int, list[int]]) -> int:
     """Bytes of a residency's pools (per format group: hot, K zero and the group's flex slots)."""
     return pools_bytes(spec, hot, None)
-
-
-def expert_slots(spec: ModelExperts, settings: PolicySettings) -> int:
-    """The budget in expert-sized pool slots: given, or budget bytes // one expert's bytes, or
-    (so that a baseline runs under the same budget as a plan) the residency's pool."""
-    if settings.expert_slots is not None:
-        return settings.expert_slots
-    if settings.budget_bytes is not None:
-        return int(settings.budget_bytes // spec.expert_bytes)
-    residency = load_residency(settings.residency)
-    if residency is not None:
-        return residency_pool(spec, residency.hot)
-    raise ConfigError("no expert budget: give --expert-budget (bytes for the expert pool) or the --residency "
-                      "whose pool the policies share")
 
 
 def budget_bytes(spec: ModelExperts, settings: PolicySettings) -> int:
@@ -77,7 +57,8 @@ def budget_bytes(spec: ModelExperts, settings: PolicySettings) -> int:
     residency = load_residency(settings.residency)
     if residency is not None:
         return residency_bytes(spec, residency.hot)
-    return expert_slots(spec, settings)  # raises: no budget
+    raise ConfigError("no expert budget: give --expert-budget (bytes for the expert pool) or the --residency "
+                      "whose pool the policies share")
 
 
 def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
