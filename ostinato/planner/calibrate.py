@@ -242,21 +242,18 @@ def measure_upload(h, layers: list[int], clock: Clock, reps: int = 3) -> tuple[f
     """GB/s of the upload path's copies of cold experts into flex slots; -> (GB/s, expert bytes)."""
     rates, sizes = [], []
     for layer in layers:
-        pool, hw = h.pools.of(layer), h.host.layers[layer]
-        eb = pool.expert_bytes
-        n = min(hw.w13.shape[0], pool.num_slots - pool.flex_lo)
-        if n == 0:
+        pool = h.pools.of(layer)
+        cold = (h.host.compact[layer] >= 0).nonzero().flatten().tolist()[:pool.num_slots - pool.flex_lo]
+        if not cold:
             continue
 
-        def copy():
-            for i in range(n):  # as HybridExperts.upload_path: one copy per expert and tensor
-                pool.w13[pool.flex_lo + i].copy_(hw.w13[i], non_blocking=h.on_cuda)
-                pool.w2[pool.flex_lo + i].copy_(hw.w2[i], non_blocking=h.on_cuda)
+        def copy() -> int:  # as HybridExperts.upload_path: the pool's own copy of each expert (biases too)
+            return sum(pool.upload(pool.flex_lo + i, h.host, layer, e) for i, e in enumerate(cold))
 
-        copy()
+        nbytes = copy()
         for _ in range(reps):
-            rates.append(n * eb / (clock.wall(copy) * 1e-3) / 1e9)
-            sizes.append(eb)
+            rates.append(nbytes / (clock.wall(copy) * 1e-3) / 1e9)
+            sizes.append(nbytes // len(cold))
     # expert bytes: the mean over the measured layers (a quantized model's formats differ by layer)
     eb = round(statistics.fmean(sizes)) if sizes else h.pools.groups[0].expert_bytes
     return (statistics.median(rates) if rates else 0.0), eb
