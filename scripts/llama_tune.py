@@ -20,65 +20,19 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.bench import select_sessions  # noqa: E402
-from ostinato.bench.llamacpp import LlamaSettings, knob_values, smallest_fitting, tune  # noqa: E402
+from ostinato.bench.llamacpp import LlamaServer, LlamaSettings, gpu_mib, knob_values, smallest_fitting, tune  # noqa: E402
 from ostinato.bench.metrics import summarize  # noqa: E402
 from ostinato.bench.replay import HttpTarget, replay_sessions  # noqa: E402
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
 from ostinato.loader.source import open_source  # noqa: E402
 from ostinato.loader.tokenizer import ChatTokenizer  # noqa: E402
-
-
-def gpu_mib(pid: int) -> int | None:
-    """GPU memory (MiB) that nvidia-smi gives process pid."""
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        p, _, mib = line.partition(",")
-        if p.strip() == str(pid):
-            return int(mib.strip())
-    return None
-
-
-class Server:
-    """One llama-server process with given settings; ready when /health answers 200."""
-
-    def __init__(self, a, settings: LlamaSettings, log: Path):
-        import httpx
-
-        env = {**os.environ, **settings.env(), "CUDA_VISIBLE_DEVICES": a.gpu}
-        self.url = f"http://127.0.0.1:{a.port}"
-        self.log = log.open("w")
-        self.proc = subprocess.Popen([a.server, *settings.args(a.model, a.context, a.port)], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        t0 = time.perf_counter()
-        self.ready = False
-        while time.perf_counter() - t0 < a.start_timeout and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.ready = True
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.load_s = time.perf_counter() - t0
-        self.mib = gpu_mib(self.proc.pid) if self.ready else None
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def replay(url: str, sessions, tok, max_turns, max_output) -> tuple[list, dict]:
@@ -122,9 +76,10 @@ def main(argv=None) -> int:
     memory: dict[str, int | None] = {}
     count = [0]
 
-    def start(s: LlamaSettings) -> Server:
+    def start(s: LlamaSettings) -> LlamaServer:
         count[0] += 1
-        srv = Server(a, s, a.out / "logs" / f"{count[0]:02d}.log")
+        srv = LlamaServer(a.server, s, a.model, context=a.context, port=a.port, gpu=a.gpu,
+                          log=a.out / "logs" / f"{count[0]:02d}.log", start_timeout=a.start_timeout)
         memory[s.label()] = srv.mib
         print(f"[{count[0]}] {s.label()}: {'ready' if srv.ready else 'failed'} in {srv.load_s:.1f} s, "
               f"{srv.mib} MiB", flush=True)

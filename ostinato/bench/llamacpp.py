@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -102,3 +106,57 @@ def tune(measure: Callable[[LlamaSettings], float | None], start: LlamaSettings,
             raise RuntimeError(f"llama.cpp: every value of {knob} failed ({values})")
         best = dataclasses.replace(best, **{knob: choice})
     return best, rows
+
+
+def gpu_mib(pid: int) -> int | None:
+    """GPU memory (MiB) that nvidia-smi gives process pid (None: not listed)."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        p, _, mib = line.partition(",")
+        if p.strip() == str(pid):
+            return int(mib.strip())
+    return None
+
+
+class LlamaServer:
+    """One llama-server process with the given settings, on one GPU (CUDA_VISIBLE_DEVICES=gpu), its
+    output in log; ready when /health answers 200 (within start_timeout seconds, else ready is False).
+    load_s: the seconds to ready; mib: its GPU memory once ready (nvidia-smi)."""
+
+    def __init__(self, server: str, settings: LlamaSettings, model: str, *, context: int, port: int, gpu: str,
+                 log: Path, start_timeout: float = 300):
+        import httpx
+
+        env = {**os.environ, **settings.env(), "CUDA_VISIBLE_DEVICES": gpu}
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log.open("w")
+        self.proc = subprocess.Popen([server, *settings.args(model, context, port)], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.perf_counter()
+        self.ready = False
+        while time.perf_counter() - t0 < start_timeout and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.ready = True
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.load_s = time.perf_counter() - t0
+        self.mib = gpu_mib(self.proc.pid) if self.ready else None
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

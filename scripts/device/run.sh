@@ -23,13 +23,17 @@
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 #   threads    [H] decode steps and replayed TPOT under several thread layouts (scripts/thread_sweep.py)
-#   llama_tune [L] llama.cpp tuned on development sessions under $CAP, then the held-out replay
-#              (scripts/llama_tune.py; the kit from .carry/llama-kit: kit.tar.xz and unpack.sh of ../shared/llama;
-#              the GGUF file $LGGUF, else `ostinato synth` writes $LQUANT of $M's preset)
+#   gguf       [K] the GGUF file of $M's preset, $LQUANT (default Q4_K_M), written by `ostinato synth` (or $LGGUF)
+#              in the background: the phases after it that need the file wait for it
+#   greedy     [K] greedy tokens of Ostinato and llama.cpp on that file (scripts/greedy_vs_llama.py)
+#   bench_gguf [K] `ostinato bench` on that file under $QCAP (default 12GiB; QBENCH_ARGS: policies, sizes, --merge)
+#   llama_tune [L] llama.cpp tuned on development sessions under $QCAP (else $CAP) on that file, then the
+#              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
 #   tests_wave2 [M][O] GPU-marked tests: the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA
-#   tests_quant [K] the quantized kernels' tests (GPU and CPU) and their benchmarks (gguf from .carry/wheels)
+#   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
+#   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py)
 #   serve_plan [M] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health polled),
 #              the held-out replay through it (chat completions, then /v1/messages), the same turns in-process
 #              on its plan, and a second start from the cache
@@ -41,10 +45,12 @@
 # .carry/res); the call ends by packing $R into $OUT/res.tgz beside $OUT/log.txt.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OSTINATO_CACHE=${OSTINATO_CACHE:-/tmp/ocache}
+# the recorded workloads travel compressed (beside the llama.cpp kit, plain JSON would not fit in 64 MiB):
+# `tar cJf .carry/workloads.tar.xz -C ../shared workloads` here
+[[ -f .carry/workloads.tar.xz && ! -d .carry/workloads ]] && tar xJf .carry/workloads.tar.xz -C .carry
 # the synthetic tokenizer is trained on the recorded workloads, as beside a checkout here
 [[ -d .carry/workloads ]] && export OSTINATO_WORKLOADS=${OSTINATO_WORKLOADS:-$PWD/.carry/workloads}
-# the replayed sessions: tau2 and SWE-agent, made here from the carried workloads (carrying both copies
-# would not leave room for the llama.cpp kit under the 64 MiB limit)
+# the replayed sessions: tau2 and SWE-agent, made here from the carried workloads
 if [[ -d .carry/workloads && ! -d .carry/agent ]]; then
   mkdir -p .carry/agent && cp -r .carry/workloads/tau2 .carry/workloads/swe-agent .carry/agent/
 fi
@@ -110,10 +116,15 @@ phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on 
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
     tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py tests/test_decode_attention.py
 }
-# [K] the quantized-expert kernels (their tests on CUDA and the CPU, then their benchmarks)
+# [K] the quantized-expert kernels: the Triton ones compiled on CUDA (their interpreted runs are CI's), the
+# native CPU ones on this machine's AVX-512/AMX, the GGUF loader
 phase_tests_quant() {
-  run 300 "$R/k_tests.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_quant_formats.py \
-    tests/test_moe_quant_triton.py tests/test_cpu_quant.py tests/test_gguf.py
+  run 150 "$R/k_tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_moe_quant_triton.py
+  run 200 "$R/k_tests.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_cpu_quant.py \
+    tests/test_gguf.py
+}
+phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf's writer: it would share the machine)
+  gguf_wait
   run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py
   run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py
 }
@@ -244,16 +255,61 @@ phase_multi_replay() {
     ${REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32}
 }
 
+# the quantized file of $M's preset ($LQUANT, default Q4_K_M) that greedy, bench_gguf and llama_tune share:
+# $LGGUF if given, else written here once (kept while the machine stays warm)
+gguf_file() {
+  if [[ -n ${LGGUF:-} ]]; then echo "$LGGUF"; return; fi
+  local preset=${M#synth:}; preset=${preset%%\?*}; echo "/tmp/gguf/$preset-${LQUANT:-Q4_K_M}.gguf"
+}
+phase_gguf() {  # written in the background (a session of its own, so it outlives the call): phases that
+  # do not need the file run meanwhile; those that do wait for it (gguf_wait)
+  local g preset=${M#synth:}; g=$(gguf_file); preset=${preset%%\?*}
+  if [[ -f $g ]]; then say "gguf: $g is there ($(du -h "$g" | cut -f1))"; return; fi
+  if kill -0 "$(cat /tmp/gguf.pid 2>/dev/null)" 2>/dev/null; then say "gguf: $g is being written"; return; fi
+  [[ -n ${LGGUF:-} ]] && { say "gguf: no file $LGGUF"; return 1; }
+  mkdir -p /tmp/gguf; rm -rf /tmp/gguf.part
+  say "gguf: writing $g in the background"
+  setsid bash -c "t0=\$SECONDS; $O synth --preset $preset --format gguf --quant ${LQUANT:-Q4_K_M} --out /tmp/gguf.part \
+    && mv /tmp/gguf.part/$(basename "$g") $g; echo \"synth: exit \$? after \$((SECONDS - t0)) s\"" \
+    >> "$R/k_synth_gguf.txt" 2>&1 < /dev/null &
+  echo $! > /tmp/gguf.pid
+}
+gguf_wait() {  # until phase gguf's file is there (1: its writer ended without it, or the deadline is near)
+  local g; g=$(gguf_file)
+  while [[ ! -f $g ]] && kill -0 "$(cat /tmp/gguf.pid 2>/dev/null)" 2>/dev/null; do
+    (( DEADLINE - SECONDS < 60 )) && { say "gguf: $g not written yet"; return 1; }
+    sleep 3
+  done
+  [[ -f $g ]] || { say "gguf: no file $g (phase gguf; $R/k_synth_gguf.txt)"; return 1; }
+  [[ -n ${GGUF_SAID:-} ]] || { say "gguf: $g ($(du -h "$g" | cut -f1)); $(tail -1 "$R/k_synth_gguf.txt" 2>/dev/null)"; GGUF_SAID=1; }
+}
+llama_kit() {  # the llama.cpp kit unpacked to /tmp/llama/kit (from .carry/llama-kit: ../shared/llama's kit)
+  [[ -x /tmp/llama/kit/llama-server ]] || bash .carry/llama-kit/unpack.sh /tmp/llama >> "$LOG" 2>&1 \
+    || { say "no llama.cpp kit"; return 1; }
+}
+phase_greedy() {  # [K] greedy tokens of both engines on the same file (every layer on the GPU)
+  local g; g=$(gguf_file)
+  gguf_wait && llama_kit || return 1
+  run 200 "$R/k_greedy.txt" python3 scripts/greedy_vs_llama.py --server /tmp/llama/kit/llama-server --model "$g" \
+    --tokens 32 --log "$R/k_greedy_llama.log" --json-out "$R/k_greedy.json"
+}
+phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS: policies, sample, --merge)
+  local g f=$R/bench_q4/residency.json cal="" kv; g=$(gguf_file)
+  gguf_wait || return 1
+  # the calibration and Np of this bench's first call (a --merge adds to it); the first call calibrates
+  [[ -n $(field "$f" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
+  kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
+  # the route counts of the bf16 model of the same weights (phase skew): the quantized model's own routing
+  # is what the replay measures (pool hit rates, cold routes)
+  run 560 "$R/k_bench.txt" $O bench --model "$g" --gpu-memory "${QCAP:-12GiB}" ${THREADS:+--cpu-threads $THREADS} \
+    --sessions "$S" ${kv:+--max-context $kv} --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal \
+    --no-progress --attention-scores "$(att)" --out "$R/bench_q4" ${QBENCH_ARGS:-}
+}
 phase_llama_tune() {
-  local kit=/tmp/llama/kit q=${LQUANT:-Q4_K_M} gguf=${LGGUF:-}
-  [[ -x $kit/llama-server ]] || bash .carry/llama-kit/unpack.sh /tmp/llama >> "$LOG" 2>&1 || { say "no llama.cpp kit"; return 1; }
-  if [[ -z $gguf ]]; then
-    local preset=${M#synth:}; preset=${preset%%\?*}; gguf=/tmp/gguf/$preset-$q.gguf
-    [[ -f $gguf ]] || run 400 "$R/l_synth_gguf.txt" $O synth --preset "$preset" --format gguf --quant "$q" --out /tmp/gguf
-  fi
-  [[ -f $gguf ]] || { say "no GGUF file: llama.cpp not tuned"; return 1; }
-  run 560 "$R/l_tune.txt" python3 scripts/llama_tune.py --server $kit/llama-server --model "$gguf" --cap "$CAP" \
-    --sessions "$S" --threads 16 14 --out "$R/llama_tune" ${LLAMA_TUNE_ARGS:-}
+  local g; g=$(gguf_file)
+  gguf_wait && llama_kit || return 1
+  run 560 "$R/l_tune.txt" python3 scripts/llama_tune.py --server /tmp/llama/kit/llama-server --model "$g" \
+    --cap "${QCAP:-$CAP}" --sessions "$S" --threads 16 14 --out "$R/llama_tune" ${LLAMA_TUNE_ARGS:-}
 }
 phase_profile() {  # [Q] where a decode step's GPU time goes: all resident, then the capacity plan under $CAP
   run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_all"
