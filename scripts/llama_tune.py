@@ -26,17 +26,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.bench import select_sessions  # noqa: E402
-from ostinato.bench.llamacpp import LlamaServer, LlamaSettings, gpu_mib, knob_values, smallest_fitting, tune  # noqa: E402
+from ostinato.bench.llamacpp import LlamaServer, LlamaSettings, knob_values, smallest_fitting, tune  # noqa: E402
 from ostinato.bench.metrics import summarize  # noqa: E402
 from ostinato.bench.replay import HttpTarget, replay_sessions  # noqa: E402
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
+from ostinato.engine.gpu_memory import process_gpu_mib  # noqa: E402
 from ostinato.loader.source import open_source  # noqa: E402
 from ostinato.loader.tokenizer import ChatTokenizer  # noqa: E402
 
 
-def replay(url: str, sessions, tok, max_turns, max_output) -> tuple[list, dict]:
+def replay(url: str, sessions, tok, max_turns, max_output, max_context) -> tuple[list, dict]:
     target = HttpTarget(url, kind="openai", tokenizer=tok, first_token="text")
+    target.max_context = max_context  # a session stops before its first turn past it, as in Ostinato's bench
     try:
         results = replay_sessions(target, sessions, tokenizer=tok, max_turns=max_turns, max_output=max_output)
     finally:
@@ -56,7 +58,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-output", type=int, default=64)
     ap.add_argument("--tune-sessions", type=int, default=2)
     ap.add_argument("--tune-max-turns", type=int, default=4)
-    ap.add_argument("--context", type=int, default=9216)
+    ap.add_argument("--context", type=int, default=9216, help="llama-server's context (-c; at least --max-context)")
+    ap.add_argument("--max-context", type=int,
+                    help="replayed turns end before the first whose prompt and output pass this many tokens: "
+                         "Ostinato's bench --max-context, so that both replay the same turns (default: --context)")
     ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 16],
                     help="CPU thread counts to try (default: every CPU; add our layout's worker count)")
     ap.add_argument("--gpu", default="0", help="CUDA_VISIBLE_DEVICES for the server (one GPU, as Ostinato)")
@@ -65,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
 
+    a.max_context = a.max_context or a.context
+    a.context = max(a.context, a.max_context)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "logs").mkdir(exist_ok=True)
     source = open_source(a.model)
@@ -78,8 +85,12 @@ def main(argv=None) -> int:
 
     def start(s: LlamaSettings) -> LlamaServer:
         count[0] += 1
-        srv = LlamaServer(a.server, s, a.model, context=a.context, port=a.port, gpu=a.gpu,
-                          log=a.out / "logs" / f"{count[0]:02d}.log", start_timeout=a.start_timeout)
+        log = a.out / "logs" / f"{count[0]:02d}.log"
+        srv = LlamaServer(a.server, s, a.model, context=a.context, port=a.port, gpu=a.gpu, log=log,
+                          start_timeout=a.start_timeout)
+        refused = [line for line in log.read_text(errors="replace").splitlines() if "invalid argument" in line]
+        if refused:  # this build does not know a flag: a defect of the tuner, not a slow setting
+            raise SystemExit(f"llama-server refused {s.label()}: {refused[0]} ({log})")
         memory[s.label()] = srv.mib
         print(f"[{count[0]}] {s.label()}: {'ready' if srv.ready else 'failed'} in {srv.load_s:.1f} s, "
               f"{srv.mib} MiB", flush=True)
@@ -97,7 +108,7 @@ def main(argv=None) -> int:
         try:
             if not srv.ready or srv.mib is None or srv.mib > cap_mib:
                 return None
-            results, summary = replay(srv.url, tune_set, tok, a.tune_max_turns, a.max_output)
+            results, summary = replay(srv.url, tune_set, tok, a.tune_max_turns, a.max_output, a.max_context)
             if summary["failed_turns"]:
                 return None
             total = summary["request_s"]["total"]
@@ -123,12 +134,13 @@ def main(argv=None) -> int:
     try:
         if not srv.ready:
             raise SystemExit("llama-server did not start with the chosen settings")
-        results, summary = replay(srv.url, held, tok, a.max_turns, a.max_output)
-        mib = gpu_mib(srv.proc.pid)
+        results, summary = replay(srv.url, held, tok, a.max_turns, a.max_output, a.max_context)
+        mib = process_gpu_mib(srv.proc.pid)
     finally:
         srv.close()
     out = {"kind": "ostinato.replay", "engine": "llama.cpp", "sessions": a.sessions, "split": "held-out",
-           "settings": best.label(), "gpu_mib_after_replay": mib, "cap_mib": cap_mib, "summary": summary,
+           "settings": best.label(), "context": a.context, "max_context": a.max_context,
+           "gpu_mib_after_replay": mib, "cap_mib": cap_mib, "summary": summary,
            "turns": [r.to_json() for r in results]}
     (a.out / "replay.json").write_text(json.dumps(out) + "\n")
     print(json.dumps({"chosen": best.label(), "gpu_mib": mib, "ttft_tool_ms": summary["ttft_ms"]["median"]["tool"],

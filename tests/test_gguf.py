@@ -148,6 +148,57 @@ def test_quantized_experts_are_the_files_blocks(tinyk_file):
         assert torch.equal(bf.w2, formats.dequantize(q.w2, q.qt2, cfg.moe_intermediate_size))
 
 
+def test_every_expert_resident_counts_the_files_bytes(tinyk_file):
+    """Without a residency every expert is resident: a plan of them all in the pool, and the fit
+    under a cap counted in the file's block bytes (dequantized, the same pool would be 3.5x)."""
+    from ostinato.engine.factory import all_resident, all_resident_fit
+    from ostinato.planner.capacity import expert_sizes
+
+    source = GGUFSource(tinyk_file)
+    cfg = source.config
+    settings = RunnerSettings(device="cpu", dtype="bf16", max_context=1024)
+    res = all_resident(source, settings)
+    assert res.hot_count == len(cfg.moe_layers) * cfg.num_experts
+    assert all(sorted(res.hot[l]) == list(range(cfg.num_experts)) for l in cfg.moe_layers)
+    native = sum(b for _, b in expert_sizes(cfg, torch.bfloat16, {l: source.expert_qtypes(l) for l in cfg.moe_layers}).values())
+    dense = sum(b for _, b in expert_sizes(cfg, torch.bfloat16, None).values())
+    assert dense > 3 * native
+    # the smallest cap that holds them all in blocks does not hold them dequantized
+    lo, hi = 2**20, 2**36
+    while hi - lo > 2**16:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if all_resident_fit(source, settings, mid) else (mid, hi)
+    assert all_resident_fit(source, settings, hi) and not all_resident_fit(source, settings, hi, experts="bf16")
+
+
+@pytest.mark.gpu
+def test_every_expert_resident_on_the_gpu_keeps_the_blocks(tinyk_file):
+    """load_engine with no residency on CUDA: the pool executor with every expert in its file's
+    blocks (not the oracle's dequantized copy), the same logits as the oracle to rounding, and
+    greedy tokens from the decode graph."""
+    from ostinato.engine.factory import load_engine
+    from ostinato.engine.sampling import SamplingParams
+    from ostinato.layers.moe.hybrid import HybridExperts
+    from ostinato.layers.moe.reference import ReferenceExperts
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    loaded = load_engine(str(tinyk_file), RunnerSettings(device="cuda", dtype="bf16", max_context=512),
+                         announce=False)
+    hybrid = getattr(loaded.runner.experts, "hybrid", loaded.runner.experts)  # inside the decode graph's wrapper
+    assert isinstance(hybrid, HybridExperts)
+    assert all(g.qtypes is not None for g in hybrid.pools.groups), "the pool holds the file's blocks"
+    prompt = loaded.tokenizer.render_ids([{"role": "user", "content": "check order #W2378156"}])
+    ids = list(loaded.engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+    oracle = ModelRunner(GGUFSource(tinyk_file), RunnerSettings(device="cuda", dtype="bf16", max_context=512,
+                                                                cuda_graph=False))
+    assert isinstance(oracle.experts, ReferenceExperts)
+    want = []
+    for _ in range(4):  # greedy through the oracle, the whole sequence again per token
+        want.append(int(oracle.forward(prompt + want, 0).argmax()))
+    assert ids[:4] == want
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_logits_match_transformers_on_the_same_file(cases, recipe):
     """transformers dequantizes the GGUF file on load; our reference model reads the same file.
@@ -356,3 +407,27 @@ def test_same_file_as_llama_cpps_converter(tiny_dir, tiny_files, tmp_path):
     subprocess.run([sys.executable, str(llama / "convert.py"), str(llama / "src"), str(tiny_dir), "--outtype", "q8_0",
                     "--outfile", str(ref)], check=True, capture_output=True)
     _same_file(tiny_files["Q8_0"], ref, ignore=("general.name", "general.size_label"))
+
+
+def test_qwen3_235b_shaped_file_sizes():
+    """The 235B-shaped preset has Qwen3-235B-A22B's dimensions; as Q4_K_M its 32 layers the GPU
+    machine takes (presets.QWEN3_235B_A22B) fit its 64 GiB disk, all 94 do not."""
+    from ostinato.synth.gguf_writer import gguf_bytes
+
+    cut = open_source("synth:qwen3-235b-a22b?layers=32")
+    cfg = cut.config
+    assert (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4096, 128, 8, 1536)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 128)
+    assert gguf_bytes(cut, "Q4_K_M") < 50e9
+    assert gguf_bytes(open_source("synth:qwen3-235b-a22b"), "Q4_K_M") > 64 * 2**30
+
+
+def test_synth_refuses_a_file_the_disk_cannot_hold(tiny_dir, tmp_path, monkeypatch):
+    import shutil as sh
+
+    from ostinato.synth import gguf_writer
+
+    monkeypatch.setattr(gguf_writer.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(ConfigError, match="GB free: write fewer layers"):
+        write_gguf(CheckpointSource(tiny_dir), tmp_path / "t.gguf", "Q8_0", device="cpu")
+    assert not (tmp_path / "t.gguf").exists()

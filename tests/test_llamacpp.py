@@ -27,11 +27,11 @@ def test_smallest_fitting_refuses_when_nothing_fits():
 
 
 def test_tune_keeps_each_knobs_best_and_measures_each_setting_once():
-    # a separable cost with a known optimum: n 13, ub 2048, no-mmap, op-offload 128, 14 threads
-    best = LlamaSettings(13, 2048, False, 128, 14)
+    # a separable cost with a known optimum: n 13, ub 2048, load mode none, op-offload 128, 14 threads
+    best = LlamaSettings(13, 2048, "none", 128, 14)
 
     def cost(s):
-        return (abs(s.n_cpu_moe - 13) + (s.ubatch != 2048) + (s.mmap != best.mmap)
+        return (abs(s.n_cpu_moe - 13) + (s.ubatch != 2048) + (s.load_mode != best.load_mode)
                 + (s.op_offload != 128) + (s.threads != 14) + 1.0)
 
     calls = []
@@ -43,8 +43,8 @@ def test_tune_keeps_each_knobs_best_and_measures_each_setting_once():
     got, rows = tune(measure, LlamaSettings(13, threads=16), knob_values(13, 48, [16, 14]))
     assert got == best
     assert len(calls) == len(set(calls)) == len(rows)
-    # 2 + 3 + 2 + 4 + 2 values, less the settings already measured (the start reappears in every knob)
-    assert len(calls) == 1 + 1 + 2 + 1 + 3 + 1
+    # 2 + 3 + 3 + 4 + 2 values, less the settings already measured (the start reappears in every knob)
+    assert len(calls) == 1 + 1 + 2 + 2 + 3 + 1
     assert [r["knob"] for r in rows][:2] == ["n_cpu_moe", "n_cpu_moe"]
 
 
@@ -60,10 +60,11 @@ def test_tune_skips_failures_and_refuses_when_a_knob_has_no_working_value():
 
 
 def test_server_arguments_and_environment():
-    s = LlamaSettings(8, 128, False, None, 14)
+    s = LlamaSettings(8, 128, "none", None, 14)
     args = s.args("m.gguf", 9216, 8090)
     assert args[args.index("--n-cpu-moe") + 1] == "8" and args[args.index("-ub") + 1] == "128"
     assert args[args.index("-b") + 1] == "128" and args[args.index("-t") + 1] == "14"
-    assert "--no-mmap" in args and "--no-op-offload" in args and s.env() == {}
-    d = dataclasses.replace(s, mmap=True, op_offload=512)
-    assert "--no-mmap" not in d.args("m.gguf", 9216, 8090) and d.env() == {"GGML_OP_OFFLOAD_MIN_BATCH": "512"}
+    assert args[args.index("--load-mode") + 1] == "none" and "--no-op-offload" in args and s.env() == {}
+    assert "--no-mmap" not in args  # gone from llama.cpp (2026-09): --load-mode none
+    d = dataclasses.replace(s, load_mode="auto", op_offload=512)
+    assert "--load-mode" not in d.args("m.gguf", 9216, 8090) and d.env() == {"GGML_OP_OFFLOAD_MIN_BATCH": "512"}

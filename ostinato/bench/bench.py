@@ -26,9 +26,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from ostinato.bench.metrics import TurnResult, summarize, sweep_summary
 from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions
 from ostinato.config import ConfigError
+from ostinato.engine.gpu_memory import memory_figures
 from ostinato.engine.runner import RunnerSettings
 from ostinato.policies.settings import OFFLOAD_THRESHOLDS, OSTINATO_STEPS, POLICIES, TUNED, PolicySettings
 
@@ -352,6 +355,8 @@ def run_bench(bs: BenchSettings) -> dict:
     for name in bs.policies:
         t_build = time.perf_counter()  # building the policy's placement (pool fill) and its graphs
         release(loaded)  # the previous backend's memory is free before the next one is built
+        if loaded.runner.device.type == "cuda":  # the allocator peak of this policy alone
+            torch.cuda.reset_peak_memory_stats(loaded.runner.device)
         try:
             backend = make_policy(name, loaded.source, bs.runner, p.base)
         except ConfigError as e:
@@ -467,6 +472,9 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         entry["graph_segments"] = segments
     sweep = run_sweep(InProcessTarget(loaded), sweep_plan)
     entry["wall_s"] = {"replay": round(t1 - t0, 1), "sweep": round(time.perf_counter() - t1, 1)}
+    memory = memory_figures(loaded.runner.device)  # beside the cap, as nvidia-smi counts it
+    if memory is not None:
+        entry["gpu_memory"] = memory
     cfg = loaded.runner.config
     entry["summary"] = summarize(results, len(cfg.moe_layers))
     entry["sweep"] = sweep_summary(sweep, np_)

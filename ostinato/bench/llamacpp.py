@@ -7,13 +7,16 @@ The knobs (BENCHMARK.md, the kit's README):
   compute buffers), and N + 1: fewer host layers decode faster, but the extra slack can
   matter to the compute buffers of a large batch;
 * `-ub` (with `-b` equal): the micro-batch a prefill pass runs in, 128, 512, 2048;
-* mmap against `--no-mmap` (whether host experts are read from the page cache or a copy);
+* `--load-mode`: auto (its default), mmap or none (host experts read from the page cache, or from
+  a copy in the process's own buffers, which llama.cpp's loader advises when experts are
+  overridden to the CPU, as --n-cpu-moe does). This build (2026-10-06) has no `--no-mmap`: it
+  became `--load-mode none`;
 * the op-offload threshold: `GGML_OP_OFFLOAD_MIN_BATCH` 32 (its default), 128, 512, or
   `--no-op-offload` (host experts never go to the GPU);
 * CPU threads (`-t`, `-tb`): every core, or the worker count of our thread layout ([H]).
 
 `tune` walks the knobs in that order, keeping the best value of each (lowest total request
-time on the development turns) before the next: 2 + 3 + 2 + 4 + 2 settings, not their
+time on the development turns) before the next: 2 + 3 + 3 + 4 + 2 settings, not their
 product. A setting that fails (no start, a failed turn) counts as infinitely slow.
 """
 from __future__ import annotations
@@ -27,12 +30,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ostinato.engine.gpu_memory import process_gpu_mib
+
 
 @dataclass(frozen=True)
 class LlamaSettings:
     n_cpu_moe: int
     ubatch: int = 512
-    mmap: bool = True
+    load_mode: str = "auto"  # --load-mode: auto (llama.cpp's default), mmap, none (a buffered read)
     op_offload: int | None = 32  # GGML_OP_OFFLOAD_MIN_BATCH; None: --no-op-offload
     threads: int = 16
 
@@ -42,8 +47,8 @@ class LlamaSettings:
         a = ["-m", model, "-ngl", "999", "--n-cpu-moe", str(self.n_cpu_moe), "-c", str(context), "-np", "1",
              "-ub", str(self.ubatch), "-b", str(self.ubatch), "-t", str(self.threads), "-tb", str(self.threads),
              "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
-        if not self.mmap:
-            a.append("--no-mmap")
+        if self.load_mode != "auto":
+            a += ["--load-mode", self.load_mode]
         if self.op_offload is None:
             a.append("--no-op-offload")
         return a
@@ -53,7 +58,7 @@ class LlamaSettings:
 
     def label(self) -> str:
         off = "off" if self.op_offload is None else str(self.op_offload)
-        return (f"n-cpu-moe {self.n_cpu_moe}, ub {self.ubatch}, {'mmap' if self.mmap else 'no-mmap'}, "
+        return (f"n-cpu-moe {self.n_cpu_moe}, ub {self.ubatch}, load {self.load_mode}, "
                 f"op-offload {off}, {self.threads} threads")
 
 
@@ -77,7 +82,7 @@ def knob_values(n_fit: int, layers: int, threads: Sequence[int]) -> list[tuple[s
     return [
         ("n_cpu_moe", sorted({n_fit, min(layers, n_fit + 1)})),
         ("ubatch", [128, 512, 2048]),
-        ("mmap", [True, False]),
+        ("load_mode", ["auto", "mmap", "none"]),
         ("op_offload", [32, 128, 512, None]),
         ("threads", list(dict.fromkeys(threads))),
     ]
@@ -108,17 +113,6 @@ def tune(measure: Callable[[LlamaSettings], float | None], start: LlamaSettings,
     return best, rows
 
 
-def gpu_mib(pid: int) -> int | None:
-    """GPU memory (MiB) that nvidia-smi gives process pid (None: not listed)."""
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        p, _, mib = line.partition(",")
-        if p.strip() == str(pid):
-            return int(mib.strip())
-    return None
-
-
 class LlamaServer:
     """One llama-server process with the given settings, on one GPU (CUDA_VISIBLE_DEVICES=gpu), its
     output in log; ready when /health answers 200 (within start_timeout seconds, else ready is False).
@@ -144,7 +138,7 @@ class LlamaServer:
                 pass
             time.sleep(0.5)
         self.load_s = time.perf_counter() - t0
-        self.mib = gpu_mib(self.proc.pid) if self.ready else None
+        self.mib = process_gpu_mib(self.proc.pid) if self.ready else None
 
     def close(self) -> None:
         self.proc.terminate()

@@ -179,7 +179,9 @@ def add_external(result: dict, name: str, replay: dict, source: str) -> None:
     if ours is not None and (set(s["session_s"]) != set(ours["session_s"]) or s["turns"] != ours["turns"]):
         raise ConfigError(f"{source}: replayed {s['turns']} turns of {sorted(s['session_s'])}, this bench "
                           f"{ours['turns']} of {sorted(ours['session_s'])}: not the same turns")
-    result["policies"][name] = {"summary": s, "external": {"engine": replay.get("engine"), "file": source}}
+    result["policies"][name] = {"summary": s, "external": {"engine": replay.get("engine"), "file": source,
+                                                           "settings": replay.get("settings"),
+                                                           "gpu_mib": replay.get("gpu_mib_after_replay")}}
 
 
 def entry_slope(entry: dict, np_: int | None = None):
@@ -297,9 +299,15 @@ def markdown(result: dict, plots: list[str]) -> str:
                          f"steps, {g['timed_cuts']} cuts): {g['gap_ms_per_cut']:.3f} ms from a segment's end to the "
                          f"next one's inputs, {_f(g['sync_ms_per_cut'], '{:.3f}')} ms where the cut had nothing to "
                          f"upload or compute on the CPU ({g['sync_cuts']} cuts: the sync alone)")
+        if "gpu_memory" in e:
+            m = e["gpu_memory"]
+            seen = "not listed by nvidia-smi" if m["process_mib"] is None else f"{m['process_mib']} MiB by nvidia-smi"
+            lines.append(f"- {name}: GPU memory after the replay {seen} (allocator peak {m['allocator_peak_mib']} MiB)")
         if "external" in e:
-            lines.append(f"- {name}: another engine, replayed over HTTP on the same turns ({e['external']['engine']}; "
-                         f"`{e['external']['file']}`): max_tokens = the recorded length, end of sequence ignored")
+            x = e["external"]
+            mib = f"; {x['gpu_mib']} MiB by nvidia-smi after the replay" if x.get("gpu_mib") is not None else ""
+            lines.append(f"- {name}: another engine, replayed over HTTP on the same turns ({x['engine']}; "
+                         f"`{x['file']}`{mib}): max_tokens = the recorded length, end of sequence ignored")
     lines += ["", "## Length sweep", "", "Median TTFT (ms) after a fixed development prefix, by new prompt tokens.", ""]
     sizes = sorted({p["size"] for e in result["policies"].values() for p in (e.get("sweep") or {}).get("points", [])})
     if sizes:

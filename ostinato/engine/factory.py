@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.placement import PlacementSettings, apply_memory_cap, hybrid_factory, resolve_np
+from ostinato.engine.gpu_memory import apply_memory_cap
+from ostinato.engine.placement import PlacementSettings, hybrid_factory, resolve_np
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
 from ostinato.engine.threads import claim_host_thread
@@ -44,7 +45,8 @@ class Loaded:
 def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placement: PlacementSettings | None = None,
                 experts_factory=None, announce: bool = True) -> Loaded:
     """The placement comes from `placement` (a residency: hybrid CPU-GPU) or an explicit
-    experts_factory(source, runner_settings); with neither, every expert on one device.
+    experts_factory(source, runner_settings); with neither, every expert resident: on one GPU in
+    its pool (the executor of every plan), else on each device by the plain-PyTorch oracle.
     `announce`: log the start-up summary here (serve and generate log their own, later)."""
     residency = None
     if experts_factory is None and placement is not None and placement.residency:
@@ -58,14 +60,21 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
             # could push the engine past the memory cap
             settings = dataclasses.replace(settings, max_context=int(kv_tokens))
     source = open_source(model)
+    on_gpu = settings.torch_device().type == "cuda"
     if residency is not None:
         check_shapes(residency, source)
     elif experts_factory is None and placement is not None and placement.gpu_memory:
-        if settings.torch_device().type == "cuda":
-            check_all_resident_fit(source, settings, placement.gpu_memory, str(model))
+        if on_gpu:
+            check_all_resident_fit(source, settings, placement.gpu_memory, str(model), placement.experts)
             apply_memory_cap(settings.torch_device(), placement.gpu_memory)
         else:
             log.info("--gpu-memory: no GPU here, the cap does not apply")
+    if experts_factory is None and residency is None and on_gpu and len(settings.device_names()) == 1:
+        # every expert on the GPU: the pool, its kernels and the decode graph of any plan, with the
+        # experts in their file's formats (the plain-PyTorch oracle would dequantize a GGUF's)
+        placement = placement or PlacementSettings()
+        residency = all_resident(source, settings, placement.experts)
+        experts_factory = hybrid_factory(placement, residency)
     tok = ChatTokenizer.from_dir(source.tokenizer_dir)
     if settings.torch_device().type == "cuda":  # the host thread on its core before the experts load
         claim_host_thread(settings.thread_layout())  # (its page-locked copies land on that core's node)
@@ -82,25 +91,38 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
     return loaded
 
 
-def all_resident_fit(source, settings: RunnerSettings, cap: int) -> bool:
-    """Whether every expert fits on the GPU under `cap` beside the dense weights, the KV cache, the
-    activations and the margin (the capacity test)."""
+def all_resident(source, settings: RunnerSettings, experts: str = "native") -> Residency:
+    """The plan of every expert resident (each layer's pool holds all its experts, in the formats
+    `experts` keeps), held in memory: what the engine runs when no residency is given."""
+    from ostinato.planner.pipeline import plan_residency, size_pool
+
+    cfg = source.config
+    ones = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
+    size = size_pool(cfg, ones, settings.torch_dtype(cfg.torch_dtype), hot_fraction=1.0,
+                     kv_tokens=settings.context(cfg), formats=expert_formats(source, experts))
+    return plan_residency(source, ones, size, notes={"planned_by": "every expert resident (no residency given)"})
+
+
+def all_resident_fit(source, settings: RunnerSettings, cap: int, experts: str = "native") -> bool:
+    """Whether every expert (its bytes in the formats `experts` keeps) fits on the GPU under `cap`
+    beside the dense weights, the KV cache, the activations and the margin (the capacity test)."""
     cfg = source.config
     dtype = settings.torch_dtype(cfg.torch_dtype)
     counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
     try:
-        return plan_capacity(cfg, counts, cap, settings.context(cfg), dtype).max_hot_slots >= \
+        return plan_capacity(cfg, counts, cap, settings.context(cfg), dtype,
+                             formats=expert_formats(source, experts)).max_hot_slots >= \
             len(cfg.moe_layers) * cfg.num_experts
     except CapacityError:
         return False
 
 
-def check_all_resident_fit(source, settings: RunnerSettings, cap: int, model: str) -> None:
+def check_all_resident_fit(source, settings: RunnerSettings, cap: int, model: str, experts: str = "native") -> None:
     """Without a residency every expert goes onto the GPU: under a cap that cannot hold them, say
     what to do instead of running out of memory half way through the load."""
     cfg = source.config
     kv, total = settings.context(cfg), len(cfg.moe_layers) * cfg.num_experts
-    if not all_resident_fit(source, settings, cap):
+    if not all_resident_fit(source, settings, cap, experts):
         raise ConfigError(f"{model}: its {total} experts do not all fit under --gpu-memory {cap / 2**30:.1f} GiB "
                           f"with a {kv}-token KV cache; plan a residency for the cap first (`ostinato plan "
                           f"--model {model} --profile P --gpu-memory ... -o R`), then give --residency R")
@@ -148,7 +170,7 @@ def startup_summary(loaded: Loaded, url: str | None = None) -> dict:
     total = len(cfg.moe_layers) * cfg.num_experts
     on_gpu = runner.device.type == "cuda"
     if res is not None:
-        resident, share = res.hot_count, _gpu_share(res)
+        resident, share = res.hot_count, (1.0 if res.hot_count == total else _gpu_share(res))
     elif isinstance(runner.experts, ReferenceExperts):  # every expert on the one device
         resident, share = (total, 1.0) if on_gpu else (0, 0.0)
     else:  # a baseline policy's placement: its own counters say (bench reports them)
@@ -162,7 +184,7 @@ def startup_summary(loaded: Loaded, url: str | None = None) -> dict:
         "residency": place.residency if place else None,
         "resident_experts": resident, "experts": total, "gpu_route_share": share,
         "kv_tokens": runner.max_context, "threads": runner.threads.describe(),
-        "upload_threshold": resolve_np(place, res) if res is not None else None,
+        "upload_threshold": resolve_np(place, res) if res is not None and res.hot_count < total else None,
         "url": url,
     }
 

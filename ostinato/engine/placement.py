@@ -18,6 +18,7 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.engine.devices import SplitExperts, device_scope, gpus_in_order, in_order, physical, resolve_layer_devices
+from ostinato.engine.gpu_memory import apply_memory_cap
 from ostinato.engine.threads import ThreadLayout
 from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
@@ -52,16 +53,6 @@ def expert_math(cfg) -> dict:
 
 
 DEFAULT_UPLOAD_THRESHOLD = 512  # used only until `ostinato calibrate` has measured Np
-
-
-def apply_memory_cap(device: torch.device, cap: int | None) -> None:
-    if cap is None or device.type != "cuda":
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    if cap > total:
-        raise ConfigError(f"--gpu-memory {cap / 2**30:.1f} GiB exceeds the device's {total / 2**30:.1f} GiB")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    torch.cuda.set_per_process_memory_fraction(cap / total, index)
 
 
 def build_hybrid(source, residency: Residency, place: PlacementSettings, device: torch.device,
@@ -113,8 +104,8 @@ def apply_calibration(hybrid: HybridExperts, place: PlacementSettings, residency
 
 def hybrid_factory(place: PlacementSettings, residency: Residency | None = None):
     """An experts factory for load_engine (None when no residency is given); `residency` is
-    the file already read, if the caller has it."""
-    if not place.residency:
+    the plan already read (or made in memory), if the caller has it."""
+    if residency is None and not place.residency:
         return None
     residency = residency or Residency.load(place.residency)
 

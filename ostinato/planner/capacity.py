@@ -7,7 +7,10 @@
 * kv: the KV cache of the longest development request (the engine preallocates it);
 * activations: a conservative bound on the live buffers of the largest forward pass
   (see `activation_bytes`; T tokens of a pass attending to N cached tokens);
-* margin: a fixed part plus a share of the budget (allocator rounding, CUDA workspaces);
+* margin: a fixed part plus a share of the budget: the CUDA context and whatever else the
+  process holds outside torch's allocator (the cap counts the process as nvidia-smi does, so
+  the allocator's limit is the budget less that: engine/gpu_memory.py), allocator rounding,
+  CUDA workspaces;
 * K zero slots (cold routes read them) and the flex slots of the upload path: the
   engine allocates max over layers of the layer's cold experts, so flex depends on the
   fill. Since fill(s + 1) adds one expert to fill(s), s + flex(s) never decreases with

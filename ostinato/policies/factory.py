@@ -77,7 +77,8 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
 
 def make_policy(name: str, source, runner_settings, settings: PolicySettings = PolicySettings()):
     """The experts backend of policy `name` for a model's weight source, under settings.gpu_memory."""
-    from ostinato.engine.placement import PlacementSettings, apply_memory_cap, build_hybrid
+    from ostinato.engine.gpu_memory import apply_memory_cap
+    from ostinato.engine.placement import PlacementSettings, build_hybrid
 
     check_policy(name)
     spec = ModelExperts.from_source(source, runner_settings, graphs=name not in CACHES, experts=settings.experts)

@@ -25,6 +25,7 @@ Legend: E experts, F expert FFN size, D hidden, V vocabulary (embedding rows).
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from math import prod
 from pathlib import Path
@@ -196,6 +197,10 @@ def write_gguf(source, out: str | Path, recipe: str = "BF16", *, name: str | Non
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plan = [(g, what, shape, tensor_qtype(recipe, g, shape, cfg)) for g, what, shape in layout(source)]
+    need, free = sum(_nbytes(qt, shape) for _, _, shape, qt in plan), shutil.disk_usage(out.parent).free
+    if need > free:  # before the first byte, not at 90% of a file the disk cannot hold
+        raise ConfigError(f"{out}: a {recipe} file of {cfg.num_hidden_layers} layers takes {need / 1e9:.1f} GB, and "
+                          f"{out.parent} has {free / 1e9:.1f} GB free: write fewer layers (--layers) or elsewhere")
 
     writer = GGUFWriter(out, ARCHITECTURE)
     _add_model_metadata(writer, cfg, recipe, name or out.stem, generation or {})
@@ -215,6 +220,12 @@ def write_gguf(source, out: str | Path, recipe: str = "BF16", *, name: str | Non
                 progress(i + 1, len(plan))
     writer.close()
     return out
+
+
+def gguf_bytes(source, recipe: str) -> int:
+    """The tensor bytes of `source` written as a `recipe` file (its metadata aside)."""
+    cfg = source.config
+    return sum(_nbytes(tensor_qtype(recipe, g, shape, cfg), shape) for g, _, shape in layout(source))
 
 
 def _add_model_metadata(w: GGUFWriter, cfg: ModelConfig, recipe: str, name: str, generation: dict) -> None:

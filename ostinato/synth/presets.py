@@ -2,7 +2,8 @@
 
 `tiny` is the CI model (CPU, every test run); `tiny-k` is its sibling for GGUF K-quants,
 whose rows must be multiples of 256 values (two layers, so Q4_K_M gives one Q4_K and one
-Q6_K down projection); `qwen3-30b-a3b` has the real shapes.
+Q6_K down projection); `qwen3-30b-a3b` and `qwen3-235b-a22b` have the real shapes (the latter cut to
+32 of its 94 layers on the GPU machine's disk, QWEN3_235B_A22B says why).
 `tiny-deepseek-v3` is DeepSeek-V3 (`DeepseekV3ForCausalLM`) for CI: one dense first layer,
 then MoE layers with a shared expert, grouped routing (n_group > 1), low-rank queries,
 latent attention and yarn rope with mscale; `deepseek-v3-shaped` has DeepSeek-V3's real
@@ -62,6 +63,20 @@ QWEN3_30B_A3B = {
     "use_cache": True,
     "use_sliding_window": False,
     "vocab_size": 151936,
+}
+
+# Qwen3-235B-A22B's real dimensions (its config.json): hidden 4096, 94 layers of 128 experts (top 8,
+# expert FFN 1536), 64 query and 4 KV heads of 128. As a Q4_K_M file a layer takes about 1.5 GB, so the
+# GPU machine's 64 GiB disk holds 32 of its layers (48 GB), and its 125 GiB of memory the file's page
+# cache beside Ostinato's copy of the cold experts: `--layers 32` (or synth:qwen3-235b-a22b?layers=32).
+QWEN3_235B_A22B = {
+    **QWEN3_30B_A3B,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "max_window_layers": 94,
+    "moe_intermediate_size": 1536,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 94,
 }
 
 TINY = {
@@ -267,7 +282,7 @@ TINY_GLM4_MOE = {
     "vocab_size": 8192,
 }
 
-PRESETS = {"tiny": TINY, "tiny-k": TINY_K, "qwen3-30b-a3b": QWEN3_30B_A3B,
+PRESETS = {"tiny": TINY, "tiny-k": TINY_K, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-235b-a22b": QWEN3_235B_A22B,
            "tiny-deepseek-v3": TINY_DEEPSEEK_V3, "deepseek-v3-shaped": DEEPSEEK_V3, "tiny-glm4-moe": TINY_GLM4_MOE,
            "tiny-gpt-oss": TINY_GPT_OSS, "tiny-gpt-oss-mxfp4": TINY_GPT_OSS_MXFP4, "gpt-oss-120b": GPT_OSS_120B}
 
@@ -278,6 +293,7 @@ PRESETS = {"tiny": TINY, "tiny-k": TINY_K, "qwen3-30b-a3b": QWEN3_30B_A3B,
 # 76.7% at 40% and 80.2% at 44% of held-out tau2 / SWE-agent routes (results/2026-11-29-h200x2/):
 # inside BENCHMARK.md's 80-85% for 40-45% only at its upper end of experts.
 DEFAULT_SKEW = {"tiny": 1.0, "tiny-k": 1.0, "qwen3-30b-a3b": 0.5,  # tiny-k: tiny's, not measured
+                "qwen3-235b-a22b": 0.5,  # qwen3-30b-a3b's, not measured
                 # tiny-deepseek-v3, tiny-glm4-moe: the 7 of 16 experts most routed on 1500 random tokens get 82% /
                 # 84% of another 1500's routes (a quick count, not `ostinato skew`)
                 "tiny-deepseek-v3": 1.0, "tiny-glm4-moe": 1.0,
@@ -285,7 +301,8 @@ DEFAULT_SKEW = {"tiny": 1.0, "tiny-k": 1.0, "qwen3-30b-a3b": 0.5,  # tiny-k: tin
                 "tiny-gpt-oss": 1.0, "tiny-gpt-oss-mxfp4": 1.0, "gpt-oss-120b": 0.5}  # likewise
 
 # Tokenizer vocabulary trained for each preset; the embedding keeps the preset's size.
-TOKENIZER_VOCAB = {"tiny": 4096, "tiny-k": 4096, "qwen3-30b-a3b": 32768, "tiny-deepseek-v3": 4096,
+TOKENIZER_VOCAB = {"tiny": 4096, "tiny-k": 4096, "qwen3-30b-a3b": 32768, "qwen3-235b-a22b": 32768,
+                   "tiny-deepseek-v3": 4096,
                    "deepseek-v3-shaped": 32768, "tiny-glm4-moe": 4096, "tiny-gpt-oss": 4096, "tiny-gpt-oss-mxfp4": 4096,
                    "gpt-oss-120b": 32768}
 

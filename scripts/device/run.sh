@@ -55,10 +55,15 @@ if [[ -d .carry/workloads && ! -d .carry/agent ]]; then
   mkdir -p .carry/agent && cp -r .carry/workloads/tau2 .carry/workloads/swe-agent .carry/agent/
 fi
 OUT=${OUT:-/tmp/out}; R=${R:-/tmp/res}; mkdir -p "$OUT" "$R"
-# gguf, a dependency of the package (the CLI imports it), is not on the GPU machine: from the carried wheel
-# (.carry/wheels/gguf-*.whl: `pip download gguf==0.19.0 --no-deps -d .carry/wheels` here)
-python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/wheels/gguf-*.whl \
-  >> "$OUT/pip.txt" 2>&1 || echo "note: gguf is missing and no wheel is carried: the CLI will not start" >&2
+# dependencies of the package and its tests that the GPU machine's image lacks (gguf, the server's fastapi,
+# uvicorn and pydantic, the openai and anthropic clients) travel as wheels in .carry/wheels (cp312 manylinux,
+# fetched here by scripts/device/wheels.sh), installed into /tmp/site ahead of the image's packages
+[[ -d /tmp/site ]] && export PYTHONPATH=$PWD:/tmp/site  # installed by an earlier call to this machine
+if ! python3 -c "import gguf, fastapi, uvicorn, pydantic, openai, anthropic" 2>/dev/null; then
+  if python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .carry/wheels/*.whl \
+      >> "$OUT/pip.txt" 2>&1; then export PYTHONPATH=$PWD:/tmp/site
+  else echo "note: the carried wheels did not install ($OUT/pip.txt): the CLI or the server may not start" >&2; fi
+fi
 if [[ -d .carry/res && ! -f $R/.restored ]]; then cp -rn .carry/res/. "$R"/; touch "$R/.restored"; fi
 O="python3 -m ostinato.cli"
 M=${MODEL:-synth:qwen3-30b-a3b}; CAP=${CAP:-32GiB}; CAP_PER_GPU=${CAP_PER_GPU:-16GiB}; DEVICES=${DEVICES:-cuda:0,cuda:1}
@@ -257,19 +262,31 @@ phase_multi_replay() {
 
 # the quantized file of $M's preset ($LQUANT, default Q4_K_M) that greedy, bench_gguf and llama_tune share:
 # $LGGUF if given, else written here once (kept while the machine stays warm)
-gguf_file() {
+# synth_args: `ostinato synth`'s arguments for $M (synth:PRESET[?layers=N&seed=S&regime=R])
+synth_args() {
+  local spec=${M#synth:} kv q out
+  out="--preset ${spec%%\?*}"
+  if [[ $spec == *\?* ]]; then
+    q=${spec#*\?}
+    for kv in ${q//&/ }; do out+=" --${kv%%=*} ${kv#*=}"; done
+  fi
+  echo "$out"
+}
+gguf_file() {  # the folder is named after all of $M (synth:P?layers=32 and synth:P are other files)
   if [[ -n ${LGGUF:-} ]]; then echo "$LGGUF"; return; fi
-  local preset=${M#synth:}; preset=${preset%%\?*}; echo "/tmp/gguf/$preset-${LQUANT:-Q4_K_M}.gguf"
+  local spec=${M#synth:} preset; preset=${spec%%\?*}
+  echo "/tmp/gguf/${spec//[^A-Za-z0-9.-]/_}/$preset-${LQUANT:-Q4_K_M}.gguf"
 }
 phase_gguf() {  # written in the background (a session of its own, so it outlives the call): phases that
   # do not need the file run meanwhile; those that do wait for it (gguf_wait)
-  local g preset=${M#synth:}; g=$(gguf_file); preset=${preset%%\?*}
+  local g; g=$(gguf_file)
   if [[ -f $g ]]; then say "gguf: $g is there ($(du -h "$g" | cut -f1))"; return; fi
   if kill -0 "$(cat /tmp/gguf.pid 2>/dev/null)" 2>/dev/null; then say "gguf: $g is being written"; return; fi
   [[ -n ${LGGUF:-} ]] && { say "gguf: no file $LGGUF"; return 1; }
-  mkdir -p /tmp/gguf; rm -rf /tmp/gguf.part
-  say "gguf: writing $g in the background"
-  setsid bash -c "t0=\$SECONDS; $O synth --preset $preset --format gguf --quant ${LQUANT:-Q4_K_M} --out /tmp/gguf.part \
+  [[ $M == synth:* ]] || { say "gguf: $M is not a synthetic model: give its file as LGGUF"; return 1; }
+  mkdir -p "$(dirname "$g")"; rm -rf /tmp/gguf.part
+  say "gguf: writing $g in the background ($(synth_args)); disk: $(df -h --output=avail /tmp | tail -1)"
+  setsid bash -c "t0=\$SECONDS; $O synth $(synth_args) --format gguf --quant ${LQUANT:-Q4_K_M} --out /tmp/gguf.part \
     && mv /tmp/gguf.part/$(basename "$g") $g; echo \"synth: exit \$? after \$((SECONDS - t0)) s\"" \
     >> "$R/k_synth_gguf.txt" 2>&1 < /dev/null &
   echo $! > /tmp/gguf.pid
@@ -294,22 +311,27 @@ phase_greedy() {  # [K] greedy tokens of both engines on the same file (every la
     --tokens 32 --log "$R/k_greedy_llama.log" --json-out "$R/k_greedy.json"
 }
 phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS: policies, sample, --merge)
-  local g f=$R/bench_q4/residency.json cal="" kv; g=$(gguf_file)
+  local g f=$R/${QBENCH_OUT:-bench_q4}/residency.json cal="" kv; g=$(gguf_file)
   gguf_wait || return 1
   # the calibration and Np of this bench's first call (a --merge adds to it); the first call calibrates
   [[ -n $(field "$f" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
-  # the route counts of the bf16 model of the same weights (phase skew): the quantized model's own routing
-  # is what the replay measures (pool hit rates, cold routes)
+  # the route counts of the bf16 model of the same weights (phase skew, $QPROFILED): the quantized model's
+  # own routing is what the replay measures (pool hit rates, cold routes); another model profiles itself
+  local prof=""
+  [[ $M == "${QPROFILED:-synth:qwen3-30b-a3b}" ]] && prof="--profiles $R/profile-dev.json $R/profile-held-out.json"
   run 560 "$R/k_bench.txt" $O bench --model "$g" --gpu-memory "${QCAP:-12GiB}" ${THREADS:+--cpu-threads $THREADS} \
-    --sessions "$S" ${kv:+--max-context $kv} --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal \
-    --no-progress --attention-scores "$(att)" --out "$R/bench_q4" ${QBENCH_ARGS:-}
+    --sessions "$S" ${kv:+--max-context $kv} $prof $cal \
+    --no-progress --attention-scores "$(att)" --out "$R/${QBENCH_OUT:-bench_q4}" ${QBENCH_ARGS:-}
 }
 phase_llama_tune() {
   local g; g=$(gguf_file)
   gguf_wait && llama_kit || return 1
+  local kv  # the turns Ostinato's bench replays: those within the capacity plan's KV cache
+  kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   run 560 "$R/l_tune.txt" python3 scripts/llama_tune.py --server /tmp/llama/kit/llama-server --model "$g" \
-    --cap "${QCAP:-$CAP}" --sessions "$S" --threads 16 14 --out "$R/llama_tune" ${LLAMA_TUNE_ARGS:-}
+    --cap "${QCAP:-$CAP}" --sessions "$S" ${kv:+--max-context $kv} --threads 16 14 --out "$R/llama_tune" \
+    ${LLAMA_TUNE_ARGS:-}
 }
 phase_profile() {  # [Q] where a decode step's GPU time goes: all resident, then the capacity plan under $CAP
   run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_all"

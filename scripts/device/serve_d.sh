@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU machine, issue [D]: a 20-turn tau2 session replayed through `ostinato serve` with the
 # full-size model; TTFT per turn against new prompt tokens shows that only new tokens are
-# prefilled. Needs `.whl` (scripts/device/fetch_wheels.sh) and `.carry/agent` (sessions), and a
+# prefilled. Needs `.carry/wheels` (scripts/device/wheels.sh) and `.carry/agent` (sessions), and a
 # residency for this model (run.sh plans: /tmp/res/r40.json; RESIDENCY= empty: all experts on the GPU).
 set -uo pipefail
-python3 -c "import fastapi, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -c "import fastapi, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OSTINATO_WORKLOADS=$PWD/.carry/agent OSTINATO_CACHE=/tmp/ocache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=${MODEL:-synth:qwen3-30b-a3b}

@@ -1,7 +1,7 @@
 """The plain-PyTorch MoE: every expert on one device, one loop over the routed experts.
 
 This is the oracle every faster path is tested against, and the backend of
-`ostinato generate` without a residency. It computes in the weights' dtype the way the
+`ostinato generate` without a residency on the CPU. It computes in the weights' dtype the way the
 Hugging Face implementation does (biases and activation as the experts carry them), so
 whole-model logits match `transformers`.
 
