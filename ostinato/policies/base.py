@@ -51,7 +51,7 @@ from ostinato.config import ConfigError
 from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import to_host
-from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts, Qtypes, expert_nbytes
+from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts, Qtypes, expert_nbytes, group_layers
 from ostinato.engine.threads import ThreadLayout
 from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights, TopKOutput
 from ostinato.loader.build import expert_formats, load_layer_experts
@@ -92,10 +92,7 @@ class ModelExperts:
 
     def groups(self) -> dict[Qtypes, list[int]]:
         """The pool groups (one per format) and their MoE layers, in ExpertPools' order."""
-        out: dict[Qtypes, list[int]] = {}
-        for layer in sorted(self.moe_layers):
-            out.setdefault(self.formats.get(layer), []).append(layer)
-        return out
+        return group_layers(self.moe_layers, self.formats)
 
     @property
     def total_experts(self) -> int:

@@ -130,7 +130,9 @@ phase_tests_quant() {
 }
 phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf's writer: it would share the machine)
   gguf_wait
-  run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py
+  if [[ ${QTUNE:-0} == 1 ]]; then  # QTUNE=1: tune first (writes kernels/tuned/moe_quant_<device>.json, kept in $R)
+    run 300 "$R/k_tune_gpu.txt" python3 scripts/bench_gpu_quant.py --tune; cp ostinato/kernels/tuned/moe_quant_*.json "$R"/ 2>/dev/null
+  else run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py; fi
   run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py
 }
 phase_tests_wave2() {  # [M][O] the GPU-marked tests of the served-route tally and the new model families

@@ -18,8 +18,9 @@ down projection and the weighted sum over k are fp32. The decode kernels multipl
 the prefill kernels round the dequantized tile to the activation dtype for tl.dot.
 
 Block sizes: DEFAULT_QUANT_TUNING, overridden by kernels/tuned/moe_quant_<device>.json when
-one exists (no tool writes it yet: scripts/bench_gpu_quant.py measures); the alignment and
-combine configs are gpu_experts' tuning for the device (the same kernels).
+one exists (written by `scripts/bench_gpu_quant.py --tune`, which sweeps the decode and prefill
+configs on the device and checks the chosen ones against slot_experts_quant_torch); the
+alignment and combine configs are gpu_experts' tuning for the device (the same kernels).
 """
 from __future__ import annotations
 
@@ -55,12 +56,18 @@ def quant_tuned_path(tag: str):
     return ge.TUNED_DIR / f"moe_quant_{tag}.json"
 
 
-@functools.cache
-def load_quant_tuning(tag: str) -> dict:
-    """Defaults plus gpu_experts' align and combine, overridden by moe_quant_<tag>.json."""
+def default_quant_tuning(tag: str) -> dict:
+    """DEFAULT_QUANT_TUNING (a copy) plus gpu_experts' align and combine for the device."""
     base = ge.load_tuning(tag)
     tuning = copy.deepcopy(DEFAULT_QUANT_TUNING)
     tuning["align"], tuning["combine"] = dict(base["align"]), dict(base["combine"])
+    return tuning
+
+
+@functools.cache
+def load_quant_tuning(tag: str) -> dict:
+    """Defaults plus gpu_experts' align and combine, overridden by moe_quant_<tag>.json."""
+    tuning = default_quant_tuning(tag)
     path = quant_tuned_path(tag)
     if path.exists():
         for key, value in json.loads(path.read_text()).items():
@@ -161,6 +168,12 @@ def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zer
 @functools.cache
 def _quant_tuning_for(device_type: str, index: int | None) -> dict:
     return load_quant_tuning(ge.device_tag(torch.device(device_type, index)))
+
+
+def clear_quant_tuning_cache() -> None:
+    """Forget the loaded tunings (after a tuned file is written or its folder changes)."""
+    load_quant_tuning.cache_clear()
+    _quant_tuning_for.cache_clear()
 
 
 def slot_experts_quant_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None,

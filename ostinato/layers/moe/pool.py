@@ -170,6 +170,15 @@ class ExpertPool:
         return torch.where(slot >= 0, slot, self.zero_of_position[: ids.shape[1]])
 
 
+def group_layers(layers, qtypes: dict[int, Qtypes] | None) -> dict[Qtypes, list[int]]:
+    """Layers by expert format (qtypes: each layer's (qt13, qt2), None or absent: float), in layer
+    order: one pool per group, the order of ExpertPools.groups."""
+    groups: dict[Qtypes, list[int]] = {}
+    for layer in sorted(layers):
+        groups.setdefault((qtypes or {}).get(layer), []).append(layer)
+    return groups
+
+
 class ExpertPools:
     """The expert pools of one GPU, one per expert format (a group of layers whose experts
     have one byte size); `of(layer)` is the pool that serves a layer. A bf16 model has one."""
@@ -189,10 +198,7 @@ class ExpertPools:
         """A pool per format of the layers in `hot` (qtypes: each layer's (qt13, qt2) or None; default:
         all float); flex: flex slots of every pool, or None for each pool's most cold experts of a layer;
         act, bias: the experts' activation and whether they have biases (every pool alike)."""
-        qtypes = qtypes or {}
-        groups: dict[Qtypes, list[int]] = {}
-        for layer in sorted(hot):
-            groups.setdefault(qtypes.get(layer), []).append(layer)
+        groups = group_layers(hot, qtypes)
         pools = []
         for qt, layers in groups.items():
             n = flex if flex is not None else max(num_experts - len(hot[l]) for l in layers)
@@ -259,11 +265,8 @@ class HostExperts:
                  qtypes: dict[int, Qtypes] | None = None, *, act: ExpertAct = SILU, bias: bool = False):
         """qtypes: each layer's (qt13, qt2) of GGUF blocks, or None (default for all): dtype weights;
         act, bias: the experts' activation and whether they have biases."""
-        qtypes = qtypes or {}
         self.act, self.bias = act, bias
-        groups: dict[Qtypes, list[int]] = {}
-        for layer in sorted(cold):
-            groups.setdefault(qtypes.get(layer), []).append(layer)
+        groups = group_layers(cold, qtypes)
         self._pins = []
         self.pinned = True
         self.layers: dict[int, ExpertWeights | QuantExpertWeights] = {}
