@@ -31,7 +31,8 @@
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
-#   tests_wave2 [M][O] GPU-marked tests: the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA
+#   tests_wave2 [M][O][K] GPU-marked tests: the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
+#              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py)
 #   serve_plan [M] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health polled),
@@ -135,10 +136,12 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
   else run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py; fi
   run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py
 }
-phase_tests_wave2() {  # [M][O] the GPU-marked tests of the served-route tally and the new model families
+phase_tests_wave2() {  # [M][O][K] the GPU-marked tests of the served-route tally, the new model families, the
+  # cap as nvidia-smi counts it, every expert resident through the pool executor
   run 300 "$R/tests_wave2.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
     tests/test_serve_plan.py tests/test_gpt_oss.py tests/test_deepseek_v3.py tests/test_expert_act_triton.py \
-    tests/test_conversations.py
+    tests/test_conversations.py tests/test_gpu_memory.py tests/test_quant_tuning.py \
+    "tests/test_gguf.py::test_every_expert_resident_on_the_gpu_keeps_the_blocks"
 }
 phase_skew() {
   $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1
