@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: build ik_llama.cpp (source: $IK_SRC, default .carry/ik-kit/ik-src.tar.xz, the
+# On the GPU machine: build ik_llama.cpp (source: $IK_SRC, default .ik-kit/ik-src.tar.xz, the
 # vendor/ik_llama.cpp tree of PyPI's ik-llama-cpp-python 0.1.5 sdist, trimmed: README.md beside this script) for sm_90 and pack ik-kit.tar.xz into $OUT
 # (in 15 MB parts) and into $W. Resumable: the build folder is $W/b (default W=/tmp/ikb); if a call runs
 # out of time (BUILD_S, default 480 s), run the same command again on the still-warm machine.
@@ -8,7 +8,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 W=${W:-/tmp/ikb}; mkdir -p $W; S=$W/ik_llama.cpp; B=$W/b; OUT=${OUT:-$W/out}; mkdir -p $OUT
 TARGETS=${TARGETS:-llama-server llama-bench llama-sweep-bench llama-quantize}
-IK_SRC=${IK_SRC:-.carry/ik-kit/ik-src.tar.xz}
+IK_SRC=${IK_SRC:-.ik-kit/ik-src.tar.xz}
 [[ -d $S ]] || tar xJf "$IK_SRC" -C $W || { echo "no ik_llama.cpp source at $IK_SRC"; exit 1; }
 nproc; which cmake nvcc ninja gcc; cmake --version | head -1; nvcc --version | tail -1
 common=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real
