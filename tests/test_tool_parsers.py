@@ -9,6 +9,8 @@ import logging
 from collections import deque
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ostinato.server.parsing import FORMATS, Family, OutputParser, detect_format
 from ostinato.server.parsing.qwen3_coder import convert
@@ -292,3 +294,28 @@ def test_a_reasoning_budget_closes_the_reasoning_once_spent():
     assert out == analysis[:40] + "<|end|><|start|>assistant" + analysis[40:]
     both = steered(Steering(Asked(call=True, name="get_time", budget=4), family, chars, True), "w" * 10)
     assert both == "wwww\n</think>\n\n" + FORMATS["hermes"].head("get_time") + "w" * 6
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(["a", " ", "<think>", "</think>", "<tool_call>", "</tool_call>", "</", "think>",
+                                 "tool_call>", "{}", "\n"]), max_size=14),
+       st.integers(1, 5), st.booleans(), st.integers(0, 6))
+def test_steering_scans_only_what_is_new(pieces, step, in_reasoning, budget):
+    """Steering's searches go on from where they stopped (the output only grows): fed the text a
+    few characters at a time, it answers each call as a Steering that sees only that prefix,
+    fresh, would."""
+    text = "".join(pieces)
+    asked = Asked(call=False, single=True, budget=budget)
+    family = Family("hermes", True)
+
+    def encode(s):
+        return [ord(c) for c in s]
+
+    live = Steering(asked, family, encode, in_reasoning)
+    for n in range(0, len(text) + 1, step):
+        fresh = Steering(asked, family, encode, in_reasoning)
+        fresh.closed = live.closed  # the state its earlier answers left
+        want, got = fresh.after(text[:n], n), live.after(text[:n], n)
+        assert got == want, (text[:n], got, want)
+        if got is None:
+            break

@@ -69,11 +69,17 @@ class Steering:
         self.call_end = fmt.call_end if asked.single and fmt is not None else ""
         self.close = encode(self.reasoning.write) if asked.budget is not None and self.reasoning else []
         self.headed, self.closed = not self.head, not self.close
+        # the output only grows: each search starts where the last one could not have missed a match
+        self._close_end: int | None = None  # where the reasoning's closing markup ends, once found
+        self._close_from = self._end_from = 0
 
     def after(self, text: str, tokens: int) -> list[int] | None:
         state, answer_at = self._state(text)
-        if self.call_end and self.call_end in text[answer_at:]:
-            return None
+        if self.call_end and answer_at < len(text):
+            start = max(answer_at, self._end_from)
+            if text.find(self.call_end, start) >= 0:
+                return None
+            self._end_from = max(answer_at, len(text) - len(self.call_end) + 1)
         if not self.closed and state == "open" and tokens >= self.asked.budget:
             self.closed = True
             return list(self.close)
@@ -93,5 +99,10 @@ class Steering:
             if not head.startswith(r.open):
                 return ("undecided", len(text)) if r.open.startswith(head) else ("none", 0)
             body_at = len(text) - len(head) + len(r.open)
-        end = text.find(r.close, body_at)
-        return ("open", len(text)) if end < 0 else ("closed", end + len(r.close))
+        if self._close_end is None:
+            end = text.find(r.close, max(body_at, self._close_from))
+            if end < 0:
+                self._close_from = max(body_at, len(text) - len(r.close) + 1)
+                return "open", len(text)
+            self._close_end = end + len(r.close)
+        return "closed", self._close_end
