@@ -47,6 +47,7 @@ def test_cap_holds_the_process_as_nvidia_smi_counts_it():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dev = torch.device("cuda", 0)
+    torch.cuda.empty_cache()  # earlier tests' cached blocks would serve the allocation that must fail (s10)
     outside = outside_allocator_bytes(dev)
     assert outside > 0  # at least the CUDA context
     cap = 4 * 2**30

@@ -430,6 +430,19 @@ def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
     assert _earlier(again, {**base, "np": {"value": 1024}})[0] == {"expert-cache": {"x": 2}}
 
 
+def test_bench_refuses_a_calibration_file_that_holds_only_an_np(tmp_path):
+    """A bench whose calibration failed saves its residency with the default Np alone: given back
+    as --calibration, it is refused by name (it once failed later, on a missing layer constant)."""
+    from ostinato.bench.bench import BenchSettings, calibrate_np
+    from ostinato.planner.residency import Residency
+
+    path = tmp_path / "residency.json"
+    Residency("f", 4, {0: [1]}, calibration={"upload_threshold": 512}).save(path)
+    bs = BenchSettings(model="m", calibration_from=path)
+    with pytest.raises(ConfigError, match="holds no calibration, only the Np"):
+        calibrate_np(None, bs, None, None)
+
+
 def test_provenance_of_merged_policies():
     from ostinato.bench.report import provenance
 

@@ -178,6 +178,9 @@ def test_calibrate_refuses_a_starved_graph_poller():
     with pytest.raises(ConfigError, match="starved") as e:
         check_handshake(starved, glob, lay)
     assert "r=1: 181.00 ms" in str(e.value) and "graph pollers on 1" in str(e.value)
+    twice = dict(starved, first_forced_steps={"r": [0, 1], "measured_ms": [10.0, 175.0]})
+    with pytest.raises(ConfigError, match="measured before: r=0: 10.00 ms, r=1: 175.00 ms"):
+        check_handshake(twice, glob, lay)  # refused after a second measurement: both are named
     tight = {"graph_fit": {"alpha_ms": 0.05, "beta_ms": 0.08}, "forced_steps": {"r": [0, 1], "measured_ms": [10.0, 13.0]}}
     with pytest.raises(ConfigError):
         check_handshake(tight, {"alpha_ms": 0.004}, lay)  # 12x the host-driven alpha

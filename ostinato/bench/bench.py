@@ -145,8 +145,9 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
         from ostinato.planner.residency import Residency
 
         cal = Residency.load(bs.calibration_from).calibration
-        if not cal.get("upload_threshold"):
-            raise ConfigError(f"--calibration {bs.calibration_from}: the file holds no calibrated Np")
+        if not cal.get("upload_threshold") or not cal.get("layers"):  # a failed calibration leaves only the Np
+            raise ConfigError(f"--calibration {bs.calibration_from}: the file holds no calibration, only the Np "
+                              "a policy ran with: leave --calibration out to calibrate here, or run `ostinato calibrate`")
         return {"value": int(cal["upload_threshold"]), "how": f"calibrated ({bs.calibration_from})", "calibration": cal,
                 "predicted": model_checks(cal, counts, base.residency.hot, loaded.runner.config)}
     if not bs.calibrate:
