@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
+from ostinato.kernels.triton import fused_dense  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
 from ostinato.engine.factory import load_engine  # noqa: E402
 from ostinato.engine.kv_cache import KVCache  # noqa: E402
@@ -178,7 +179,8 @@ def write_md(path: Path, out: dict) -> None:
     s = out["step"]
     lines = [f"# Decode step profile: {out['model']}", "",
              f"- commit `{out['commit']}`; {out['device']}; context {out['context']}; "
-             f"placement: {out['placement']}; decode as graph: {out['graph']}",
+             f"placement: {out['placement']}; decode as graph: {out['graph']}; "
+             f"dense part's fused kernels: {out.get('fused_dense')}",
              f"- step: median {s['median_ms']:.3f} ms (p90 {s['p90_ms']:.3f}) over {s['steps']} steps; "
              f"kernels (graph replays) {s['kernel_ms_graph']:.3f} ms, idle GPU {s['idle_ms_graph']:.3f} ms",
              ]
@@ -238,6 +240,7 @@ def main(argv=None) -> int:
            "model": a.model, "device": torch.cuda.get_device_name(dev) if on_cuda else "cpu",
            "torch": torch.__version__, "threads": runner.threads.describe(), "context": a.context,
            "placement": a.residency or "every expert resident", "graph": runner.graphs is not None,
+           "fused_dense": fused_dense(),
            "step": {"steps": a.steps, "median_ms": med, "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
                     "kernel_ms_graph": kernel_ms, "idle_ms_graph": med - kernel_ms},
            "classes_graph": by_class(kg), "classes_eager": by_class(ke), "kernels_graph": kg, "kernels_eager": ke}
@@ -251,7 +254,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "profile.json").write_text(json.dumps(out, indent=1) + "\n")
     write_md(a.out / "profile.md", out)
-    print(json.dumps({k: out[k] for k in ("commit", "device", "graph", "step")} | {"hbm": out.get("hbm")}))
+    print(json.dumps({k: out[k] for k in ("commit", "device", "graph", "fused_dense", "step")} | {"hbm": out.get("hbm")}))
     return 0
 
 

@@ -31,7 +31,7 @@ from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route_topk_softmax
 from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, KVShapes, MoECausalLM, RMSNorm,
                                     RoutedBlock)
-from ostinato.models.rope import apply_rotary
+from ostinato.models.rope import norm_rotate_qk
 
 SCORE_BUDGET = 1 << 27  # bytes of fp32 scores one chunk of queries may hold (prefill)
 
@@ -69,8 +69,8 @@ class SinkAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
         T = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(T, self.h, self.hd), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(T, self.hkv, self.hd), cos, sin)
+        q, k = norm_rotate_qk(self.q_proj(x).view(T, self.h, self.hd), self.k_proj(x).view(T, self.hkv, self.hd),
+                              cos, sin)
         v = self.v_proj(x).view(T, self.hkv, self.hd)
         if window is not None:
             o = self._decode(q, k, v, kv, window)

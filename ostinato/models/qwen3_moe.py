@@ -25,7 +25,7 @@ from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route
 from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, DenseMLP, ExpertsBackend, KVShapes,
                                     MoECausalLM, RMSNorm, RoutedBlock)
-from ostinato.models.rope import apply_rotary
+from ostinato.models.rope import apply_rotary, norm_rotate_qk
 
 
 class LayerKV(Protocol):
@@ -62,9 +62,12 @@ class Attention(nn.Module):
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.h, self.hd)
         k = self.k_proj(x).view(T, self.hkv, self.hd)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        if self.rd == self.hd:
+            q, k = norm_rotate_qk(q, k, cos, sin, *((self.q_norm, self.k_norm) if self.qk_norm else ()))
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         v = self.v_proj(x).view(T, self.hkv, self.hd)
         if window is not None:
             return self._decode_window(q, k, v, kv, window)

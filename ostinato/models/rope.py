@@ -14,6 +14,7 @@ import math
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
+from ostinato.kernels.triton import fused_dense
 
 SUPPORTED = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -131,6 +132,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def norm_rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_norm=None, k_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, Hd], k [T, Hkv, Hd] -> each head normed by q_norm / k_norm (RMSNorm modules, or
+    neither), then rotated (apply_rotary). On CUDA in one launch for both (kernels/triton/qk_rope.py),
+    where the dtypes agree (the kernel rounds as the modules do, in q's dtype)."""
+    dt = q.dtype
+    same = cos.dtype == sin.dtype == k.dtype == dt and (q_norm is None or q_norm.weight.dtype == k_norm.weight.dtype == dt)
+    if q.is_cuda and same and q.stride(-1) == 1 and k.stride(-1) == 1 and fused_dense():
+        from ostinato.kernels.triton.qk_rope import qk_norm_rope
+
+        if q_norm is None:
+            return qk_norm_rope(q, k, cos, sin)
+        return qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

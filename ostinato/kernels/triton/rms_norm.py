@@ -1,0 +1,50 @@
+"""RMSNorm of each row in one launch ([Q]: the GPU side of a decode step).
+
+As models/common.py RMSNorm computes it, in the same order: the row in fp32, its mean square,
+rsqrt(mean + eps), the product; then either cast to the input's dtype and multiplied by the
+weight (rounded in that dtype: Qwen3, DeepSeek), or multiplied by the weight in fp32 and cast
+(gpt-oss). The torch expression is eight launches (cast, square, mean, add, rsqrt, multiply,
+cast, weight), and a decode step of Qwen3-30B-A3B has four norms in each of 48 layers: of
+the 3300 launches of the captured step on the H200, 1536 were these
+(results/2026-12-01-h200-s10/q_profile_all/profile.md), at a few microseconds each, for rows
+of 2048 or 128 values.
+
+Grid (rows,): one program per row, the row whole in registers (BLOCK = the row's length to
+the next power of two). The reduction's order differs from torch's, so the mean square can
+differ in its last fp32 bit and, rarely, a result by one unit in bf16's last place.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, N, eps,
+                     BLOCK: tl.constexpr, FP32_WEIGHT: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if FP32_WEIGHT:
+        out = w * y
+    else:
+        out = w * y.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight, as torch does
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool = False) -> torch.Tensor:
+    """x [..., N] (rows read through their stride), weight [N] -> x's shape and dtype."""
+    N = x.shape[-1]
+    rows = x.reshape(-1, N)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(N)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), N, eps,
+                                           BLOCK=block, FP32_WEIGHT=fp32_weight, num_warps=8 if block >= 4096 else 4)
+    return out.view(x.shape)

@@ -1,0 +1,122 @@
+"""The dense part's fused kernels ([Q]) against the modules' torch expressions: RMSNorm in one
+launch (kernels/triton/rms_norm.py; both weight orders, rows of a hidden state, of a projection's
+slice and of attention heads) and queries and keys normed and rotated in one launch
+(kernels/triton/qk_rope.py; with and without the norm, heads read through the strides of a fused
+projection's slice), in bf16 and fp32. On the CPU through Triton's interpreter, which truncates to
+bf16 where the GPU rounds to nearest (a place or two allowed there), and on CUDA, where a last-place
+difference must be rare and the rotary alone is bit for bit the torch expression's."""
+from __future__ import annotations
+
+import pytest
+
+from tests.triton_interpreter import needs_cuda, run_interpreted
+
+RMS_NORM = """
+import torch
+from ostinato.models.common import RMSNorm
+from ostinato.kernels.triton.rms_norm import rms_norm
+
+def torch_norm(x, w, eps, fp32_weight):
+    m = RMSNorm(x.shape[-1], eps, fp32_weight).to(device="cpu", dtype=w.dtype)
+    m.weight.data.copy_(w.cpu())
+    with torch.no_grad():
+        return m(x.cpu())
+
+def check(device, exact):
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for dtype in (torch.bfloat16, torch.float32):
+        for fp32_weight in (False, True):
+            for shape, view in (((3, 2048), None), ((1, 2048), None), ((3, 2560), "columns"),
+                                ((2, 5, 32 * 128), (2, 5, 32, 128))):
+                x = (torch.randn(shape, generator=g) * 3).to(dtype)
+                if view == "columns":
+                    x = x[:, :2048]  # rows 2560 apart, read in place (a projection's slice)
+                elif view is not None:
+                    x = x.view(view)[:, 1:]  # heads of 128 of a slice of the token axis
+                w = (1 + 0.1 * torch.randn(x.shape[-1], generator=g)).to(dtype)
+                want = torch_norm(x, w, 0.5, fp32_weight)  # an eps that moves the result
+                got = rms_norm(x.to(device), w.to(device), 0.5, fp32_weight).cpu()
+                assert got.shape == want.shape and got.dtype == want.dtype
+                diff = (got.float() - want.float()).abs()
+                # bf16: a last place or two (one in the norm, one more through the weight's rounding); fp32:
+                # a few, the row's mean square summed in another order (a wrong order of operations is far off)
+                ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(1e-3)
+                places = 2 if dtype == torch.bfloat16 else 8
+                assert bool((diff <= places * ulp).all()), (dtype, fp32_weight, shape, float((diff / ulp).max()))
+                if dtype == torch.bfloat16 and exact:  # the interpreter truncates to bf16; the GPU
+                    assert float((diff > 0).float().mean()) < 0.02  # rounds to nearest, as torch: rarely apart
+                worst = max(worst, float(diff.max()))
+    empty = rms_norm(torch.zeros(0, 64, device=device), torch.ones(64, device=device), 1e-6)
+    assert empty.shape == (0, 64)
+    return worst
+"""
+
+QK_ROPE = """
+import torch
+from ostinato.models.common import RMSNorm
+from ostinato.models.rope import apply_rotary
+from ostinato.kernels.triton.qk_rope import qk_norm_rope
+
+def check(device, exact):
+    g = torch.Generator().manual_seed(0)
+    T, H, Hkv, Hd = 3, 8, 2, 128
+    for dtype in (torch.bfloat16, torch.float32):
+        for norm in (False, True):
+            for fused in (False, True):
+                if fused:  # q and k as slices of one [T, (H + 2 Hkv) Hd] projection: row strides > H Hd
+                    qkv = torch.randn(T, (H + 2 * Hkv) * Hd, generator=g).to(dtype)
+                    q, k = qkv[:, :H * Hd].view(T, H, Hd), qkv[:, H * Hd:(H + Hkv) * Hd].view(T, Hkv, Hd)
+                else:
+                    q, k = torch.randn(T, H, Hd, generator=g).to(dtype), torch.randn(T, Hkv, Hd, generator=g).to(dtype)
+                ang = torch.randn(T, Hd // 2, generator=g) * 3
+                cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+                qn, kn = RMSNorm(Hd, 0.5).to(dtype), RMSNorm(Hd, 0.5).to(dtype)
+                with torch.no_grad():
+                    qn.weight.copy_(1 + 0.2 * torch.randn(Hd, generator=g))
+                    kn.weight.copy_(1 + 0.2 * torch.randn(Hd, generator=g))
+                    wq, wk = (qn(q), kn(k)) if norm else (q, k)
+                    want = apply_rotary(wq, cos, sin), apply_rotary(wk, cos, sin)
+                    args = (qn.weight.to(device), kn.weight.to(device), 0.5) if norm else ()
+                    got = qk_norm_rope(q.to(device), k.to(device), cos.to(device), sin.to(device), *args)
+                for a, b in zip(got, want):
+                    a = a.cpu()
+                    assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+                    diff = (a.float() - b.float()).abs()
+                    if exact and dtype == torch.bfloat16 and not norm:
+                        assert torch.equal(a, b), float(diff.max())
+                        continue
+                    # a few places of the row's largest value: a sum of two rounded products can cancel
+                    places = 4 if dtype == torch.bfloat16 else 8
+                    ulp = torch.finfo(dtype).eps * b.float().abs().amax(-1, keepdim=True)
+                    assert bool((diff <= places * ulp).all()), (dtype, norm, fused, float((diff / ulp).max()))
+                    if exact and dtype == torch.bfloat16:
+                        assert float((diff > 0).float().mean()) < 0.02
+    return True
+"""
+
+CHECKS = {"rms_norm": RMS_NORM, "qk_rope": QK_ROPE}
+
+
+@pytest.mark.parametrize("kernel", list(CHECKS))
+def test_matches_the_torch_expression_interpreted(kernel):
+    pytest.importorskip("triton")
+    run_interpreted(CHECKS[kernel] + "\ncheck('cpu', exact=False)\nprint('INTERPRETER_OK')\n", timeout=300)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", list(CHECKS))
+def test_matches_the_torch_expression_on_cuda(kernel):
+    scope: dict = {}
+    exec(CHECKS[kernel], scope)
+    scope["check"]("cuda", exact=True)
+
+
+def test_the_fused_kernels_can_be_turned_off(monkeypatch):
+    """OSTINATO_FUSED_DENSE=0 (scripts/device/run.sh's before/after profile) selects the torch expressions."""
+    from ostinato.kernels.triton import fused_dense
+
+    assert fused_dense()
+    monkeypatch.setenv("OSTINATO_FUSED_DENSE", "0")
+    assert not fused_dense()
