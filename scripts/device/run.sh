@@ -31,7 +31,7 @@
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
-#   tests_wave2 [M][O][K] GPU-marked tests: the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
+#   tests_wave2 [M][O][K][Q] GPU-marked tests: the one-launch RMSNorm, the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
 #              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py)
@@ -136,9 +136,10 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
   else run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py; fi
   run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py
 }
-phase_tests_wave2() {  # [M][O][K] the GPU-marked tests of the served-route tally, the new model families, the
-  # cap as nvidia-smi counts it, every expert resident through the pool executor
+phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route tally, the new model families, the
+  # cap as nvidia-smi counts it, every expert resident through the pool executor, the one-launch RMSNorm
   run 300 "$R/tests_wave2.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
+    tests/test_dense_triton.py \
     tests/test_serve_plan.py tests/test_gpt_oss.py tests/test_deepseek_v3.py tests/test_expert_act_triton.py \
     tests/test_conversations.py tests/test_gpu_memory.py tests/test_quant_tuning.py \
     "tests/test_gguf.py::test_every_expert_resident_on_the_gpu_keeps_the_blocks"
@@ -205,7 +206,7 @@ phase_bench() {
   # calibrates. --merge needs the Np of the run it adds to: a calibration with another Np gives way to BENCH_CAL
   if [[ ${BENCH_ARGS:-} == *--merge* && -n ${BENCH_CAL:-} && $(field "$f" "d['calibration'].get('upload_threshold')") != \
         $(field "$R/bench/results.json" "d['np']['value']") ]]; then f=$BENCH_CAL; say "bench: Np of $f (--merge)"; fi
-  [[ -n $(field "$f" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
+  [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
   local kv  # the KV cache the capacity plan holds (the longest development request)
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" \
@@ -218,7 +219,7 @@ phase_regimes() {  # [J] the same bench under each routing regime; the calibrati
   local A=${REGIMES_ARGS:---max-sessions 4 --max-turns 4 --max-output 32 --sweep-prefixes 0 --tune-sessions 2 --tune-max-turns 4}
   [[ $M == synth:* ]] || { say "regimes: $M is not a synthetic model: it has no routing regimes"; return 1; }
   [[ $M == *\?* ]] && sep="&"
-  [[ -n $(field "$f" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
+  [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
   kv=$(field "$f" "d['capacity'].get('kv_tokens')")
   for r in ${REGIMES:-flat layered layered-persistent}; do
     d=$R/regimes/$r; todo=$pols; merge=""
@@ -319,7 +320,7 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
   local g f=$R/${QBENCH_OUT:-bench_q4}/residency.json cal="" kv; g=$(gguf_file)
   gguf_wait || return 1
   # the calibration and Np of this bench's first call (a --merge adds to it); the first call calibrates
-  [[ -n $(field "$f" "d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
+  [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   # the route counts of the bf16 model of the same weights (phase skew, $QPROFILED): the quantized model's
   # own routing is what the replay measures (pool hit rates, cold routes); another model profiles itself
@@ -338,7 +339,10 @@ phase_llama_tune() {
     --cap "${QCAP:-$CAP}" --sessions "$S" ${kv:+--max-context $kv} --threads 16 14 --out "$R/llama_tune" \
     ${LLAMA_TUNE_ARGS:-}
 }
-phase_profile() {  # [Q] where a decode step's GPU time goes: all resident, then the capacity plan under $CAP
+phase_profile() {  # [Q] where a decode step's GPU time goes: all resident (the dense part's torch expressions,
+  # OSTINATO_FUSED_DENSE=0, then its fused kernels), then the capacity plan under $CAP
+  OSTINATO_FUSED_DENSE=0 run 200 "$R/q_profile_unfused.txt" python3 scripts/profile_decode.py --model "$M" \
+    --out "$R/q_profile_unfused"
   run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_all"
   [[ -f $R/res-cap.json ]] && run 200 "$R/q_profile_cap.txt" python3 scripts/profile_decode.py --model "$M" \
     --residency "$R/res-cap.json" --gpu-memory "$CAP" --out "$R/q_profile_cap"
