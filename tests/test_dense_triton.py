@@ -1,8 +1,9 @@
-"""The dense part's fused kernels ([Q]) against the modules' torch expressions: RMSNorm in one
-launch (kernels/triton/rms_norm.py; both weight orders, rows of a hidden state, of a projection's
-slice and of attention heads) and queries and keys normed and rotated in one launch
-(kernels/triton/qk_rope.py; with and without the norm, heads read through the strides of a fused
-projection's slice), in bf16 and fp32. On the CPU through Triton's interpreter, which truncates to
+"""The fused kernels of the step's GPU side outside the experts ([Q]) against the modules' torch
+expressions: RMSNorm in one launch (kernels/triton/rms_norm.py; both weight orders, rows of a hidden
+state, of a projection's slice and of attention heads), queries and keys normed and rotated in one
+launch (kernels/triton/qk_rope.py; with and without the norm, heads read through the strides of a
+fused projection's slice), Qwen3's softmax top-k router in one launch (kernels/triton/route.py; the
+same experts, the weights within their rounding, ties to the lowest id), in bf16 and fp32. On the CPU through Triton's interpreter, which truncates to
 bf16 where the GPU rounds to nearest (a place or two allowed there), and on CUDA, where a last-place
 difference must be rare and the rotary alone is bit for bit the torch expression's."""
 from __future__ import annotations
@@ -95,7 +96,44 @@ def check(device, exact):
     return True
 """
 
-CHECKS = {"rms_norm": RMS_NORM, "qk_rope": QK_ROPE}
+ROUTE = """
+import torch
+from ostinato.kernels.triton.route import route_softmax_topk
+
+def torch_route(logits, k, norm, dtype):  # layers/moe/router.py route, the CPU path
+    probs = torch.softmax(logits.cpu(), dim=-1, dtype=torch.float32)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if norm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w.to(dtype).float()
+
+def check(device, exact):
+    g = torch.Generator().manual_seed(0)
+    for E, k in ((128, 8), (60, 4), (256, 8)):
+        for dtype in (torch.bfloat16, torch.float32):
+            for norm in (True, False):
+                # distinct multiples of 1/16 (exact in bf16: no ties), rows E + 32 apart (a wider projection's slice)
+                wide = torch.stack([(torch.randperm(E + 32, generator=g) - (E + 32) / 2) / 16 for _ in range(5)])
+                logits = wide.to(dtype)[:, :E]
+                want_ids, want_w = torch_route(logits, k, norm, dtype)
+                ids, w = route_softmax_topk(logits.to(device), k, norm, dtype)
+                assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (5, k)
+                assert torch.equal(ids.cpu(), want_ids), (E, k, dtype, norm)
+                diff = (w.cpu() - want_w).abs()
+                assert float(diff.max()) <= 2 * torch.finfo(dtype).eps * float(want_w.max()), float(diff.max())
+                if exact:
+                    assert float((diff > 0).float().mean()) < 0.05
+    # equal logits: the lowest expert id first, as the engine's choice (torch's order among ties is its own)
+    tie = torch.zeros(1, 16, device=device)
+    tie[0, 3] = tie[0, 9] = tie[0, 12] = 1.0
+    ids, w = route_softmax_topk(tie, 4, True, torch.float32)
+    assert ids.cpu().tolist() == [[3, 9, 12, 0]]
+    empty = route_softmax_topk(torch.zeros(0, 16, device=device), 2, True, torch.float32)
+    assert empty[0].shape == (0, 2)
+    return True
+"""
+
+CHECKS = {"rms_norm": RMS_NORM, "qk_rope": QK_ROPE, "route": ROUTE}
 
 
 @pytest.mark.parametrize("kernel", list(CHECKS))

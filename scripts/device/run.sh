@@ -31,7 +31,7 @@
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
-#   tests_wave2 [M][O][K][Q] GPU-marked tests: the one-launch RMSNorm, the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
+#   tests_wave2 [M][O][K][Q] GPU-marked tests: the fused RMSNorm, q/k norm + rotary and router kernels, the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
 #              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py)
@@ -137,7 +137,7 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
   run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py
 }
 phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route tally, the new model families, the
-  # cap as nvidia-smi counts it, every expert resident through the pool executor, the one-launch RMSNorm
+  # cap as nvidia-smi counts it, every expert resident through the pool executor, the fused dense kernels
   run 300 "$R/tests_wave2.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
     tests/test_dense_triton.py \
     tests/test_serve_plan.py tests/test_gpt_oss.py tests/test_deepseek_v3.py tests/test_expert_act_triton.py \

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ostinato.kernels.triton import fused_dense
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -16,8 +17,13 @@ def route(logits: torch.Tensor, k: int, norm_topk_prob: bool, dtype: torch.dtype
 
     Softmax in fp32, top-k, optional renormalisation; the weights are then rounded to the
     activations' dtype (the reference multiplies expert outputs by weights in that dtype)
-    and handed on as fp32 so every backend sees identical values.
+    and handed on as fp32 so every backend sees identical values. On CUDA in one launch
+    (kernels/triton/route.py).
     """
+    if logits.is_cuda and logits.stride(-1) == 1 and fused_dense():
+        from ostinato.kernels.triton.route import route_softmax_topk
+
+        return TopKOutput(*route_softmax_topk(logits, k, norm_topk_prob, dtype))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
     if norm_topk_prob:
