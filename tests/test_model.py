@@ -109,3 +109,48 @@ def test_clear_errors(tiny_dir, tmp_path):
     (missing / "config.json").unlink()
     with pytest.raises(ConfigError, match="config.json"):
         CheckpointSource(missing)
+
+
+def test_rows_looked_up_elsewhere_give_the_same_pass(tiny_dir):
+    """The runner may look the embedding's rows up itself (host_embedding: the table in pinned host
+    memory, the rows copied to the GPU): the pass given those rows is the pass that looks them up."""
+    from ostinato.loader.build import host_embedding
+
+    r = ModelRunner(CheckpointSource(tiny_dir), RunnerSettings(device="cpu", max_context=64))
+    assert r.host_rows is None and not host_embedding(r.config, "cpu") and host_embedding(r.config, "cuda")
+    ids = torch.tensor([5, 17, 301, 2])
+    pos = torch.arange(4)
+    with torch.inference_mode():
+        plain = r.model(ids, pos, r.kv.layers, 0)
+        given = r.model(ids, pos, r.kv.layers, 0, rows=r.model.model.embed_tokens.weight[ids])
+    assert torch.equal(plain, given)
+
+
+@pytest.mark.gpu
+def test_a_cuda_runner_keeps_the_embedding_in_pinned_host_memory(tiny_dir):
+    """Only the head and the layers take GPU memory; the graph's greedy tokens are the host-driven
+    steps', and the prompt's logits the CPU's within fp32 rounding (the rows cross per pass)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    r = ModelRunner(CheckpointSource(tiny_dir), RunnerSettings(device="cuda", dtype="fp32", max_context=256))
+    w = r.host_rows
+    assert w is not None and w.is_pinned() and w.device.type == "cpu"
+    on_gpu = sum(p.numel() * p.element_size() for p in r.model.parameters() if p.is_cuda)
+    assert on_gpu == sum(p.numel() * p.element_size() for p in r.model.parameters()) - w.numel() * w.element_size()
+    assert torch.cuda.memory_allocated() - before < on_gpu + w.numel() * w.element_size()
+    sync = ModelRunner(CheckpointSource(tiny_dir), RunnerSettings(device="cuda", dtype="fp32", max_context=256,
+                                                                  cuda_graph=False))
+    cpu = ModelRunner(CheckpointSource(tiny_dir), RunnerSettings(device="cpu", dtype="fp32", max_context=256))
+    prompt = [3, 99, 1000, 7, 42]
+    want = cpu.forward(prompt, 0, all_logits=True)
+    assert torch.allclose(sync.forward(prompt, 0, all_logits=True).cpu(), want, rtol=1e-3, atol=1e-3)
+    outs = []
+    for runner in (r, sync):
+        logits, toks = runner.forward(prompt, 0), []
+        for i in range(8):
+            toks.append(int(logits.argmax()))
+            logits = runner.forward([toks[-1]], len(prompt) + i)
+        outs.append(toks)
+    assert r.graphs is not None and outs[0] == outs[1]

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from ostinato.config import ModelConfig
 from ostinato.planner import cost_model as cm
-from ostinato.planner.capacity import (CapacityError, CapacitySettings, activation_bytes, dense_weight_bytes,
+from ostinato.planner.capacity import (CapacityError, CapacitySettings, activation_bytes, dense_parts,
+                                       dense_weight_bytes,
                                        flex_slots, plan_capacity)
 from ostinato.planner.fill import cold_routes, fill
 from ostinato.synth.presets import preset_config
@@ -74,8 +75,11 @@ def test_dense_weights_and_activations_are_counted_from_the_config():
     D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     attn = D * cfg.num_attention_heads * cfg.head_dim * 2 + D * cfg.num_key_value_heads * cfg.head_dim * 2
     norms = 2 * cfg.head_dim + 2 * D
-    params = 2 * V * D + L * (attn + norms + cfg.num_experts * D) + D
-    assert dense_weight_bytes(cfg, torch.bfloat16) == 2 * params
+    params = V * D + L * (attn + norms + cfg.num_experts * D) + D  # the head; the embedding stays on the host
+    assert not cfg.tie_word_embeddings and dense_weight_bytes(cfg, torch.bfloat16) == 2 * params
+    tied = _tiny_cfg(tie_word_embeddings=True)  # one table, read by the head on the GPU every step
+    assert dense_weight_bytes(tied, torch.bfloat16) == 2 * params
+    assert dense_parts(cfg, torch.bfloat16)[1] == 0 and dense_parts(tied, torch.bfloat16)[1] == 2 * V * D
     a = activation_bytes(cfg, 64, 1000, torch.bfloat16)
     assert a["total"] == sum(v for k, v in a.items() if k != "total")
     assert activation_bytes(cfg, 64, 2000, torch.bfloat16)["attention"] > a["attention"]

@@ -34,7 +34,7 @@ from ostinato.config import ConfigError
 from ostinato.engine.kv_cache import allocate, layer_views
 from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.reference import ReferenceExperts
-from ostinato.loader.build import load_experts
+from ostinato.loader.build import host_embedding, load_experts
 from ostinato.models.common import DecodeWindow
 from ostinato.planner.assign import assign_devices, layer_map
 
@@ -91,13 +91,18 @@ def resolve_layer_devices(cfg, names: list[str], residency, kv_tokens: int, dtyp
 
 
 def place_model(model: nn.Module, layer_devices: list[str]) -> None:
-    """Move each layer to its device, the embedding to the first, norm and lm_head to the last."""
+    """Move each layer to its device, the embedding to the first (or into pinned host memory:
+    loader/build.py host_embedding), norm and lm_head to the last."""
     first, last = physical(layer_devices[0]), physical(layer_devices[-1])
     inner = model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
     if tied and first != last:  # one tensor cannot live on two devices: the head gets a copy
         model.lm_head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(last), requires_grad=False)
-    inner.embed_tokens.to(first)
+    if host_embedding(model.config, first):
+        inner.embed_tokens.weight = nn.Parameter(inner.embed_tokens.weight.detach().cpu().pin_memory(),
+                                                 requires_grad=False)
+    else:
+        inner.embed_tokens.to(first)
     for layer, name in zip(inner.layers, layer_devices):
         layer.to(physical(name))
     inner.norm.to(last)
@@ -152,10 +157,11 @@ def device_scope(dev: torch.device):
 
 
 def forward_split(model, parts: list[Segment], input_ids: torch.Tensor, positions: torch.Tensor, kv: list,
-                  start: int, window: DecodeWindow | None = None) -> torch.Tensor:
+                  start: int, window: DecodeWindow | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The model's forward pass (same modules, same order) with x handed between devices:
-    input_ids, positions [T] on the first device -> final hidden states [T, D] on the last."""
-    x, cos, sin = model.embed(input_ids, positions, start, window)
+    input_ids, positions [T] (and the embedding's rows, if looked up on the host) on the first
+    device -> final hidden states [T, D] on the last."""
+    x, cos, sin = model.embed(input_ids, positions, start, window, rows)
     for seg in parts:
         dev = seg.device
         if not seg.first:  # a range boundary between two devices

@@ -87,7 +87,9 @@ class Stage:
     all), and per window its DecodeWindow, graph and outputs ((x, cos, sin), or (logits [V],)
     for the last)."""
 
-    def __init__(self, model, kv: list, seg: Segment, backend):
+    def __init__(self, model, kv: list, seg: Segment, backend, host_rows: torch.Tensor | None = None):
+        """host_rows: the embedding table in pinned host memory (first stage only): each step's
+        row is copied into a static input before the replay, instead of a lookup in the graph."""
         self.model, self.kv, self.seg = model, kv, seg
         dev = self.device = seg.device
         self.cuda = dev.type == "cuda"
@@ -95,6 +97,9 @@ class Stage:
         # first thing of the graph (the handshake's sequence bump), after_step() once it ran
         self.backend = backend if backend is not None else MoEBackend()
         self.token = torch.zeros(1, dtype=torch.long, device=dev) if seg.first else None
+        self.host_rows = host_rows if seg.first else None
+        self.row = (torch.zeros((1, host_rows.shape[1]), dtype=host_rows.dtype, device=dev)
+                    if self.host_rows is not None else None)
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
         self.inputs: tuple[torch.Tensor, ...] = ()  # allocated at the first hand-off
         self.windows: dict[int, DecodeWindow] = {}  # kept alive: the graphs read their buffers
@@ -111,6 +116,8 @@ class Stage:
         """Set the static inputs of a step; prev: the previous stage's outputs (another device)."""
         if self.token is not None:
             self.token.fill_(token)
+        if self.row is not None:  # from pinned memory, in stream order before the replay that reads it
+            self.row.copy_(self.host_rows[token:token + 1], non_blocking=True)
         self.position.fill_(position)
         if prev and not self.inputs:
             self.inputs = tuple(torch.zeros_like(t, device=self.device) for t in prev)
@@ -124,7 +131,7 @@ class Stage:
         model, seg = self.model, self.seg
         try:
             if seg.first:
-                x, cos, sin = model.embed(self.token, self.position, 0, window)
+                x, cos, sin = model.embed(self.token, self.position, 0, window, self.row)
             else:
                 window.refresh()
                 x, cos, sin = self.inputs
@@ -188,7 +195,8 @@ class DecodeGraphs:
         """One stage per segment of the runner's layers (runner.segments), each with the hooks
         of the backend that serves its layers."""
         model, kv = runner.model, runner.kv.layers
-        self.stages = [Stage(model, kv, seg, backend_of(runner.experts, seg)) for seg in runner.segments]
+        self.stages = [Stage(model, kv, seg, backend_of(runner.experts, seg), runner.host_rows)
+                       for seg in runner.segments]
         self.sizes = window_sizes(runner.max_context, smallest_window)
         # the next step's first stage waits for the last stage of the step before (split only)
         self.step_done = torch.cuda.Event() if len(self.stages) > 1 and self.stages[0].cuda else None

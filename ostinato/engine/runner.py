@@ -118,10 +118,19 @@ class ModelRunner:
         if self.settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()
 
-    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, start: int, window=None) -> torch.Tensor:
+    @property
+    def host_rows(self) -> torch.Tensor | None:
+        """The embedding table in pinned host memory (loader/build.py host_embedding), else None."""
+        w = self.model.model.embed_tokens.weight
+        return w if w.device.type == "cpu" and self.device.type != "cpu" else None
+
+    def _hidden(self, tokens: torch.Tensor, pos: torch.Tensor, start: int, window=None) -> torch.Tensor:
+        """tokens [T] int64 in host memory, pos [T] on the device -> final hidden states [T, D]."""
+        ids, host = tokens.to(self.device), self.host_rows
+        rows = host[tokens].to(self.device) if host is not None else None  # only the pass's rows cross
         if self.layer_devices is None:
-            return self.model(ids, pos, self.kv.layers, start, window)
-        return split.forward_split(self.model, self.segments, ids, pos, self.kv.layers, start, window)
+            return self.model(ids, pos, self.kv.layers, start, window, rows)
+        return split.forward_split(self.model, self.segments, ids, pos, self.kv.layers, start, window, rows)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden).to(self.device)  # from the last device, where lm_head lives
@@ -200,7 +209,7 @@ class ModelRunner:
         outs = []
         chunk = self.settings.prefill_chunk
         for s in range(0, len(tokens), chunk):
-            ids = torch.tensor(tokens[s:s + chunk], dtype=torch.long, device=self.device)
+            ids = torch.tensor(tokens[s:s + chunk], dtype=torch.long)
             pos = torch.arange(start + s, start + s + ids.shape[0], device=self.device)
             hidden = self._hidden(ids, pos, start + s)
             outs.append(self._logits(hidden if all_logits else hidden[-1:]))
@@ -218,7 +227,7 @@ class ModelRunner:
         the synchronous reference the graph must equal bit for bit."""
         size = next(s for s in window_sizes(self.max_context) if position < s)
         pos = torch.tensor([position], device=self.device)
-        hidden = self._hidden(torch.tensor([token], device=self.device), pos, 0, DecodeWindow(pos, size))
+        hidden = self._hidden(torch.tensor([token]), pos, 0, DecodeWindow(pos, size))
         return self._logits(hidden)[0]  # experts by the synchronous path (host-driven)
 
     def placement_stats(self) -> dict[str, float]:

@@ -10,6 +10,7 @@ as the quantized kernels read them; `load_experts` dequantizes them for the bf16
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.layers.moe.gpu_quant import QUANT_QTYPES  # the block formats both branches compute
@@ -19,11 +20,29 @@ from ostinato.models.registry import cast_, new_model
 from ostinato.quant.formats import row_bytes
 
 
+def host_embedding(cfg: ModelConfig, device: torch.device | str) -> bool:
+    """Whether the token embedding lives in pinned host memory rather than on `device`: on a GPU,
+    unless the head is tied to it (the head reads the whole table every step). A pass reads only
+    its tokens' rows (4 KB each for Qwen3-30B-A3B in bf16), and the table (622 MB there) is GPU
+    memory the expert pool can hold instead; llama.cpp keeps token_embd on the host alike."""
+    return torch.device(device).type == "cuda" and not cfg.tie_word_embeddings
+
+
 def build_model(source, device: torch.device | str, dtype: torch.dtype | None = None) -> MoECausalLM:
-    """The config's family (models/registry.py) in `dtype` (its fp32_params in fp32) on `device`."""
+    """The config's family (models/registry.py) in `dtype` (its fp32_params in fp32) on `device`,
+    the embedding in pinned host memory where host_embedding says so."""
     cfg: ModelConfig = source.config
     dtype = dtype or cfg.torch_dtype
-    model = cast_(new_model(cfg), dtype).to_empty(device=device)
+    model = cast_(new_model(cfg), dtype)
+    embed = model.model.embed_tokens
+    if host_embedding(cfg, device):  # materialised apart: never on the device, not even for a moment
+        model.model.embed_tokens = None
+        model.to_empty(device=device)
+        w = embed.weight
+        embed.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, pin_memory=True), requires_grad=False)
+        model.model.embed_tokens = embed
+    else:
+        model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     known = set(source.names())

@@ -161,22 +161,24 @@ class MoECausalLM(nn.Module):
                 layer.mlp.experts = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list, start: int,
-                window: DecodeWindow | None = None):
-        """input_ids, positions [T] -> final hidden states [T, D] (after the last norm).
+                window: DecodeWindow | None = None, rows: torch.Tensor | None = None):
+        """input_ids, positions [T] -> final hidden states [T, D] (after the last norm); `rows`:
+        the embedding's rows of input_ids [T, D] where the runner looked them up (host_embedding).
 
         With a DecodeWindow (one token), the position is read from the device only, so the
         pass can be captured once and replayed (see engine/graph.py). The pass is embed, then
         run_layers over every layer, then the norm: the runner may run the layers in ranges
         (one per device, engine/devices.py)."""
-        x, cos, sin = self.embed(input_ids, positions, start, window)
+        x, cos, sin = self.embed(input_ids, positions, start, window, rows)
         x = self.run_layers(range(len(self.model.layers)), x, cos, sin, kv, start, window)
         return self.model.norm(x)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int,
-              window: DecodeWindow | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The start of a pass: x [T, D] and the rotary cos, sin [T, Hd] (the window's mask
-        is refreshed here)."""
-        x = self.model.embed_tokens(input_ids)
+              window: DecodeWindow | None = None,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The start of a pass: x [T, D] (`rows`, else the embedding's rows of input_ids) and the
+        rotary cos, sin [T, Hd] (the window's mask is refreshed here)."""
+        x = self.model.embed_tokens(input_ids) if rows is None else rows
         if window is not None:
             window.refresh()
         seq_len = window.size if window is not None else start + input_ids.shape[0]

@@ -40,6 +40,7 @@ import torch
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.kv_cache import KVCache
 from ostinato.layers.moe.pool import expert_nbytes
+from ostinato.loader.build import host_embedding
 from ostinato.models.registry import attention_shape, new_model, param_bytes
 from ostinato.planner.fill import fill
 
@@ -115,8 +116,13 @@ def itemsize(dtype: torch.dtype) -> int:
 
 def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Every parameter of the model (experts are not parameters) in the compute dtype (those the
-    model keeps in fp32, a router say, in fp32)."""
-    return param_bytes(new_model(cfg), dtype)
+    model keeps in fp32, a router say, in fp32), but the embedding table where it stays in host
+    memory (loader/build.py host_embedding: a GPU runner's, unless tied to the head)."""
+    model = new_model(cfg)
+    total = param_bytes(model, dtype)
+    if host_embedding(cfg, "cuda"):
+        total -= param_bytes(model, dtype, model.model.embed_tokens.named_parameters())
+    return total
 
 
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -266,12 +272,13 @@ _gib = fmt_bytes
 
 
 def dense_parts(cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int, int]:
-    """(dense bytes of each decoder layer, embedding bytes, final norm + lm_head bytes)."""
+    """(dense bytes of each decoder layer, embedding bytes on the first GPU (none where the table
+    stays in host memory: host_embedding), final norm + lm_head bytes)."""
     model = new_model(cfg)
     size = lambda m: param_bytes(model, dtype, m.named_parameters())  # noqa: E731
     layers = [size(layer) for layer in model.model.layers]
     head = size(model.model.norm) + model.lm_head.weight.numel() * itemsize(dtype)  # a copy of its own when tied
-    return layers, size(model.model.embed_tokens), head
+    return layers, 0 if host_embedding(cfg, "cuda") else size(model.model.embed_tokens), head
 
 
 def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
