@@ -114,9 +114,9 @@ print('native CPU experts:', r or 'available'); raise SystemExit(1 if r else 0)"
   (( PIPESTATUS[0] == 0 )) || { say "no native CPU experts: stopping"; DEADLINE=$SECONDS; }
 }
 # the GPU-marked tests (test_server needs the openai client, which the GPU image lacks)
-phase_tests() {  # decode graphs bitwise equal to the synchronous path; the split over two GPUs
+phase_tests() {  # decode graphs bitwise equal to the synchronous path; the embedding in host memory; two GPUs
   run 200 "$R/tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
-    tests/test_multi_device.py
+    tests/test_model.py tests/test_multi_device.py
 }
 phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
