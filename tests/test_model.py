@@ -154,3 +154,30 @@ def test_a_cuda_runner_keeps_the_embedding_in_pinned_host_memory(tiny_dir):
             logits = runner.forward([toks[-1]], len(prompt) + i)
         outs.append(toks)
     assert r.graphs is not None and outs[0] == outs[1]
+
+
+def test_fused_projections_are_the_three_linears(tiny_dir):
+    """The runner's model computes q, k and v as one matmul (FusedProjections): the same outputs
+    within fp32 rounding as three, the three parameters views of the one weight (no second copy),
+    the checkpoint's names and byte counts unchanged."""
+    from ostinato.loader.build import build_model
+
+    src = CheckpointSource(tiny_dir)
+    plain, fused = build_model(src, "cpu", torch.float32), build_model(src, "cpu", torch.float32)
+    names = [n for n, _ in fused.named_parameters()]
+    nbytes = sum(p.numel() for p in fused.parameters())
+    fused.fuse_projections()
+    assert [n for n, _ in fused.named_parameters()] == names and sum(p.numel() for p in fused.parameters()) == nbytes
+    attn = fused.model.layers[0].self_attn
+    w = attn.qkv.weight
+    start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+    assert all(start <= m.weight.data_ptr() < end for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    r = ModelRunner(src, RunnerSettings(device="cpu", dtype="fp32", max_context=64))
+    assert r.model.model.layers[0].self_attn.qkv is not None  # the runner fuses
+    ids, pos = torch.tensor([5, 17, 301, 2, 9]), torch.arange(5)
+    plain.set_experts(r.experts)
+    fused.set_experts(r.experts)
+    with torch.inference_mode():
+        a = plain(ids, pos, r.kv.layers, 0)
+        b = fused(ids, pos, r.kv.layers, 0)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)

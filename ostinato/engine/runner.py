@@ -96,6 +96,7 @@ class ModelRunner:
         self.experts = experts if experts is not None else ReferenceExperts(
             load_all_experts(source, device=self.device, dtype=self.dtype))
         self.model = build_model(source, self.device, self.dtype)
+        self.model.fuse_projections()  # where it runs: nothing moves it after this
         self._plug(self.experts)
         self.kv = KVCache(self.config, max_context, self.device, self.dtype)
         self.segments = split.segments([str(self.device)] * self.config.num_hidden_layers)
@@ -112,6 +113,7 @@ class ModelRunner:
                                                                                  self.dtype)
         self.model = build_model(source, "cpu", self.dtype)
         split.place_model(self.model, self.layer_devices)
+        self.model.fuse_projections()
         self._plug(self.experts)
         self.kv = split.SplitKV(self.config, max_context, self.layer_devices, self.dtype)
         self.graphs = None

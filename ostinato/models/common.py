@@ -68,6 +68,29 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class FusedProjections:
+    """Linears of one input as one matmul ([Q]: Qwen3's q, k and v projections were three GEMMs a
+    layer in the decode step). Their weights (and biases) are concatenated into one tensor and the
+    modules' parameters re-pointed at its row ranges, so the checkpoint's names, the state dict and
+    every byte count still see three parameters, and no second copy exists. Made after the model's
+    last move (the runner's placement): a later .to() would move the views apart from it."""
+
+    def __init__(self, *linears: nn.Linear):
+        self.weight = torch.cat([m.weight for m in linears])
+        has_bias = linears[0].bias is not None
+        self.bias = torch.cat([m.bias for m in linears]) if has_bias else None
+        self.sizes, at = [m.weight.shape[0] for m in linears], 0
+        for m, n in zip(linears, self.sizes):
+            m.weight = nn.Parameter(self.weight[at:at + n], requires_grad=False)
+            if has_bias:
+                m.bias = nn.Parameter(self.bias[at:at + n], requires_grad=False)
+            at += n
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, D] -> each linear's output [T, N_i] (column ranges of one product)."""
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class DenseMLP(nn.Module):
     def __init__(self, dim: int, inter: int):
         super().__init__()
@@ -154,6 +177,14 @@ class MoECausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, rope_dim)
+
+    def fuse_projections(self) -> None:
+        """Each attention's q, k and v projections as one matmul (FusedProjections), where the
+        family's attention offers it; the runner calls this once the model is where it runs."""
+        for layer in self.model.layers:
+            fuse = getattr(layer.self_attn, "fuse_qkv", None)
+            if fuse is not None:
+                fuse()
 
     def set_experts(self, backend: ExpertsBackend) -> None:
         for layer in self.model.layers:

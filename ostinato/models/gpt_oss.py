@@ -29,8 +29,8 @@ from torch import nn
 
 from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route_topk_softmax
-from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, KVShapes, MoECausalLM, RMSNorm,
-                                    RoutedBlock)
+from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, FusedProjections, KVShapes,
+                                    MoECausalLM, RMSNorm, RoutedBlock)
 from ostinato.models.rope import norm_rotate_qk
 
 SCORE_BUDGET = 1 << 27  # bytes of fp32 scores one chunk of queries may hold (prefill)
@@ -66,12 +66,16 @@ class SinkAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.h))
         self.window = cfg.window_of(layer)  # None: full attention
         self.scale = self.hd ** -0.5
+        self.qkv: FusedProjections | None = None  # fuse_qkv
+
+    def fuse_qkv(self) -> None:
+        self.qkv = FusedProjections(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
         T = x.shape[0]
-        q, k = norm_rotate_qk(self.q_proj(x).view(T, self.h, self.hd), self.k_proj(x).view(T, self.hkv, self.hd),
-                              cos, sin)
-        v = self.v_proj(x).view(T, self.hkv, self.hd)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k = norm_rotate_qk(q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), cos, sin)
+        v = v.view(T, self.hkv, self.hd)
         if window is not None:
             o = self._decode(q, k, v, kv, window)
         else:

@@ -23,8 +23,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route
-from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, DenseMLP, ExpertsBackend, KVShapes,
-                                    MoECausalLM, RMSNorm, RoutedBlock)
+from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, DenseMLP, ExpertsBackend,
+                                    FusedProjections, KVShapes, MoECausalLM, RMSNorm, RoutedBlock)
 from ostinato.models.rope import apply_rotary, norm_rotate_qk
 
 
@@ -48,6 +48,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=b if o_bias is None else o_bias)
+        self.qkv: FusedProjections | None = None  # fuse_qkv
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -58,17 +59,19 @@ class Attention(nn.Module):
             return apply_rotary(x, cos, sin)
         return torch.cat((apply_rotary(x[..., :self.rd], cos, sin), x[..., self.rd:]), dim=-1)
 
+    def fuse_qkv(self) -> None:
+        self.qkv = FusedProjections(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(self, x, cos, sin, kv: LayerKV, start: int, window=None) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.h, self.hd)
-        k = self.k_proj(x).view(T, self.hkv, self.hd)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), v.view(T, self.hkv, self.hd)
         if self.rd == self.hd:
             q, k = norm_rotate_qk(q, k, cos, sin, *((self.q_norm, self.k_norm) if self.qk_norm else ()))
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        v = self.v_proj(x).view(T, self.hkv, self.hd)
         if window is not None:
             return self._decode_window(q, k, v, kv, window)
         end = start + T
