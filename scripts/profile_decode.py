@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.kernels.triton import fused_dense  # noqa: E402
+from ostinato.loader.build import expert_formats  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
 from ostinato.engine.factory import load_engine  # noqa: E402
 from ostinato.engine.kv_cache import KVCache  # noqa: E402
@@ -143,16 +144,19 @@ def by_class(rows: list[dict]) -> dict[str, dict]:
     return dict(sorted(acc.items(), key=lambda kv: -kv[1]["us_per_step"]))
 
 
-def bytes_per_step(runner, context: int) -> dict[str, int]:
-    """What a decode step must read from GPU memory, by part."""
+def bytes_per_step(runner, context: int, formats: dict | None = None) -> dict[str, int]:
+    """What a decode step must read from GPU memory, by part; the routed experts in their block
+    formats (formats[layer] = (qt13, qt2), loader.build.expert_formats) or the compute dtype."""
+    from ostinato.planner.capacity import expert_sizes
+
     cfg, model = runner.config, runner.model
-    elt = torch.finfo(runner.dtype).bits // 8
     emb = model.model.embed_tokens.weight
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if p.device.type == runner.device.type and p is not emb and ".experts." not in n)
     tied = cfg.tie_word_embeddings
     kv = KVCache.bytes_needed(cfg, context, runner.dtype)  # the model's own cache layout (per-head K/V, MLA latent)
-    experts = len(cfg.moe_layers) * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * elt
+    sizes = expert_sizes(cfg, runner.dtype, formats)  # one expert's bytes per layer (w13 and w2)
+    experts = cfg.num_experts_per_tok * sum(nbytes for _, nbytes in sizes.values())
     return {"dense_weights": int(dense + (emb.numel() * emb.element_size() if tied else 0)),
             "embedding_row": int(cfg.hidden_size * emb.element_size()),
             "kv_cache": int(kv), "routed_experts_if_resident": int(experts)}
@@ -240,13 +244,13 @@ def main(argv=None) -> int:
            "model": a.model, "device": torch.cuda.get_device_name(dev) if on_cuda else "cpu",
            "torch": torch.__version__, "threads": runner.threads.describe(), "context": a.context,
            "placement": a.residency or "every expert resident", "graph": runner.graphs is not None,
-           "fused_dense": fused_dense(),
+           "fused_dense": on_cuda and fused_dense(),  # the kernels are CUDA-only
            "step": {"steps": a.steps, "median_ms": med, "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
                     "kernel_ms_graph": kernel_ms, "idle_ms_graph": med - kernel_ms},
            "classes_graph": by_class(kg), "classes_eager": by_class(ke), "kernels_graph": kg, "kernels_eager": ke}
     gbps = copy_gbps(dev)
     if gbps:
-        b = bytes_per_step(runner, a.context)
+        b = bytes_per_step(runner, a.context, expert_formats(loaded.source, "native"))
         dense = b["dense_weights"] + b["embedding_row"] + b["kv_cache"]
         every = dense + b["routed_experts_if_resident"]
         out["hbm"] = {"copy_gbps": gbps, "bytes": b, "dense_bytes": dense, "all_bytes": every,

@@ -340,12 +340,17 @@ phase_llama_tune() {
     ${LLAMA_TUNE_ARGS:-}
 }
 phase_profile() {  # [Q] where a decode step's GPU time goes: all resident (the dense part's torch expressions,
-  # OSTINATO_FUSED_DENSE=0, then its fused kernels), then the capacity plan under $CAP
+  # OSTINATO_FUSED_DENSE=0, then its fused kernels), the capacity plan under $CAP, the GGUF file all resident
   OSTINATO_FUSED_DENSE=0 run 200 "$R/q_profile_unfused.txt" python3 scripts/profile_decode.py --model "$M" \
     --out "$R/q_profile_unfused"
   run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_all"
   [[ -f $R/res-cap.json ]] && run 200 "$R/q_profile_cap.txt" python3 scripts/profile_decode.py --model "$M" \
     --residency "$R/res-cap.json" --gpu-memory "$CAP" --out "$R/q_profile_cap"
+  local g; g=$(gguf_file)  # the same model's GGUF file, every expert resident in its blocks, if phase gguf wrote it
+  if [[ -f $g ]] && ! kill -0 "$(cat /tmp/gguf.pid 2>/dev/null)" 2>/dev/null; then
+    run 200 "$R/q_profile_gguf.txt" python3 scripts/profile_decode.py --model "$g" --out "$R/q_profile_gguf"
+  fi
+  return 0
 }
 # serve_ready PORT LOG LIMIT [ARGS...]: start `serve` on PORT, poll /health each second into $R/m_health.jsonl
 # until it answers ok (prints the seconds it took) or the process ends or LIMIT passes; the server's pid: $SERVE_PID
