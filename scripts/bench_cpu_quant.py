@@ -61,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill", default="32,128", help="prefill token counts ('' for none)")
     p.add_argument("--spin-us", type=int, default=2000)
     p.add_argument("--no-prefetch", action="store_true", help="turn the kernels' software prefetch off")
+    p.add_argument("--prefetch-kib", default="8", help="prefetch distances per thread to sweep (KiB, comma-separated; "
+                   "the engine's default is 8): each format's decode is measured at each, rows FORMAT@NKiB")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -188,7 +190,11 @@ def main() -> None:
         ce = CpuExperts([w], num_threads=threads, backend="native", spin_us=args.spin_us)
         ce._args[0].prefetch = not args.no_prefetch
         ce.reserve(max_routes=args.topk * 128, max_tokens=128)
-        results[spec] = bench_format(ce, w, probe, args, gen)
+        distances = [int(k) for k in args.prefetch_kib.split(",")]
+        for kib in distances:
+            ce._args[0].prefetch_bytes = kib << 10
+            results[spec if len(distances) == 1 else f"{spec}@{kib}KiB"] = bench_format(ce, w, probe, args, gen)
+        ce._args[0].prefetch_bytes = distances[0] << 10
         pre[spec] = [bench_prefill(ce, w, int(T), args, gen) for T in args.prefill.split(",") if T]
         acc[spec] = accuracy(ce, w, args, gen)
         ce.close()
@@ -196,12 +202,12 @@ def main() -> None:
 
     print(f"{hw['cpu']}: {hw['physical_cores']} cores, L3 {hw['l3_mib']} MiB; {threads} workers + the waiting thread")
     print(f"\ndecode, 1 token x {args.topk} routes (medians of {args.iters} calls; round = probe, decode, probe)")
-    print(f"{'format':>11} {'expert MB':>9} {'probe GB/s':>10} {'GB/s':>7} {'of probe':>8} {'ms':>7} "
+    print(f"{'format':>16} {'expert MB':>9} {'probe GB/s':>10} {'GB/s':>7} {'of probe':>8} {'ms':>7} "
           f"{'r=1 GB/s':>8} {'r=1 of probe':>12}   per-round fraction (r = {args.topk})")
     for spec, r in results.items():
         m = r["median_round"]
         fr = " ".join(f"{x['of_probe']:.2f}" for x in r["rounds"])
-        print(f"{spec:>11} {r['expert_mb']:>9.2f} {m['probe_gbps']:>10.1f} {m['gbps']:>7.1f} {m['of_probe']:>8.0%} "
+        print(f"{spec:>16} {r['expert_mb']:>9.2f} {m['probe_gbps']:>10.1f} {m['gbps']:>7.1f} {m['of_probe']:>8.0%} "
               f"{m['ms']:>7.3f} {m['gbps_r1']:>8.1f} {r['of_probe_r1_median']:>12.0%}   {fr}")
     if any(pre.values()):
         print("\nprefill (top-k routing, every route cold)")
@@ -220,7 +226,7 @@ def main() -> None:
         "hardware": hw,
         "config": {"experts": E, "hidden": D, "ffn": F, "topk": args.topk, "threads": threads,
                    "rounds": args.rounds, "iters": args.iters, "probe_mib": probe_mib,
-                   "prefetch": not args.no_prefetch, "torch": torch.__version__},
+                   "prefetch": not args.no_prefetch, "prefetch_kib": args.prefetch_kib, "torch": torch.__version__},
         "decode": results, "prefill": pre, "accuracy": acc,
         "of_probe_min_median": min((r["of_probe_median"] for r in results.values()), default=math.nan),
         "of_probe_r1_min_median": min((r["of_probe_r1_median"] for r in results.values()), default=math.nan),

@@ -34,7 +34,8 @@
 #   tests_wave2 [M][O][K][Q] GPU-marked tests: the fused RMSNorm, q/k norm + rotary and router kernels, the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
 #              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
-#   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py)
+#   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
+#              kernels first, QPF=4,8,16,32 sweeps the CPU kernels' prefetch distance)
 #   serve_plan [M] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health polled),
 #              the held-out replay through it (chat completions, then /v1/messages), the same turns in-process
 #              on its plan, and a second start from the cache
@@ -134,7 +135,10 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
   if [[ ${QTUNE:-0} == 1 ]]; then  # QTUNE=1: tune first (writes kernels/tuned/moe_quant_<device>.json, kept in $R)
     run 300 "$R/k_tune_gpu.txt" python3 scripts/bench_gpu_quant.py --tune; cp ostinato/kernels/tuned/moe_quant_*.json "$R"/ 2>/dev/null
   else run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py; fi
-  run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py
+  if [[ -n ${QPF:-} ]]; then  # QPF=4,8,16,32: the CPU kernels' prefetch distance swept (KiB) instead
+    run 240 "$R/k_bench_cpu_pf.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K --prefill "" \
+      --rounds 3 --prefetch-kib "$QPF"
+  else run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py; fi
 }
 phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route tally, the new model families, the
   # cap as nvidia-smi counts it, every expert resident through the pool executor, the fused dense kernels

@@ -169,7 +169,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("act_alpha", &ColdArgs::act_alpha)
       .def_readwrite("act_limit", &ColdArgs::act_limit)
       .def_readwrite("down_mode", &ColdArgs::down_mode)
-      .def_readwrite("prefetch", &ColdArgs::prefetch);
+      .def_readwrite("prefetch", &ColdArgs::prefetch)
+      .def_readwrite("prefetch_bytes", &ColdArgs::prefetch_bytes);
 
   py::class_<ColdExperts>(m, "ColdExperts")
       .def(py::init<const std::vector<int>&, int64_t>(), py::arg("cpus"), py::arg("spin_us"))

@@ -94,8 +94,10 @@ struct ColdArgs {
   int64_t amx_min_tokens = 4;
   // Down projection: 0 picks by size, 1 "direct", 2 "scatter" (kernels.h); same bits.
   int32_t down_mode = 0;
-  // Software prefetch of the weight rows computed next (a tuning switch; same results).
+  // Software prefetch of the weight rows computed next (a tuning switch; same results), and
+  // how far ahead the quantized row kernels prefetch per thread (kernels_quant.cpp).
   bool prefetch = true;
+  int64_t prefetch_bytes = 8192;
 };
 
 // What the last submit() did (for tests and benchmarks).

@@ -30,7 +30,7 @@
 // A kernel call takes kQRows rows for one activation (decode; independent chains, one
 // horizontal sum for all) or fewer rows for up to kQTok activations (the routes of one
 // expert), so the weight bytes are decoded once per kQTok routes. Software prefetch keeps
-// the bytes ahead of the rows in flight (kPfBytes), because the hardware prefetchers alone
+// the bytes ahead of the rows in flight (ColdArgs::prefetch_bytes), because the hardware prefetchers alone
 // left the row kernels at a third of the read bandwidth on the Zen 4 host.
 #include <immintrin.h>
 
@@ -84,11 +84,11 @@ namespace {
 
 constexpr int kQTok = 4;  // activations per row pass
 constexpr int kQRows = 4;  // rows per kernel call for one activation (2 for two)
-// Software prefetch keeps about this many bytes ahead of the rows being read per thread,
-// split over the streams a task reads (gate/up: 2, down: 1). On the 2-core Zen 4 host 8 KiB
-// was best both for one stream (the row kernels alone: 4 KiB 68-78% of the read probe,
-// 8 KiB 91-106%, 16-32 KiB no better) and for two (4 KiB each beat 8 and 16 KiB each).
-constexpr int64_t kPfBytes = 8192;
+// Software prefetch keeps about ColdArgs::prefetch_bytes ahead of the rows being read per
+// thread, split over the streams a task reads (gate/up: 2, down: 1). On the 2-core Zen 4 host
+// 8 KiB (the default) was best both for one stream (the row kernels alone: 4 KiB 68-78% of the
+// read probe, 8 KiB 91-106%, 16-32 KiB no better) and for two (4 KiB each beat 8 and 16 KiB
+// each); scripts/bench_cpu_quant.py --prefetch-kib sweeps it on another host.
 
 inline float half_to_f32(const uint8_t* p) {
   uint16_t h;
@@ -532,7 +532,7 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
     QActView acts[kQTok];
     for (int j = 0; j < nt; ++j) acts[j] = qact_view(p.xact, p.xl, p.route_token(q + j));
     const bool pf = a.prefetch && q == q0;  // later passes find the rows in L2
-    constexpr int64_t ahead = kPfBytes / 2;  // two streams: gate and up rows
+    const int64_t ahead = a.prefetch_bytes / 2;  // two streams: gate and up rows
     prefetch_head(w13 + f0 * rb, w13 + f1 * rb, ahead, pf);
     prefetch_head(w13 + (a.F + f0) * rb, w13 + (a.F + f1) * rb, ahead, pf);
     for (int64_t f = f0; f < f1;) {
@@ -583,13 +583,13 @@ void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
     const int nt = std::min(kQTok, q1 - q);
     QActView acts[kQTok];
     for (int j = 0; j < nt; ++j) acts[j] = qact_view(p.hact, p.hl, q + j);
-    prefetch_head(w2 + d0 * rb, w2 + d1 * rb, kPfBytes, a.prefetch && q == q0);
+    prefetch_head(w2 + d0 * rb, w2 + d1 * rb, a.prefetch_bytes, a.prefetch && q == q0);
     for (int64_t d = d0; d < d1;) {
       const int nr = int(std::min<int64_t>(rows_for(nt), d1 - d));
       const uint8_t* rows[kQRows];
       for (int r = 0; r < nr; ++r) rows[r] = w2 + (d + r) * rb;
       float res[kQRows * kQTok];
-      qdot(a.qt2, rows, nr, a.F, acts, nt, window(rows[0], nr, rb, w2 + d1 * rb, kPfBytes, a.prefetch && q == q0), res);
+      qdot(a.qt2, rows, nr, a.F, acts, nt, window(rows[0], nr, rb, w2 + d1 * rb, a.prefetch_bytes, a.prefetch && q == q0), res);
       for (int r = 0; r < nr; ++r)
         for (int j = 0; j < nt; ++j) {
           const float v = b2 ? res[r * nt + j] + b2[d + r] : res[r * nt + j];
