@@ -7,10 +7,10 @@ then models/rope.py apply_rotary (half-split pairs: x * cos + rotate_half(x) * s
 and the sum rounded to q's dtype). Every step but the mean square is one rounding of an exact
 fp32 value, so the rotary alone (no norm) equals the torch expression bit for bit on CUDA, and
 with the norm a result can differ in its last place where the mean square's summation order
-moves its last fp32 bit. The torch expressions were 12 launches a layer in Qwen3's decode step
-(two norms of 8, now one each in kernels/triton/rms_norm.py, and two rotaries of 5: negate, cat,
-two products, sum): 528 of the step's 3300 launches on the H200
-(results/2026-12-01-h200-s10/q_profile_all/profile.md).
+moves its last fp32 bit. In Qwen3's decode step the torch expressions were 26 launches a layer
+(two norms of 8, two rotaries of 5: negate, cat, two products, sum), 1248 of the step's 3300 on
+the H200 (results/2026-12-01-h200-s10/q_profile_all/profile.md); with the norms in one launch each
+(rms_norm.py) 12, here one.
 
 Grid (T, H + Hkv): one program per head row, both halves of the row in registers.
 """
