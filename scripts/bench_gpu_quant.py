@@ -11,6 +11,10 @@ in L2 from the one before.
   (w13 + w2) / time, against a measured device copy bandwidth.
 - prefill, T=512, uniform routing, all routes hot: graph time, TFLOP/s = 2 T K 3 D F / time.
 - the same for the bf16 kernels (gpu_experts) on a bf16 pool, as the baseline.
+- prefill the other way, at T = 256 and 512 (--dequant-prefill): the layer's experts dequantized
+  to bf16 (moe_quant.dequantize_rows into a scratch pool of E + K slots), then the bf16 kernels
+  on them, both in the timed graph: whether a pass of many tokens should pay one dequantization
+  for a bf16 GEMM instead of dequantizing inside the quantized GEMM.
 - a correctness check per qtype: relative error against slot_experts_quant_torch.
 - --tune (before the benchmark, which then runs with its result): sweeps decode_w13, then
   decode_w2 (the other held at its current value), then the prefill tile config of each token
@@ -153,6 +157,47 @@ def run_config(qtypes, layers, copy_bw):
             "decode_us": dec_us, "decode_p90_us": dec_p90, "decode_GBps": gbps,
             "decode_bw_fraction": gbps / copy_bw, "prefill_us": pre_us, "prefill_p90_us": pre_p90,
             "prefill_tflops": 2 * PREFILL_T * K * 3 * D * F / pre_us / 1e6}
+
+
+def dequant_bf16_forward(pool, qtypes, routes):
+    """One layer call that dequantizes the layer's E experts (every one: uniform routing at these T
+    touches them all) into a bf16 scratch pool, then runs the bf16 kernels there. `routes`: the
+    calls' (slots, weights) per layer (bench_inputs), whose layer and scratch slots are looked up
+    by the slots tensor, so that nothing in the captured call reads the device."""
+    from ostinato.kernels.triton.moe_quant import dequantize_rows
+
+    w13, w2, zero_lo, zero_hi = pool
+    s13 = torch.zeros(E + K, 2 * F, D, dtype=torch.bfloat16, device="cuda")  # the last K: zero slots
+    s2 = torch.zeros(E + K, D, F, dtype=torch.bfloat16, device="cuda")
+    local = {slots.data_ptr(): (layer, slots - layer * E) for layer, (slots, _) in enumerate(routes)}
+
+    def forward(x, slots, weights, out):
+        layer, scratch_slots = local[slots.data_ptr()]
+        dequantize_rows(w13[layer * E:(layer + 1) * E].reshape(E * 2 * F, -1), qtypes[0], D,
+                        out=s13[:E].view(E * 2 * F, D))
+        dequantize_rows(w2[layer * E:(layer + 1) * E].reshape(E * D, -1), qtypes[1], F, out=s2[:E].view(E * D, F))
+        ge.slot_experts_triton(x, scratch_slots, weights, s13, s2, E, E + K, out, max_distinct=E)
+    return forward
+
+
+def run_dequant_prefill(qtypes, layers):
+    """Prefill at T = 256 and 512, the quantized kernels against dequantize-then-bf16 (us per call)."""
+    pool = make_pool(qtypes, layers)
+    quant = quant_forward(pool, qtypes)
+    out = {}
+    for T in (256, PREFILL_T):
+        inputs = bench_inputs(layers, T)
+        deq = dequant_bf16_forward(pool, qtypes, inputs[1])
+        q_us, _ = bench(quant, layers, T, inputs)
+        d_us, _ = bench(deq, layers, T, inputs)
+        want = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
+        got = torch.empty_like(want)
+        slots, weights = inputs[1][0]
+        quant(inputs[0][0], slots, weights, want)
+        deq(inputs[0][0], slots, weights, got)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        out[T] = {"quant_us": q_us, "dequant_bf16_us": d_us, "speedup": q_us / d_us, "rel_diff": err}
+    return {"qtypes": list(qtypes), "prefill": out}
 
 
 def run_bf16(layers, copy_bw):
@@ -597,6 +642,8 @@ def main():
     parser.add_argument("--qtypes", nargs="*", default=None,
                         help="w13 qtypes to run (w2 the same); default: every config")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 baseline")
+    parser.add_argument("--dequant-prefill", action="store_true",
+                        help="also time prefill as dequantize-then-bf16 against the quantized kernels")
     parser.add_argument("--tune", action="store_true",
                         help="sweep the block sizes first, write "
                              "kernels/tuned/moe_quant_<device>.json, then benchmark with it")
@@ -631,6 +678,16 @@ def main():
         print(f"{'/'.join(r['qtypes']):12s} {r['expert_bytes'] / 1e6:7.2f} {r['decode_us']:7.1f} "
               f"{r['decode_GBps']:6.0f} {r['decode_bw_fraction']:6.2f} {r['prefill_us']:8.1f} "
               f"{r['prefill_tflops']:8.1f}  {err}")
+    deq = []
+    if args.dequant_prefill:
+        for qtypes in TUNE_FORMATS:  # Q4_K_M's two pairs
+            deq.append(run_dequant_prefill(qtypes, args.layers))
+            torch.cuda.empty_cache()
+        print("\nprefill, us per layer call: quantized kernels -> dequantize to bf16, then the bf16 kernels")
+        for r in deq:
+            for T, v in r["prefill"].items():
+                print(f"  {'/'.join(r['qtypes']):10s} T={T:4d} {v['quant_us']:8.1f} -> {v['dequant_bf16_us']:8.1f} "
+                      f"({v['speedup']:.2f}x; outputs apart by {v['rel_diff']:.1e})")
     if tuned is not None:
         print("\n" + "\n".join(tuned["before_after"]))
     result = {"bench": "gpu_quant", **source_state(), "device": torch.cuda.get_device_name(),
@@ -638,7 +695,7 @@ def main():
               "shapes": {"D": D, "F": F, "K": K, "E": E, "layers": args.layers,
                          "decode_T": DECODE_T, "prefill_T": PREFILL_T},
               "tuning": gq.load_quant_tuning(ge.device_tag(torch.device("cuda"))),
-              "copy_GBps": copy_bw, "results": rows, "seconds": time.time() - t0}
+              "copy_GBps": copy_bw, "results": rows, "dequant_prefill": deq, "seconds": time.time() - t0}
     if tuned is not None:
         result["tune"] = tuned
     print(json.dumps(result))

@@ -133,8 +133,9 @@ phase_tests_quant() {
 phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf's writer: it would share the machine)
   gguf_wait
   if [[ ${QTUNE:-0} == 1 ]]; then  # QTUNE=1: tune first (writes kernels/tuned/moe_quant_<device>.json, kept in $R)
-    run 300 "$R/k_tune_gpu.txt" python3 scripts/bench_gpu_quant.py --tune; cp ostinato/kernels/tuned/moe_quant_*.json "$R"/ 2>/dev/null
-  else run 120 "$R/k_bench_gpu.json" python3 scripts/bench_gpu_quant.py; fi
+    run 300 "$R/k_tune_gpu.txt" python3 scripts/bench_gpu_quant.py --tune --dequant-prefill
+    cp ostinato/kernels/tuned/moe_quant_*.json "$R"/ 2>/dev/null
+  else run 150 "$R/k_bench_gpu.txt" python3 scripts/bench_gpu_quant.py --dequant-prefill; fi
   if [[ -n ${QPF:-} ]]; then  # QPF=4,8,16,32: the CPU kernels' prefetch distance swept (KiB) instead
     run 240 "$R/k_bench_cpu_pf.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K --prefill "" \
       --rounds 3 --prefetch-kib "$QPF"

@@ -185,11 +185,12 @@ def _dequant_kernel(q_ptr, out_ptr, M, n, stride_q, stride_o,
     tl.store(out_row + e_hi, hi, mask=mask)
 
 
-def dequantize_rows(q: torch.Tensor, qtype: str, n: int, block_r: int = 16,
-                    groups: int = 8) -> torch.Tensor:
-    """uint8 q[M, row_bytes(qtype, n)] (unit last stride) -> float32 [M, n] on q's device."""
+def dequantize_rows(q: torch.Tensor, qtype: str, n: int, block_r: int = 16, groups: int = 8,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 q[M, row_bytes(qtype, n)] (unit last stride) -> float32 [M, n] on q's device, or into
+    `out` [M, n] (unit last stride; its dtype's rounding of the fp32 values)."""
     M = q.shape[0]
-    out = torch.empty(M, n, dtype=torch.float32, device=q.device)
+    out = torch.empty(M, n, dtype=torch.float32, device=q.device) if out is None else out
     grid = (triton.cdiv(M, block_r), triton.cdiv(n // 32, groups))
     _dequant_kernel[grid](q, out, M, n, q.stride(0), out.stride(0), QT=qtype, BLOCK_R=block_r,
                           GROUPS=groups)
