@@ -245,12 +245,17 @@ def test_tune_configs_skips_configs_that_fail():
                is None for b in buckets)  # the defaults (GROUPS=4) failed too
 
 
-def test_tune_configs_budget_stop_keeps_the_defaults_timed():
+def _tune_on_a_fake_clock(budget_s: float):
+    """tune_configs at 1 s a config on a fake clock: (the calls it timed, the sweep, the tuning, the clock)."""
     calls, clock = [], Clock()
+    sweep, tuning = bq.tune_configs(fake_time(calls, clock, step=1.0), BASE, bq.Budget(budget_s, clock=clock),
+                                    bq.tune_buckets(BASE), clock=clock, log=lambda *_: None)
+    return calls, sweep, tuning, clock
+
+
+def test_tune_configs_budget_stop_keeps_the_defaults_timed():
     buckets = bq.tune_buckets(BASE)
-    sweep, tuning = bq.tune_configs(fake_time(calls, clock, step=1.0), BASE,
-                                    bq.Budget(0.0, clock=clock), buckets, clock=clock,
-                                    log=lambda *_: None)
+    calls, sweep, tuning, _ = _tune_on_a_fake_clock(0.0)
     assert len(calls) == 2 + len(buckets)  # the baselines alone
     assert sweep.counts()["untimed"] > 0
     assert tuning["decode_w13"] == BASE["decode_w13"]
@@ -265,11 +270,8 @@ def test_tune_configs_budget_stop_keeps_the_defaults_timed():
 
 
 def test_tune_configs_budget_is_shared_among_phases():
-    calls, clock = [], Clock()
     buckets = bq.tune_buckets(BASE)
-    sweep, _ = bq.tune_configs(fake_time(calls, clock, step=1.0), BASE,
-                               bq.Budget(30.0, clock=clock), buckets, clock=clock,
-                               log=lambda *_: None)
+    _, sweep, _, clock = _tune_on_a_fake_clock(30.0)
     per_key = {k: len(v) for k, v in sweep.times.items()}
     # 30 s at 1 s a config: ~5 for decode_w13, ~10 for decode_w2, the rest for prefill
     assert 4 <= per_key["decode_w13"] <= 7 and 8 <= per_key["decode_w2"] <= 12
