@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+import zlib
 from types import SimpleNamespace
 
 import httpx
@@ -89,10 +90,12 @@ def test_in_process_turns_on_a_fake_clock():
 
 
 class FakeTokenizer:
-    """10 ids per message; outputs of len(content) // 4 tokens."""
+    """10 ids per message, from 1000 up: never an encoded output's (its characters' codes), which
+    str's per-process hash once made them one time in a thousand; outputs of len(content) // 4 tokens."""
 
     def render_ids(self, messages, tools=None):
-        return [hash((i, m["content"])) % 1000 for i, m in enumerate(messages) for _ in range(10)]
+        return [1000 + zlib.crc32(f"{i}:{m['content']}".encode()) % 1000 for i, m in enumerate(messages)
+                for _ in range(10)]
 
     def render_assistant_output(self, message, tools=None):
         return message["content"]
