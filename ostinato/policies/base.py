@@ -51,7 +51,8 @@ from ostinato.config import ConfigError
 from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import to_host
-from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts, Qtypes, expert_nbytes, group_layers
+from ostinato.layers.moe.pool import (ExpertPool, ExpertPools, HostExperts, Qtypes, expert_nbytes, group_flex,
+                                      group_layers)
 from ostinato.engine.threads import ThreadLayout
 from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights, TopKOutput
 from ostinato.loader.build import expert_formats, load_layer_experts
@@ -133,10 +134,10 @@ class PassPlan:
 
 
 def pools_bytes(spec: ModelExperts, hot: dict[int, list[int]], flex) -> int:
-    """Bytes of the pools build_parts makes for `hot` with `flex` (int, None or per group: flex_of)."""
+    """Bytes of the pools build_parts makes for `hot` with `flex` (int, None or per group: group_flex)."""
     total = 0
     for qt, layers in spec.groups().items():
-        n = sum(len(hot.get(l, [])) for l in layers) + spec.top_k + flex_of(spec, qt, layers, hot, flex)
+        n = sum(len(hot.get(l, [])) for l in layers) + spec.top_k + group_flex(flex, qt, layers, hot, spec.num_experts)
         total += n * spec.expert_size(layers[0])
     return total
 
@@ -148,16 +149,6 @@ def check_fits(spec: ModelExperts, need: int, budget: int, policy: str, what: st
                           "larger budget")
 
 
-def flex_of(spec: ModelExperts, qt: Qtypes, layers: list[int], hot: dict[int, list[int]], flex) -> int:
-    """A group's flex slots: `flex` slots, a dict {qtypes: slots}, or None for the group's most cold
-    experts of a layer (as ExpertPools.build)."""
-    if isinstance(flex, dict):
-        return flex[qt]
-    if flex is None:
-        return max(spec.num_experts - len(hot.get(l, [])) for l in layers)
-    return flex
-
-
 def unpin(host: HostExperts | None) -> None:
     """HostExperts.unpin, for a backend that may have no host experts."""
     if host is not None:
@@ -167,13 +158,12 @@ def unpin(host: HostExperts | None) -> None:
 def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dict[int, list[int]], flex,
                 cpu_backend: str):
     """The pools, one per format group (resident experts packed, K zero slots, `flex` slots for
-    caches and staging: see flex_of), page-locked host copies of `on_host` in their formats, and a
+    caches and staging: see group_flex), page-locked host copies of `on_host` in their formats, and a
     CPU pool over them, from one load of each layer."""
     shape13, shape2 = (2 * spec.ffn, spec.hidden), (spec.hidden, spec.ffn)
     hot = {l: sorted(resident.get(l, [])) for l in spec.moe_layers}
-    pools = ExpertPools([ExpertPool({l: hot[l] for l in layers}, spec.num_layers, spec.num_experts, spec.top_k,
-                                    flex_of(spec, qt, layers, hot, flex), shape13, shape2, spec.device, spec.dtype,
-                                    qt, act=spec.act, bias=spec.bias) for qt, layers in spec.groups().items()])
+    pools = ExpertPools.build(hot, spec.num_layers, spec.num_experts, spec.top_k, flex, shape13, shape2, spec.device,
+                              spec.dtype, spec.formats, act=spec.act, bias=spec.bias)
     host_sets = {l: sorted(v) for l, v in on_host.items() if v}
     host = HostExperts(host_sets, spec.num_experts, shape13, shape2, spec.dtype, spec.formats, act=spec.act,
                        bias=spec.bias)

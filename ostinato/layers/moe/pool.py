@@ -179,6 +179,16 @@ def group_layers(layers, qtypes: dict[int, Qtypes] | None) -> dict[Qtypes, list[
     return groups
 
 
+def group_flex(flex, qt: Qtypes, layers: list[int], hot: dict[int, list[int]], num_experts: int) -> int:
+    """A format group's flex slots: `flex` slots, a dict {qtypes: slots}, or None for the group's
+    most cold experts of a layer."""
+    if isinstance(flex, dict):
+        return flex[qt]
+    if flex is None:
+        return max(num_experts - len(hot.get(l, [])) for l in layers)
+    return flex
+
+
 class ExpertPools:
     """The expert pools of one GPU, one per expert format (a group of layers whose experts
     have one byte size); `of(layer)` is the pool that serves a layer. A bf16 model has one."""
@@ -192,19 +202,16 @@ class ExpertPools:
         self.device, self.dtype, self.hidden, self.top_k = first.device, first.dtype, first.hidden, first.top_k
 
     @classmethod
-    def build(cls, hot: dict[int, list[int]], num_layers: int, num_experts: int, top_k: int, flex: int | None,
-              shape13, shape2, device, dtype, qtypes: dict[int, Qtypes] | None = None, *,
+    def build(cls, hot: dict[int, list[int]], num_layers: int, num_experts: int, top_k: int,
+              flex: int | dict | None, shape13, shape2, device, dtype, qtypes: dict[int, Qtypes] | None = None, *,
               act: ExpertAct = SILU, bias: bool = False) -> "ExpertPools":
         """A pool per format of the layers in `hot` (qtypes: each layer's (qt13, qt2) or None; default:
-        all float); flex: flex slots of every pool, or None for each pool's most cold experts of a layer;
-        act, bias: the experts' activation and whether they have biases (every pool alike)."""
-        groups = group_layers(hot, qtypes)
-        pools = []
-        for qt, layers in groups.items():
-            n = flex if flex is not None else max(num_experts - len(hot[l]) for l in layers)
-            pools.append(ExpertPool({l: hot[l] for l in layers}, num_layers, num_experts, top_k, n, shape13, shape2,
-                                    device, dtype, qt, act=act, bias=bias))
-        return cls(pools)
+        all float); flex: each pool's flex slots (group_flex); act, bias: the experts' activation and
+        whether they have biases (every pool alike)."""
+        return cls([ExpertPool({l: hot[l] for l in layers}, num_layers, num_experts, top_k,
+                               group_flex(flex, qt, layers, hot, num_experts), shape13, shape2, device, dtype, qt,
+                               act=act, bias=bias)
+                    for qt, layers in group_layers(hot, qtypes).items()])
 
     def of(self, layer: int) -> ExpertPool:
         if len(self.groups) == 1:
