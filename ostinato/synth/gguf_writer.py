@@ -196,8 +196,8 @@ def write_gguf(source, out: str | Path, recipe: str = "BF16", *, name: str | Non
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    plan = [(g, what, shape, tensor_qtype(recipe, g, shape, cfg)) for g, what, shape in layout(source)]
-    need, free = sum(_nbytes(qt, shape) for _, _, shape, qt in plan), shutil.disk_usage(out.parent).free
+    plan = tensor_plan(source, recipe)
+    need, free = plan_bytes(plan), shutil.disk_usage(out.parent).free
     if need > free:  # before the first byte, not at 90% of a file the disk cannot hold
         raise ConfigError(f"{out}: a {recipe} file of {cfg.num_hidden_layers} layers takes {need / 1e9:.1f} GB, and "
                           f"{out.parent} has {free / 1e9:.1f} GB free: write fewer layers (--layers) or elsewhere")
@@ -222,10 +222,18 @@ def write_gguf(source, out: str | Path, recipe: str = "BF16", *, name: str | Non
     return out
 
 
+def tensor_plan(source, recipe: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(GGUF name, what, shape, qtype) of each tensor of `source` in a `recipe` file, in file order."""
+    return [(g, what, shape, tensor_qtype(recipe, g, shape, source.config)) for g, what, shape in layout(source)]
+
+
+def plan_bytes(plan) -> int:
+    return sum(_nbytes(qt, shape) for _, _, shape, qt in plan)
+
+
 def gguf_bytes(source, recipe: str) -> int:
     """The tensor bytes of `source` written as a `recipe` file (its metadata aside)."""
-    cfg = source.config
-    return sum(_nbytes(tensor_qtype(recipe, g, shape, cfg), shape) for g, _, shape in layout(source))
+    return plan_bytes(tensor_plan(source, recipe))
 
 
 def _add_model_metadata(w: GGUFWriter, cfg: ModelConfig, recipe: str, name: str, generation: dict) -> None:
