@@ -184,7 +184,8 @@ def test_cuda_windowed_decode_matches_prefill(tiny_dir):
         for p in range(40, 80):
             pos.fill_(p)
             window.refresh()
-            got.append(r.model.logits(r.model(torch.tensor([ids[p]], device="cuda"), pos,
-                                              r.kv.layers, 0, window))[0])
+            tok = torch.tensor([ids[p]])  # the embedding's row as the runner hands it (in host memory on CUDA)
+            rows = None if r.host_rows is None else r.host_rows[tok].to("cuda")
+            got.append(r.model.logits(r.model(tok.to("cuda"), pos, r.kv.layers, 0, window, rows))[0])
     err = (torch.stack(got) - ref[40:80]).abs().max() / ref.abs().max()
     assert err < 1e-4

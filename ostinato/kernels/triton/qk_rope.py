@@ -5,7 +5,8 @@ k [T, Hkv, Hd] (read through their strides), models/common.py RMSNorm when `q_we
 (fp32 mean square, rsqrt(mean + eps), the product cast to q's dtype, times the weight, rounded),
 then models/rope.py apply_rotary (half-split pairs: x * cos + rotate_half(x) * sin, each product
 and the sum rounded to q's dtype). Every step but the mean square is one rounding of an exact
-fp32 value, so the rotary alone (no norm) equals the torch expression bit for bit on CUDA, and
+fp32 value (compiled without fused multiply-adds: on the H200 a contracted product and sum, rounded
+once, was a last place off the torch expression in some rows), so the rotary alone (no norm) equals the torch expression bit for bit on CUDA, and
 with the norm a result can differ in its last place where the mean square's summation order
 moves its last fp32 bit. In Qwen3's decode step the torch expressions were 26 launches a layer
 (two norms of 8, two rotaries of 5: negate, cat, two products, sum), 1248 of the step's 3300 on
@@ -71,5 +72,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         _qk_norm_rope_kernel[(T, H + Hkv)](
             q, k, q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), H, Hkv, eps,
-            HALF=Hd // 2, NORM=norm, num_warps=1)
+            HALF=Hd // 2, NORM=norm, num_warps=1, enable_fp_fusion=False)
     return qo, ko

@@ -46,5 +46,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: boo
     if rows.shape[0]:
         block = triton.next_power_of_2(N)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), N, eps,
-                                           BLOCK=block, FP32_WEIGHT=fp32_weight, num_warps=8 if block >= 4096 else 4)
+                                           BLOCK=block, FP32_WEIGHT=fp32_weight, num_warps=8 if block >= 4096 else 4,
+                                           enable_fp_fusion=False)
     return out.view(x.shape)
