@@ -138,7 +138,8 @@ def main(argv=None) -> int:
         mib = process_gpu_mib(srv.proc.pid)
     finally:
         srv.close()
-    out = {"kind": "ostinato.replay", "engine": "llama.cpp", "sessions": a.sessions, "split": "held-out",
+    out = {"kind": "ostinato.replay", "engine": "llama.cpp", **source_state(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sessions": a.sessions, "split": "held-out",
            "settings": best.label(), "context": a.context, "max_context": a.max_context,
            "gpu_mib_after_replay": mib, "cap_mib": cap_mib, "summary": summary,
            "turns": [r.to_json() for r in results]}

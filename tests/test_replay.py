@@ -456,6 +456,9 @@ def test_provenance_of_merged_policies():
     # run c3 measured ostinato and layers again; cpu came from run c2, fixed from run c2b
     assert provenance(result) == {"ostinato": ("c3", "d3"), "layers": ("c3", "d3"), "cpu": ("c2", "d2"),
                                   "fixed": ("c2b", "d2b")}
+    # another engine's row joined later (report --engine) is its own replay's, not the last bench run's
+    result["policies"]["llama.cpp"] = {"external": {"commit": "c0", "date": "d0"}}
+    assert provenance(result)["llama.cpp"] == ("c0", "d0") and provenance(result)["cpu"] == ("c2", "d2")
 
 
 def test_sweep_slopes_below_this_runs_np():

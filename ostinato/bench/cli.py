@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
+from ostinato.bench.report import source_state
 from ostinato.config import ConfigError, parse_bytes
 from ostinato.model_args import add_model_args, placement_settings, runner_settings
 from ostinato.policies.settings import OFFLOAD_THRESHOLDS, POLICIES, PolicySettings
@@ -79,8 +81,9 @@ def cmd_replay(a) -> int:
     _print_summary(summary)
     if cut:
         print(f"{len(cut)} sessions cut at a turn that does not fit the context")
-    print(json.dumps({"kind": "ostinato.replay", "engine": engine, "sessions": a.sessions, "split": a.split,
-                      "cut_sessions": len(cut), "summary": summary}))
+    print(json.dumps({"kind": "ostinato.replay", "engine": engine, **source_state(),
+                      "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sessions": a.sessions,
+                      "split": a.split, "cut_sessions": len(cut), "summary": summary}))
     return 0
 
 

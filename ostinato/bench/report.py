@@ -181,7 +181,8 @@ def add_external(result: dict, name: str, replay: dict, source: str) -> None:
                           f"{ours['turns']} of {sorted(ours['session_s'])}: not the same turns")
     result["policies"][name] = {"summary": s, "external": {"engine": replay.get("engine"), "file": source,
                                                            "settings": replay.get("settings"),
-                                                           "gpu_mib": replay.get("gpu_mib_after_replay")}}
+                                                           "gpu_mib": replay.get("gpu_mib_after_replay"),
+                                                           "commit": replay.get("commit"), "date": replay.get("date")}}
 
 
 def entry_slope(entry: dict, np_: int | None = None):
@@ -198,10 +199,12 @@ def entry_slope(entry: dict, np_: int | None = None):
 def provenance(result: dict) -> dict[str, tuple[str, str]]:
     """policy -> (commit, date) of the run that measured it, through the --merge records (each
     names the policies it kept from the run before, so a record's own are those its
-    predecessor did not hold)."""
+    predecessor did not hold). Another engine's row (add_external) is its replay's own."""
     src = result.get("merged_from") or []
     kept = set(src[-1]["policies"]) if src else set()
-    out = {n: (result.get("commit"), result.get("date")) for n in result["policies"] if n not in kept}
+    out = {n: (e["external"].get("commit"), e["external"].get("date")) for n, e in result["policies"].items()
+           if "external" in e}
+    out.update({n: (result.get("commit"), result.get("date")) for n in result["policies"] if n not in kept | set(out)})
     for k in range(len(src) - 1, -1, -1):
         inherited = set(src[k - 1]["policies"]) if k else set()
         for n in src[k]["policies"]:
@@ -213,7 +216,8 @@ def provenance(result: dict) -> dict[str, tuple[str, str]]:
 def _merged_note(result: dict) -> list[str]:
     runs: dict[tuple, list[str]] = {}
     for name, run in provenance(result).items():
-        runs.setdefault(run, []).append(name)
+        if "external" not in result["policies"][name]:  # another engine's row names its run itself
+            runs.setdefault(run, []).append(name)
     if len(runs) < 2:
         return []
     return ["- measured over several runs (`--merge`): " + "; ".join(
@@ -306,8 +310,9 @@ def markdown(result: dict, plots: list[str]) -> str:
         if "external" in e:
             x = e["external"]
             mib = f"; {x['gpu_mib']} MiB by nvidia-smi after the replay" if x.get("gpu_mib") is not None else ""
+            when = f" at `{x['commit'][:7]}` ({x.get('date')})" if x.get("commit") else " (its replay names no commit)"
             lines.append(f"- {name}: another engine, replayed over HTTP on the same turns ({x['engine']}; "
-                         f"`{x['file']}`{mib}): max_tokens = the recorded length, end of sequence ignored")
+                         f"`{x['file']}`{when}{mib}): max_tokens = the recorded length, end of sequence ignored")
     lines += ["", "## Length sweep", "", "Median TTFT (ms) after a fixed development prefix, by new prompt tokens.", ""]
     sizes = sorted({p["size"] for e in result["policies"].values() for p in (e.get("sweep") or {}).get("points", [])})
     if sizes:
