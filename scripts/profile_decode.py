@@ -17,6 +17,14 @@ plan), prefills `--context` tokens of the embedded sessions, then:
 
     python scripts/profile_decode.py --model synth:qwen3-30b-a3b --out /tmp/res/q_profile
 
+With `--prefill N...`, prefill passes instead ([K][Q]: where a tool turn's TTFT goes): the N tokens
+that follow the context in the same sessions, run at the context's end as the engine runs them
+(the placement's split, upload and mixed paths by the pass's size), timed `--steps` times by the
+host's clock around the synchronized pass, and profiled `--profile-steps` times. Uploads are the
+class `upload` (host-to-device copies), apart from the other copies; the kernels of every stream
+are summed, so with uploads beside compute the kernel time can exceed the pass's wall time.
+Each size writes OUT/prefill_N.json and OUT/prefill_N.md.
+
 Writes OUT/profile.json and OUT/profile.md; one JSON summary line on stdout. On a machine
 without CUDA it runs on the CPU (the kernels are then aten ops; a smoke run, not a figure).
 """
@@ -46,6 +54,7 @@ from ostinato.engine.runner import RunnerSettings  # noqa: E402
 # first match wins; names of our Triton kernels, cuBLAS/CUTLASS GEMMs and torch's own kernels
 CLASSES = (
     ("handshake", r"_post|_wait_add|_bump"),
+    ("upload", r"memcpy htod"),
     ("experts", r"_w13_kernel|_w2_kernel|_align_|_combine_kernel|_dequant_kernel"),
     ("attention", r"_split_kernel|_reduce_kernel|flash|attention|sdpa|fmha"),
     ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|matmul|\bmm\b|addmm|linear"),
@@ -96,6 +105,18 @@ def step_times_ms(runner, token: int, pos: int, steps: int) -> list[float]:
             t0 = time.perf_counter()
             runner.forward([token], pos + i)
             times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def pass_times_ms(runner, tokens: list[int], start: int, reps: int) -> list[float]:
+    """Wall time of a prefill pass at `start`, `reps` times (each pass writes the same KV rows)."""
+    times = []
+    for _ in range(reps):
+        sync(runner.device)
+        t0 = time.perf_counter()
+        runner.forward(tokens, start)
+        sync(runner.device)
+        times.append(1e3 * (time.perf_counter() - t0))
     return times
 
 
@@ -180,24 +201,33 @@ def copy_gbps(dev) -> float | None:
 
 
 def write_md(path: Path, out: dict) -> None:
-    s = out["step"]
-    lines = [f"# Decode step profile: {out['model']}", "",
+    s, n = out["step"], out.get("prefill_tokens")
+    what = f"Prefill pass of {n} tokens" if n else "Decode step"
+    lines = [f"# {what} profile: {out['model']}", "",
              f"- commit `{out['commit']}`; {out['device']}; context {out['context']}; "
              f"placement: {out['placement']}; decode as graph: {out['graph']}; "
-             f"dense part's fused kernels: {out.get('fused_dense')}",
-             f"- step: median {s['median_ms']:.3f} ms (p90 {s['p90_ms']:.3f}) over {s['steps']} steps; "
-             f"kernels (graph replays) {s['kernel_ms_graph']:.3f} ms, idle GPU {s['idle_ms_graph']:.3f} ms",
-             ]
+             f"dense part's fused kernels: {out.get('fused_dense')}"]
+    if n:
+        lines.append(f"- pass: median {s['median_ms']:.1f} ms (p90 {s['p90_ms']:.1f}) over {s['steps']} passes, "
+                     f"host clock; kernels of every stream {s['kernel_ms']:.1f} ms, of which uploads "
+                     f"{s['upload_ms']:.1f} ms")
+    else:
+        lines.append(f"- step: median {s['median_ms']:.3f} ms (p90 {s['p90_ms']:.3f}) over {s['steps']} steps; "
+                     f"kernels (graph replays) {s['kernel_ms_graph']:.3f} ms, idle GPU {s['idle_ms_graph']:.3f} ms")
     hb = out.get("hbm")
     if hb:
         lines.append(f"- HBM: copy bandwidth {hb['copy_gbps']:.0f} GB/s; the dense part must read "
                      f"{hb['dense_bytes'] / 1e9:.2f} GB ({hb['dense_bound_ms']:.3f} ms), with the routed "
                      f"experts {hb['all_bytes'] / 1e9:.2f} GB ({hb['all_bound_ms']:.3f} ms)")
-    for title, key in (("By class, graph replays", "classes_graph"), ("By class, eager", "classes_eager")):
-        lines += ["", f"## {title}", "", "| class | launches / step | us / step |", "|---|---|---|"]
+    unit = "pass" if n else "step"
+    for title, key in (("By class, graph replays", "classes_graph"), ("By class, eager", "classes_eager"),
+                       ("By class", "classes")):
+        if key not in out:
+            continue
+        lines += ["", f"## {title}", "", f"| class | launches / {unit} | us / {unit} |", "|---|---|---|"]
         lines += [f"| {c} | {v['launches_per_step']:.1f} | {v['us_per_step']:.1f} |" for c, v in out[key].items()]
-    lines += ["", "## Kernels, graph replays (top 40)", "", "| kernel | class | launches / step | us / step |",
-              "|---|---|---|---|"]
+    lines += ["", f"## Kernels{'' if n else ', graph replays'} (top 40)", "",
+              f"| kernel | class | launches / {unit} | us / {unit} |", "|---|---|---|---|"]
     lines += [f"| `{r['kernel'][:90]}` | {r['class']} | {r['launches_per_step']:.1f} | {r['us_per_step']:.1f} |"
               for r in out["kernels_graph"][:40]]
     path.write_text("\n".join(lines) + "\n")
@@ -211,15 +241,24 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="tokens prefilled before the timed steps")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--prefill", type=int, nargs="+", default=[0], metavar="N",
+                    help="profile prefill passes of N new tokens at the context's end instead of decode steps "
+                         "(several sizes: OUT/prefill_N.json and .md each)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
 
     place = PlacementSettings(residency=a.residency, gpu_memory=a.gpu_memory) if a.residency else None
-    loaded = load_engine(a.model, RunnerSettings(max_context=a.context + a.steps + 4 * a.profile_steps + 8), place)
+    longest = max(a.prefill)
+    loaded = load_engine(a.model, RunnerSettings(max_context=a.context + max(longest, a.steps + 4 * a.profile_steps) + 8),
+                         place)
     runner, dev = loaded.runner, loaded.runner.device
     on_cuda = dev.type == "cuda"
-    ids = prompt_ids(loaded.tokenizer, a.context)
-    runner.forward(ids, 0)
+    ids = prompt_ids(loaded.tokenizer, a.context + longest)
+    runner.forward(ids[:a.context], 0)
+    if longest:
+        for n in sorted(set(a.prefill) - {0}):
+            profile_prefill(a, loaded, ids[a.context:a.context + n])
+        return 0
     tok, pos = ids[-1], a.context
     step_times_ms(runner, tok, pos, 4)  # warm
     pos += 4
@@ -260,6 +299,30 @@ def main(argv=None) -> int:
     write_md(a.out / "profile.md", out)
     print(json.dumps({k: out[k] for k in ("commit", "device", "graph", "fused_dense", "step")} | {"hbm": out.get("hbm")}))
     return 0
+
+
+def profile_prefill(a, loaded, tokens: list[int]) -> None:
+    runner, dev = loaded.runner, loaded.runner.device
+    on_cuda = dev.type == "cuda"
+    pass_times_ms(runner, tokens, a.context, 2)  # warm: compiled kernels, the allocator's blocks
+    times = pass_times_ms(runner, tokens, a.context, a.steps)
+    rows = kernel_table(lambda: runner.forward(tokens, a.context), a.profile_steps, on_cuda)
+    classes = by_class(rows)
+    out = {"kind": "ostinato.profile_prefill", **source_state(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": a.model,
+           "device": torch.cuda.get_device_name(dev) if on_cuda else "cpu", "torch": torch.__version__,
+           "threads": runner.threads.describe(), "context": a.context, "prefill_tokens": len(tokens),
+           "placement": a.residency or "every expert resident", "graph": runner.graphs is not None,
+           "fused_dense": on_cuda and fused_dense(),
+           "step": {"steps": a.steps, "median_ms": statistics.median(times),
+                    "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
+                    "kernel_ms": sum(r["us_per_step"] for r in rows) / 1e3,
+                    "upload_ms": classes.get("upload", {}).get("us_per_step", 0.0) / 1e3},
+           "classes": classes, "kernels": rows}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"prefill_{len(tokens)}.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_md(a.out / f"prefill_{len(tokens)}.md", out | {"kernels_graph": rows})
+    print(json.dumps({k: out[k] for k in ("commit", "device", "context", "prefill_tokens", "step")}))
 
 
 if __name__ == "__main__":

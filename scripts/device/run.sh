@@ -31,6 +31,10 @@
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
+#   profile_prefill [K][Q] prefill passes (PREFILL_SIZES, default 64 256 1024 tokens after a 4096-token context) on
+#              the GGUF file under $QCAP, kernel by kernel with the uploads apart (scripts/profile_decode.py --prefill)
+#   llama_bench [Q] llama-bench -ngl 99 (decode at depth 0 and 2048) on the Q4_K_M file and on a bf16 GGUF of
+#              LB_LAYERS (24) layers, and Ostinato's decode step on that bf16 file
 #   tests_wave2 [M][O][K][Q] GPU-marked tests: the fused RMSNorm, q/k norm + rotary and router kernels, the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
 #              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
@@ -356,6 +360,35 @@ phase_profile() {  # [Q] where a decode step's GPU time goes: all resident (the 
     run 200 "$R/q_profile_gguf.txt" python3 scripts/profile_decode.py --model "$g" --out "$R/q_profile_gguf"
   fi
   return 0
+}
+phase_profile_prefill() {  # [K][Q] where a tool turn's TTFT goes: prefill passes of PREFILL_SIZES new tokens after
+  # a 4096-token context, on the GGUF file under $QCAP with the plan of bench_gguf (this call's, else an earlier
+  # session's carried as .carry/res/q4-plan.json)
+  local g plan=$R/bench_q4/residency.json; g=$(gguf_file)
+  gguf_wait || return 1
+  [[ -f $plan ]] || plan=$R/q4-plan.json
+  [[ -f $plan ]] || { say "profile_prefill: no plan ($R/bench_q4/residency.json, $R/q4-plan.json)"; return 1; }
+  run 300 "$R/q_prefill.txt" python3 scripts/profile_decode.py --model "$g" --residency "$plan" \
+    --gpu-memory "${QCAP:-12GiB}" --context 4096 \
+    --prefill ${PREFILL_SIZES:-64 256 1024} --steps 5 --profile-steps 2 --out "$R/q_prefill"
+}
+phase_llama_bench() {  # [Q] llama.cpp's decode with every layer on the GPU (llama-bench -ngl 99 at depth 0 and 2048)
+  # on the Q4_K_M file and on a bf16 GGUF of LB_LAYERS layers (default 24, 30 GB: the 48-layer one would not fit
+  # the disk beside the Q4_K_M file), and Ostinato's step on that same bf16 file (scripts/profile_decode.py)
+  local g b n=${LB_LAYERS:-24}; g=$(gguf_file)
+  gguf_wait && llama_kit || return 1
+  b=/tmp/gguf/bf16-$n/qwen3-30b-a3b-BF16.gguf
+  run 150 "$R/q_llama_bench_q4.json" env CUDA_VISIBLE_DEVICES=0 /tmp/llama/kit/llama-bench -m "$g" -ngl 99 \
+    -p 0 -n 128 -d 0,2048 -r 3 -o json
+  if [[ ! -f $b ]]; then
+    rm -rf /tmp/gguf.bf16.part; mkdir -p "$(dirname "$b")"
+    run 240 "$R/q_synth_bf16.txt" $O synth --preset qwen3-30b-a3b --layers "$n" --format gguf --quant BF16 \
+      --out /tmp/gguf.bf16.part && mv /tmp/gguf.bf16.part/qwen3-30b-a3b-BF16.gguf "$b"
+  fi
+  [[ -f $b ]] || { say "llama_bench: no bf16 file $b"; return 1; }
+  run 150 "$R/q_llama_bench_bf16.json" env CUDA_VISIBLE_DEVICES=0 /tmp/llama/kit/llama-bench -m "$b" -ngl 99 \
+    -p 0 -n 128 -d 0,2048 -r 3 -o json
+  run 200 "$R/q_profile_bf16.txt" python3 scripts/profile_decode.py --model "$b" --out "$R/q_profile_bf16_gguf"
 }
 # serve_ready PORT LOG LIMIT [ARGS...]: start `serve` on PORT, poll /health each second into $R/m_health.jsonl
 # until it answers ok (prints the seconds it took) or the process ends or LIMIT passes; the server's pid: $SERVE_PID
