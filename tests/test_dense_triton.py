@@ -2,7 +2,7 @@
 expressions: RMSNorm in one launch (kernels/triton/rms_norm.py; both weight orders, rows of a hidden
 state, of a projection's slice and of attention heads), queries and keys normed and rotated in one
 launch (kernels/triton/qk_rope.py; with and without the norm, heads read through the strides of a
-fused projection's slice), Qwen3's softmax top-k router in one launch (kernels/triton/route.py; the
+fused projection's slice, and with the key and value rows stored into caches at device-side positions), Qwen3's softmax top-k router in one launch (kernels/triton/route.py; the
 same experts, the weights within their rounding, ties to the lowest id), in bf16 and fp32. On the CPU through Triton's interpreter, which truncates to
 bf16 where the GPU rounds to nearest (a place or two allowed there), and on CUDA, where a last-place
 difference must be rare and the rotary alone is bit for bit the torch expression's."""
@@ -93,6 +93,17 @@ def check(device, exact):
                     assert bool((diff <= places * ulp).all()), (dtype, norm, fused, float((diff / ulp).max()))
                     if exact and dtype == torch.bfloat16:
                         assert float((diff > 0).float().mean()) < 0.02
+                # with store: the same q and k, and each token's key and value rows in the caches at its
+                # position (v read through the projection's strides), every other row untouched
+                v = qkv[:, (H + Hkv) * Hd:].view(T, Hkv, Hd) if fused else torch.randn(T, Hkv, Hd, generator=g).to(dtype)
+                kc, vc = torch.randn(16, Hkv, Hd, generator=g).to(dtype), torch.randn(16, Hkv, Hd, generator=g).to(dtype)
+                kc_d, vc_d, pos = kc.to(device), vc.to(device), torch.tensor([9, 2, 14])
+                stored = qk_norm_rope(q.to(device), k.to(device), cos.to(device), sin.to(device), *args,
+                                      store=(v.to(device), kc_d, vc_d, pos.to(device)))
+                for a, b in zip(stored, got):
+                    assert torch.equal(a.cpu(), b.cpu())
+                kc[pos], vc[pos] = stored[1].cpu(), v
+                assert torch.equal(kc_d.cpu(), kc) and torch.equal(vc_d.cpu(), vc)
     return True
 """
 

@@ -74,10 +74,11 @@ class SinkAttention(nn.Module):
     def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q, k = norm_rotate_qk(q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), cos, sin)
         v = v.view(T, self.hkv, self.hd)
+        store = None if window is None else (v, kv.k, kv.v, window.position)  # a decode step's KV row
+        q, k = norm_rotate_qk(q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), cos, sin, store=store)
         if window is not None:
-            o = self._decode(q, k, v, kv, window)
+            o = self._decode(q, kv, window)
         else:
             kv.k[start:start + T] = k
             kv.v[start:start + T] = v
@@ -103,12 +104,10 @@ class SinkAttention(nn.Module):
             out.append(sink_attention(q[:, t0:t1], k_, v_, self.sinks, self.scale, mask))
         return torch.cat(out, dim=1)
 
-    def _decode(self, q, k, v, kv, window: DecodeWindow) -> torch.Tensor:
-        """One token whose position lives on the device: its KV written there, attention over
-        the window's rows (full layers) or the `sliding_window` rows that end at the position
-        (sliding layers, gathered by a device-side index). -> [H, 1, Hd]."""
-        kv.k.index_copy_(0, window.position, k)
-        kv.v.index_copy_(0, window.position, v)
+    def _decode(self, q, kv, window: DecodeWindow) -> torch.Tensor:
+        """One token whose position lives on the device, its KV written there (forward's store):
+        attention over the window's rows (full layers) or the `sliding_window` rows that end at
+        the position (sliding layers, gathered by a device-side index). -> [H, 1, Hd]."""
         if self.window is None:
             k_, v_, mask = kv.k[:window.size], kv.v[:window.size], window.mask  # mask [1, W]
         else:

@@ -25,7 +25,7 @@ from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route
 from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, DenseMLP, ExpertsBackend,
                                     FusedProjections, KVShapes, MoECausalLM, RMSNorm, RoutedBlock)
-from ostinato.models.rope import apply_rotary, norm_rotate_qk
+from ostinato.models.rope import apply_rotary, norm_rotate_qk, store_kv
 
 
 class LayerKV(Protocol):
@@ -66,14 +66,17 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q, k, v = q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), v.view(T, self.hkv, self.hd)
+        store = None if window is None else (v, kv.k, kv.v, window.position)  # a decode step's KV row
         if self.rd == self.hd:
-            q, k = norm_rotate_qk(q, k, cos, sin, *((self.q_norm, self.k_norm) if self.qk_norm else ()))
+            q, k = norm_rotate_qk(q, k, cos, sin, *((self.q_norm, self.k_norm) if self.qk_norm else ()), store=store)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            if store is not None:
+                store_kv(k, store)
         if window is not None:
-            return self._decode_window(q, k, v, kv, window)
+            return self._decode_window(q, kv, window)
         end = start + T
         kv.k[start:end] = k
         kv.v[start:end] = v
@@ -108,12 +111,10 @@ class Attention(nn.Module):
         o = decode_attention(q, kv.k, kv.v, position, size)  # [1, H, Hd]
         return self.o_proj(o.reshape(1, self.h * self.hd))
 
-    def _decode_window(self, q, k, v, kv: LayerKV, window: "DecodeWindow") -> torch.Tensor:
-        """One token whose position lives on the device: write its KV there and attend over a
-        fixed window of the cache, masking what lies beyond it. No host value depends on the
-        position, so a captured graph replays it for every token within the window."""
-        kv.k.index_copy_(0, window.position, k)
-        kv.v.index_copy_(0, window.position, v)
+    def _decode_window(self, q, kv: LayerKV, window: "DecodeWindow") -> torch.Tensor:
+        """One token whose position lives on the device, its KV written there (forward's store):
+        attend over a fixed window of the cache, masking what lies beyond it. No host value
+        depends on the position, so a captured graph replays it for every token within the window."""
         if q.is_cuda:
             return self._attend_one(q, kv, window.position, window.size)
         # CPU: SDPA with the window's mask. The query heads of a KV head are its queries (query

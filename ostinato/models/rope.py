@@ -135,21 +135,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def norm_rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   q_norm=None, k_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   q_norm=None, k_norm=None, store=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, Hd], k [T, Hkv, Hd] -> each head normed by q_norm / k_norm (RMSNorm modules, or
     neither), then rotated (apply_rotary). On CUDA in one launch for both (kernels/triton/qk_rope.py),
-    where the dtypes agree (the kernel rounds as the modules do, in q's dtype)."""
+    where the dtypes agree (the kernel rounds as the modules do, in q's dtype). `store` = (v,
+    k_cache, v_cache, positions [T] on the device): the rotated keys and the values are also
+    written into the caches at those positions (store_kv), in the same launch where it runs."""
     dt = q.dtype
     same = cos.dtype == sin.dtype == k.dtype == dt and (q_norm is None or q_norm.weight.dtype == k_norm.weight.dtype == dt)
     if q.is_cuda and same and q.stride(-1) == 1 and k.stride(-1) == 1 and fused_dense():
         from ostinato.kernels.triton.qk_rope import qk_norm_rope
 
-        if q_norm is None:
-            return qk_norm_rope(q, k, cos, sin)
-        return qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+        fused_store = store if store is not None and _rows_contiguous(q, *store) else None
+        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        q, k = qk_norm_rope(q, k, cos, sin, *norms, store=fused_store)
+        if store is not None and fused_store is None:
+            store_kv(k, store)
+        return q, k
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if store is not None:
+        store_kv(k, store)
+    return q, k
+
+
+def store_kv(k: torch.Tensor, store) -> None:
+    """Write k, v [T, Hkv, Hd] into the caches [L, Hkv, Hd] at positions [T] (device-side)."""
+    v, k_cache, v_cache, positions = store
+    k_cache.index_copy_(0, positions, k)
+    v_cache.index_copy_(0, positions, v)
+
+
+def _rows_contiguous(q, v, k_cache, v_cache, positions) -> bool:
+    hd = q.shape[-1]
+    return (v.stride(-1) == 1 and all(c.stride(1) == hd and c.stride(2) == 1 for c in (k_cache, v_cache))
+            and k_cache.dtype == v_cache.dtype == v.dtype == q.dtype and positions.shape == q.shape[:1]
+            and positions.dtype == torch.int64)
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
