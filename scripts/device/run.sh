@@ -84,6 +84,9 @@ field() { python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print($2 or
 # 1, the materialised scores counted, a smaller pool than the plan's; restore all of a call's res.tgz)
 att() { cat "$R/attention_scores.txt" 2>/dev/null || { echo "note: no $R/attention_scores.txt: budget with the \
 attention scores counted" >> "$LOG"; echo 1; }; }
+# fresh FILE: written on this machine since its results were restored from .carry/res (a calibration restored
+# from an earlier session measured older code: the fused dense kernels halved the step it models)
+fresh() { [[ -f $1 && ( ! -f $R/.restored || $1 -nt $R/.restored ) ]]; }
 # run LIMIT FILE CMD...: at most LIMIT seconds (less if the deadline is nearer), output to FILE and the log
 run() {
   local limit=$1 file=$2; shift 2
@@ -215,7 +218,8 @@ phase_bench() {
   # calibrates. --merge needs the Np of the run it adds to: a calibration with another Np gives way to BENCH_CAL
   if [[ ${BENCH_ARGS:-} == *--merge* && -n ${BENCH_CAL:-} && $(field "$f" "d['calibration'].get('upload_threshold')") != \
         $(field "$R/bench/results.json" "d['np']['value']") ]]; then f=$BENCH_CAL; say "bench: Np of $f (--merge)"; fi
-  [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
+  fresh "$f" && [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
+    && cal="--calibration $f"
   local kv  # the KV cache the capacity plan holds (the longest development request)
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" \
@@ -228,7 +232,8 @@ phase_regimes() {  # [J] the same bench under each routing regime; the calibrati
   local A=${REGIMES_ARGS:---max-sessions 4 --max-turns 4 --max-output 32 --sweep-prefixes 0 --tune-sessions 2 --tune-max-turns 4}
   [[ $M == synth:* ]] || { say "regimes: $M is not a synthetic model: it has no routing regimes"; return 1; }
   [[ $M == *\?* ]] && sep="&"
-  [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
+  fresh "$f" && [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
+    && cal="--calibration $f"
   kv=$(field "$f" "d['capacity'].get('kv_tokens')")
   for r in ${REGIMES:-flat layered layered-persistent}; do
     d=$R/regimes/$r; todo=$pols; merge=""
@@ -329,7 +334,8 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
   local g f=$R/${QBENCH_OUT:-bench_q4}/residency.json cal="" kv; g=$(gguf_file)
   gguf_wait || return 1
   # the calibration and Np of this bench's first call (a --merge adds to it); the first call calibrates
-  [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] && cal="--calibration $f"
+  fresh "$f" && [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
+    && cal="--calibration $f"
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   # the route counts of the bf16 model of the same weights (phase skew, $QPROFILED): the quantized model's
   # own routing is what the replay measures (pool hit rates, cold routes); another model profiles itself
