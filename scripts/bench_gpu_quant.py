@@ -11,10 +11,10 @@ in L2 from the one before.
   (w13 + w2) / time, against a measured device copy bandwidth.
 - prefill, T=512, uniform routing, all routes hot: graph time, TFLOP/s = 2 T K 3 D F / time.
 - the same for the bf16 kernels (gpu_experts) on a bf16 pool, as the baseline.
-- prefill the other way, at T = 256 and 512 (--dequant-prefill): the layer's experts dequantized
-  to bf16 (moe_quant.dequantize_rows into a scratch pool of E + K slots), then the bf16 kernels
-  on them, both in the timed graph: whether a pass of many tokens should pay one dequantization
-  for a bf16 GEMM instead of dequantizing inside the quantized GEMM.
+- prefill the other way, at T = 256, 512 and 2048 (--dequant-prefill): the engine's dequantized
+  path (gpu_quant.slot_experts_dequant_triton: the pass's slots dequantized to bf16 in chunks,
+  then the bf16 kernels) against the quantized kernels, both eager (the path syncs once a call):
+  where the tuning's dequant_min_tokens should lie.
 - a correctness check per qtype: relative error against slot_experts_quant_torch.
 - --tune (before the benchmark, which then runs with its result): sweeps decode_w13, then
   decode_w2 (the other held at its current value), then the prefill tile config of each token
@@ -121,8 +121,10 @@ def bench(forward, layers, T, inputs=None, reps=30):
 
 
 def quant_forward(pool, qtypes, tuning=None):
-    """One layer call on pool; tuning None: the device's (gpu_quant.load_quant_tuning)."""
+    """One layer call on pool; tuning None: the device's (gpu_quant.load_quant_tuning) with the
+    dequantized path off: the quantized kernels' figures (and a graph can hold them)."""
     w13, w2, zero_lo, zero_hi = pool
+    tuning = tuning or forced_tuning("prefill")
 
     def forward(x, slots, weights, out):
         gq.slot_experts_quant_triton(x, slots, weights, w13, w2, zero_lo, zero_hi, out,
@@ -159,45 +161,56 @@ def run_config(qtypes, layers, copy_bw):
             "prefill_tflops": 2 * PREFILL_T * K * 3 * D * F / pre_us / 1e6}
 
 
-def dequant_bf16_forward(pool, qtypes, routes):
-    """One layer call that dequantizes the layer's E experts (every one: uniform routing at these T
-    touches them all) into a bf16 scratch pool, then runs the bf16 kernels there. `routes`: the
-    calls' (slots, weights) per layer (bench_inputs), whose layer and scratch slots are looked up
-    by the slots tensor, so that nothing in the captured call reads the device."""
-    from ostinato.kernels.triton.moe_quant import dequantize_rows
+def eager_us(forward, layers, T, inputs, reps=10):
+    """One call per layer as a pass issues them, without a graph (the dequantized path syncs once a
+    call to find its slots): median us per call over reps rounds, timed by CUDA events."""
+    xs, routes, out = inputs
 
-    w13, w2, zero_lo, zero_hi = pool
-    s13 = torch.zeros(E + K, 2 * F, D, dtype=torch.bfloat16, device="cuda")  # the last K: zero slots
-    s2 = torch.zeros(E + K, D, F, dtype=torch.bfloat16, device="cuda")
-    local = {slots.data_ptr(): (layer, slots - layer * E) for layer, (slots, _) in enumerate(routes)}
+    def step():
+        for layer, (slots, weights) in enumerate(routes):
+            forward(xs[layer], slots, weights, out[layer])
 
-    def forward(x, slots, weights, out):
-        layer, scratch_slots = local[slots.data_ptr()]
-        dequantize_rows(w13[layer * E:(layer + 1) * E].reshape(E * 2 * F, -1), qtypes[0], D,
-                        out=s13[:E].view(E * 2 * F, D))
-        dequantize_rows(w2[layer * E:(layer + 1) * E].reshape(E * D, -1), qtypes[1], F, out=s2[:E].view(E * D, F))
-        ge.slot_experts_triton(x, scratch_slots, weights, s13, s2, E, E + K, out, max_distinct=E)
-    return forward
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return 1e3 * sorted(times)[len(times) // 2] / layers
 
 
 def run_dequant_prefill(qtypes, layers):
-    """Prefill at T = 256 and 512, the quantized kernels against dequantize-then-bf16 (us per call)."""
+    """Prefill at T = 256, 512 and 2048, the quantized kernels against the engine's dequantized path
+    (gpu_quant.slot_experts_dequant_triton: the pass's slots dequantized in chunks for the bf16
+    kernels), both eager, us per layer call; and the tuning's threshold between them."""
     pool = make_pool(qtypes, layers)
-    quant = quant_forward(pool, qtypes)
     out = {}
-    for T in (256, PREFILL_T):
+    for T in (256, PREFILL_T, 2048):
         inputs = bench_inputs(layers, T)
-        deq = dequant_bf16_forward(pool, qtypes, inputs[1])
-        q_us, _ = bench(quant, layers, T, inputs)
-        d_us, _ = bench(deq, layers, T, inputs)
-        want = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
-        got = torch.empty_like(want)
-        slots, weights = inputs[1][0]
-        quant(inputs[0][0], slots, weights, want)
-        deq(inputs[0][0], slots, weights, got)
+        quant = quant_forward(pool, qtypes, forced_tuning("prefill"))
+        deq = quant_forward(pool, qtypes, forced_tuning("dequant"))
+        q_us, d_us = eager_us(quant, layers, T, inputs), eager_us(deq, layers, T, inputs)
+        x, (slots, weights) = inputs[0][0], inputs[1][0]
+        want, got = torch.empty(T, D, dtype=torch.bfloat16, device="cuda"), torch.empty(T, D, dtype=torch.bfloat16,
+                                                                                         device="cuda")
+        quant(x, slots, weights, want)
+        deq(x, slots, weights, got)
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         out[T] = {"quant_us": q_us, "dequant_bf16_us": d_us, "speedup": q_us / d_us, "rel_diff": err}
-    return {"qtypes": list(qtypes), "prefill": out}
+    return {"qtypes": list(qtypes), "chunk": gq.DEQUANT_CHUNK,
+            "dequant_min_tokens": gq.load_quant_tuning(ge.device_tag(torch.device("cuda")))["dequant_min_tokens"],
+            "prefill": out}
+
+
+def forced_tuning(path):
+    """The device's tuning with prefill's quantized kernels or the dequantized path for every large T."""
+    tuning = copy.deepcopy(gq.load_quant_tuning(ge.device_tag(torch.device("cuda"))))
+    tuning["dequant_min_tokens"] = 1 if path == "dequant" else None
+    return tuning
 
 
 def run_bf16(layers, copy_bw):
@@ -570,6 +583,7 @@ class TuneRig:
         """Sum over the formats of bench's median us per layer call (decode 30, prefill 10
         replays)."""
         reps = 30 if T <= tuning["decode_max_tokens"] else 10
+        tuning = dict(tuning, dequant_min_tokens=None)  # the quantized kernels, captured
         return sum(bench(quant_forward(pool, qtypes, tuning), self.layers, T, self.inputs[T],
                          reps)[0] for qtypes, pool in self.pools.items())
 
@@ -683,7 +697,8 @@ def main():
         for qtypes in TUNE_FORMATS:  # Q4_K_M's two pairs
             deq.append(run_dequant_prefill(qtypes, args.layers))
             torch.cuda.empty_cache()
-        print("\nprefill, us per layer call: quantized kernels -> dequantize to bf16, then the bf16 kernels")
+        print(f"\nprefill, us per layer call, eager: quantized kernels -> the dequantized path (chunks of "
+              f"{gq.DEQUANT_CHUNK} experts, then the bf16 kernels)")
         for r in deq:
             for T, v in r["prefill"].items():
                 print(f"  {'/'.join(r['qtypes']):10s} T={T:4d} {v['quant_us']:8.1f} -> {v['dequant_bf16_us']:8.1f} "

@@ -156,7 +156,9 @@ def test_every_expert_resident_counts_the_files_bytes(tinyk_file):
 
     source = GGUFSource(tinyk_file)
     cfg = source.config
-    settings = RunnerSettings(device="cpu", dtype="bf16", max_context=1024)
+    # passes below the dequantized path's threshold: no scratch (of 10 bf16 experts, more than this
+    # 16-expert model saves in blocks) beside the pool
+    settings = RunnerSettings(device="cpu", dtype="bf16", max_context=1024, prefill_chunk=256)
     res = all_resident(source, settings)
     assert res.hot_count == len(cfg.moe_layers) * cfg.num_experts
     assert all(sorted(res.hot[l]) == list(range(cfg.num_experts)) for l in cfg.moe_layers)

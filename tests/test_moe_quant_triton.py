@@ -134,9 +134,11 @@ def assert_close(got, want, dtype):
 
 
 def forced(path, tuning=None, device="cpu"):
-    """The device's tuning (or tuning), with decode or prefill forced for every T."""
+    """The device's tuning (or tuning), with decode, the quantized prefill kernels or the
+    dequantized path ("dequant": bf16 kernels on the dequantized experts) forced for every T."""
     tuning = copy.deepcopy(tuning or gq.load_quant_tuning(ge.device_tag(torch.device(device))))
     tuning["decode_max_tokens"] = 10**9 if path == "decode" else 0
+    tuning["dequant_min_tokens"] = 1 if path == "dequant" else None
     return tuning
 
 
@@ -255,6 +257,20 @@ MOE_SCRIPT = """
         slots, weights = case.routing(T, hot, seed=T)
         out = case.run(x, slots, weights, out_dtype=torch.float32, tuning=t.forced(path, tiny))
         t.assert_close(out, case.oracle(x, slots, weights), dtype)
+    # the dequantized path (16-bit activations: fp32 keeps the quantized kernels), through the tuning's
+    # threshold, and in chunks of 3 of the pass's distinct slots (a token's routes across chunks); fp16
+    # only: the interpreter's tl.dot gets bf16 wrong (test_gpu_experts), bf16 is the GPU tests'
+    from ostinato.layers.moe import gpu_experts as ge, gpu_quant as gq
+    for dtype, T, hot in ((torch.float16, 12, 0.5), (torch.float16, 9, 1.0)):
+        x = torch.randn(T, case.D).to(dtype)
+        slots, weights = case.routing(T, hot, seed=T)
+        want = case.oracle(x, slots, weights)
+        out = case.run(x, slots, weights, out_dtype=torch.float32, tuning=t.forced("dequant", tiny))
+        t.assert_close(out, want, dtype)
+        xs, ss, ws, o = ge.triton_inputs(x, slots, weights, None, torch.float32)
+        chunked = gq.slot_experts_dequant_triton(xs, ss, ws, case.w13, case.w2, case.zero_lo, case.zero_hi, o,
+                                                 qtypes=qtypes, epi=ge.Epilogue.of(None, None, gq.SILU), chunk=3)
+        t.assert_close(chunked, want, dtype)
     # every route on the zero-byte hot slot: exactly zero (and its bytes are read)
     x = torch.randn(1, case.D).to(torch.bfloat16)
     slots = torch.zeros(1, t.K, dtype=torch.int32)
@@ -294,7 +310,7 @@ def test_cuda_dequantize_rows_matches_gguf(qtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ["auto", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["auto", "decode", "prefill", "dequant"])
 @pytest.mark.parametrize("T", [1, 7, 64, 512])
 @pytest.mark.parametrize("qtypes", PAIRS, ids="-".join)
 def test_cuda_matches_oracle(qtypes, T, path):

@@ -406,3 +406,26 @@ def test_bound_reads_at_the_best_measured_rate():
     assert cm.read_gbps({**cal, "host_read_gbps": 200.0}) == 200.0
     assert cm.read_gbps({"expert_bytes": eb, "global": {"beta_ms": 0.1}}) == pytest.approx(eb / 0.1e6)
     assert cm.read_gbps({}) is None
+
+
+def test_quantized_experts_count_the_dequantized_paths_scratch():
+    """A pass the dequantized path serves (gpu_quant: T >= dequant_min_tokens) holds a chunk of bf16
+    experts beside the pool: the capacity test counts it for quantized experts, not for bf16 ones nor
+    for passes below the threshold, and the pool holds that much less."""
+    from ostinato.layers.moe.gpu_quant import DEFAULT_QUANT_TUNING, dequant_scratch_bytes
+    from ostinato.planner.capacity import expert_sizes
+
+    cfg = _tiny_cfg()
+    counts = {l: torch.arange(cfg.num_experts, dtype=torch.float32) for l in cfg.moe_layers}
+    q8 = {l: ("Q8_0", "Q8_0") for l in cfg.moe_layers}  # blocks of 32: the tiny rows hold them
+    big, small = CapacitySettings(prefill_chunk=2048), CapacitySettings(prefill_chunk=256)
+    assert small.prefill_chunk < DEFAULT_QUANT_TUNING["dequant_min_tokens"] <= big.prefill_chunk
+    qb = expert_sizes(cfg, torch.bfloat16, q8)[cfg.moe_layers[0]][1]
+    want = dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                                 cfg.num_experts, 2, qb)
+    budget = 8 * 2**30
+    quant = plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, big, formats=q8)
+    assert quant.activation_parts["dequant_scratch"] == want > 0
+    assert plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, big).activation_parts["dequant_scratch"] == 0
+    below = plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, small, formats=q8)
+    assert below.activation_parts["dequant_scratch"] == 0

@@ -22,7 +22,7 @@ from ostinato.loader.build import expert_formats
 from ostinato.loader.gguf import GGUFSource
 from ostinato.loader.source import open_source
 from ostinato.loader.tokenizer import ChatTokenizer
-from ostinato.planner.capacity import CapacityError, plan_capacity
+from ostinato.planner.capacity import CapacityError, CapacitySettings, plan_capacity
 from ostinato.planner.residency import Residency, model_fingerprint
 
 log = logging.getLogger("ostinato")
@@ -111,6 +111,7 @@ def all_resident_fit(source, settings: RunnerSettings, cap: int, experts: str = 
     counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
     try:
         return plan_capacity(cfg, counts, cap, settings.context(cfg), dtype,
+                             CapacitySettings(prefill_chunk=settings.prefill_chunk),
                              formats=expert_formats(source, experts)).max_hot_slots >= \
             len(cfg.moe_layers) * cfg.num_experts
     except CapacityError:

@@ -188,7 +188,8 @@ def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype, layers: int | No
     return KVCache.bytes_needed(cfg, tokens, dtype, layers)
 
 
-def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score_share: float = 1.0) -> dict:
+def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score_share: float = 1.0,
+                     dequant_scratch: int = 0) -> dict:
     """A conservative bound on the buffers of one forward pass of T tokens attending to N.
 
     The attention's shape is the model's (models/common.py AttentionShape): H query heads, Hkv
@@ -219,6 +220,8 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
       experts    T K (2F 4 + D 4 + 8) + T D (4 + b)
                                           per route gate/up (fp32), per-route outputs (fp32),
                                           sorted route ids; the fp32 layer sum and its cast
+      dequant    given                    quantized experts: a large pass's dequantized chunk
+                                          (layers/moe/gpu_quant.py dequant_scratch_bytes)
       shared     3 T S F b                S shared experts' gate, up and product
       dense mlp  3 T I b                  only if the model has dense MLP layers
       logits     V (b + 4)                the last token's logits, then fp32
@@ -240,12 +243,25 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
         "rope": 2 * T * Dr * (4 + b),
         "router": T * E * (b + 8) + T * K * 12 + (T * E * 13 + T * D * 4 if cfg.scoring_func == "sigmoid" else 0),
         "experts": T * K * (2 * F * 4 + D * 4 + 8) + T * D * (4 + b),
+        "dequant_scratch": dequant_scratch,
         "shared_experts": 3 * T * cfg.n_shared_experts * F * b,
         "dense_mlp": 3 * T * I * b if len(cfg.moe_layers) < cfg.num_hidden_layers else 0,
         "logits": V * (b + 4),
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: dict | None, sizes: dict) -> int:
+    """The dequantized path's scratch where quantized experts meet a pass it serves (the default
+    tuning's threshold: a device's tuned one is not known to the plan)."""
+    from ostinato.layers.moe.gpu_quant import DEFAULT_QUANT_TUNING, dequant_scratch_bytes
+
+    quantized = [l for l in sizes if (formats or {}).get(l) is not None]
+    if not quantized or T < (DEFAULT_QUANT_TUNING["dequant_min_tokens"] or float("inf")):
+        return 0
+    return dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                                 cfg.num_experts, itemsize(dtype), max(sizes[l][1] for l in quantized))
 
 
 def flex_slots(counts: dict[int, torch.Tensor], slots: int, num_experts: int) -> int:
@@ -302,9 +318,10 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
         kv = kv_bytes(cfg, kv_tokens, dtype, len(layers))
     counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in moe}
     who = f"{label}: " if label else ""
-    act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share)
-    margin = int(settings.margin_bytes + settings.margin_fraction * budget)
     sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats).items() if l in counts}
+    act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share,
+                           _dequant_scratch(cfg, T, dtype, formats, sizes))
+    margin = int(settings.margin_bytes + settings.margin_fraction * budget)
     eb = round(sum(b for _, b in sizes.values()) / len(sizes)) if sizes else expert_bytes(cfg, dtype)
     E = cfg.num_experts
     K = cfg.num_experts_per_tok if moe else 0  # a device without MoE layers needs no zero slots

@@ -42,6 +42,10 @@ QUANT_QTYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # the block formats th
 # the larger tiles whose kernels spill no more than a few bytes of registers in any qtype.
 DEFAULT_QUANT_TUNING: dict = {
     "decode_max_tokens": 8,
+    # passes of at least this many tokens dequantize their experts to the activation dtype, DEQUANT_CHUNK at a
+    # time, for the bf16 kernels (slot_experts_dequant_triton): on the H200 one layer call of Q4_K_M's pairs took
+    # 1.16x less time that way at T = 256 and 1.9x less at 512 (results/2026-12-02-h200-s11, --dequant-prefill)
+    "dequant_min_tokens": 512,
     "decode_w13": {"BLOCK_F": 8, "GROUPS": 4, "num_warps": 4, "num_stages": 2},
     "decode_w2": {"BLOCK_D": 4, "GROUPS": 4, "num_warps": 4, "num_stages": 1},
     "prefill": {
@@ -50,6 +54,17 @@ DEFAULT_QUANT_TUNING: dict = {
                     "num_stages": 2},
     },
 }
+
+
+DEQUANT_CHUNK = 16  # experts dequantized at once by a large pass: the scratch the capacity test counts
+
+
+def dequant_scratch_bytes(D: int, F: int, top_k: int, num_experts: int, itemsize: int, quant_bytes: int) -> int:
+    """The dequantized path's buffers beside a pass's other expert buffers: a chunk (DEQUANT_CHUNK, or
+    a layer's experts if fewer) and the K zero slots in the activation dtype, the chunk's quantized
+    rows gathered; its fp32 sum [T, D] aside (counted with the pass's outputs)."""
+    chunk = min(DEQUANT_CHUNK, num_experts)
+    return (chunk + top_k) * 3 * D * F * itemsize + chunk * quant_bytes
 
 
 def quant_tuned_path(tag: str):
@@ -157,12 +172,60 @@ def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zer
 
         return decode_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
                               tuning["decode_w13"], tuning["decode_w2"], epi)
+    if T >= (tuning.get("dequant_min_tokens") or float("inf")) and x.dtype != torch.float32:
+        chunk = min(DEQUANT_CHUNK, max_distinct or DEQUANT_CHUNK)  # never more than a call's distinct slots
+        return slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
+                                           qtypes=qtypes, epi=epi, chunk=chunk)
     from ostinato.kernels.triton.moe_quant import prefill_forward
 
     cfg = prefill_config(tuning, T, x.dtype)
     aligned = ge.aligned_routes(slots, zero_lo, zero_hi, w13_pool.shape[0], cfg["BLOCK_M"], tuning, max_distinct)
     return prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
                            aligned, cfg, tuning["combine"], epi)
+
+
+def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out, *, qtypes, epi,
+                                chunk: int = DEQUANT_CHUNK):
+    """A large pass: the distinct hot slots it routes to (one host sync), `chunk` at a time,
+    dequantized into a scratch pool in x's dtype whose last K slots are zero; the chunk's routes
+    keep their slots' place there and every other route reads a zero slot; the bf16 kernels
+    (gpu_experts.slot_experts_triton) compute each chunk into fp32, summed over the chunks, then
+    rounded into `out`. The same values as the quantized prefill kernels (weights rounded to x's
+    dtype for the dot, h rounded, fp32 accumulation) in another order of summation."""
+    from ostinato.kernels.triton.moe_quant import dequantize_rows
+
+    T, K = slots.shape
+    D, F = x.shape[1], w13_pool.shape[1] // 2
+    flat = slots.reshape(-1).long()
+    hot = torch.unique(flat[(flat < zero_lo) | (flat >= zero_hi)])  # sorted distinct slots
+    n_hot = int(hot.numel())
+    if n_hot == 0:
+        return out.zero_()
+    s13 = torch.empty(chunk + K, 2 * F, D, dtype=x.dtype, device=x.device)
+    s2 = torch.empty(chunk + K, D, F, dtype=x.dtype, device=x.device)
+    sb13 = None if epi.b13 is None else torch.empty(chunk + K, 2 * F, dtype=torch.float32, device=x.device)
+    sb2 = None if epi.b2 is None else torch.empty(chunk + K, D, dtype=torch.float32, device=x.device)
+    for t in (s13, s2, sb13, sb2):
+        if t is not None:
+            t[chunk:].zero_()  # the zero slots
+    local = torch.full((w13_pool.shape[0],), -1, dtype=torch.int32, device=x.device)  # pool slot -> chunk place
+    zero_of_k = torch.arange(chunk, chunk + K, dtype=torch.int32, device=x.device)
+    total = None
+    for lo in range(0, n_hot, chunk):
+        part = hot[lo:lo + chunk]
+        n = part.numel()
+        dequantize_rows(w13_pool[part].reshape(n * 2 * F, -1), qtypes[0], D, out=s13[:n].view(n * 2 * F, D))
+        dequantize_rows(w2_pool[part].reshape(n * D, -1), qtypes[1], F, out=s2[:n].view(n * D, F))
+        if sb13 is not None:
+            sb13[:n], sb2[:n] = epi.b13[part], epi.b2[part]
+        local.fill_(-1)
+        local[part] = torch.arange(n, dtype=torch.int32, device=x.device)  # a short chunk's rest: unread
+        mine = local[slots.long()]  # [T, K]: the chunk's place, else -1
+        chunk_slots = torch.where(mine >= 0, mine, zero_of_k[None, :])
+        y = ge.slot_experts_triton(x, chunk_slots, weights, s13, s2, chunk, chunk + K, out_dtype=torch.float32,
+                                   max_distinct=n, b13_pool=sb13, b2_pool=sb2, act=epi.act)
+        total = y if total is None else total.add_(y)
+    return out.copy_(total)
 
 
 @functools.cache
