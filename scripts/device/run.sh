@@ -32,7 +32,8 @@
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
 #   profile_prefill [K][Q] prefill passes (PREFILL_SIZES, default 64 256 1024 tokens after a 4096-token context) on
-#              the GGUF file under $QCAP, kernel by kernel with the uploads apart (scripts/profile_decode.py --prefill)
+#              the GGUF file under $QCAP on bench_gguf's plan (after it), kernel by kernel with the uploads apart
+#              (scripts/profile_decode.py --prefill)
 #   llama_bench [Q] llama-bench -ngl 99 (decode at depth 0 and 2048) on the Q4_K_M file and on a bf16 GGUF of
 #              LB_LAYERS (24) layers, and Ostinato's decode step on that bf16 file
 #   tests_wave2 [M][O][K][Q] GPU-marked tests: the fused RMSNorm, q/k norm + rotary and router kernels, the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
@@ -368,12 +369,11 @@ phase_profile() {  # [Q] where a decode step's GPU time goes: all resident (the 
   return 0
 }
 phase_profile_prefill() {  # [K][Q] where a tool turn's TTFT goes: prefill passes of PREFILL_SIZES new tokens after
-  # a 4096-token context, on the GGUF file under $QCAP with the plan of bench_gguf (this call's, else an earlier
-  # session's carried as .carry/res/q4-plan.json)
+  # a 4096-token context, on the GGUF file under $QCAP with the plan phase bench_gguf made on this machine (an
+  # earlier session's plan was sized by an older capacity test)
   local g plan=$R/bench_q4/residency.json; g=$(gguf_file)
   gguf_wait || return 1
-  [[ -f $plan ]] || plan=$R/q4-plan.json
-  [[ -f $plan ]] || { say "profile_prefill: no plan ($R/bench_q4/residency.json, $R/q4-plan.json)"; return 1; }
+  fresh "$plan" || { say "profile_prefill: no plan of this session's bench_gguf ($plan)"; return 1; }
   run 300 "$R/q_prefill.txt" python3 scripts/profile_decode.py --model "$g" --residency "$plan" \
     --gpu-memory "${QCAP:-12GiB}" --context 4096 \
     --prefill ${PREFILL_SIZES:-64 256 1024} --steps 5 --profile-steps 2 --out "$R/q_prefill"
