@@ -1,11 +1,15 @@
 """The fused kernels of the step's GPU side outside the experts ([Q]) against the modules' torch
-expressions: RMSNorm in one launch (kernels/triton/rms_norm.py; both weight orders, rows of a hidden
-state, of a projection's slice and of attention heads), queries and keys normed and rotated in one
-launch (kernels/triton/qk_rope.py; with and without the norm, heads read through the strides of a
-fused projection's slice, and with the key and value rows stored into caches at device-side positions), Qwen3's softmax top-k router in one launch (kernels/triton/route.py; the
-same experts, the weights within their rounding, ties to the lowest id), in bf16 and fp32. On the CPU through Triton's interpreter, which truncates to
-bf16 where the GPU rounds to nearest (a place or two allowed there), and on CUDA, where a last-place
-difference must be rare and the rotary alone is bit for bit the torch expression's."""
+expressions, in bf16 and fp32:
+- RMSNorm in one launch (kernels/triton/rms_norm.py): both weight orders, rows of a hidden state, of a
+  projection's slice and of attention heads;
+- queries and keys normed and rotated in one launch (kernels/triton/qk_rope.py): with and without the
+  norm, heads read through the strides of a fused projection's slice, and the key and value rows
+  stored into caches at device-side positions;
+- Qwen3's softmax top-k router in one launch (kernels/triton/route.py): the same experts, the weights
+  within their rounding, ties to the lowest id; and the pool's slot lookup after it, exactly.
+On the CPU through Triton's interpreter, which truncates to bf16 where the GPU rounds to nearest (a
+place or two allowed there), and on CUDA, where a last-place difference must be rare and the rotary
+alone is bit for bit the torch expression's."""
 from __future__ import annotations
 
 import pytest
@@ -144,7 +148,27 @@ def check(device, exact):
     return True
 """
 
-CHECKS = {"rms_norm": RMS_NORM, "qk_rope": QK_ROPE, "route": ROUTE}
+SLOTS = """
+import torch
+from ostinato.kernels.triton.route import lookup_slots
+
+def check(device, exact):
+    g = torch.Generator().manual_seed(0)
+    for E, K, T in ((128, 8, 1), (60, 4, 33), (256, 8, 300)):
+        table = torch.full((3, E), -1, dtype=torch.int32)  # rows of a [layers, E] table
+        hot = torch.randperm(E, generator=g)[: E // 3]
+        table[1, hot] = torch.arange(hot.numel(), dtype=torch.int32) + 7
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        zero_lo = 500
+        slot = table[1][ids]  # pool.py slots_for's torch expression
+        want = torch.where(slot >= 0, slot, torch.arange(zero_lo, zero_lo + K, dtype=torch.int32))
+        got = lookup_slots(table.to(device)[1], ids.to(device), zero_lo)
+        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+    assert lookup_slots(table.to(device)[1], torch.zeros(0, 4, dtype=torch.int64, device=device), 9).shape == (0, 4)
+    return True
+"""
+
+CHECKS = {"rms_norm": RMS_NORM, "qk_rope": QK_ROPE, "route": ROUTE, "slots": SLOTS}
 
 
 @pytest.mark.parametrize("kernel", list(CHECKS))

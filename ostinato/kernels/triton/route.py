@@ -67,3 +67,29 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm_topk_prob: bool,
                             BLOCK_K=triton.next_power_of_2(k), NORM=norm_topk_prob, ROUND=rounding,
                             LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4 if E >= 512 else 1)
     return ids, weights
+
+
+@triton.jit
+def _lookup_slots_kernel(table_ptr, ids_ptr, out_ptr, zero_lo, N, K, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    slot = tl.load(table_ptr + tl.load(ids_ptr + offs, mask=mask, other=0), mask=mask, other=0)
+    tl.store(out_ptr + offs, tl.where(slot >= 0, slot, zero_lo + offs % K), mask=mask)
+
+
+def lookup_slots(table: torch.Tensor, ids: torch.Tensor, zero_lo: int) -> torch.Tensor:
+    """The pool's index table after the router, in one launch (layers/moe/pool.py slots_for; the
+    gather, the test and the choice were three): table [E] int32 (a layer's row: slot, or < 0 for a
+    cold expert), ids [T, K] -> slots [T, K] int32, a cold route the zero slot of its top-k place
+    (zero_lo + k)."""
+    if table.dtype != torch.int32 or not table.is_contiguous():
+        raise ValueError("lookup_slots reads a contiguous int32 table row")
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    n = ids.numel()
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _lookup_slots_kernel[(triton.cdiv(n, block),)](table, ids, out, zero_lo, n, ids.shape[-1], BLOCK=block,
+                                                       num_warps=1 if block <= 256 else 4)
+    return out
+

@@ -195,7 +195,8 @@ class HybridExperts(MoEBackend):
 
     def _gpu_only(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         pool = self.pools.of(layer)
-        return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32).to(x.dtype)
+        # the fp32 sum rounded once to x's dtype in the combine: the value the split path's cast gives
+        return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=x.dtype)
 
     def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Decode and split path: GPU branch || CPU branch, then combine. The CPU branch is

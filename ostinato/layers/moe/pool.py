@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.kernels.triton import fused_dense
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.gpu_quant import slot_experts_quant_forward
 from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights
@@ -165,7 +166,11 @@ class ExpertPool:
 
     def slots_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] -> slots [T, K] int32: hot experts' slots, cold ones the zero slot of
-        their top-k position. No host sync: capturable."""
+        their top-k position. No host sync: capturable. On CUDA in one launch (kernels/triton/route.py)."""
+        if ids.is_cuda and fused_dense():
+            from ostinato.kernels.triton.route import lookup_slots
+
+            return lookup_slots(self.table[layer], ids, self.zero_lo)
         slot = self.table[layer][ids]
         return torch.where(slot >= 0, slot, self.zero_of_position[: ids.shape[1]])
 
