@@ -1,7 +1,7 @@
 """The fused kernels of the step's GPU side outside the experts ([Q]) against the modules' torch
 expressions, in bf16 and fp32:
 - RMSNorm in one launch (kernels/triton/rms_norm.py): both weight orders, rows of a hidden state, of a
-  projection's slice and of attention heads;
+  projection's slice and of attention heads, and after a residual add;
 - queries and keys normed and rotated in one launch (kernels/triton/qk_rope.py): with and without the
   norm, heads read through the strides of a fused projection's slice, and the key and value rows
   stored into caches at device-side positions;
@@ -54,6 +54,18 @@ def check(device, exact):
                 worst = max(worst, float(diff.max()))
     empty = rms_norm(torch.zeros(0, 64, device=device), torch.ones(64, device=device), 1e-6)
     assert empty.shape == (0, 64)
+    # with a residual: the sum exactly torch's x + r (one rounding of an exact fp32 sum), its norm as above
+    for dtype in (torch.bfloat16, torch.float32):
+        x, r = (torch.randn(3, 2048, generator=g) * 3).to(dtype), torch.randn(3, 2048, generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(2048, generator=g)).to(dtype)
+        total, normed = rms_norm(x.to(device), w.to(device), 1e-6, False, residual=r.to(device))
+        want = x + r
+        if exact or dtype == torch.float32:
+            assert torch.equal(total.cpu(), want)
+        else:  # the interpreter truncates the sum to bf16: within one place
+            ulp = torch.finfo(dtype).eps * want.float().abs()
+            assert bool(((total.cpu().float() - want.float()).abs() <= ulp).all())
+        assert torch.equal(normed.cpu(), rms_norm(total, w.to(device), 1e-6).cpu())
     return worst
 """
 

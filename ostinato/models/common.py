@@ -67,6 +67,15 @@ class RMSNorm(nn.Module):
             return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, its norm): on CUDA in the norm's launch (kernels/triton/rms_norm.py residual)."""
+        if x.is_cuda and y.dtype == x.dtype and (self.fp32_weight or self.weight.dtype == x.dtype) and fused_dense():
+            from ostinato.kernels.triton.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.fp32_weight, residual=y)
+        s = x + y
+        return s, self(s)
+
 
 class FusedProjections:
     """Linears of one input as one matmul ([Q]: Qwen3's q, k and v projections were three GEMMs a
@@ -134,8 +143,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()
 
     def forward(self, x, cos, sin, kv, start: int, window=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, window)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, kv,
+                                                                           start, window))
+        return x + self.mlp(h)
 
 
 class DecoderStack(nn.Module):
