@@ -226,7 +226,10 @@ def test_capacity_counts_quantized_bytes():
     q = plan_capacity(cfg, counts, budget, 4096, torch.bfloat16, s, formats=fmts)
     assert set(q.groups) == {"Q4_K/Q4_K", "Q4_K/Q6_K"} and all(v["layers"] == 24 for v in q.groups.values())
     assert list(bf.groups) == ["bfloat16"]
-    assert q.fixed == bf.fixed and q.pool_bytes <= budget - q.fixed and q.unused >= 0
+    # the same fixed part but the dequantized path's scratch (a 512-token pass is one it serves)
+    scratch = q.activation_parts["dequant_scratch"]
+    assert scratch > 0 and bf.activation_parts["dequant_scratch"] == 0 and q.fixed == bf.fixed + scratch
+    assert q.pool_bytes <= budget - q.fixed and q.unused >= 0
     assert 3.0 < q.hot_slots / bf.hot_slots < 3.7, (q.hot_slots, bf.hot_slots)
     assert q.zero_slots == 2 * cfg.num_experts_per_tok and q.to_json()["groups"] == q.groups
     # one more hot expert would not fit: the bisection found the largest
