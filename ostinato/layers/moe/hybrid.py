@@ -175,8 +175,11 @@ class HybridExperts(MoEBackend):
         return out
 
     def count_captured(self, layer: int, ids: torch.Tensor) -> None:
-        """Count a captured step's routes on the device (capturable)."""
-        self.graph_counts[0] += ids.numel()
+        """Count a captured step's routes on the device (capturable). A step runs every layer this
+        backend serves, each with the same routes per token: all of them are counted at the first,
+        one launch a step rather than one a layer."""
+        if layer == next(iter(self.has_cold)):
+            self.graph_counts[0] += ids.numel() * len(self.has_cold)
         if self.has_cold[layer]:
             self.graph_counts[1] += (self.pools.of(layer).table[layer][ids] < 0).sum()
 
