@@ -197,10 +197,13 @@ def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, z
     T, K = slots.shape
     D, F = x.shape[1], w13_pool.shape[1] // 2
     flat = slots.reshape(-1).long()
-    hot = torch.unique(flat[(flat < zero_lo) | (flat >= zero_hi)])  # sorted distinct slots
+    is_hot = (flat < zero_lo) | (flat >= zero_hi)
+    hot = torch.unique(flat[is_hot])  # sorted distinct slots
     n_hot = int(hot.numel())
     if n_hot == 0:
         return out.zero_()
+    rank = torch.where(is_hot, torch.searchsorted(hot, flat), -1).view(T, K)  # each route's slot among them
+    of_chunk, place = rank.div(chunk, rounding_mode="floor"), (rank % chunk).to(torch.int32)
     s13 = torch.empty(chunk + K, 2 * F, D, dtype=x.dtype, device=x.device)
     s2 = torch.empty(chunk + K, D, F, dtype=x.dtype, device=x.device)
     sb13 = None if epi.b13 is None else torch.empty(chunk + K, 2 * F, dtype=torch.float32, device=x.device)
@@ -208,20 +211,16 @@ def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, z
     for t in (s13, s2, sb13, sb2):
         if t is not None:
             t[chunk:].zero_()  # the zero slots
-    local = torch.full((w13_pool.shape[0],), -1, dtype=torch.int32, device=x.device)  # pool slot -> chunk place
     zero_of_k = torch.arange(chunk, chunk + K, dtype=torch.int32, device=x.device)
     total = None
-    for lo in range(0, n_hot, chunk):
+    for j, lo in enumerate(range(0, n_hot, chunk)):
         part = hot[lo:lo + chunk]
-        n = part.numel()
+        n = part.numel()  # a short last chunk's other scratch slots hold stale experts, never read
         dequantize_rows(w13_pool[part].reshape(n * 2 * F, -1), qtypes[0], D, out=s13[:n].view(n * 2 * F, D))
         dequantize_rows(w2_pool[part].reshape(n * D, -1), qtypes[1], F, out=s2[:n].view(n * D, F))
         if sb13 is not None:
             sb13[:n], sb2[:n] = epi.b13[part], epi.b2[part]
-        local.fill_(-1)
-        local[part] = torch.arange(n, dtype=torch.int32, device=x.device)  # a short chunk's rest: unread
-        mine = local[slots.long()]  # [T, K]: the chunk's place, else -1
-        chunk_slots = torch.where(mine >= 0, mine, zero_of_k[None, :])
+        chunk_slots = torch.where(of_chunk == j, place, zero_of_k[None, :])  # [T, K]: its place, else a zero slot
         y = ge.slot_experts_triton(x, chunk_slots, weights, s13, s2, chunk, chunk + K, out_dtype=torch.float32,
                                    max_distinct=n, b13_pool=sb13, b2_pool=sb2, act=epi.act)
         total = y if total is None else total.add_(y)
