@@ -144,9 +144,9 @@ def norm_rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     dt = q.dtype
     same = cos.dtype == sin.dtype == k.dtype == dt and (q_norm is None or q_norm.weight.dtype == k_norm.weight.dtype == dt)
     if q.is_cuda and same and q.stride(-1) == 1 and k.stride(-1) == 1 and fused_dense():
-        from ostinato.kernels.triton.qk_rope import qk_norm_rope
+        from ostinato.kernels.triton.qk_rope import qk_norm_rope, store_fits
 
-        fused_store = store if store is not None and _rows_contiguous(q, *store) else None
+        fused_store = store if store is not None and store_fits(q, store) else None
         norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         q, k = qk_norm_rope(q, k, cos, sin, *norms, store=fused_store)
         if store is not None and fused_store is None:
@@ -165,13 +165,6 @@ def store_kv(k: torch.Tensor, store) -> None:
     v, k_cache, v_cache, positions = store
     k_cache.index_copy_(0, positions, k)
     v_cache.index_copy_(0, positions, v)
-
-
-def _rows_contiguous(q, v, k_cache, v_cache, positions) -> bool:
-    hd = q.shape[-1]
-    return (v.stride(-1) == 1 and all(c.stride(1) == hd and c.stride(2) == 1 for c in (k_cache, v_cache))
-            and k_cache.dtype == v_cache.dtype == v.dtype == q.dtype and positions.shape == q.shape[:1]
-            and positions.dtype == torch.int64)
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,14 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
                 tl.store(kdst + HALF + offs, o2)
 
 
+def store_fits(q: torch.Tensor, store) -> bool:
+    """Whether qk_norm_rope can write `store` = (v, k_cache, v_cache, positions) for q [T, H, Hd]."""
+    v, kc, vc, pos = store
+    hd = q.shape[-1]
+    return (v.stride(-1) == 1 and all(c.stride(1) == hd and c.stride(2) == 1 for c in (kc, vc))
+            and kc.dtype == vc.dtype == v.dtype == q.dtype and pos.shape == q.shape[:1] and pos.dtype == torch.int64)
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                  eps: float = 0.0, store=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,11 +97,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     ko = torch.empty((T, Hkv, Hd), dtype=q.dtype, device=q.device)
     norm = q_weight is not None
     if store is not None:
+        if not store_fits(q, store):
+            raise ValueError("qk_norm_rope stores value and cache rows of contiguous head dims in q's dtype, "
+                             "at one int64 position per token")
         v, kc, vc, pos = store
-        if v.stride(-1) != 1 or kc.stride(1) != Hd or vc.stride(1) != Hd or kc.stride(2) != 1 or vc.stride(2) != 1:
-            raise ValueError("qk_norm_rope: the value rows and the caches' rows must be contiguous")
-        if not (kc.dtype == vc.dtype == v.dtype == q.dtype) or pos.shape != (T,):
-            raise ValueError("qk_norm_rope: the caches and values in q's dtype, one position per token")
     else:
         v, kc, vc, pos = k, ko, ko, torch.empty(1, dtype=torch.int64, device=q.device)  # unread (STORE off)
     if T:
