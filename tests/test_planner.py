@@ -80,11 +80,14 @@ def test_dense_weights_and_activations_are_counted_from_the_config():
     tied = _tiny_cfg(tie_word_embeddings=True)  # one table, read by the head on the GPU every step
     assert dense_weight_bytes(tied, torch.bfloat16) == 2 * params
     assert dense_parts(cfg, torch.bfloat16)[1] == 0 and dense_parts(tied, torch.bfloat16)[1] == 2 * V * D
-    a = activation_bytes(cfg, 64, 1000, torch.bfloat16)
+    a = activation_bytes(cfg, 64, 1000, torch.bfloat16, score_share=1.0)  # torch's math kernel
     assert a["total"] == sum(v for k, v in a.items() if k != "total")
-    assert activation_bytes(cfg, 64, 2000, torch.bfloat16)["attention"] > a["attention"]
+    assert activation_bytes(cfg, 64, 2000, torch.bfloat16, score_share=1.0)["attention"] > a["attention"]
     fused = activation_bytes(cfg, 64, 1000, torch.bfloat16, score_share=0.0)  # a kernel without a score matrix
     assert a["attention"] - fused["attention"] == 13 * cfg.num_attention_heads * 64 * 1000
+    # by default, the model's: Qwen3's prefill attends in SDPA's fused kernels on a GPU in half precision
+    assert activation_bytes(cfg, 64, 1000, torch.bfloat16) == fused
+    assert activation_bytes(cfg, 64, 1000, torch.float32) == activation_bytes(cfg, 64, 1000, torch.float32, 1.0)
 
 
 @FAST

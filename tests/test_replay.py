@@ -203,6 +203,35 @@ def test_http_target_on_a_fake_clock():
                                 forced_ids=[1] * 5)).ttft_s == pytest.approx(0.28)
 
 
+def test_messages_route_times_the_first_token_at_message_start():
+    """Our server opens the /v1/messages stream with the first token (message_start), as the chat
+    route's first chunk: a turn that opens with a tool call, whose tool_use block starts only once
+    its name is parsed, is timed from there, not from the block's first delta."""
+    clock = FakeClock()
+    events = [({"type": "message_start", "message": {"usage": {"input_tokens": 30, "cache_read_input_tokens": 70}}},
+               0.25),
+              ({"type": "content_block_start", "index": 0, "content_block": {"type": "tool_use", "name": "f"}}, 0.2),
+              ({"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta"}}, 0.0),
+              ({"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta"}}, 0.05),
+              ({"type": "message_delta", "usage": {"output_tokens": 12}}, 0.0), ({"type": "message_stop"}, 0.0)]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "owned_by": "ostinato"}]})
+
+        def stream():
+            for e, delay in events:
+                clock.t += delay
+                yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode()
+        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+
+    target = HttpTarget("http://ostinato.test", clock=clock, transport=httpx.MockTransport(handler),
+                        tokenizer=object(), api="anthropic")
+    r = target.run(TurnRequest("s", 1, "tool", messages=[{"role": "user", "content": "q"}], forced_ids=[1] * 12))
+    assert (r.ttft_s, r.request_s) == pytest.approx((0.25, 0.5)) and r.tpot_s == pytest.approx(0.25 / 11)
+    assert (r.output_tokens, r.cached_tokens, r.prompt_tokens) == (12, 70, 100)
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_dir):
     from ostinato.engine.factory import load_engine

@@ -47,7 +47,7 @@ class BenchSettings:
     gpu_memory: int | None = None  # the device cap, bytes
     expert_budget: int | None = None  # bytes for expert slots (overrides sizing from the cap)
     hot_fraction: float | None = None  # budget as a share of all experts (when no bytes are given)
-    attention_scores: float = 1.0  # capacity test: share of a pass's attention scores materialised (plan's flag)
+    attention_scores: float | None = None  # capacity test: share of a pass's scores materialised (None: the model's)
     max_sessions: int | None = None  # per side (development, held-out), spread over the sources
     max_turns: int | None = None  # per session
     max_output: int | None = None  # forced output tokens per turn (None: the whole recorded output)

@@ -238,8 +238,8 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="P")
     p.add_argument("--expert-budget", help="bytes for expert slots (default: sized from --gpu-memory)")
     p.add_argument("--hot-fraction", type=float, help="budget as a share of all experts")
-    p.add_argument("--attention-scores", type=float, default=1.0, help="capacity test: share of a pass's attention "
-                   "scores materialised at once (as `ostinato plan`: 1 for the math kernel, 0 for a fused one)")
+    p.add_argument("--attention-scores", type=float, help="capacity test: share of a pass's attention scores "
+                   "materialised at once (as `ostinato plan`; default: the model's)")
     p.add_argument("--max-sessions", type=int, help="at most this many development and held-out sessions each")
     p.add_argument("--max-turns", type=int, help="at most this many turns per session")
     _max_output_arg(p)

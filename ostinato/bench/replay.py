@@ -267,7 +267,10 @@ class HttpTarget:
         return first, last
 
     def _read_messages(self, req: TurnRequest, res: TurnResult):
-        """One turn through /v1/messages (the first delta of any block is the first token)."""
+        """One turn through /v1/messages. The first token: message_start, with which our server opens
+        the stream once the first token is out, as the OpenAI route's first chunk (first_token
+        'chunk'); else the first delta of any block (a tool_use block starts only once its name is
+        parsed, some tokens later)."""
         body = {"model": self.model, "stream": True, "temperature": 0.0, **anthropic_messages(req.messages),
                 "max_tokens": len(req.forced_ids), FORCED_IDS_FIELD: req.forced_ids}
         if req.tools:
@@ -284,6 +287,7 @@ class HttpTarget:
                 break
             if kind == "message_start":
                 usage |= event["message"].get("usage") or {}
+                first = now if self.first_token == "chunk" else first
             elif kind == "content_block_delta":
                 first = first if first is not None else now
                 last = now

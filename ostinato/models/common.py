@@ -30,8 +30,11 @@ class AttentionShape(NamedTuple):
     buffers with this): heads of queries and of keys/values as the kernel reads them, their
     head dims, the rotary dims, and the elements per cached token that a prefill builds from
     the cache before attending (MLA: the up-projected keys and values and the assembled keys;
-    0 where the cache holds K/V themselves), and the most attention scores a pass holds at once
-    where the model computes its attention in chunks of queries (0: the whole H x T x N)."""
+    0 where the cache holds K/V themselves), the most attention scores a pass holds at once
+    where the model computes its attention in chunks of queries (0: the whole H x T x N), and
+    whether a pass attends in one of SDPA's fused kernels on a GPU in half precision (a causal or
+    lower-right causal bias, no explicit mask: flash or memory-efficient attention), which hold
+    no score matrix."""
 
     heads: int
     kv_heads: int
@@ -40,6 +43,7 @@ class AttentionShape(NamedTuple):
     rope_dim: int
     expanded_per_token: int = 0
     max_scores: int = 0
+    fused_on_gpu: bool = False
 
 
 class ExpertsBackend(Protocol):

@@ -157,4 +157,4 @@ class Qwen3MoeForCausalLM(MoECausalLM):
     @staticmethod
     def attention_shape(cfg: ModelConfig) -> AttentionShape:
         hd = cfg.head_dim
-        return AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, hd, hd, hd)
+        return AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, hd, hd, hd, fused_on_gpu=True)

@@ -56,7 +56,8 @@ class CapacitySettings:
     margin_bytes: int = 1 * GiB  # fixed part of the margin
     margin_fraction: float = 0.05  # plus this share of the budget
     prefill_chunk: int = 2048  # the runner's chunk: the largest forward pass
-    attention_score_share: float = 1.0  # share of a pass's H x T x N attention scores materialised at once
+    # share of a pass's H x T x N attention scores materialised at once; None: the model's (gpu_score_share)
+    attention_score_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,15 @@ def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype, layers: int | No
     return KVCache.bytes_needed(cfg, tokens, dtype, layers)
 
 
-def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score_share: float = 1.0,
+def gpu_score_share(cfg: ModelConfig, dtype: torch.dtype) -> float:
+    """The share of a pass's H x T x N attention scores a GPU holds at once: 0 where the model
+    attends in SDPA's fused kernels there (AttentionShape.fused_on_gpu; in half precision, where
+    flash attention runs), else 1 (torch's math kernel in fp32, as on an explicit mask)."""
+    fused = attention_shape(cfg).fused_on_gpu and dtype in (torch.bfloat16, torch.float16)
+    return 0.0 if fused else 1.0
+
+
+def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score_share: float | None = None,
                      dequant_scratch: int = 0) -> dict:
     """A conservative bound on the buffers of one forward pass of T tokens attending to N.
 
@@ -206,10 +215,10 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
                  grouped-query attention in its math kernel (aten _scaled_dot_product_
                  attention_math), in fp32: the scores [H, T, N] and, inside _safe_softmax,
                  the softmax, the -inf test (bool) and the where() result coexist: 13 bytes
-                 per score. s = the share of the H x T x N scores materialised at once (1
-                 today; less if the engine chunks heads or rows; 0 for a fused kernel); a
-                 model that attends in chunks of queries (gpt-oss) caps them at its
-                 AttentionShape.max_scores.
+                 per score. s = the share of the H x T x N scores materialised at once
+                 (default: `gpu_score_share`, 0 where the model's prefill runs in a fused kernel,
+                 else 1; less if the engine chunks heads or rows); a model that attends in
+                 chunks of queries (gpt-oss) caps them at its AttentionShape.max_scores.
                  Then the mask (bool and in the compute dtype), K/V in fp32, expanded to H
                  heads, K scaled; q in fp32, scaled, the fp32 output and its cast; what a
                  prefill expands from a compressed cache.
@@ -231,7 +240,8 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
     shape = attention_shape(cfg)
     H, Hkv, Dq, Dv, Dr, X = shape.heads, shape.kv_heads, shape.qk_dim, shape.v_dim, shape.rope_dim, \
         shape.expanded_per_token
-    scores = score_share * H * T * N  # held at once; a model that attends in chunks of queries bounds them
+    share = gpu_score_share(cfg, dtype) if score_share is None else score_share
+    scores = share * H * T * N  # held at once; a model that attends in chunks of queries bounds them
     if shape.max_scores:
         scores = min(scores, shape.max_scores)
     b = itemsize(dtype)

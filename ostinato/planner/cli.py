@@ -441,9 +441,9 @@ def add_planner_commands(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048, help="the runner's largest forward pass")
     p.add_argument("--margin", default="1GiB", help="fixed memory margin (default 1GiB)")
     p.add_argument("--margin-fraction", type=float, default=0.05, help="plus this share of the budget")
-    p.add_argument("--attention-scores", type=float, default=1.0, help="share of a pass's attention scores "
-                   "materialised at once (default 1: torch's math kernel for masked grouped-query attention, as "
-                   "the engine runs today; 0 for a fused kernel)")
+    p.add_argument("--attention-scores", type=float, help="share of a pass's attention scores materialised at "
+                   "once (default: the model's; 0 where its prefill attends in a fused kernel on the GPU, Qwen3's, "
+                   "else 1: torch's math kernel)")
     p.add_argument("--device", help="the GPU (default: cuda if present)")
     p.add_argument("--devices", help="comma-separated GPUs of this host, e.g. cuda:0,cuda:1: layers split "
                    "across them, one pool each; --gpu-memory is then per device")

@@ -41,9 +41,9 @@
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
 #              kernels first, QPF=4,8,16,32 sweeps the CPU kernels' prefetch distance)
-#   serve_plan [M] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health polled),
-#              the held-out replay through it (chat completions, then /v1/messages), the same turns in-process
-#              on its plan, and a second start from the cache
+#   serve_plan [M][N] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health
+#              polled) and the held-out replay through chat completions; a second start from the cache and the
+#              same turns through /v1/messages; the same turns in-process on its plan (SERVE_REPLAY_ARGS)
 #   regimes    [J] ostinato, fixed-per-layer and both caches under each routing regime of $M (REGIMES: flat layered
 #              layered-persistent; sizes REGIMES_ARGS), one bench run each in $R/regimes/REGIME, then `report --regimes`
 #              over every regime measured in full; about one regime a call (REGIMES=layered), a cut run is completed
@@ -81,10 +81,8 @@ DEADLINE=$((SECONDS + ${BUDGET_S:-565}))
 say() { echo "== [$SECONDS s] $*" | tee -a "$LOG"; }
 # field FILE EXPR: a Python expression over the JSON document d of FILE, printed ('' if missing or false)
 field() { python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print($2 or '')" "$1" 2>/dev/null; }
-# the capacity plan's attention share (phase calib writes it; without it the plan's budget is not known:
-# 1, the materialised scores counted, a smaller pool than the plan's; restore all of a call's res.tgz)
-att() { cat "$R/attention_scores.txt" 2>/dev/null || { echo "note: no $R/attention_scores.txt: budget with the \
-attention scores counted" >> "$LOG"; echo 1; }; }
+# --attention-scores of the capacity plan (phase calib writes its share; without it, the model's default)
+att() { [[ -f $R/attention_scores.txt ]] && echo "--attention-scores $(cat "$R/attention_scores.txt")"; }
 # fresh FILE: written on this machine since its results were restored from .carry/res (a calibration restored
 # from an earlier session measured older code: the fused dense kernels halved the step it models)
 fresh() { [[ -f $1 && ( ! -f $R/.restored || $1 -nt $R/.restored ) ]]; }
@@ -226,7 +224,7 @@ phase_bench() {
   run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" \
     ${kv:+--max-context $kv} \
     --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal --no-progress \
-    --attention-scores "$(att)" --out "$R/bench" ${BENCH_ARGS:-}
+    $(att) --out "$R/bench" ${BENCH_ARGS:-}
 }
 phase_regimes() {  # [J] the same bench under each routing regime; the calibration of phase calib (routing aside, the same)
   local pols="ostinato fixed-per-layer expert-cache decaying-cache" f=$R/res-cap.json cal="" kv sep="?" r d todo merge
@@ -244,7 +242,7 @@ phase_regimes() {  # [J] the same bench under each routing regime; the calibrati
       if [[ -n $todo ]]; then merge=--merge; else todo=$pols; fi
     fi
     run 560 "$R/j_regimes_$r.txt" $O bench --model "$M${sep}regime=$r" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} \
-      --sessions "$S" ${kv:+--max-context $kv} $cal --no-progress --attention-scores "$(att)" --policies $todo \
+      --sessions "$S" ${kv:+--max-context $kv} $cal --no-progress $(att) --policies $todo \
       --out "$d" $merge $A
   done
   local specs=()
@@ -274,7 +272,7 @@ phase_multi_replay() {
   # the capacity plan per GPU, replayed as bench replays Ostinato (REPLAY_ARGS: bench's sizes)
   local P="--profile $R/profile-dev.json --held-out $R/profile-held-out.json" np
   run 90 "$R/g_plan_cap.txt" $O plan --model "$M" $P --gpu-memory "$CAP_PER_GPU" --devices "$DEVICES" \
-    --attention-scores "$(att)" --no-verify -o "$R/r2cap.json"
+    $(att) --no-verify -o "$R/r2cap.json"
   np=$(field "$R/res-cap.json" "d['calibration'].get('upload_threshold')")
   run 300 "$R/g_replay_2gpu.txt" $O replay --model "$M" --sessions "$S" ${THREADS:+--cpu-threads $THREADS} \
     --residency "$R/r2cap.json" --gpu-memory "$CAP_PER_GPU" ${np:+--upload-threshold $np} \
@@ -344,7 +342,7 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
   [[ $M == "${QPROFILED:-synth:qwen3-30b-a3b}" ]] && prof="--profiles $R/profile-dev.json $R/profile-held-out.json"
   run 560 "$R/k_bench.txt" $O bench --model "$g" --gpu-memory "${QCAP:-12GiB}" ${THREADS:+--cpu-threads $THREADS} \
     --sessions "$S" ${kv:+--max-context $kv} $prof $cal \
-    --no-progress --attention-scores "$(att)" --out "$R/${QBENCH_OUT:-bench_q4}" ${QBENCH_ARGS:-}
+    --no-progress $(att) --out "$R/${QBENCH_OUT:-bench_q4}" ${QBENCH_ARGS:-}
 }
 phase_llama_tune() {
   local g; g=$(gguf_file)
@@ -425,23 +423,23 @@ while time.monotonic() - t0 < limit:
 print(f"serve not ready after {limit} s"); sys.exit(1)
 PY
 }
-phase_serve_plan() {
-  local port=8091 A=${SERVE_REPLAY_ARGS:---max-sessions 4 --max-turns 4 --max-output 32} plan
+phase_serve_plan() {  # each replay on a server of its own (one keeps the KV of its last conversations)
+  local port=8091 A=${SERVE_REPLAY_ARGS:---max-sessions 8 --max-turns 4 --max-output 32} plan
   rm -rf "$OSTINATO_CACHE/plans"
   say "serve from an empty plan cache"
   serve_ready $port "$R/m_serve_first.log" 420 --gpu-memory "$CAP" || { kill $SERVE_PID 2>/dev/null; return 1; }
   grep -a "planned\|ready:\|experts:\|context:\|threads:" "$R/m_serve_first.log" | tee -a "$LOG"
   run 200 "$R/m_replay_http.txt" $O replay --endpoint http://127.0.0.1:$port --sessions "$S" $A
-  run 150 "$R/m_replay_messages.txt" $O replay --endpoint http://127.0.0.1:$port --api anthropic --tokenizer "$M" \
+  kill $SERVE_PID; wait $SERVE_PID 2>/dev/null
+  say "serve again: the plan from the cache"
+  serve_ready $port "$R/m_serve_second.log" 200 --gpu-memory "$CAP" || { kill $SERVE_PID 2>/dev/null; return 1; }
+  run 200 "$R/m_replay_messages.txt" $O replay --endpoint http://127.0.0.1:$port --api anthropic --tokenizer "$M" \
     --sessions "$S" $A
   kill $SERVE_PID; wait $SERVE_PID 2>/dev/null
   plan=$(ls "$OSTINATO_CACHE"/plans/*/residency.json | head -1)
   cp "$plan" "$R/m_plan.json"; cp "${plan%.json}.served.json" "$R/m_plan.served.json" 2>/dev/null
   run 200 "$R/m_replay_inproc.txt" $O replay --model "$M" --residency "$plan" --sessions "$S" \
     ${THREADS:+--cpu-threads $THREADS} $A
-  say "serve again: the plan from the cache"
-  serve_ready $port "$R/m_serve_second.log" 200 --gpu-memory "$CAP"
-  kill $SERVE_PID; wait $SERVE_PID 2>/dev/null
 }
 phase_threads() {  # [H] the default layout against explicit worker counts and 5a8b237's layout, one process
   run 420 "$R/h_threads.txt" python3 scripts/thread_sweep.py --model "$M" --residency "$R/res-cap.json" \
