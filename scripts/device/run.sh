@@ -353,15 +353,19 @@ phase_llama_tune() {
     --cap "${QCAP:-$CAP}" --sessions "$S" ${kv:+--max-context $kv} --threads 16 14 --out "$R/llama_tune" \
     ${LLAMA_TUNE_ARGS:-}
 }
-phase_profile() {  # [Q] where a decode step's GPU time goes: all resident (the dense part's torch expressions,
-  # OSTINATO_FUSED_DENSE=0, then its fused kernels), the capacity plan under $CAP, the GGUF file all resident
-  OSTINATO_FUSED_DENSE=0 run 200 "$R/q_profile_unfused.txt" python3 scripts/profile_decode.py --model "$M" \
-    --out "$R/q_profile_unfused"
-  run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_all"
-  [[ -f $R/res-cap.json ]] && run 200 "$R/q_profile_cap.txt" python3 scripts/profile_decode.py --model "$M" \
-    --residency "$R/res-cap.json" --gpu-memory "$CAP" --out "$R/q_profile_cap"
+phase_profile() {  # [Q] where a decode step's GPU time goes (PROFILES, default all of): all resident with the
+  # dense part's torch expressions (unfused: OSTINATO_FUSED_DENSE=0) and with its fused kernels (all), the
+  # capacity plan under $CAP (cap: phase calib's, else serve_plan's), the GGUF file all resident (gguf)
+  local want=" ${PROFILES:-unfused all cap gguf} " cap=$R/res-cap.json
+  [[ -f $cap ]] || cap=$R/m_plan.json
+  [[ $want == *" unfused "* ]] && OSTINATO_FUSED_DENSE=0 run 200 "$R/q_profile_unfused.txt" \
+    python3 scripts/profile_decode.py --model "$M" --out "$R/q_profile_unfused"
+  [[ $want == *" all "* ]] && run 200 "$R/q_profile_all.txt" python3 scripts/profile_decode.py --model "$M" \
+    --out "$R/q_profile_all"
+  [[ $want == *" cap "* && -f $cap ]] && run 200 "$R/q_profile_cap.txt" python3 scripts/profile_decode.py \
+    --model "$M" --residency "$cap" --gpu-memory "$CAP" --out "$R/q_profile_cap"
   local g; g=$(gguf_file)  # the same model's GGUF file, every expert resident in its blocks, if phase gguf wrote it
-  if [[ -f $g ]] && ! kill -0 "$(cat /tmp/gguf.pid 2>/dev/null)" 2>/dev/null; then
+  if [[ $want == *" gguf "* && -f $g ]] && ! kill -0 "$(cat /tmp/gguf.pid 2>/dev/null)" 2>/dev/null; then
     run 200 "$R/q_profile_gguf.txt" python3 scripts/profile_decode.py --model "$g" --out "$R/q_profile_gguf"
   fi
   return 0
