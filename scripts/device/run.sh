@@ -131,10 +131,10 @@ phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on 
 }
 # [K] the quantized-expert kernels: the Triton ones compiled on CUDA (their interpreted runs are CI's), the
 # native CPU ones on this machine's AVX-512/AMX, the GGUF loader
-phase_tests_quant() {
-  run 150 "$R/k_tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_moe_quant_triton.py
+phase_tests_quant() {  # the native CPU kernels first (this CPU's AVX-512/AMX paths), then the Triton ones
   run 200 "$R/k_tests.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_cpu_quant.py \
     tests/test_gguf.py
+  run 150 "$R/k_tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_moe_quant_triton.py
 }
 phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf's writer: it would share the machine)
   gguf_wait
