@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from ostinato.engine.conversations import Conversations, block_tokens, common_prefix, kv_bytes
+from ostinato.engine.conversations import Conversations, HostBlocks, block_tokens, common_prefix, kv_bytes
 from ostinato.engine.factory import load_engine
 from ostinato.engine.kv_cache import LayerKV
 from ostinato.engine.runner import RunnerSettings
@@ -171,6 +171,33 @@ def test_the_count_cap_and_no_byte_cap():
     Conversations(capacity=0).save([1] * 5, layers)  # keeps nothing, copies nothing
 
 
+def test_the_pool_is_reserved_at_load(engine, monkeypatch):
+    """Told to keep conversations (at load), the engine takes one slot's worth of blocks, within the
+    cap: the copies that fit in it allocate (beside a GPU, page-lock) nothing, so the request that
+    switches conversations first pays for its copy only; beyond it the pool grows by what a copy needs."""
+    engine.keep_conversations(4)
+    assert engine.conversations.pool_bytes == kv_bytes(engine.runner.kv.layers, engine.max_context)
+    grown = []
+    grow = HostBlocks._grow
+    monkeypatch.setattr(HostBlocks, "_grow", lambda self, count: (grown.append(count), grow(self, count)))
+    layers = hand_made_slot(tokens=64)  # blocks of 16 positions, 4 for the slot
+    store = Conversations(capacity=4)
+    store.reserve(layers)
+    assert grown == [4] and store.pool_bytes == kv_bytes(layers, 64) and store.nbytes == 0
+    for k, n in ((1, 30), (2, 16), (3, 10)):  # 2 + 1 + 1 blocks: the reserve
+        store.save([k] * n, layers)
+    assert grown == [4] and len(store.saved) == 3 and not store.host.free
+    store.save([4] * 20, layers)
+    assert grown == [4, 2] and len(store.saved) == 4
+    per_block = kv_bytes(layers, 16)
+    capped = Conversations(capacity=4, max_bytes=2 * per_block + 1)
+    capped.reserve(layers)
+    assert capped.pool_bytes == 2 * per_block
+    none = Conversations(capacity=0)
+    none.reserve(layers)
+    assert none.host is None
+
+
 def test_long_conversations_span_blocks():
     layers = hand_made_slot(tokens=2048)
     assert block_tokens(2048) == 64 and block_tokens(10**6) == 2048 and block_tokens(100) == 16
@@ -221,6 +248,7 @@ def test_over_http_a_side_request_keeps_the_session_cached(tiny_dir):
     with LiveServer(app) as server:
         server.wait_ready()
         with httpx.Client(base_url=server.url, timeout=120) as c:
+            reserved = scraped(c.get("/metrics").text, "ostinato_kv_conversation_pool_bytes")
             first = ask(c, main)
             side = ask(c, [system, {"role": "user", "content": "Write a title for this chat: trip"}])
             main += [first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
@@ -242,6 +270,7 @@ def test_over_http_a_side_request_keeps_the_session_cached(tiny_dir):
         == store.host.blocks_for(len(side_slot)) * kv_bytes(engine.runner.kv.layers, store.host.block)
     # the session's copy went back into the slot; its blocks stay in the pool, free for the next copy
     assert scraped(metrics, "ostinato_kv_conversation_pool_bytes") == store.pool_bytes > store.nbytes
+    assert reserved == store.pool_bytes  # taken at load, under the cap, and all the copies needed
 
 
 def test_kv_cache_memory_flag(tiny_dir, capsys):

@@ -7,15 +7,20 @@ other conversations, least recently used dropped first; the engine (session.py) 
 when to copy out and back.
 
 The copies live in `HostBlocks`: host memory in blocks of positions, page-locked in place
-beside a GPU (cudaHostRegister). It grows by what a copy needs and keeps what it grew, so
-a freed block serves the next copy: the session's conversation is copied out at every side
-request, a little longer each time, and registering memory costs far more than reusing it.
+beside a GPU (cudaHostRegister). It keeps what it grew, so a freed block serves the next
+copy: the session's conversation is copied out at every side request, a little longer each
+time, and registering memory costs far more than reusing it. For the same reason the engine
+reserves one slot's worth of blocks when it is told to keep conversations, at load: new
+memory is touched and registered then, while no request waits, and not by the request that
+switches conversations first (a new session, or an agent's first side request), which would
+pay the whole growth before its prefill. The price is that memory, held from the start even
+by a server that never switches. Beyond it, the pool grows by what a copy needs.
 torch's pinned allocator would reuse too, but it rounds every allocation up to a power of
 two and keeps freed blocks cached outside any count. A block holds `block` positions of
 every layer's cache tensors, so a copy wastes less than one block and takes L x tensors
-copy calls per block. `--kv-cache-memory` caps the pool, the blocks of the copy being
-restored included: the host memory held never passes it, not even while a request
-switches conversations.
+copy calls per block. `--kv-cache-memory` caps the pool, the reserve and the blocks of the
+copy being restored included: the host memory held never passes it, not even while a
+request switches conversations.
 
 Legend: L layers, B positions a block, S a cache tensor's per-token shape (kv_cache.py).
 """
@@ -50,6 +55,10 @@ def block_tokens(max_tokens: int) -> int:
     return max(16, min(2048, max_tokens // 32))
 
 
+def _slot_tokens(layers) -> int:
+    return next(iter(layers[0].tensors.values())).shape[0]
+
+
 def _sync(layers) -> None:
     for device in {layer.device for layer in layers if layer.device.type == "cuda"}:
         torch.cuda.synchronize(device)
@@ -57,7 +66,8 @@ def _sync(layers) -> None:
 
 class HostBlocks:
     """Blocks of host memory for copies of the slot's KV: block b holds, per cache tensor,
-    [L, B, *S] (views[b][name]). Grown on demand up to `max_bytes` (None: no cap), never shrunk."""
+    [L, B, *S] (views[b][name]). Grown ahead (`reserve`) or on demand up to `max_bytes` (None:
+    no cap), never shrunk."""
 
     def __init__(self, layers, block: int, max_bytes: int | None = None):
         first = layers[0].tensors
@@ -95,6 +105,15 @@ class HostBlocks:
 
     def give_back(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
+
+    def reserve(self, count: int) -> None:
+        """Grow to `count` blocks, or as many as the cap allows, their pages faulted in now (beside
+        a GPU, registering them does that too) rather than by the first copies into them."""
+        if self.max_bytes is not None:
+            count = min(count, self.max_bytes // self.block_bytes)
+        if count > len(self.views):
+            self._grow(count - len(self.views))
+            self._chunks[-1].zero_()
 
     def _grow(self, count: int) -> None:
         per_block = self.layers * self.block * sum(math.prod(s) for s in self.shapes.values())
@@ -149,7 +168,7 @@ class Conversations:
         self.max_bytes = max_bytes
         self.saved: list[SavedKV] = []
         self.taken: SavedKV | None = None  # out of the store, on its way into the slot
-        self.host: HostBlocks | None = None  # made at the first copy, from the slot's shapes
+        self.host: HostBlocks | None = None  # made by reserve or the first copy, from the slot's shapes
 
     @property
     def nbytes(self) -> int:
@@ -172,16 +191,25 @@ class Conversations:
             self.host.give_back(s.blocks)
         self.saved, self.taken = [], None
 
+    def reserve(self, layers) -> None:
+        """The pool made now, with blocks for the whole slot (as many as the cap allows)."""
+        if self.capacity > 0:
+            host = self._pool(layers)
+            host.reserve(host.blocks_for(_slot_tokens(layers)))
+
+    def _pool(self, layers) -> HostBlocks:
+        if self.host is None:
+            self.host = HostBlocks(layers, block_tokens(_slot_tokens(layers)), self.max_bytes)
+        return self.host
+
     def save(self, tokens: list[int], layers) -> None:
         """Copy the KV of `tokens` (the slot's first len(tokens) positions) out of the slot,
         dropping the least recently used copies to make room; a conversation larger than the
         room the cap can give it is not kept (and nothing is dropped for it)."""
         if self.capacity < 1 or not tokens:
             return
-        if self.host is None:
-            max_tokens = next(iter(layers[0].tensors.values())).shape[0]
-            self.host = HostBlocks(layers, block_tokens(max_tokens), self.max_bytes)
-        host, need = self.host, self.host.blocks_for(len(tokens))
+        host = self._pool(layers)
+        need = host.blocks_for(len(tokens))
         if not host.fits(need + (len(self.taken.blocks) if self.taken is not None else 0)):
             return
         # a saved prefix of this conversation says nothing more: this one replaces it

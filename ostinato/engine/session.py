@@ -73,8 +73,10 @@ class Engine:
 
     def keep_conversations(self, count: int, max_bytes: int | None = None) -> None:
         """Keep the KV of up to `count` other conversations in host memory (0: none), together
-        at most `max_bytes` (None: no cap but the count)."""
+        at most `max_bytes` (None: no cap but the count). The slot's worth of that memory is
+        taken now (conversations.py: the request that switches first does not pay for it)."""
         self.conversations = Conversations(count, max_bytes)
+        self.conversations.reserve(self.runner.kv.layers)
 
     def _switch(self, prompt: list[int], stats: GenerationStats) -> int:
         """Save the slot's conversation if this prompt would overwrite much of it; restore a

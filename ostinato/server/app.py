@@ -49,8 +49,9 @@ def build_app(model: str, settings: RunnerSettings = RunnerSettings(), placement
               url: str | None = None,
               auto_plan: AutoPlan | None = AutoPlan(), learn: bool = True) -> FastAPI:
     """`conversations`: how many conversations besides the active one keep their KV cache
-    in host memory, so that an agent's side requests do not cost its session a prefill;
-    `conversation_bytes`: the most host memory those copies take together (None: no cap).
+    in host memory, so that an agent's side requests do not cost its session a prefill (one KV
+    cache's worth of it is taken at load); `conversation_bytes`: the most host memory those copies
+    take together (None: no cap).
     `url`: where the server listens, for the start-up summary logged once the model is ready.
     `auto_plan`: with a cap and no residency, the plan comes from the cache or is made at start-up
     (planner/auto.py); None: every expert on the GPU, refused when they do not fit the cap.

@@ -98,8 +98,9 @@ def add_server_commands(sub) -> None:
                    help="the largest request body accepted, e.g. 16MiB (default); a larger one gets a 413")
     p.add_argument("--kv-conversations", type=int, default=4, metavar="N",
                    help="conversations besides the active one whose KV cache is kept in host memory (page-locked "
-                        "with a GPU; each up to the KV cache's size), least recently used dropped first, so that "
-                        "side requests do not make the session prefill again; 0: only the active one (default: 4)")
+                        "with a GPU; each up to the KV cache's size, and one KV cache's worth taken at start-up), "
+                        "least recently used dropped first, so that side requests do not make the session prefill "
+                        "again; 0: only the active one (default: 4)")
     p.add_argument("--kv-cache-memory", type=_size, metavar="SIZE",
                    help="the most host memory the --kv-conversations copies take together, e.g. 32GiB; the least "
                         "recently used go first to make room, a conversation larger than it is not kept "

@@ -89,7 +89,7 @@ class EngineWorker:
         self.started_at = time.monotonic()
         self.started_at_wall = time.time()
         self.placement: dict[str, float] = {}  # last runner.placement_stats(), read by /metrics
-        self.conversations = {"held": 0, "bytes": 0, "pool": 0}  # engine.conversations after the last job
+        self.conversations = {"held": 0, "bytes": 0, "pool": 0}  # engine.conversations at load and after every job
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -127,7 +127,7 @@ class EngineWorker:
             if self._warmup:
                 self._set_phase("warming up")
                 self._warm(loaded)
-            self.placement = loaded.runner.placement_stats()
+            self._record(loaded)
             self.on_ready(loaded)  # inside the try: a start-up that fails here fails the load
             self.loaded, self.state, self.phase = loaded, "ok", "ready"
         except Exception as e:  # shown by /health and every request until on_failed acts
@@ -203,9 +203,14 @@ class EngineWorker:
 
     def _after(self, stats: GenerationStats) -> None:
         try:
-            self.placement = self.loaded.runner.placement_stats()
+            self._record(self.loaded)
             self.on_finished(stats)
-            store = self.loaded.engine.conversations
-            self.conversations = {"held": len(store.saved), "bytes": store.nbytes, "pool": store.pool_bytes}
         except Exception:
             log.exception("recording metrics failed")
+
+    def _record(self, loaded) -> None:
+        """What /metrics shows of the engine: its placement counters and its saved conversations
+        (their pool is reserved at load)."""
+        self.placement = loaded.runner.placement_stats()
+        store = loaded.engine.conversations
+        self.conversations = {"held": len(store.saved), "bytes": store.nbytes, "pool": store.pool_bytes}

@@ -41,6 +41,7 @@
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
 #              kernels first, QPF=4,8,16,32 sweeps the CPU kernels' prefetch distance)
+#   serve_cached [M] a plan served from its file (SERVE_PLAN, default serve_plan's) and replayed, then in-process
 #   serve_plan [M][N] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health
 #              polled) and the held-out replay through chat completions; a second start from the cache and the
 #              same turns through /v1/messages; the same turns in-process on its plan (SERVE_REPLAY_ARGS)
@@ -381,13 +382,14 @@ phase_profile_prefill() {  # [K][Q] where a tool turn's TTFT goes: prefill passe
     --prefill ${PREFILL_SIZES:-64 256 1024} --steps 5 --profile-steps 2 --out "$R/q_prefill"
 }
 phase_llama_bench() {  # [Q] llama.cpp's decode with every layer on the GPU (llama-bench -ngl 99 at depth 0 and 2048)
-  # on the Q4_K_M file and on a bf16 GGUF of LB_LAYERS layers (default 24, 30 GB: the 48-layer one would not fit
-  # the disk beside the Q4_K_M file), and Ostinato's step on that same bf16 file (scripts/profile_decode.py)
+  # on the Q4_K_M file if phase gguf was asked for, and on a bf16 GGUF of LB_LAYERS layers (default 24, 30 GB: the
+  # 48-layer one would not fit the disk beside the Q4_K_M file), and Ostinato's step on that same bf16 file
+  # (scripts/profile_decode.py)
   local g b n=${LB_LAYERS:-24}; g=$(gguf_file)
-  gguf_wait && llama_kit || return 1
+  llama_kit || return 1
   b=/tmp/gguf/bf16-$n/qwen3-30b-a3b-BF16.gguf
-  run 150 "$R/q_llama_bench_q4.json" env CUDA_VISIBLE_DEVICES=0 /tmp/llama/kit/llama-bench -m "$g" -ngl 99 \
-    -p 0 -n 128 -d 0,2048 -r 3 -o json
+  [[ -f /tmp/gguf.pid || -f $g ]] && gguf_wait && run 150 "$R/q_llama_bench_q4.json" env CUDA_VISIBLE_DEVICES=0 \
+    /tmp/llama/kit/llama-bench -m "$g" -ngl 99 -p 0 -n 128 -d 0,2048 -r 3 -o json
   if [[ ! -f $b ]]; then
     rm -rf /tmp/gguf.bf16.part; mkdir -p "$(dirname "$b")"
     run 240 "$R/q_synth_bf16.txt" $O synth --preset qwen3-30b-a3b --layers "$n" --format gguf --quant BF16 \
@@ -443,6 +445,16 @@ phase_serve_plan() {  # each replay on a server of its own (one keeps the KV of 
   plan=$(ls "$OSTINATO_CACHE"/plans/*/residency.json | head -1)
   cp "$plan" "$R/m_plan.json"; cp "${plan%.json}.served.json" "$R/m_plan.served.json" 2>/dev/null
   run 200 "$R/m_replay_inproc.txt" $O replay --model "$M" --residency "$plan" --sessions "$S" \
+    ${THREADS:+--cpu-threads $THREADS} $A
+}
+phase_serve_cached() {  # [M] a plan served from its file (SERVE_PLAN, default serve_plan's, restored from
+  # .carry/res) and the same turns in-process on it: the server's cost apart from planning in its own process
+  local port=8092 A=${SERVE_REPLAY_ARGS:---max-sessions 8 --max-turns 4 --max-output 32} plan=${SERVE_PLAN:-$R/m_plan.json}
+  [[ -f $plan ]] || { say "serve_cached: no plan $plan"; return 1; }
+  serve_ready $port "$R/m_serve_cached.log" 200 --residency "$plan" || { kill $SERVE_PID 2>/dev/null; return 1; }
+  run 200 "$R/m_replay_http_cached.txt" $O replay --endpoint http://127.0.0.1:$port --sessions "$S" $A
+  kill $SERVE_PID; wait $SERVE_PID 2>/dev/null
+  run 200 "$R/m_replay_inproc_cached.txt" $O replay --model "$M" --residency "$plan" --sessions "$S" \
     ${THREADS:+--cpu-threads $THREADS} $A
 }
 phase_threads() {  # [H] the default layout against explicit worker counts and 5a8b237's layout, one process
