@@ -7,7 +7,10 @@ should run at the memory's speed. The bound is measured by a plain read probe on
 threads (ColdExperts.read_seconds: the pool's workers plus the waiting thread sum a buffer
 in 1 MiB tasks), and the probe and each format's decode alternate round by round, because a
 shared host's bandwidth drifts with its neighbours' load: each round's ratio compares
-measurements taken seconds apart, and the report gives the median round.
+measurements taken seconds apart, and the report gives the median round. Threads are placed
+as the engine places them (engine/threads.py): workers pinned, the waiting thread on the host
+CPUs; left to the scheduler, the waiting thread sometimes shared a pinned worker's core and a
+call took twice as long (2-core host).
 
   decode   one token, r = topk routes (and r = 1), experts cycled through a layer larger
            than the last-level cache so that every call reads from memory; GB/s of weight
@@ -40,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_experts import hardware, l3_bytes, meminfo_bytes, topk_routes
 
 from ostinato.bench.report import source_state
+from ostinato.engine.threads import claim_host_thread, process_layout
 from ostinato.layers.moe.cpu_experts import CpuExperts, quant_reference, torch_reference
 from ostinato.layers.moe.types import QuantExpertWeights
 from ostinato.quant import formats
@@ -61,8 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill", default="32,128", help="prefill token counts ('' for none)")
     p.add_argument("--spin-us", type=int, default=2000)
     p.add_argument("--no-prefetch", action="store_true", help="turn the kernels' software prefetch off")
-    p.add_argument("--prefetch-kib", default="8", help="prefetch distances per thread to sweep (KiB, comma-separated; "
-                   "the engine's default is 8): each format's decode is measured at each, rows FORMAT@NKiB")
+    p.add_argument("--prefetch-kib", default="1", help="how far ahead of each row stream the kernels start the "
+                   "hardware prefetcher on its next page, to sweep (KiB, comma-separated; the engine's default is 1): "
+                   "each format's decode is measured at each, rows FORMAT@NKiB")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -176,6 +181,7 @@ def main() -> None:
     hw = hardware()
     E, D, F = args.experts, args.hidden, args.ffn
     threads = args.threads or max(1, hw["physical_cores"] - 1)
+    layout = process_layout(cpu_threads=threads)
     probe_mib = min(args.probe_mib, int(meminfo_bytes("MemAvailable") / 8 / 2**20))
     probe = torch.ones(probe_mib << 18, dtype=torch.float32)  # MiB -> fp32 elements
     results, pre, acc = {}, {}, {}
@@ -187,7 +193,8 @@ def main() -> None:
         if E * w.expert_bytes < 8 * l3_bytes():
             print(f"note: a layer of {spec} ({E * w.expert_bytes / 2**20:.0f} MiB) is less than 8x the L3; "
                   "raise --experts for cold reads")
-        ce = CpuExperts([w], num_threads=threads, backend="native", spin_us=args.spin_us)
+        ce = CpuExperts([w], backend="native", cpus=layout.workers, spin_us=args.spin_us)
+        claim_host_thread(layout)  # the waiting thread on the host CPUs, off the workers' cores, as the engine runs
         ce._args[0].prefetch = not args.no_prefetch
         ce.reserve(max_routes=args.topk * 128, max_tokens=128)
         distances = [int(k) for k in args.prefetch_kib.split(",")]

@@ -249,13 +249,15 @@ def test_prefill_512_tokens_fp32_x(native):
 
 
 def test_threads_and_down_modes_give_identical_bits(native):
+    """The pool's size sets the task sizes (with 7 workers some end inside a 32-chunk of h, which
+    two tasks then share); the down mode sets whether gate/up and down share a job phase."""
     w = make_layer("Q4_K/Q6_K", exact=False, seed=13)
     x = make_x(64, w.hidden, exact=False, seed=14)
     tok, ids, wts = make_routes(64, seed=15)
     keep = torch.rand(tok.numel(), generator=torch.Generator().manual_seed(16)) < 0.5  # some routes hot
     tok, ids, wts = tok[keep], ids[keep], wts[keep]
     results = []
-    for threads in (1, 2):
+    for threads in (1, 2, 7):
         experts = CpuExperts([w], num_threads=threads, backend="native", spin_us=100)
         for mode in (1, 2, 1):  # direct, scatter, direct
             experts._args[0].down_mode = mode

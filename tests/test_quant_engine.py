@@ -175,7 +175,10 @@ def test_engine_logits_match_dequantized_experts(tinyk_q4km, tmp_path, fraction)
     else:  # the CPU branch quantizes its activations to int8 (module docstring)
         assert _rel(got, ref) < 1e-2
         assert native.runner.placement_stats()["cold_routes"] > 0
-    assert _rel(got, torch_ref) < 2e-4
+    # the CPU kernels against their torch reference, the same int8 activations: an h element within a
+    # few fp32 ulps of a bf16 rounding midpoint may round the other way and, as its block's largest,
+    # move the block's int8 scale (about 1e-3 of that route; tests/test_cpu_quant.py checks the bits)
+    assert _rel(got, torch_ref) < 1e-3
     assert _rel(torch_ref, ref) < (1e-4 if fraction == 1.0 else 1e-2)
     if fraction < 1.0:  # the int8 step is visible, so the comparison above can fail
         assert _rel(got, ref) > 1e-6

@@ -180,10 +180,13 @@ struct ColdExperts::Impl final : PhasedJob {
   AlignedBuffer<float> h, u, xconv, y;
   AlignedBuffer<uint16_t> xpack, hhi;
   AlignedBuffer<uint8_t> xact, hact;
-  std::vector<int32_t> counts, slots_by_size;
+  std::vector<int32_t> counts, slots_by_size, chunk_rows, chunks_left;
   std::vector<uint8_t> token_used;
+  std::atomic<int64_t> ups_done{0};  // merged quantized phase: gate/up tasks finished,
+  int64_t up_end_ns = 0;             // and when the last one did
   std::vector<int64_t> phase_sizes;
-  int phases[PhasedJob::kMaxPhases] = {};  // job phase -> 0 prepare, 1 gate/up, 2 down, 3 reduce
+  // job phase -> 0 prepare, 1 gate/up, 2 down, 3 reduce, 4 gate/up then down (Plan::merged)
+  int phases[PhasedJob::kMaxPhases] = {};
   bool pending = false, launched = false;
   ColdStats stats;
 };
@@ -270,6 +273,8 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
       for (int64_t b = 0; b < (p.start[s + 1] - p.start[s] + 15) / 16; ++b)
         p.t0.push_back({1, s, b, 0});
 
+  p.prepare_inline = p.quant && a.T <= kQuantInlineTokens;  // then submit() runs the x tasks
+
   // Phase 1: (slot, f block) tasks, the busiest experts first so the tail is short.
   slots_by_size.resize(size_t(S));
   for (int32_t s = 0; s < S; ++s) slots_by_size[s] = s;
@@ -277,15 +282,28 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
     const int32_t nx = p.start[x + 1] - p.start[x], ny = p.start[y + 1] - p.start[y];
     return nx != ny ? nx > ny : x < y;  // std::sort: no temporary buffer, unlike stable_sort
   });
-  // Quantized experts: rows per task from the pool's size (kernels.h).
-  const int64_t quant_tasks = kQuantTasksPerThread * (pool.size() + 1);  // the waiter helps
-  const auto rows_per_task = [&](int64_t rows, int64_t unit, int64_t lo, int64_t hi) {
-    return std::clamp(round_up((rows + quant_tasks - 1) / quant_tasks, unit), lo, hi);
+  // Quantized experts: guided task sizes (kernels.h). A task takes a (kQuantGuide x threads)-th
+  // of the phase's rows not yet handed out, in multiples of kQRowsUnit within [lo, hi]; a
+  // slot's last task takes a remainder below lo along.
+  const int64_t guide = kQuantGuide * (pool.size() + 1);  // the waiter helps
+  const auto guided = [&](std::vector<Plan::Task>& tasks, int32_t s, int64_t rows, int64_t& left, int64_t lo,
+                          int64_t hi) {
+    for (int64_t r = 0; r < rows;) {
+      int64_t n = std::clamp(round_up(left / guide, kQRowsUnit), lo, hi);
+      if (rows - r - n < lo) n = rows - r;
+      tasks.push_back({s, 0, r, r + n});
+      r += n;
+      left -= n;
+    }
   };
-  const int64_t up_rows = p.quant ? rows_per_task(S * a.F, 32, kUpRowsQuantMin, kUpRowsQuantMax) : kUpRowsVec;
   p.t1.clear();
+  int64_t left = S * a.F;
   for (int32_t s : slots_by_size) {
-    const int64_t step = p.amx[s] ? kUpRowsAmx : up_rows;
+    if (p.quant) {
+      guided(p.t1, s, a.F, left, kUpRowsQuantMin, kUpRowsQuantMax);
+      continue;
+    }
+    const int64_t step = p.amx[s] ? kUpRowsAmx : kUpRowsVec;
     for (int64_t f = 0; f < a.F; f += step)
       p.t1.push_back({s, p.amx[s], f, std::min(a.F, f + step)});
   }
@@ -304,12 +322,26 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
     counts.assign(p.tok_start.begin(), p.tok_start.end());
     p.tok_pos.resize(size_t(a.R));
     for (int64_t q = 0; q < a.R; ++q) p.tok_pos[counts[p.route_token(q)]++] = int32_t(q);
-    const int64_t step = p.quant ? rows_per_task(S * a.D, 16, kDownRowsQuantMin, kDownRowsQuantMax) : kDownRowsScatter;
-    for (int32_t s : slots_by_size)
-      for (int64_t d = 0; d < a.D; d += step) p.t2.push_back({s, p.amx[s], d, std::min(a.D, d + step)});
+    left = S * a.D;
+    for (int32_t s : slots_by_size) {
+      if (p.quant) {
+        guided(p.t2, s, a.D, left, kDownRowsQuantMin, kDownRowsQuantMax);
+        continue;
+      }
+      for (int64_t d = 0; d < a.D; d += kDownRowsScatter)
+        p.t2.push_back({s, p.amx[s], d, std::min(a.D, d + kDownRowsScatter)});
+    }
     p.n2 = int64_t(p.t2.size());
   } else {
     p.n2 = (a.D + kDownRows - 1) / kDownRows;
+  }
+  p.merged = p.quant && p.scatter;
+  if (p.quant) {  // the chunks of h: rows computed, and per slot those not yet quantized
+    p.chunks = a.F / 32;
+    chunk_rows.assign(size_t(S * p.chunks), 0);
+    chunks_left.assign(size_t(S), int32_t(p.chunks));
+    p.chunk_rows = chunk_rows.data();
+    p.chunks_left = chunks_left.data();
   }
 
   stats.experts = S;
@@ -379,8 +411,22 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
       }
       break;
     }
-    default:
+    case 3:
       reduce_token(p, i);
+      break;
+    case 4: {  // quantized gate/up tasks, then the down tasks, each once its slot's h is whole
+      const int64_t n1 = int64_t(p.t1.size());
+      if (i < n1) {
+        const Plan::Task& t = p.t1[i];
+        quant_gate_up(p, t.kind_or_slot, t.lo, t.hi);
+        if (ups_done.fetch_add(1, std::memory_order_relaxed) == n1 - 1) up_end_ns = PhasedJob::now_ns();
+        break;
+      }
+      const Plan::Task& t = p.t2[i - n1];
+      const std::atomic_ref<int32_t> left(p.chunks_left[t.kind_or_slot]);
+      spin_until([&] { return left.load(std::memory_order_acquire) == 0; });
+      quant_down(p, t.kind_or_slot, t.lo, t.hi);
+    }
   }
 }
 
@@ -395,6 +441,11 @@ void ColdExperts::submit(const ColdArgs& args) {
   validate(args);
   m.pool.drain();
   m.plan_call(args);
+  Plan& p = m.plan;
+  if (p.prepare_inline) {  // a few x rows: quantized here, before the pool starts (kernels.h)
+    for (const Plan::Task& t : p.t0) quant_prepare_x(p, t.lo);
+    p.t0.clear();
+  }
   m.pending = true;
   m.launched = args.R > 0;
   if (!m.launched) {
@@ -402,14 +453,16 @@ void ColdExperts::submit(const ColdArgs& args) {
       std::memset(args.out + t * args.out_stride, 0, size_t(args.D) * sizeof(float));
     return;
   }
-  const Plan& p = m.plan;
-  const int64_t sizes[4] = {int64_t(p.t0.size()), int64_t(p.t1.size()), p.n2, p.scatter ? p.a.T : 0};
+  const int64_t n1 = int64_t(p.t1.size());
+  const int64_t sizes[5] = {int64_t(p.t0.size()), p.merged ? 0 : n1, p.merged ? 0 : p.n2, p.scatter ? p.a.T : 0,
+                            p.merged ? n1 + p.n2 : 0};
   m.phase_sizes.clear();
-  for (int k = 0; k < 4; ++k) {
+  for (int k : {0, 1, 2, 4, 3}) {  // job order
     if (sizes[k] == 0) continue;
     m.phases[m.phase_sizes.size()] = k;
     m.phase_sizes.push_back(sizes[k]);
   }
+  m.ups_done.store(0, std::memory_order_relaxed);
   m.reset(m.phase_sizes);
   m.pool.launch(&m);
 }
@@ -443,8 +496,11 @@ void ColdExperts::reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, 
   m.plan.t2.reserve(size_t(std::min<int64_t>(routes, 1024) * ((D + down_rows - 1) / down_rows)));
   m.plan.order.reserve(size_t(routes));
   m.plan.t0.reserve(size_t(tokens + padded / 16));
-  m.plan.t1.reserve(size_t(std::min<int64_t>(routes, 1024) * ((F + kUpRowsVec - 1) / kUpRowsVec)));
+  const int64_t up_rows = std::min(kUpRowsVec, kUpRowsQuantMin);
+  m.plan.t1.reserve(size_t(std::min<int64_t>(routes, 1024) * ((F + up_rows - 1) / up_rows)));
   m.token_used.reserve(size_t(tokens));
+  m.chunks_left.reserve(size_t(std::min(E, routes)));  // quantized experts' h chunks
+  m.chunk_rows.reserve(size_t(std::min(E, routes) * ((F + 31) / 32)));
 }
 
 namespace {
@@ -489,8 +545,10 @@ ColdStats ColdExperts::last_stats() const {
   const Impl& m = *impl_;
   ColdStats s = m.stats;
   if (m.stats.routes > 0 && !m.pending)
-    for (size_t j = 0; j < m.phase_sizes.size(); ++j)
-      s.phase_end_us[m.phases[j]] = double(m.phase_end_ns(int(j))) / 1e3;
+    for (size_t j = 0; j < m.phase_sizes.size(); ++j) {
+      if (m.phases[j] == 4) s.phase_end_us[1] = double(m.up_end_ns - m.start_ns()) / 1e3;  // then 2: the phase's end
+      s.phase_end_us[m.phases[j] == 4 ? 2 : m.phases[j]] = double(m.phase_end_ns(int(j))) / 1e3;
+    }
   return s;
 }
 

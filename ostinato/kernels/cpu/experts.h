@@ -94,10 +94,11 @@ struct ColdArgs {
   int64_t amx_min_tokens = 4;
   // Down projection: 0 picks by size, 1 "direct", 2 "scatter" (kernels.h); same bits.
   int32_t down_mode = 0;
-  // Software prefetch of the weight rows computed next (a tuning switch; same results), and
-  // how far ahead the quantized row kernels prefetch per thread (kernels_quant.cpp).
+  // Software prefetch of the weight rows computed next (a tuning switch; same results), and, for
+  // the quantized row kernels, how far ahead of each row stream they start the hardware
+  // prefetcher on the stream's next page (kernels_quant.cpp).
   bool prefetch = true;
-  int64_t prefetch_bytes = 8192;
+  int64_t prefetch_bytes = 1024;
 };
 
 // What the last submit() did (for tests and benchmarks).
@@ -108,8 +109,10 @@ struct ColdStats {
   int64_t routes = 0;
   bool scatter = false;  // the down projection went through the per-route buffer
   bool quant = false;  // quantized experts (the VNNI kernels)
-  // Microseconds from submit to the end of phase k (0 prepare, 1 gate/up, 2 down,
-  // 3 reduce; -1 if the call had no such phase). Complete once the call was waited for.
+  // Microseconds from the pool's start to the end of phase k (0 prepare, 1 gate/up, 2 down,
+  // 3 reduce; -1 if the call had no such phase, as 0 when submit() quantized x itself).
+  // Quantized scatter calls overlap 1 and 2: 1 is when the last gate/up task ended. Complete
+  // once the call was waited for.
   double phase_end_us[4] = {-1, -1, -1, -1};
 };
 

@@ -16,9 +16,13 @@
 // Every output element has exactly one writer and a fixed order of operations.
 //
 // Quantized experts run the same phases on the VNNI kernels of kernels_quant.cpp: phase 0
-// quantizes each x row into an activation record (below) arranged for qt13, the gate/up
-// epilogue quantizes each 32-chunk of bf16(h) into a record arranged for qt2, and the row
-// kernels read the weight blocks in place.
+// quantizes each x row into an activation record (below) arranged for qt13 (on the submitting
+// thread when the call has few tokens), the gate/up tasks quantize each 32-chunk of bf16(h)
+// into a record arranged for qt2 once its rows are all computed (whichever task completes a
+// chunk), and the row kernels read the weight blocks in place. In scatter mode phases 1 and 2
+// are one job phase: the down tasks follow the gate/up tasks, and one of slot s waits only for
+// slot s's h (Plan::chunks_left), not for every expert's, so the gate/up tail overlaps the
+// first down tasks instead of idling at a barrier.
 #pragma once
 
 #include <cstdint>
@@ -112,6 +116,12 @@ struct Plan {
   QActLayout xl, hl;  // records of x (qt13, D) and of h (qt2, F)
   uint8_t* xact = nullptr;  // [T, xl.stride]
   uint8_t* hact = nullptr;  // [R, hl.stride] by position p
+  bool prepare_inline = false;  // x rows quantized by submit() (then no phase 0)
+  bool merged = false;  // scatter: gate/up and down tasks in one job phase
+  int64_t chunks = 0;  // F / 32: the 32-chunks of h of a slot
+  // Counters shared by the tasks (std::atomic_ref), zeroed by the plan:
+  int32_t* chunk_rows = nullptr;  // [S * chunks] gate/up rows computed of each chunk of each slot
+  int32_t* chunks_left = nullptr;  // [S] chunks of the slot's h not yet quantized
 
   // Task lists: phase 0 (kind 0: convert token t; kind 1: pack slot s token-block b),
   // phase 1 (slot, AMX or not, first f row, end f row), phase 2 scatter (slot, AMX or not,
@@ -129,14 +139,20 @@ struct Plan {
 };
 
 constexpr int64_t kUpRowsVec = 32;  // f rows per vector gate/up task (one 32-chunk of h)
-// Quantized experts: tasks as long as the pool allows (about kQuantTasksPerThread per thread
-// and phase, within these bounds), because a task's start costs its streams their prefetch
-// (measured: 128-row gate/up and 512-row down tasks ran 10-15% faster than 32 and 128 on
-// the 2-core host). No output bit depends on the task size: each row's dot products and each
-// 32-chunk of h are computed whole by one task.
-constexpr int64_t kQuantTasksPerThread = 2;
-constexpr int64_t kUpRowsQuantMin = 32, kUpRowsQuantMax = 256;  // multiples of 32 (h chunks)
+// Quantized experts: guided task sizes, each task about a (kQuantGuide x threads)-th of its
+// phase's rows not yet handed out (within these bounds, in multiples of kQRowsUnit): long row
+// streams first, for the hardware prefetcher, and short tasks last, so that the threads finish
+// together (the waiter, which joins last, or a thread slowed by its neighbours, leaves a short
+// tail). No output bit depends on the task sizes: each row's dot products are computed whole
+// by one kernel call of kQRowsUnit rows (or of the rows one pass of several routes takes, a
+// divisor of it), and each 32-chunk of h once.
+constexpr int64_t kQuantGuide = 2;
+constexpr int64_t kQRowsUnit = 4;  // rows of one kernel call for one route (kernels_quant.cpp)
+constexpr int64_t kUpRowsQuantMin = 16, kUpRowsQuantMax = 256;
 constexpr int64_t kDownRowsQuantMin = 64, kDownRowsQuantMax = 512;
+// Calls with at most this many tokens quantize x on the submitting thread: a phase of its own
+// costs a barrier for about a microsecond of work per token.
+constexpr int64_t kQuantInlineTokens = 4;
 constexpr int64_t kUpRowsAmx = 32;  // f rows per AMX gate/up task (one K block of h)
 constexpr int64_t kDownRows = 16;  // d rows per direct down task (one AMX tile of rows)
 constexpr int64_t kDownRowsScatter = 128;  // d rows per scatter down task (8 AMX tiles)
@@ -148,9 +164,10 @@ void vec_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);
 void vec_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // direct or scatter
 void reduce_token(const Plan& p, int64_t t);  // phase 3
 
-// Quantized experts, kernels_quant.cpp (every slot; D, F multiples of the block sizes).
+// Quantized experts, kernels_quant.cpp (every slot; D, F multiples of the block sizes; row
+// ranges multiples of kQRowsUnit).
 void quant_prepare_x(const Plan& p, int64_t t);
-void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);  // whole 32-chunks of h
+void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);  // quantizes the h chunks it completes
 void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // direct or scatter
 double read_sum(const void* data, int64_t bytes);  // the bandwidth probe's task (AVX-512)
 

@@ -90,6 +90,7 @@ class PhasedJob {
 
   // Nanoseconds from reset() to the end of each phase (valid once finished()).
   int64_t phase_end_ns(int k) const { return end_ns_[k] - start_ns_; }
+  int64_t start_ns() const { return start_ns_; }  // the now_ns() of reset()
 
   static int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
