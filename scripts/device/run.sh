@@ -40,7 +40,7 @@
 #              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
-#              kernels first, QPF=4,8,16,32 sweeps the CPU kernels' prefetch distance)
+#              kernels first, QGPU=0 leaves them out, QPF=1,4,8 sweeps the CPU kernels' prefetch distance)
 #   serve_cached [M] a plan served from its file (SERVE_PLAN, default serve_plan's) and replayed, then in-process
 #   serve_plan [M][N] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health
 #              polled) and the held-out replay through chat completions; a second start from the cache and the
@@ -142,7 +142,7 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
   if [[ ${QTUNE:-0} == 1 ]]; then  # QTUNE=1: tune first (writes kernels/tuned/moe_quant_<device>.json, kept in $R)
     run 300 "$R/k_tune_gpu.txt" python3 scripts/bench_gpu_quant.py --tune --dequant-prefill
     cp ostinato/kernels/tuned/moe_quant_*.json "$R"/ 2>/dev/null
-  else run 150 "$R/k_bench_gpu.txt" python3 scripts/bench_gpu_quant.py --dequant-prefill; fi
+  elif [[ ${QGPU:-1} == 1 ]]; then run 150 "$R/k_bench_gpu.txt" python3 scripts/bench_gpu_quant.py --dequant-prefill; fi
   if [[ -n ${QPF:-} ]]; then  # QPF=4,8,16,32: the CPU kernels' prefetch distance swept (KiB) instead
     run 240 "$R/k_bench_cpu_pf.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K --prefill "" \
       --rounds 3 --prefetch-kib "$QPF"
