@@ -423,8 +423,8 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
         break;
       }
       const Plan::Task& t = p.t2[i - n1];
-      const std::atomic_ref<int32_t> left(p.chunks_left[t.kind_or_slot]);
-      spin_until([&] { return left.load(std::memory_order_acquire) == 0; });
+      const int32_t* left = &p.chunks_left[t.kind_or_slot];
+      spin_until([&] { return __atomic_load_n(left, __ATOMIC_ACQUIRE) == 0; });
       quant_down(p, t.kind_or_slot, t.lo, t.hi);
     }
   }

@@ -119,7 +119,7 @@ struct Plan {
   bool prepare_inline = false;  // x rows quantized by submit() (then no phase 0)
   bool merged = false;  // scatter: gate/up and down tasks in one job phase
   int64_t chunks = 0;  // F / 32: the 32-chunks of h of a slot
-  // Counters shared by the tasks (std::atomic_ref), zeroed by the plan:
+  // Counters shared by the tasks (GCC's __atomic builtins), zeroed by the plan:
   int32_t* chunk_rows = nullptr;  // [S * chunks] gate/up rows computed of each chunk of each slot
   int32_t* chunks_left = nullptr;  // [S] chunks of the slot's h not yet quantized
 

@@ -671,10 +671,10 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
   // The chunks of h this task completes (the last of the tasks sharing a chunk): their epilogue.
   for (int64_t c = f0 / 32; c * 32 < f1; ++c) {
     const int32_t rows = int32_t(std::min(f1, 32 * c + 32) - std::max(f0, 32 * c));
-    std::atomic_ref<int32_t> done(p.chunk_rows[s * p.chunks + c]);
-    if (done.fetch_add(rows, std::memory_order_acq_rel) + rows < 32) continue;  // acquire: the other tasks' rows
+    // acquire: the other tasks' rows (GCC's atomic builtins: std::atomic_ref is C++20, torch builds C++17)
+    if (__atomic_add_fetch(&p.chunk_rows[s * p.chunks + c], rows, __ATOMIC_ACQ_REL) < 32) continue;
     quantize_h_chunk(p, s, c);
-    std::atomic_ref<int32_t>(p.chunks_left[s]).fetch_sub(1, std::memory_order_release);
+    __atomic_sub_fetch(&p.chunks_left[s], 1, __ATOMIC_RELEASE);
   }
 }
 
