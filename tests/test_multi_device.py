@@ -86,40 +86,51 @@ def test_fill_per_device_ranks_each_devices_own_layers():
     assert all(not v for l, v in fill(counts, 8).items() if l >= 2)  # one global fill would starve device b
 
 
-def test_split_reference_matches_one_device(tiny_dir):
+FOUR = "cpu:0,cpu:1,cpu:2,cpu:3"  # the paper's four GPUs ([P]): on the CPU, a layer a device
+
+
+@pytest.mark.parametrize("devices, layer_devices", [
+    (TWO, ["cpu:0", "cpu:0", "cpu:0", "cpu:1"]),  # balanced as in test_assignment_of_a_model
+    (FOUR, ["cpu:0", "cpu:1", "cpu:2", "cpu:3"])])
+def test_split_reference_matches_one_device(tiny_dir, devices, layer_devices):
     one = load_engine(str(tiny_dir), _settings())
-    two = load_engine(str(tiny_dir), _settings(devices=TWO))
-    assert two.runner.layer_devices == ["cpu:0", "cpu:0", "cpu:0", "cpu:1"]  # balanced as in test_assignment_of_a_model
-    _check_same(one, two)
+    split = load_engine(str(tiny_dir), _settings(devices=devices))
+    assert split.runner.layer_devices == layer_devices
+    _check_same(one, split)
 
 
-def _split_residency(source, tmp_path, fraction=0.5):
+SPLITS = {"two": {"cpu:0": [0], "cpu:1": [1, 2, 3]}, "four": {f"cpu:{l}": [l] for l in range(4)}}
+
+
+def _split_residency(source, tmp_path, fraction=0.5, devices=SPLITS["two"]):
     cfg = source.config
     g = torch.Generator().manual_seed(3)
     n = round(fraction * cfg.num_experts)
     hot = {l: sorted(torch.randperm(cfg.num_experts, generator=g)[:n].tolist()) for l in cfg.moe_layers}
     fp = model_fingerprint(source)
     Residency(fp, cfg.num_experts, hot).save(tmp_path / "one.json")
-    Residency(fp, cfg.num_experts, hot, devices={"cpu:0": [0], "cpu:1": [1, 2, 3]}).save(tmp_path / "two.json")
+    Residency(fp, cfg.num_experts, hot, devices=devices).save(tmp_path / "split.json")
     return hot
 
 
+@pytest.mark.parametrize("split", ["two", "four"])
 @pytest.mark.parametrize("threshold", [10**9, 16])  # split path / upload path for the 60-token prompt
-def test_split_hybrid_matches_one_device(tiny_dir, tmp_path, threshold):
+def test_split_hybrid_matches_one_device(tiny_dir, tmp_path, threshold, split):
     from ostinato.loader.source import open_source
 
-    hot = _split_residency(open_source(tiny_dir), tmp_path)
+    devices = SPLITS[split]
+    hot = _split_residency(open_source(tiny_dir), tmp_path, devices=devices)
     place = dict(upload_threshold=threshold, cpu_backend="torch", borrow_wait_copies=True)
     one = load_engine(str(tiny_dir), _settings(), PlacementSettings(residency=str(tmp_path / "one.json"), **place))
     # the residency's devices place the layers; no flag needed
-    two = load_engine(str(tiny_dir), _settings(), PlacementSettings(residency=str(tmp_path / "two.json"), **place))
+    two = load_engine(str(tiny_dir), _settings(), PlacementSettings(residency=str(tmp_path / "split.json"), **place))
     _check_same(one, two)
     experts = two.runner.experts
-    assert two.runner.layer_devices == ["cpu:0", "cpu:1", "cpu:1", "cpu:1"]
+    assert two.runner.layer_devices == layer_map(devices, 4)
     backends = experts.backends
-    assert set(backends) == {"cpu:0", "cpu:1"}
-    assert backends["cpu:0"].cpu is backends["cpu:1"].cpu  # one CPU pool serves every device
-    for name, layers in {"cpu:0": [0], "cpu:1": [1, 2, 3]}.items():
+    assert set(backends) == set(devices)
+    assert len({id(b.cpu) for b in backends.values()}) == 1  # one CPU pool serves every device
+    for name, layers in devices.items():
         pool = backends[name].pool
         assert pool.num_hot == sum(len(hot[l]) for l in layers)
         for l in range(4):
@@ -137,7 +148,7 @@ def test_devices_must_match_the_plan(tiny_dir, tmp_path):
     _split_residency(open_source(tiny_dir), tmp_path)
     with pytest.raises(ConfigError, match="planned for devices"):
         load_engine(str(tiny_dir), _settings(devices="cpu:1,cpu:0"),
-                    PlacementSettings(residency=str(tmp_path / "two.json"), cpu_backend="torch"))
+                    PlacementSettings(residency=str(tmp_path / "split.json"), cpu_backend="torch"))
 
 
 def test_plan_per_device(tiny_dir, tmp_path, capsys):
@@ -229,7 +240,7 @@ def _stepped(runner, steps=24):
     return tokens
 
 
-@pytest.mark.parametrize("residency", [None, "two.json"])
+@pytest.mark.parametrize("residency", [None, "split.json"])
 def test_decode_stages_equal_the_eager_windowed_step(tiny_dir, tmp_path, residency):
     from ostinato.loader.source import open_source
 
@@ -255,7 +266,7 @@ def _two_gpu_engines(tiny_dir, tmp_path, fraction, borrow):
     res = _residency_for(source, fraction)
     res.save(tmp_path / "one.json")
     Residency(res.fingerprint, res.num_experts, res.hot, devices={"cuda:0": [0, 1], "cuda:1": [2, 3]}).save(
-        tmp_path / "two.json")
+        tmp_path / "split.json")
     place = dict(borrow=borrow, borrow_wait_copies=True)
     settings = dict(dtype="bf16", max_context=2048)
 
@@ -281,8 +292,8 @@ def test_graph_per_gpu_with_cpu_workers_bitwise_equals_eager(tiny_dir, tmp_path,
 
     _skip_without_two_gpus()
     engine = _two_gpu_engines(tiny_dir, tmp_path, 0.5, borrow)
-    graphed = engine("two.json", True, devices="cuda:0,cuda:1")
-    sync = engine("two.json", False, devices="cuda:0,cuda:1")
+    graphed = engine("split.json", True, devices="cuda:0,cuda:1")
+    sync = engine("split.json", False, devices="cuda:0,cuda:1")
     runner = graphed.runner
     assert runner.layer_devices == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"] and runner.graphs is not None
     assert [s.device for s in runner.graphs.stages] == [torch.device("cuda:0"), torch.device("cuda:1")]
@@ -309,8 +320,8 @@ def test_graph_per_gpu_all_resident_bitwise_equals_eager(tiny_dir, tmp_path):
     """Every expert resident (no CPU worker), layers split over two GPUs."""
     _skip_without_two_gpus()
     engine = _two_gpu_engines(tiny_dir, tmp_path, 1.0, False)
-    graphed = engine("two.json", True, devices="cuda:0,cuda:1")
-    sync = engine("two.json", False, devices="cuda:0,cuda:1")
+    graphed = engine("split.json", True, devices="cuda:0,cuda:1")
+    sync = engine("split.json", False, devices="cuda:0,cuda:1")
     assert graphed.runner.graphs is not None and len(graphed.runner.graphs.stages) == 2
     tokens = replay_vs_eager(graphed, sync, device=torch.device("cuda:0"))
     one = engine("one.json", True, device="cuda:0")
