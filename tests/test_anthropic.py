@@ -114,6 +114,19 @@ def test_tool_session_through_the_anthropic_client(claude, http):
     assert second.usage.cache_read_input_tokens >= prompt1  # the template only appends
 
 
+def test_tools_reach_the_template_as_the_chat_route_sends_them():
+    """A template that writes tools as JSON must write the same text for both front-ends, whatever
+    the tokenizer makes of a different key order (a token count alone can hide it)."""
+    from ostinato.server.messages_protocol import CountTokensRequest
+    from ostinato.server.protocol import ChatRequest
+
+    chat = ChatRequest.model_validate({"model": NAME, "messages": USER, "tools": [
+        {"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                          "parameters": t["input_schema"]}} for t in TOOLS]})
+    messages = CountTokensRequest.model_validate({"model": NAME, "messages": USER, "tools": TOOLS})
+    assert json.dumps(messages.template_tools()) == json.dumps(chat.template_tools())
+
+
 def test_same_prompt_as_the_openai_route(claude, http):
     """Both front-ends render the same conversation to the same tokens."""
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -221,8 +221,9 @@ class Conversation(_Body):
     def template_tools(self) -> list[dict] | None:
         if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
             return None
-        return [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                  **({"description": t.description} if t.description else {})}}
+        # the chat route's order (protocol.FunctionDef): a template that writes a tool as JSON writes the same text
+        return [{"type": "function", "function": {"name": t.name, **({"description": t.description} if t.description
+                                                                     else {}), "parameters": t.input_schema}}
                 for t in self.tools]
 
     def template_kwargs(self) -> dict[str, Any]:
