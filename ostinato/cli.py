@@ -38,9 +38,9 @@ def cmd_synth(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from ostinato.engine.factory import load_engine, startup_summary, summary_text
     from ostinato.engine.sampling import SamplingParams
     from ostinato.engine.session import GenerationStats
+    from ostinato.load import load_engine, startup_summary, summary_text
 
     t0 = time.perf_counter()
     loaded = load_engine(a.model, runner_settings(a), placement_settings(a), announce=False)

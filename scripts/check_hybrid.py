@@ -19,9 +19,9 @@ import time
 import torch
 
 from ostinato.config import parse_bytes
-from ostinato.engine.factory import load_engine
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
+from ostinato.load import load_engine
 
 
 def prompt_ids(tok, n: int) -> list[int]:
@@ -76,7 +76,7 @@ def ablation(runner, tokens: list[int], pos: int, first: torch.Tensor) -> dict:
     hybrid = graphed.hybrid
     hybrid.before_prefill()  # borrowed experts go back: the tables are the plan's again
     hybrid.borrow = None
-    graphed.close()
+    graphed.stop()  # its worker; the hybrid serves on
     runner.set_experts(hybrid)  # captures again, without the borrowing ops
     out = {}
     steps, logits = decode_steps(runner, tokens, pos)
@@ -87,7 +87,7 @@ def ablation(runner, tokens: list[int], pos: int, first: torch.Tensor) -> dict:
     # borrowing once more, fresh, last: the first measurement also paid for whatever warms up
     from ostinato.layers.moe.borrow import Borrowing
 
-    runner.experts.close()
+    runner.experts.stop()
     hybrid.borrow = Borrowing(hybrid)
     runner.set_experts(hybrid)
     steps, _ = decode_steps(runner, tokens, pos)
@@ -132,12 +132,11 @@ def main() -> None:
         mixed_logits = None
         if a.calibration:
             _, res["split_prefill_warm_s"] = timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)
+            from ostinato.engine.residency import Residency
             from ostinato.layers.moe.hybrid import MixedPass
-            from ostinato.planner.residency import Residency
-            from ostinato.policies.ostinato import inner
 
             mixed = MixedPass.from_calibration(Residency.load(a.calibration).calibration, measured=False)
-            hybrids = [inner(b) for b in getattr(runner.experts, "backends", {"": runner.experts}).values()]
+            hybrids = [b.unwrapped for b in getattr(runner.experts, "backends", {"": runner.experts}).values()]
             for h in hybrids:
                 h.mixed = mixed
             timed_forward(runner, ids[:a.split_tokens], 0, all_logits=True)  # warm-up

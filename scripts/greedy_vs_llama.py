@@ -34,8 +34,8 @@ PROMPT = ("You are a customer-service agent. The user writes: my order #W2378156
 
 def ostinato_tokens(a):
     """-> (the engine, the prompt ids, its greedy tokens, its startup summary)."""
-    from ostinato.engine.factory import load_engine, startup_summary
     from ostinato.engine.sampling import SamplingParams
+    from ostinato.load import load_engine, startup_summary
 
     loaded = load_engine(a.model, runner_settings(a), placement_settings(a), announce=False)
     prompt = loaded.tokenizer.render_ids([{"role": "user", "content": a.prompt}])

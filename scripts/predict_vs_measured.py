@@ -69,7 +69,8 @@ def replay(runner, streams, max_steps: int, sync) -> tuple[list[float], list[lis
 
 def count_routes(loaded, streams, masks):
     """Decode counts of exactly the timed tokens (chunked passes, as `ostinato profile`)."""
-    from ostinato.planner.profile import CountingExperts, RouteCounts
+    from ostinato.engine.routes import RouteCounts
+    from ostinato.planner.profile import CountingExperts
 
     runner, cfg = loaded.runner, loaded.runner.config
     counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
@@ -89,12 +90,13 @@ def count_routes(loaded, streams, masks):
 
 def measure(a) -> dict:
     from ostinato.config import parse_bytes
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
+    from ostinato.engine.residency import Residency
+    from ostinato.engine.routes import RouteCounts
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.load import load_engine
     from ostinato.planner import cost_model as cm
-    from ostinato.planner.profile import RouteCounts, session_stream
-    from ostinato.planner.residency import Residency
+    from ostinato.planner.profile import session_stream
 
     res = Residency.load(a.residency)
     cal = Residency.load(a.calibration or a.residency).calibration

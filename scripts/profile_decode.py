@@ -43,13 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
-from ostinato.kernels.triton import fused_dense  # noqa: E402
-from ostinato.loader.build import expert_formats  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
-from ostinato.engine.factory import load_engine  # noqa: E402
 from ostinato.engine.kv_cache import KVCache  # noqa: E402
 from ostinato.engine.placement import PlacementSettings  # noqa: E402
 from ostinato.engine.runner import RunnerSettings  # noqa: E402
+from ostinato.kernels.triton import fused_dense  # noqa: E402
+from ostinato.load import load_engine  # noqa: E402
+from ostinato.loader.build import expert_formats  # noqa: E402
 
 # first match wins; names of our Triton kernels, cuBLAS/CUTLASS GEMMs and torch's own kernels
 CLASSES = (
@@ -168,7 +168,7 @@ def by_class(rows: list[dict]) -> dict[str, dict]:
 def bytes_per_step(runner, context: int, formats: dict | None = None) -> dict[str, int]:
     """What a decode step must read from GPU memory, by part; the routed experts in their block
     formats (formats[layer] = (qt13, qt2), loader.build.expert_formats) or the compute dtype."""
-    from ostinato.planner.capacity import expert_sizes
+    from ostinato.engine.sizes import expert_sizes
 
     cfg, model = runner.config, runner.model
     emb = model.model.embed_tokens.weight

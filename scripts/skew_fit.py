@@ -17,7 +17,7 @@ import json
 import numpy as np
 import torch
 
-from ostinato.planner.profile import RouteCounts
+from ostinato.engine.routes import RouteCounts
 from ostinato.synth.weights import SynthSpec
 
 

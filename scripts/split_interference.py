@@ -6,7 +6,7 @@ routing of real prompts and the engine's own buffers, one layer's pass of n toke
 
   split        split_path itself, with the host timeline of its steps (to the host, GPU branch
                launched, copies waited for, routes gathered, CPU branch, result queued back)
-  alone        the CPU branch alone (calibrate.cpu_alone)
+  alone        the CPU branch alone (HybridExperts.cpu_branch, as calibrate's cpu_alone times it)
   gpu||cpu     the GPU branch launched, then the CPU branch (no copies before it)
   copies,cpu   routing and activations copied to the host and waited for, then the CPU branch
   gpu,cpu      the GPU branch run to its end, then the CPU branch
@@ -69,10 +69,10 @@ def split_timeline(h, layer, x, topk) -> dict:
 
 def variants(h, layer, x, topk):
     """name -> a callable of one pass."""
-    from ostinato.planner.calibrate import cpu_branch_call, gpu_branch
+    from ostinato.planner.measure.timing import gpu_branch
 
     ids_h, w_h = topk.ids.cpu(), topk.weights.cpu()
-    cpu = cpu_branch_call(h, layer, x, topk)
+    cpu = h.cpu_branch(layer, x, topk)
 
     def gpu_par_cpu():
         gpu_branch(h, layer, x, topk.ids, topk.weights)
@@ -124,17 +124,18 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from ostinato.config import parse_bytes
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
     from ostinato.layers.moe.types import TopKOutput
-    from ostinato.planner.calibrate import Clock, capture_routing, prompt_ids
+    from ostinato.load import load_engine
+    from ostinato.planner.measure.prefill import capture_routing, prompt_ids
+    from ostinato.planner.measure.timing import Clock
 
     loaded = load_engine(a.model, RunnerSettings(cuda_graph=not a.no_graph, cpu_threads=a.cpu_threads),
                          PlacementSettings(residency=a.residency,
                                            gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None))
     runner = loaded.runner
-    h = getattr(runner.experts, "hybrid", runner.experts)
+    h = runner.experts.unwrapped
     h.mixed = None
     with_cold = [l for l in runner.config.moe_layers if h.has_cold.get(l)]
     layers = a.layers or sorted({with_cold[round(i * (len(with_cold) - 1) / 3)] for i in range(4)})

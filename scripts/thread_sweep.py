@@ -4,7 +4,7 @@ The engine loads once (model, pool, page-locked host experts); for each layout o
 is rebuilt: a new CpuExperts pool on the layout's workers, a new graph poller on its core, the
 host thread pinned to its CPUs, the decode graphs captured again. Per layout it measures
 
-- decode steps forced to r = 0, 1, 2 cold routes per layer, replayed as graphs (calibrate's
+- decode steps forced to r = 0, 1, 2 cold routes per layer, replayed as graphs (planner/measure's
   measure_steps), and the graph alpha / beta fitted to them with the residency's G per layer;
 - nonvoluntary context switches of the host thread, the poller and the workers over those steps
   (a thread that shares its core with a busy one is switched out by the scheduler: the cause);
@@ -37,15 +37,15 @@ from ostinato.bench.metrics import summarize  # noqa: E402
 from ostinato.bench.replay import InProcessTarget, replay_sessions  # noqa: E402
 from ostinato.bench.report import hardware, source_state  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
-from ostinato.engine.factory import load_engine  # noqa: E402
 from ostinato.engine.placement import PlacementSettings  # noqa: E402
+from ostinato.engine.residency import Residency  # noqa: E402
 from ostinato.engine.runner import RunnerSettings  # noqa: E402
 from ostinato.engine.threads import ThreadLayout, Topology, WorkerGroup, claim_host_thread  # noqa: E402
 from ostinato.layers.moe.cpu_experts import CpuExperts  # noqa: E402
+from ostinato.load import load_engine  # noqa: E402
 from ostinato.planner import cost_model as cm  # noqa: E402
-from ostinato.planner.calibrate import Clock, measure_steps  # noqa: E402
-from ostinato.planner.residency import Residency  # noqa: E402
-from ostinato.policies.ostinato import inner  # noqa: E402
+from ostinato.planner.measure.decode import measure_steps  # noqa: E402
+from ostinato.planner.measure.timing import Clock  # noqa: E402
 
 
 def old_layout(settings: RunnerSettings, workers: int) -> ThreadLayout:
@@ -62,10 +62,10 @@ def use_layout(loaded, layout: ThreadLayout) -> None:
     """Rebuild the CPU side of the loaded hybrid engine on `layout`; capture its graphs again."""
     runner = loaded.runner
     old = runner.experts
-    h = inner(old)
+    h = old.unwrapped
     runner.set_experts(None)
     if old is not h:
-        old.close()  # stops the poller
+        old.stop()  # stops the poller; the hybrid stays as it is
     h.cpu.close()
     h.cpu = CpuExperts(h.host.layers, backend="native", cpus=layout.workers)
     runner.threads = layout
@@ -111,7 +111,7 @@ def role_switches(before, after, layout: ThreadLayout) -> dict[str, int]:
 
 def forced_steps(loaded, cal: dict, reps: int) -> dict:
     runner = loaded.runner
-    h = inner(runner.experts)
+    h = runner.experts.unwrapped
     costs = cm.layer_costs(cal, runner.config.moe_layers)
     clock = Clock(h.device)
     gen = torch.Generator().manual_seed(0)

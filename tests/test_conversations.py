@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from ostinato.engine.conversations import Conversations, HostBlocks, block_tokens, common_prefix, kv_bytes
-from ostinato.engine.factory import load_engine
 from ostinato.engine.kv_cache import LayerKV
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sampling import SamplingParams
 from ostinato.engine.session import GenerationStats
+from ostinato.load import load_engine
 from ostinato.server.app import build_app
 from tests.test_server import LiveServer
 

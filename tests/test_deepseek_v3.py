@@ -134,7 +134,7 @@ def test_router_matches_transformers(E, K, groups, topk_group, norm, kind):
 def test_latent_kv_cache_bytes():
     """MLA caches R + Dr values per token and layer (the latent and the rope key), not per-head K/V;
     the planner's capacity test counts what the runner allocates."""
-    from ostinato.planner.capacity import kv_bytes
+    from ostinato.engine.sizes import kv_bytes
 
     for preset, per_token in (("tiny-deepseek-v3", 32 + 16), ("deepseek-v3-shaped", 512 + 64), ("tiny", 2 * 2 * 32)):
         cfg = ModelConfig.from_dict(presets.preset_config(preset))
@@ -151,7 +151,8 @@ def test_latent_kv_cache_bytes():
 def test_capacity_counts_the_model():
     """Dense bytes from the model itself (routers kept fp32), activation bounds of MLA, and the
     shaped preset's size: about 100 GiB in bf16."""
-    from ostinato.planner.capacity import activation_bytes, dense_weight_bytes, expert_bytes
+    from ostinato.engine.sizes import dense_weight_bytes, expert_bytes
+    from ostinato.planner.capacity import activation_bytes
 
     cfg = ModelConfig.from_dict(presets.TINY_DEEPSEEK_V3)
     D, E = cfg.hidden_size, cfg.num_experts
@@ -239,8 +240,8 @@ def test_variant_without_q_lora_and_groups(tmp_path):
 def test_hybrid_residency_matches_transformers(ds_dir, ref, tmp_path):
     """Half of every MoE layer's experts in the pool (which runs on the CPU here), the rest on the
     CPU branch; prefill chunks of 32 take the upload path (threshold 16), decode the split path."""
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
+    from ostinato.load import load_engine
     from tests.test_hybrid import _residency_for
 
     ids, want, logits_ref = ref
@@ -269,8 +270,8 @@ def test_synthetic_source_and_regimes(ds_dir):
     """synth:tiny-deepseek-v3 in memory is the checkpoint on disk (its fp32 routers hold the bf16
     values the file has), routes are skewed by the preset's bias channel, and the persistence
     regime, which needs Qwen3's q/k norms, is refused."""
+    from ostinato.engine.residency import model_fingerprint
     from ostinato.loader.source import open_source
-    from ostinato.planner.residency import model_fingerprint
     from ostinato.synth.presets import regime
     from ostinato.synth.weights import SynthSpec
 

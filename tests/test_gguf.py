@@ -151,8 +151,8 @@ def test_quantized_experts_are_the_files_blocks(tinyk_file):
 def test_every_expert_resident_counts_the_files_bytes(tinyk_file):
     """Without a residency every expert is resident: a plan of them all in the pool, and the fit
     under a cap counted in the file's block bytes (dequantized, the same pool would be 3.5x)."""
-    from ostinato.engine.factory import all_resident, all_resident_fit
-    from ostinato.planner.capacity import expert_sizes
+    from ostinato.engine.sizes import expert_sizes
+    from ostinato.load import all_resident, all_resident_fit
 
     source = GGUFSource(tinyk_file)
     cfg = source.config
@@ -178,16 +178,16 @@ def test_every_expert_resident_on_the_gpu_keeps_the_blocks(tinyk_file):
     """load_engine with no residency on CUDA: the pool executor with every expert in its file's
     blocks (not the oracle's dequantized copy), the same logits as the oracle to rounding, and
     greedy tokens from the decode graph."""
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.sampling import SamplingParams
     from ostinato.layers.moe.hybrid import HybridExperts
     from ostinato.layers.moe.reference import ReferenceExperts
+    from ostinato.load import load_engine
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     loaded = load_engine(str(tinyk_file), RunnerSettings(device="cuda", dtype="bf16", max_context=512),
                          announce=False)
-    hybrid = getattr(loaded.runner.experts, "hybrid", loaded.runner.experts)  # inside the decode graph's wrapper
+    hybrid = loaded.runner.experts.unwrapped  # inside the decode graph's wrapper
     assert isinstance(hybrid, HybridExperts)
     assert all(g.qtypes is not None for g in hybrid.pools.groups), "the pool holds the file's blocks"
     prompt = loaded.tokenizer.render_ids([{"role": "user", "content": "check order #W2378156"}])

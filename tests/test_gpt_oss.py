@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.engine.factory import load_engine
 from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.types import ExpertAct, ExpertWeights, TopKOutput
+from ostinato.load import load_engine
 from ostinato.loader import gpt_oss as layout
 from ostinato.loader.source import CheckpointSource, open_source
-from ostinato.planner.residency import Residency, model_fingerprint
 from ostinato.quant import formats
 from ostinato.quant.mxfp4 import from_hf, to_hf
 from ostinato.synth.presets import preset_config
@@ -310,7 +310,7 @@ def test_graph_replay_bitwise_equals_synchronous_path(ckpt, tmp_path, fraction):
 def test_gpt_oss_120b_preset_shapes():
     """The real model's shapes, without generating it: 36 layers of 128 MXFP4 experts, top-4, its
     expert bytes (blocks, scales and fp32 biases) as the planner counts a pool slot."""
-    from ostinato.planner.capacity import expert_sizes
+    from ostinato.engine.sizes import expert_sizes
     from ostinato.synth.weights import SynthSpec
 
     spec = SynthSpec("gpt-oss-120b")

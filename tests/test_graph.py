@@ -38,8 +38,8 @@ def test_windowed_decode_matches_prefill(tiny_dir):
 def test_graph_replay_bitwise_equals_eager_all_gpu(tiny_dir, tmp_path):
     """All experts resident: the captured step equals the same step run eagerly, bit for bit,
     over 256 decode steps."""
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
+    from ostinato.load import load_engine
     from tests.test_hybrid import _residency_for
 
     settings = RunnerSettings(device="cuda", dtype="bf16", max_context=2048)
@@ -62,9 +62,9 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     equals the host-driven synchronous path under the same placement, over 256 steps, with
     and without borrowed experts (copies applied at the boundary they start, so both engines
     switch at the same token)."""
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
     from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+    from ostinato.load import load_engine
     from ostinato.loader.source import CheckpointSource
     from tests.test_hybrid import _residency_for
 
@@ -89,8 +89,8 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
 def _decode_profile(tiny_dir):
     """A CPU engine on the tiny model (for its source) and a decode profile ranking expert e of
     every layer above e + 1."""
-    from ostinato.engine.factory import load_engine
-    from ostinato.planner.profile import RouteCounts
+    from ostinato.engine.routes import RouteCounts
+    from ostinato.load import load_engine
 
     probe = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64))
     cfg = probe.source.config
@@ -107,8 +107,8 @@ def test_caches_decode_as_graph_segments_bitwise(tiny_dir, name):
     """A cache's decode step replays as graph segments cut at each MoE layer, with its plan,
     uploads and CPU branch on the host between them: bitwise equal to its synchronous path, the
     cache evolving exactly as there (the capture's warm-up leaves it alone), the cuts timed."""
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.graph import GraphChain
+    from ostinato.load import load_engine
     from ostinato.policies.factory import policy_factory
     from ostinato.policies.settings import PolicySettings
 
@@ -161,12 +161,10 @@ def replay_vs_eager(graphed, sync, steps=96, device=None):
 def borrow_state(engine) -> list:
     """Per hybrid backend: (sum of scores, borrowed hits, borrowed (layer, expert)s), to tell a
     divergence in borrowing from one in the computation."""
-    from ostinato.policies.ostinato import inner
-
     experts = engine.runner.experts
     out = []
     for b in getattr(experts, "backends", {"": experts}).values():
-        borrow = getattr(inner(b), "borrow", None)
+        borrow = getattr(b.unwrapped, "borrow", None)
         if borrow is not None:
             out.append((round(float(borrow.scores.sum()), 3), int(borrow.hits), sorted(borrow.owner.values())))
     return out
@@ -177,10 +175,10 @@ def borrow_state(engine) -> list:
 def test_static_baselines_decode_as_one_graph_bitwise(tiny_dir, name):
     """Every static baseline runs on the one executor and decodes as one CUDA graph with the
     handshake, exactly as Ostinato does: bitwise equal to its own synchronous path."""
-    from ostinato.engine.factory import load_engine
+    from ostinato.engine.residency import Residency, model_fingerprint
     from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+    from ostinato.load import load_engine
     from ostinato.planner.fill import fill
-    from ostinato.planner.residency import Residency, model_fingerprint
     from ostinato.policies.factory import policy_factory
     from ostinato.policies.settings import PolicySettings
 

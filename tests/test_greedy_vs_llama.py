@@ -33,9 +33,9 @@ def test_compare_forced_names_each_parting_with_both_margins():
 def test_teacher_forcing_its_own_greedy_tokens_agrees_everywhere(tiny_dir):
     """The forced pass reproduces the engine's greedy decode: the script measures llama.cpp, not
     a difference between our prefill and our decode."""
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.runner import RunnerSettings
     from ostinato.engine.sampling import SamplingParams
+    from ostinato.load import load_engine
 
     loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=256), announce=False)
     prompt = loaded.tokenizer.render_ids([{"role": "user", "content": "where is my order?"}])

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPool, HostExperts
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
 from ostinato.layers.moe.types import ExpertWeights, TopKOutput
-from ostinato.planner.residency import Residency, model_fingerprint
 
 E, K, D, F = 16, 4, 64, 32
 LAYERS = [0, 2]
@@ -128,9 +128,9 @@ def _residency_for(source, fraction, seed=0):
 
 @pytest.mark.parametrize("threshold", [10**9, 16])
 def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold):
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.load import load_engine
 
     settings = RunnerSettings(device="cpu", dtype="fp32", max_context=256, prefill_chunk=64)
     ref = load_engine(str(tiny_dir), settings)

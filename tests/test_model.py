@@ -144,8 +144,8 @@ def test_a_cuda_runner_keeps_the_embedding_in_pinned_host_memory(tiny_dir, tmp_p
     assert grown < on_gpu + table.numel() * table.element_size() // 2  # no copy of the table on the GPU
     del model, table
     # the decode graph needs a capturable placement: every expert resident in the pool
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
+    from ostinato.load import load_engine
     from tests.test_hybrid import _residency_for
 
     _residency_for(CheckpointSource(tiny_dir), 1.0).save(tmp_path / "all.json")

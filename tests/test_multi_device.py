@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.engine.assign import assign_devices, assign_layers, layer_map
 from ostinato.engine.devices import Segment, SplitExperts, backend_of, segments
-from ostinato.engine.factory import load_engine
 from ostinato.engine.graph import DecodeGraphs
 from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import RunnerSettings
 from ostinato.layers.moe.pool import COLD
-from ostinato.planner.assign import assign_devices, assign_layers, layer_map
+from ostinato.load import load_engine
 from ostinato.planner.fill import fill, fill_per_device
-from ostinato.planner.residency import Residency, model_fingerprint
 from tests.test_graph import replay_vs_eager
 
 TWO = "cpu:0,cpu:1"
@@ -153,10 +153,9 @@ def test_devices_must_match_the_plan(tiny_dir, tmp_path):
 
 def test_plan_per_device(tiny_dir, tmp_path, capsys):
     from ostinato.cli import main
+    from ostinato.engine.routes import RouteCounts
     from ostinato.loader.source import open_source
-    from ostinato.planner.assign import device_capacity
-    from ostinato.planner.capacity import CapacitySettings
-    from ostinato.planner.profile import RouteCounts
+    from ostinato.planner.capacity import CapacitySettings, device_capacity
 
     cfg = open_source(tiny_dir).config
     g = torch.Generator().manual_seed(1)

@@ -11,10 +11,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ostinato.config import ModelConfig
+from ostinato.engine.sizes import dense_parts, dense_weight_bytes
 from ostinato.planner import cost_model as cm
-from ostinato.planner.capacity import (CapacityError, CapacitySettings, activation_bytes, dense_parts,
-                                       dense_weight_bytes,
-                                       flex_slots, plan_capacity)
+from ostinato.planner.capacity import CapacityError, CapacitySettings, activation_bytes, flex_slots, plan_capacity
 from ostinato.planner.fill import cold_routes, fill
 from ostinato.synth.presets import preset_config
 
@@ -303,7 +302,7 @@ def tiny_profile(tiny_dir, tmp_path_factory):
 
 
 def test_profile_records_longest_request_and_skew(tiny_profile, capsys):
-    from ostinato.planner.profile import RouteCounts
+    from ostinato.engine.routes import RouteCounts
 
     prof = RouteCounts.load(tiny_profile)
     assert prof.sessions == 2 and prof.max_tokens == 384  # the streams are cut at --max-context
@@ -313,12 +312,12 @@ def test_profile_records_longest_request_and_skew(tiny_profile, capsys):
 
 
 def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys):
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
+    from ostinato.engine.residency import Residency
+    from ostinato.engine.routes import RouteCounts
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.load import load_engine
     from ostinato.loader.source import open_source
-    from ostinato.planner.profile import RouteCounts
-    from ostinato.planner.residency import Residency
 
     cfg = open_source(tiny_dir).config
     counts = RouteCounts.load(tiny_profile).total("all")
@@ -377,7 +376,7 @@ def test_spread_shares_a_small_sample_between_sources():
 
 
 def test_graph_step_fit_recovers_the_constants_it_was_built_from():
-    from ostinato.planner.calibrate import fit_graph_steps
+    from ostinato.planner.measure.decode import fit_graph_steps
 
     costs = {l: cm.LayerCost(G=0.02, gamma0=0.03, alpha=0.5, beta=0.5) for l in range(6)}
     rs = [0, 1, 2, 4, 8]
@@ -415,8 +414,8 @@ def test_quantized_experts_count_the_dequantized_paths_scratch():
     """A pass the dequantized path serves (gpu_quant: T >= dequant_min_tokens) holds a chunk of bf16
     experts beside the pool: the capacity test counts it for quantized experts, not for bf16 ones nor
     for passes below the threshold, and the pool holds that much less."""
+    from ostinato.engine.sizes import expert_sizes
     from ostinato.layers.moe.gpu_quant import DEFAULT_QUANT_TUNING, dequant_scratch_bytes
-    from ostinato.planner.capacity import expert_sizes
 
     cfg = _tiny_cfg()
     counts = {l: torch.arange(cfg.num_experts, dtype=torch.float32) for l in cfg.moe_layers}

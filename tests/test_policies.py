@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.engine.residency import Residency
+from ostinato.engine.routes import RouteCounts
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
 from ostinato.layers.moe.types import ExpertWeights, TopKOutput
-from ostinato.planner.profile import RouteCounts
-from ostinato.planner.residency import Residency
 from ostinato.policies.base import ModelExperts
 from ostinato.policies.factory import budget_bytes, build_policy
-from ostinato.policies.ostinato import close_backend, resident_experts, set_offload_threshold
 from ostinato.policies.settings import POLICIES, PolicySettings
 
 E, K, D, F = 16, 4, 64, 32
@@ -87,7 +86,7 @@ def test_policy_matches_reference(name, tokens, device):
     if name in ("expert-cache", "decaying-cache"):  # the static placements count as HybridExperts does
         assert stats["token_layers"] == 2 * len(LAYERS) * tokens
         assert stats["pool_hits"] == stats["routes"] - stats.get("cold_routes", 0)
-    close_backend(policy)
+    policy.close()
 
 
 def test_cpu_policy_computes_every_route_on_the_cpu():
@@ -106,7 +105,7 @@ def test_gpu_policy_fits_or_fails_clearly():
     p = build_policy("gpu", _spec(), _settings(expert_slots=3 * E + K, allow_over_budget=False))
     p(2, _x(3), _routing([[0, 1, 2, 3]] * 3))
     s = p.stats()
-    assert s.get("cold_routes", 0) == 0 and s["routes"] == 12 and resident_experts(p) == 3 * E
+    assert s.get("cold_routes", 0) == 0 and s["routes"] == 12 and p.resident_experts() == 3 * E
     assert p.capturable  # every step from the pool: the runner captures decode without a handshake
 
 
@@ -126,7 +125,7 @@ def test_layers_policy_places_whole_layers_and_offloads_large_passes():
     s = p.stats()
     assert s["uploaded_experts"] == 8 and s["bytes_uploaded"] == 8 * 3 * D * F * 4
     assert s["cpu_experts"] == 5  # unchanged: nothing of the large pass ran on the CPU
-    set_offload_threshold(p, 128)  # tuned higher: the same pass stays on the CPU
+    p.offload_threshold = 128  # tuned higher: the same pass stays on the CPU
     p(0, _x(64), _routing(big))
     assert p.stats()["uploaded_experts"] == 8 and p.stats()["cpu_experts"] == 13
 
@@ -185,7 +184,7 @@ def test_decaying_cache_warm_start_and_admission():
 
 def test_fixed_per_layer_ranks_each_layer_by_the_profile():
     p = build_policy("fixed-per-layer", _spec(), _settings())
-    assert resident_experts(p) == 30  # (36 - 4 zero slots) // 3 = 10 per layer: experts 0..9 (the most routed)
+    assert p.resident_experts() == 30  # (36 - 4 zero slots) // 3 = 10 per layer: experts 0..9 (the most routed)
     p(0, _x(64), _routing([[0, 9, 10, 15]] * 64))  # large pass: no upload, cold on the CPU
     s = p.stats()
     assert s.get("uploaded_experts", 0) == 0 and s["cold_routes"] == 128 and s["cpu_experts"] == 2
@@ -199,7 +198,7 @@ def test_fixed_uniform_keeps_the_same_ids_in_every_layer_without_a_profile():
     for l in LAYERS:  # a profile that ranks the last experts first: uniform ignores it
         counts.prefill[l] = torch.arange(E)
     p = build_policy("fixed-uniform", _spec(), _settings(profile=counts))
-    assert resident_experts(p) == 30 and p.pool.num_slots - p.pool.flex_lo == 0  # no upload path
+    assert p.resident_experts() == 30 and p.pool.num_slots - p.pool.flex_lo == 0  # no upload path
     for l in LAYERS:
         assert (p.pool.table_host[l] >= 0).nonzero()[:, 0].tolist() == list(range(10))
     p(2, _x(40), _routing([[0, 1, 12, 13]] * 40))
@@ -210,7 +209,7 @@ def test_ktransformers_runs_the_cross_layer_residency_by_its_rules():
     """Ostinato's residency; below the threshold the cold routes on the CPU, at or above it the
     layer's every cold expert uploaded (not only the pass's), all on the GPU."""
     p = build_policy("ktransformers", _spec(), _settings(offload_threshold=32))
-    assert resident_experts(p) == 24 and not p.capturable
+    assert p.resident_experts() == 24 and not p.capturable
     p(0, _x(8), _routing([[0, 1, 8, 9]] * 8))  # below the threshold: split
     s = p.stats()
     assert s["cpu_experts"] == 2 and s.get("uploaded_experts", 0) == 0
@@ -223,7 +222,7 @@ def test_ktransformers_runs_the_cross_layer_residency_by_its_rules():
 
 def test_ostinato_policy_split_and_upload_paths():
     p = build_policy("ostinato", _spec(), _settings(upload_threshold=32))
-    assert resident_experts(p) == 24 and not p.capturable
+    assert p.resident_experts() == 24 and not p.capturable
     p(0, _x(1), _routing([[0, 1, 8, 9]]))  # decode: 2 hot, 2 cold on the CPU
     s = p.stats()
     assert s["cold_routes"] == 2 and s["cpu_experts"] == 2 and s.get("bytes_uploaded", 0) == 0
@@ -249,10 +248,10 @@ def test_budget_is_the_same_for_every_policy():
 @pytest.mark.parametrize("device", DEVICES)
 def test_policies_in_the_whole_model(tiny_dir, device):
     """Every policy plugged into the engine gives the reference model's logits."""
-    from ostinato.engine.factory import load_engine
+    from ostinato.engine.residency import model_fingerprint
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.load import load_engine
     from ostinato.planner.fill import fill
-    from ostinato.planner.residency import model_fingerprint
     from ostinato.policies.factory import make_policy, policy_factory, use_policy
 
     settings = RunnerSettings(device=device, dtype="fp32", max_context=256, prefill_chunk=64)
@@ -290,9 +289,9 @@ def test_release_frees_the_backend_at_once(tiny_dir, tmp_path):
     import gc
     import weakref
 
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.load import load_engine
     from ostinato.loader.source import CheckpointSource
     from ostinato.policies.factory import release
     from tests.test_hybrid import _residency_for

@@ -21,17 +21,18 @@ import pytest
 import torch
 
 from ostinato.config import ModelConfig
-from ostinato.engine.factory import load_engine
 from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import RunnerSettings
+from ostinato.engine.sizes import expert_bytes, expert_sizes
 from ostinato.layers.moe.gpu_quant import QUANT_QTYPES
 from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
+from ostinato.load import load_engine
 from ostinato.loader.build import expert_formats, load_quantized_experts
 from ostinato.loader.gguf import GGUFSource
 from ostinato.loader.source import CheckpointSource
-from ostinato.planner.capacity import CapacitySettings, expert_bytes, expert_sizes, plan_capacity
-from ostinato.planner.residency import Residency, model_fingerprint
+from ostinato.planner.capacity import CapacitySettings, plan_capacity
 from ostinato.quant import formats
 from ostinato.synth.build import write_checkpoint
 from ostinato.synth.gguf_writer import use_more_bits, write_gguf

@@ -20,14 +20,13 @@ import pytest
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.factory import load_engine
+from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
+from ostinato.engine.sizes import expert_sizes
+from ostinato.load import load_engine
 from ostinato.loader.build import expert_formats
 from ostinato.loader.gguf import GGUFSource
-from ostinato.planner.capacity import expert_sizes
-from ostinato.planner.profile import RouteCounts
 from ostinato.policies.factory import policy_factory
-from ostinato.policies.ostinato import close_backend, inner
 from ostinato.policies.settings import POLICIES, PolicySettings
 from tests.test_quant_engine import _logits, _rel, _residency, tinyk_q4km  # noqa: F401  (a fixture)
 
@@ -89,7 +88,7 @@ def test_policy_on_quantized_experts_matches_dequantized(tinyk_q4km, setup, name
             _build(tinyk_q4km, name, settings)
         return
     native = _build(tinyk_q4km, name, settings)
-    backend = inner(native.runner.experts)
+    backend = native.runner.experts.unwrapped
     pools = backend.pools
     assert [p.qtypes for p in pools.groups] == [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")]
     assert all(p.w13.dtype == torch.uint8 for p in pools.groups)
@@ -98,11 +97,11 @@ def test_policy_on_quantized_experts_matches_dequantized(tinyk_q4km, setup, name
         assert pools.nbytes <= settings.budget_bytes, (pools.describe(), settings.budget_bytes)
     got = _logits(native)
     stats = native.runner.placement_stats()
-    close_backend(native.runner.experts)
+    native.runner.experts.close()
     ref_engine = _build(tinyk_q4km, name, _settings(name, setup, "bf16"))
-    assert [p.qtypes for p in inner(ref_engine.runner.experts).pools.groups] == [None]
+    assert [p.qtypes for p in ref_engine.runner.experts.unwrapped.pools.groups] == [None]
     ref = _logits(ref_engine)
-    close_backend(ref_engine.runner.experts)
+    ref_engine.runner.experts.close()
     assert (stats.get("cold_routes", 0) == 0) == (name in ALL_ON_POOLS)
     if stats.get("cpu_experts", 0) == 0:  # every route from the pools, uploaded ones too (expert-cache)
         assert _rel(got, ref) < 1e-4
@@ -119,7 +118,7 @@ def test_budget_is_bytes_per_group(tinyk_q4km, setup):  # noqa: F811
         settings = PolicySettings(budget_bytes=budget, profile=counts, residency=residency, cpu_backend="torch",
                                   allow_over_budget=True)
         engine = _build(tinyk_q4km, name, settings)
-        backend = inner(engine.runner.experts)
+        backend = engine.runner.experts.unwrapped
         pools = backend.pools
         assert len(pools.groups) == 2
         if name != "gpu":
@@ -129,9 +128,9 @@ def test_budget_is_bytes_per_group(tinyk_q4km, setup):  # noqa: F811
         if name == "expert-cache":  # the bytes after zero + staging split by layers: 4 * (b0 + b1) each
             assert [p.num_slots - p.flex_lo - E for p in pools.groups] == [4 * sum(b) // x for x in b]
             assert backend.resident_experts() == sum(4 * sum(b) // x for x in b)
-        close_backend(engine.runner.experts)
+        engine.runner.experts.close()
     tight = sum(b) * (K + 5) + b[0]  # fixed-per-layer: 5 per layer, the extra b0 unused
     engine = _build(tinyk_q4km, "fixed-per-layer", PolicySettings(budget_bytes=tight, profile=counts,
                                                                   cpu_backend="torch"))
-    assert [p.num_hot for p in inner(engine.runner.experts).pools.groups] == [5, 5]
-    close_backend(engine.runner.experts)
+    assert [p.num_hot for p in engine.runner.experts.unwrapped.pools.groups] == [5, 5]
+    engine.runner.experts.close()

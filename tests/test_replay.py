@@ -234,8 +234,8 @@ def test_messages_route_times_the_first_token_at_message_start():
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_dir):
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.load import load_engine
     from ostinato.policies.factory import policy_factory
     from ostinato.policies.settings import PolicySettings
 
@@ -466,7 +466,7 @@ def test_bench_refuses_a_calibration_file_that_holds_only_an_np(tmp_path):
     """A bench whose calibration failed saves its residency with the default Np alone: given back
     as --calibration, it is refused by name (it once failed later, on a missing layer constant)."""
     from ostinato.bench.bench import BenchSettings, calibrate_np
-    from ostinato.planner.residency import Residency
+    from ostinato.engine.residency import Residency
 
     path = tmp_path / "residency.json"
     Residency("f", 4, {0: [1]}, calibration={"upload_threshold": 512}).save(path)
@@ -509,9 +509,9 @@ def test_forced_output_waits_for_every_steps_logits(tiny_dir, monkeypatch):
     host (sampling them), as a real decode does: otherwise a backend that never syncs would
     queue its steps on the GPU and its TPOT would time launches, not steps."""
     from ostinato.engine import session as session_mod
-    from ostinato.engine.factory import load_engine
     from ostinato.engine.runner import RunnerSettings
     from ostinato.engine.sampling import SamplingParams
+    from ostinato.load import load_engine
 
     calls = []
     real = session_mod.Sampler.__call__

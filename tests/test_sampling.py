@@ -14,9 +14,9 @@ import httpx
 import pytest
 import torch
 
-from ostinato.engine.factory import load_engine
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sampling import Sampler, SamplingDefaults, SamplingParams
+from ostinato.load import load_engine
 from ostinato.server.app import build_app
 from tests.test_server import CTX, KEY, LiveServer
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.residency import Residency
 from ostinato.engine.runner import RunnerSettings
 from ostinato.planner.auto import AutoPlan, load_planned, plan_dir, plan_key
 from ostinato.planner.calibrate import CalibrateSettings
-from ostinato.planner.residency import Residency
 from ostinato.planner.served import ServedRoutes, learned_counts, served_path
 
 MODEL = "synth:tiny?layers=2"
@@ -143,7 +143,7 @@ def test_server_counts_its_routes_beside_the_plan(planned):
 
 def test_tally_counts_what_the_router_chose():
     """The tally around the experts backend against the ids the backend itself receives."""
-    from ostinato.engine.factory import load_engine
+    from ostinato.load import load_engine
 
     loaded = load_engine(MODEL, RunnerSettings(device="cpu", max_context=256, count_routes=True), announce=False)
     runner = loaded.runner
@@ -175,7 +175,7 @@ def test_tally_counts_what_the_router_chose():
 
 
 def test_served_routes_decay_by_tokens(tmp_path):
-    from ostinato.planner.profile import RouteCounts
+    from ostinato.engine.routes import RouteCounts
 
     def counts(expert: int, tokens: int) -> RouteCounts:
         rc = RouteCounts.zeros([0], 4)
@@ -198,7 +198,7 @@ def test_served_routes_decay_by_tokens(tmp_path):
 def _skew_served_to_cold(res: Residency, path, tokens: int = 5000, half_life: int = 1000) -> list[tuple]:
     """A served file whose routes all go to two cold experts per layer, outweighing the development
     profile (five half-lives): -> the (layer, expert) pairs it favours."""
-    from ostinato.planner.profile import RouteCounts
+    from ostinato.engine.routes import RouteCounts
 
     layers = sorted(res.hot)
     rc = RouteCounts.zeros(layers, res.num_experts)
@@ -271,7 +271,7 @@ def test_the_tally_counts_inside_the_decode_graph(tiny_dir, tmp_path):
     """Half the experts cold, routes counted: every graph replay still equals the synchronous step
     bit for bit, and the graph's tally equals the synchronous engine's (decode steps counted in
     the captured graph, none from the warm-up once reset)."""
-    from ostinato.engine.factory import load_engine
+    from ostinato.load import load_engine
     from ostinato.loader.source import CheckpointSource
     from tests.test_graph import replay_vs_eager
     from tests.test_hybrid import _residency_for
@@ -296,7 +296,7 @@ def test_the_tally_counts_inside_the_decode_graph(tiny_dir, tmp_path):
 
 def test_a_plan_brings_its_cap_and_context(planned):
     """Served with --residency and neither --gpu-memory nor --max-context: the plan's are used."""
-    from ostinato.engine.factory import load_engine, startup_summary
+    from ostinato.load import load_engine, startup_summary
 
     res = planned["loaded"].residency
     loaded = load_engine(MODEL, RunnerSettings(device="cpu"), PlacementSettings(residency=planned["loaded"].placement.residency),
@@ -307,16 +307,16 @@ def test_a_plan_brings_its_cap_and_context(planned):
 
 def test_plan_with_sessions_profiles_with_no_expert_resident(tmp_path, monkeypatch):
     """`plan --sessions` profiles on the engine planner/auto.load_cold builds, never every expert on the GPU."""
-    import ostinato.engine.factory as factory
+    import ostinato.load
     from ostinato.cli import build_parser
 
-    real, seen = factory.load_engine, []
+    real, seen = ostinato.load.load_engine, []
 
     def spy(model, settings=RunnerSettings(), placement=None, *args, **kw):
         seen.append(Residency.load(placement.residency).hot_count if placement and placement.residency else None)
         return real(model, settings, placement, *args, **kw)
 
-    monkeypatch.setattr(factory, "load_engine", spy)
+    monkeypatch.setattr(ostinato.load, "load_engine", spy)
     cap = _cap_holding(12)
     a = build_parser().parse_args(["plan", "--model", MODEL, "--device", "cpu", "--sessions", "embedded:1",
                                    "--gpu-memory", str(cap), "--max-context", "1024", "--no-verify",
@@ -341,7 +341,7 @@ def test_serve_takes_the_model_as_its_argument(tmp_path):
 
 def test_servers_sharing_a_plan_add_their_routes(tmp_path):
     """Two servers' flushes into one served file: each adds its own routes to what the file holds."""
-    from ostinato.planner.profile import RouteCounts
+    from ostinato.engine.routes import RouteCounts
 
     class Tally:  # what RouteTally.take gives: the routes since the last take
         def __init__(self, expert):

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from ostinato.engine.factory import load_engine, startup_summary, summary_text
+from ostinato.engine.residency import Residency
 from ostinato.engine.runner import RunnerSettings
-from ostinato.planner.residency import Residency
+from ostinato.load import load_engine, startup_summary, summary_text
 from ostinato.server.worker import EngineWorker
 
 
@@ -94,8 +94,8 @@ def test_a_cap_without_a_residency_must_hold_every_expert():
     """--gpu-memory without --residency puts every expert on the GPU: a cap too small for them is
     refused at once with what to do (on a GPU machine load_engine runs this check, then sets the cap)."""
     from ostinato.config import ConfigError
-    from ostinato.engine.factory import check_all_resident_fit
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.load import check_all_resident_fit
     from ostinato.loader.source import open_source
 
     source = open_source("synth:tiny?layers=2")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ostinato.bench.sessions import load_sessions, split_sessions
-from ostinato.engine.factory import load_engine
 from ostinato.engine.runner import ModelRunner, RunnerSettings
+from ostinato.load import load_engine
 from ostinato.loader.source import CheckpointSource
 from ostinato.planner.skew import content_report, hot_share, persistence_report, top_experts, trace_sessions
 from ostinato.synth.build import write_checkpoint

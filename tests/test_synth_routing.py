@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from ostinato.bench.sessions import load_sessions, split_sessions
-from ostinato.engine.factory import load_engine
 from ostinato.engine.runner import RunnerSettings
+from ostinato.load import load_engine
 from ostinato.planner.run_profile import profile_sessions
 from ostinato.planner.skew import hot_share
 

@@ -32,7 +32,11 @@ from ostinato.bench.metrics import TurnResult, summarize, sweep_summary
 from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions
 from ostinato.config import ConfigError
 from ostinato.engine.gpu_memory import memory_figures
+from ostinato.engine.residency import Residency
+from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
+from ostinato.engine.sizes import expert_sizes
+from ostinato.load import load_engine
 from ostinato.policies.settings import OFFLOAD_THRESHOLDS, OSTINATO_STEPS, POLICIES, TUNED, PolicySettings
 
 DEFAULT_HOT_FRACTION = 0.4  # used only when nothing else sizes the budget (the paper's GPU held ~40%)
@@ -104,7 +108,7 @@ def pool_size(loaded, bs: BenchSettings, counts):
     budget's JSON entry: slots of the mean expert, `bytes` every policy's pools must fit, and the
     format groups of Ostinato's plan)."""
     from ostinato.loader.build import expert_formats
-    from ostinato.planner.capacity import CapacitySettings, expert_sizes, pool_groups
+    from ostinato.planner.capacity import CapacitySettings, pool_groups
     from ostinato.planner.pipeline import size_pool
 
     cfg = loaded.runner.config
@@ -142,7 +146,6 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
         return {"value": bs.upload_threshold, "how": "--upload-threshold"}
     if bs.calibration_from:  # measured earlier in this engine on this machine (`ostinato calibrate`)
         from ostinato.planner.calibrate import model_checks
-        from ostinato.planner.residency import Residency
 
         cal = Residency.load(bs.calibration_from).calibration
         if not cal.get("upload_threshold") or not cal.get("layers"):  # a failed calibration leaves only the Np
@@ -178,7 +181,7 @@ def warm_up(loaded, sizes: tuple[int, ...] = (64, 512)) -> None:
     first measured turn: a short warm-up left them to the first policy's first long turn
     (results/2026-12-01-h200-s5/README.md, "Static baselines as graphs")."""
     from ostinato.engine.sampling import SamplingParams
-    from ostinato.planner.calibrate import prompt_ids
+    from ostinato.planner.measure.prefill import prompt_ids
 
     runner = loaded.runner
     largest = min(runner.settings.prefill_chunk, runner.max_context - 4)
@@ -226,12 +229,10 @@ def run_sweep(target, plan) -> list[TurnResult]:
 def tune_threshold(loaded, backend, name, sessions, thresholds, max_turns, log=None,
                    max_output=None) -> dict[int, float]:
     """Total request time of the development tuning sessions for each offload threshold."""
-    from ostinato.policies.ostinato import set_offload_threshold
-
     target = InProcessTarget(loaded)
     totals = {}
     for thr in thresholds:
-        set_offload_threshold(backend, thr)
+        backend.offload_threshold = thr
         loaded.engine.reset()
         rs = replay_sessions(target, sessions, tokenizer=loaded.tokenizer, max_turns=max_turns, max_output=max_output)
         totals[thr] = round(sum(r.request_s or 0.0 for r in rs), 4)
@@ -255,7 +256,6 @@ class Prepared:
 
 def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     """Steps 1-4: split, profile, budget and skew, plan and calibrate."""
-    from ostinato.engine.factory import load_engine
     from ostinato.planner.pipeline import plan_residency
     from ostinato.planner.run_profile import profile_sessions
     from ostinato.planner.skew import trace_sessions
@@ -267,8 +267,6 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     loaded = load_engine(bs.model, bs.runner, experts_factory=_probe_factory(probe))
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] model {bs.model} loaded")
     if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
-        from ostinato.planner.profile import RouteCounts
-
         counts, held_counts = (RouteCounts.load(p) for p in bs.profiles)
         held_stats = None  # per-token statistics are not saved with the counts: no persistence figure
         _say(bs, f"profiles: {counts.sessions} development and {held_counts.sessions} held-out sessions from "
@@ -431,7 +429,6 @@ def _fitting(sessions, loaded, n: int) -> list:
 def _probe_factory(probe: PolicySettings):
     """The profiling backend: `layers` with no resident layer and an offload threshold of 1."""
     from ostinato.loader.build import expert_formats
-    from ostinato.planner.capacity import expert_sizes
     from ostinato.policies.factory import policy_factory
 
     def make(source, runner_settings):
@@ -445,24 +442,23 @@ def _probe_factory(probe: PolicySettings):
 
 def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_plan, np_) -> dict:
     """Tune (where the policy has a threshold), replay the held-out sessions, run the sweep."""
-    from ostinato.policies.ostinato import inner, offload_threshold, resident_experts, set_offload_threshold
-
-    entry: dict = {"resident_experts": resident_experts(backend), "decode_graph": loaded.runner.graphs is not None}
-    cpu = getattr(inner(backend), "cpu", None)
+    entry: dict = {"resident_experts": backend.resident_experts(), "decode_graph": loaded.runner.graphs is not None}
+    cpu = backend.cpu
     if cpu is not None:  # the pool's workers (a host-driven baseline's host thread is its last worker)
         entry["cpu_workers"] = list(cpu.cpus)
     if bs.tune and name in TUNED and tune_set:
         turns = bs.tune_max_turns or bs.max_turns
         totals = tune_threshold(loaded, backend, name, tune_set, bs.thresholds, turns, _log(bs), bs.max_output)
         best = min(totals, key=totals.get)
-        set_offload_threshold(backend, best)
+        backend.offload_threshold = best
         entry["tuning"] = {"offload_threshold": totals, "chosen": best}
-    if name not in OSTINATO_STEPS and offload_threshold(backend) is not None:
-        entry["offload_threshold"] = offload_threshold(backend)
+    if name not in OSTINATO_STEPS and backend.offload_threshold is not None:
+        entry["offload_threshold"] = backend.offload_threshold
     if name in OSTINATO_STEPS:
-        entry["upload_threshold"] = inner(backend).upload_threshold
-        entry["split_uploads"] = inner(backend).mixed is not None  # Np unused then (layers/moe/hybrid.py)
-        entry["borrowing"] = inner(backend).borrow is not None
+        hybrid = backend.unwrapped  # a HybridExperts (the decode graph's wrapper hands its passes to it)
+        entry["upload_threshold"] = hybrid.upload_threshold
+        entry["split_uploads"] = hybrid.mixed is not None  # Np unused then (layers/moe/hybrid.py)
+        entry["borrowing"] = hybrid.borrow is not None
     loaded.engine.reset()
     before = loaded.runner.placement_stats()
     t0 = time.perf_counter()

@@ -90,7 +90,7 @@ def cmd_replay(a) -> int:
 def _in_process(a):
     from ostinato.bench.bench import warm_up
     from ostinato.bench.replay import InProcessTarget
-    from ostinato.engine.factory import load_engine
+    from ostinato.load import load_engine
     from ostinato.policies.factory import policy_factory
 
     rs = runner_settings(a)

@@ -1,7 +1,7 @@
 """MoE layers split across the GPUs of one host: the runner's side of it.
 
-Each decoder layer lives on one device (contiguous ranges, planned by planner/assign.py
-and stored in the residency file): its dense weights, its KV cache and the pool slots of
+Each decoder layer lives on one device (contiguous ranges, engine/assign.py, planned and
+stored in the residency file): its dense weights, its KV cache and the pool slots of
 its hot experts. The embedding sits on the first device, the final norm and lm_head on
 the last; a pass hands the hidden state (and cos/sin) to the next device at each range
 boundary. Every device has its own ExpertPool and index table and its own HybridExperts
@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 from ostinato.config import ConfigError
+from ostinato.engine.assign import assign_devices, layer_map
 from ostinato.engine.kv_cache import allocate, layer_views
 from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import host_embedding, load_experts
 from ostinato.models.common import DecodeWindow
-from ostinato.planner.assign import assign_devices, layer_map
 
 
 def physical(name: str) -> torch.device:
@@ -78,7 +78,7 @@ def in_order(layer_devices: list[str]) -> list[str]:
 def resolve_layer_devices(cfg, names: list[str], residency, kv_tokens: int, dtype: torch.dtype) -> list[str] | None:
     """Each decoder layer's device, or None for a one-device run. A residency planned for
     several devices brings its own assignment (the names given, if any, must be its devices);
-    otherwise several names get the balanced assignment of planner/assign.py, equal caps."""
+    otherwise several names get the balanced assignment of engine/assign.py, equal caps."""
     planned = residency.layer_devices(cfg.num_hidden_layers) if residency is not None else None
     if planned is not None:
         if len(names) > 1 and names != list(residency.devices):
@@ -209,8 +209,22 @@ class SplitExperts(MoEBackend):
     def after_decode_step(self) -> None:
         self._each(lambda b: b.after_decode_step())
 
+    @property
+    def offload_threshold(self) -> int | None:
+        """Np: every device's backend has the same (engine/placement.py build_split_hybrid)."""
+        return next((b.offload_threshold for b in self.backends.values()), None)
+
+    @offload_threshold.setter
+    def offload_threshold(self, n: int | None) -> None:
+        for b in self.backends.values():
+            b.offload_threshold = n
+
+    def resident_experts(self) -> int:
+        return sum(b.resident_experts() for b in self.backends.values())
+
     def close(self) -> None:
-        """Stop each device's graph worker (the CPU pool they share is left as it is)."""
+        """Close each device's backend: its graph worker, then the CPU pool and the host experts
+        the devices share (the first device closes those; the others find them closed)."""
         self._each(lambda b: b.close())
 
     def stats(self) -> dict[str, float]:

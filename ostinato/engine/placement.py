@@ -19,13 +19,13 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.engine.devices import SplitExperts, device_scope, gpus_in_order, in_order, physical, resolve_layer_devices
 from ostinato.engine.gpu_memory import apply_memory_cap
+from ostinato.engine.residency import Residency
 from ostinato.engine.threads import ThreadLayout
 from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPools, HostExperts
 from ostinato.loader.build import EXPERT_MODES, expert_formats, load_layer_experts
-from ostinato.planner.residency import Residency
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ import torch
 from ostinato.engine import devices as split
 from ostinato.engine.graph import DecodeGraphs, window_sizes
 from ostinato.engine.kv_cache import KVCache
+from ostinato.engine.routes import RouteTally
 from ostinato.engine.threads import ThreadLayout, claim_host_thread, process_layout
 from ostinato.layers.moe.graph_hybrid import for_graphs
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import build_model, load_all_experts
 from ostinato.models.common import DecodeWindow
-from ostinato.planner.served import RouteTally
 
 
 def default_device() -> torch.device:
@@ -41,7 +41,7 @@ class RunnerSettings:
     cuda_graph: bool = True  # decode as captured graphs (one per device), when the experts backend allows it
     devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": MoE layers split across them, in order
     cpu_threads: int | None = None  # CPU expert workers; default: every physical core the layout leaves
-    count_routes: bool = False  # tally every pass's routes on the device (planner/served.py: serve learns from them)
+    count_routes: bool = False  # tally every pass's routes on the device (engine/routes.py: serve learns from them)
 
     def thread_layout(self, layer_devices: Sequence[str] | None = None, graphs: bool = True) -> ThreadLayout:
         """The process's thread layout (engine/threads.py) for these devices (default: the
@@ -79,8 +79,8 @@ class ModelRunner:
         self.device = settings.torch_device()
         self.dtype = settings.torch_dtype(self.config.torch_dtype)
         max_context = settings.context(self.config)
-        self.layer_devices = getattr(experts, "layer_devices", None) or split.resolve_layer_devices(
-            self.config, settings.device_names(), None, max_context, self.dtype)
+        self.layer_devices = (experts.layer_devices if experts is not None else None) or \
+            split.resolve_layer_devices(self.config, settings.device_names(), None, max_context, self.dtype)
         self.threads = settings.thread_layout(self.layer_devices)
         self._step_done = None  # a blocking event, where the host thread shares a poller's core
         # the routes of every pass, counted where the model calls its experts (inside graphs too)

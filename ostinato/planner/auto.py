@@ -58,7 +58,7 @@ class AutoPlan:
 def plan_key(source, settings, place, sessions: str = DEFAULT_SESSIONS) -> dict:
     """What a plan depends on (module docstring); `sessions`: the spec it profiles (a file or folder
     by its resolved path)."""
-    from ostinato.planner.residency import model_fingerprint
+    from ostinato.engine.residency import model_fingerprint
 
     cfg, device = source.config, settings.torch_device()
     gpu = {"name": device_name(device)}
@@ -85,7 +85,7 @@ def load_planned(model: str, settings, place, auto: AutoPlan = AutoPlan(), progr
     """The engine for `model` under `place.gpu_memory` with no residency given: every expert on the
     GPU when they all fit under the cap, else the cached plan, else a plan made now (module
     docstring). -> a Loaded whose `residency` and `placement.residency` name the plan used."""
-    from ostinato.engine.factory import all_resident_fit, load_engine
+    from ostinato.load import all_resident_fit, load_engine
     from ostinato.loader.source import open_source
 
     if place.residency or place.gpu_memory is None:
@@ -116,7 +116,7 @@ def load_cold(model: str, source, settings, place, path: Path):
     """The engine with no expert resident: the dense part, the KV cache and an empty pool (its zero
     and flex slots) under the cap, every expert in host memory; the plan it runs is written to
     `path`. Profiling runs on it, so that it never needs every expert on the GPU."""
-    from ostinato.engine.factory import load_engine
+    from ostinato.load import load_engine
     from ostinato.loader.build import expert_formats
     from ostinato.planner.pipeline import plan_residency, size_pool
 
@@ -131,14 +131,13 @@ def load_cold(model: str, source, settings, place, path: Path):
 def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, progress):
     from ostinato.bench.sessions import load_sessions
     from ostinato.engine.placement import apply_calibration, hybrid_factory
+    from ostinato.engine.routes import RouteCounts
     from ostinato.loader.build import expert_formats
     from ostinato.planner.calibrate import calibrate, model_checks
     from ostinato.planner.pipeline import plan_residency, route_report, size_pool
-    from ostinato.planner.profile import RouteCounts
     from ostinato.planner.run_profile import profile_sessions
     from ostinato.planner.served import ServedRoutes, learned_counts, served_path
     from ostinato.policies.factory import release, use_policy
-    from ostinato.policies.ostinato import inner
 
     cfg = source.config
     dtype = settings.torch_dtype(cfg.torch_dtype)
@@ -193,7 +192,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     if dev is not None:
         cal["model"] = {"profile": str(dev_path), **model_checks(cal, dev, res.hot, cfg)}
     res.calibration = cal
-    apply_calibration(inner(loaded.runner.experts), final, res)
+    apply_calibration(loaded.runner.experts.unwrapped, final, res)
     loaded.engine.reset()
     lap("calibrate")
     res.notes["phases_s"] = times

@@ -19,9 +19,9 @@
 * real bytes: a quantized model keeps its experts in their GGUF blocks, one pool per
   format (a Q4_K_M file: Q4_K/Q4_K and Q4_K/Q6_K layers), each with its own K zero slots
   and flex slots; so the pool costs sum over groups g of bytes_g * (hot_g + K + flex_g),
-  with bytes_g one expert in g's format (`expert_sizes`). Adding an expert adds bytes_g and
-  can lower flex_g by at most one slot of the same size, so the cost still never decreases
-  with s and the same bisection runs on bytes. A float model is one group.
+  with bytes_g one expert in g's format (`expert_sizes`, engine/sizes.py). Adding an expert
+  adds bytes_g and can lower flex_g by at most one slot of the same size, so the cost still
+  never decreases with s and the same bisection runs on bytes. A float model is one group.
 
 Everything here is a pure function of the config, the counts and the settings; the
 verification (planner/verify.py) runs the largest pass of the longest request in the
@@ -38,10 +38,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.engine.kv_cache import KVCache
-from ostinato.layers.moe.pool import expert_nbytes
-from ostinato.loader.build import host_embedding
-from ostinato.models.registry import attention_shape, new_model, param_bytes
+from ostinato.engine.sizes import dense_parts, dense_weight_bytes, expert_bytes, expert_sizes, itemsize, kv_bytes
+from ostinato.models.registry import attention_shape
 from ostinato.planner.fill import fill
 
 GiB = 2**30
@@ -111,39 +109,6 @@ class Capacity:
         return rows
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Every parameter of the model (experts are not parameters) in the compute dtype (those the
-    model keeps in fp32, a router say, in fp32), but the embedding table where it stays in host
-    memory (loader/build.py host_embedding: a GPU runner's, unless tied to the head)."""
-    model = new_model(cfg)
-    total = param_bytes(model, dtype)
-    if host_embedding(cfg, "cuda"):
-        total -= param_bytes(model, dtype, model.model.embed_tokens.named_parameters())
-    return total
-
-
-def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """One pool slot: w13 [2F, D] and w2 [D, F] in the compute dtype (and fp32 biases, gpt-oss)."""
-    D, F = cfg.hidden_size, cfg.moe_intermediate_size
-    return expert_nbytes((2 * F, D), (D, F), None, dtype, cfg.expert_bias)
-
-
-def expert_sizes(cfg: ModelConfig, dtype: torch.dtype, formats: dict | None = None) -> dict[int, tuple[str, int]]:
-    """Each MoE layer's pool group and one expert's bytes there: its GGUF blocks (formats[layer] =
-    (qt13, qt2), from loader.build.expert_formats) as row_bytes counts them, or the compute dtype."""
-    D, F = cfg.hidden_size, cfg.moe_intermediate_size
-    out = {}
-    for l in cfg.moe_layers:
-        qt = (formats or {}).get(l)
-        name = str(dtype).removeprefix("torch.") if qt is None else "/".join(qt)
-        out[l] = (name, expert_nbytes((2 * F, D), (D, F), qt, dtype, cfg.expert_bias))
-    return out
-
-
 def pool_groups(counts: dict[int, torch.Tensor], hot_slots: int, top_k: int, num_experts: int,
                 sizes: dict[int, tuple[str, int]]) -> dict[str, dict]:
     """The pools fill(counts, hot_slots) needs, one per format: layers, expert bytes, hot, K zero
@@ -182,11 +147,6 @@ def largest_fitting(need, limit: int, most: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype, layers: int | None = None) -> int:
-    """The KV cache of `layers` decoder layers (default: all) for `tokens` tokens."""
-    return KVCache.bytes_needed(cfg, tokens, dtype, layers)
 
 
 def gpu_score_share(cfg: ModelConfig, dtype: torch.dtype) -> float:
@@ -297,16 +257,6 @@ def fmt_bytes(x: float) -> str:
 _gib = fmt_bytes
 
 
-def dense_parts(cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[int], int, int]:
-    """(dense bytes of each decoder layer, embedding bytes on the first GPU (none where the table
-    stays in host memory: host_embedding), final norm + lm_head bytes)."""
-    model = new_model(cfg)
-    size = lambda m: param_bytes(model, dtype, m.named_parameters())  # noqa: E731
-    layers = [size(layer) for layer in model.model.layers]
-    head = size(model.model.norm) + model.lm_head.weight.numel() * itemsize(dtype)  # a copy of its own when tied
-    return layers, 0 if host_embedding(cfg, "cuda") else size(model.model.embed_tokens), head
-
-
 def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
                   dtype: torch.dtype, settings: CapacitySettings = CapacitySettings(),
                   slots: int | None = None, *, layers: list[int] | None = None, first: bool = True,
@@ -355,3 +305,13 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     zero, flex = sum(g["zero"] for g in groups.values()), sum(g["flex"] for g in groups.values())
     return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, zero, flex, hot,
                     best, str(dtype).removeprefix("torch."), act, groups)
+
+
+def device_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
+                    dtype: torch.dtype, layers: list[int], first: bool, last: bool,
+                    settings: CapacitySettings = CapacitySettings(), slots: int | None = None,
+                    name: str = "device", formats: dict | None = None) -> Capacity:
+    """The capacity test of one device holding `layers` (plan_capacity restricted to them), for a
+    model split over the GPUs of one host (engine/assign.py gives each its layers)."""
+    return plan_capacity(cfg, counts, budget, kv_tokens, dtype, settings, slots, layers=layers, first=first,
+                         last=last, label=name, formats=formats)

@@ -36,7 +36,7 @@ def spread(items: list, n: int) -> list:
 
 
 def cmd_profile(a) -> int:
-    from ostinato.engine.factory import load_engine
+    from ostinato.load import load_engine
     from ostinato.planner.run_profile import profile_sessions
 
     loaded = load_engine(a.model, runner_settings(a), placement_settings(a))
@@ -62,7 +62,7 @@ def skew_summary(counts) -> str:
 
 def cmd_skew(a) -> int:
     from ostinato.bench.sessions import split_sessions
-    from ostinato.engine.factory import load_engine
+    from ostinato.load import load_engine
     from ostinato.planner.skew import (content_report, hot_share, persistence_report, spread_report, top_experts,
                                        trace_sessions)
 
@@ -99,7 +99,7 @@ def cmd_skew(a) -> int:
 def _plan_profile(a, source):
     """The development profile: from --profile, profiled now from --sessions (on an engine with no
     expert resident, under --gpu-memory if given: planner/auto.py), or none."""
-    from ostinato.planner.profile import RouteCounts
+    from ostinato.engine.routes import RouteCounts
 
     if a.profile:
         return RouteCounts.load(a.profile), a.profile
@@ -197,11 +197,11 @@ def _verify(a, res, cap, device) -> None:
 
 
 def cmd_plan(a) -> int:
+    from ostinato.engine.residency import Residency, model_fingerprint
+    from ostinato.engine.routes import RouteCounts
     from ostinato.loader.build import expert_formats
     from ostinato.loader.source import open_source
     from ostinato.planner.pipeline import plan_residency
-    from ostinato.planner.profile import RouteCounts
-    from ostinato.planner.residency import Residency, model_fingerprint
 
     if a.from_served:
         return plan_from_served(a)
@@ -253,12 +253,12 @@ def plan_from_served(a) -> int:
     import shutil
 
     from ostinato.config import parse_bytes
+    from ostinato.engine.residency import Residency
+    from ostinato.engine.routes import RouteCounts
     from ostinato.engine.runner import RunnerSettings
     from ostinato.loader.build import expert_formats
     from ostinato.loader.source import open_source
     from ostinato.planner.pipeline import plan_residency, route_report, size_pool
-    from ostinato.planner.profile import RouteCounts
-    from ostinato.planner.residency import Residency
     from ostinato.planner.served import ServedRoutes, learned_counts, served_path
 
     old = Residency.load(a.from_served)
@@ -306,13 +306,13 @@ def plan_from_served(a) -> int:
 
 
 def _plan_split(a, cfg, counts, prof, names: list[str], formats=None):
-    """Several GPUs: contiguous layer ranges balanced by memory (planner/assign.py), a capacity
+    """Several GPUs: contiguous layer ranges balanced by memory (engine/assign.py), a capacity
     test per device with --gpu-memory as each device's cap, then each device's slots filled
     from its own layers. -> (hot, devices, budget per device, capacity)."""
     from ostinato.config import parse_bytes
+    from ostinato.engine.assign import assign_devices
     from ostinato.engine.runner import RunnerSettings
-    from ostinato.planner.assign import assign_devices, device_capacity
-    from ostinato.planner.capacity import CapacitySettings, fmt_bytes
+    from ostinato.planner.capacity import CapacitySettings, device_capacity, fmt_bytes
     from ostinato.planner.fill import fill_per_device
 
     dtype = RunnerSettings(device=names[0], dtype=a.dtype).torch_dtype(cfg.torch_dtype)
@@ -345,10 +345,10 @@ def _plan_split(a, cfg, counts, prof, names: list[str], formats=None):
 def cmd_calibrate(a) -> int:
     import dataclasses
 
-    from ostinato.engine.factory import load_engine
+    from ostinato.engine.residency import Residency
+    from ostinato.engine.routes import RouteCounts
+    from ostinato.load import load_engine
     from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
-    from ostinato.planner.profile import RouteCounts
-    from ostinato.planner.residency import Residency
 
     if not a.residency:
         raise ValueError("give --residency (a plan from `ostinato plan`)")

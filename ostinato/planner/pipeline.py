@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.planner.capacity import Capacity, CapacitySettings, expert_bytes, expert_sizes, max_hot_bytes, plan_capacity, \
-    pool_groups
+from ostinato.engine.residency import Residency, model_fingerprint
+from ostinato.engine.sizes import expert_bytes, expert_sizes
+from ostinato.planner.capacity import Capacity, CapacitySettings, max_hot_bytes, plan_capacity, pool_groups
 from ostinato.planner.fill import cold_routes, fill
-from ostinato.planner.residency import Residency, model_fingerprint
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Routing profile: how many routes each (layer, expert) receives in a set of sessions.
+"""Routing profile: how many routes each (layer, expert) receives in a set of sessions (a
+RouteCounts, engine/routes.py).
 
 A session's turns form one token stream: turn i+1's prompt begins with turn i's prompt
 and its (forced) output, which is what lets the engine reuse the KV cache. So a session
@@ -10,12 +11,11 @@ Legend: L MoE layers (indexed by model layer), E experts, T tokens of a pass, K 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from ostinato.engine.routes import RouteCounts
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -50,53 +50,6 @@ def session_stream(session, tok, max_tokens: int | None = None) -> SessionStream
 
 def turn_tools(session):
     return session.tools or None
-
-
-@dataclass
-class RouteCounts:
-    """counts[phase][layer] = routes per expert, phase in {'prefill', 'decode'}."""
-
-    prefill: dict[int, torch.Tensor]
-    decode: dict[int, torch.Tensor]
-    tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
-    sessions: int = 0
-    max_tokens: int = 0  # the longest session stream (= longest request: prompt + output), in tokens
-
-    @classmethod
-    def zeros(cls, layers: list[int], num_experts: int, device="cpu") -> "RouteCounts":
-        z = lambda: {l: torch.zeros(num_experts, dtype=torch.int64, device=device) for l in layers}  # noqa: E731
-        return cls(z(), z())
-
-    def total(self, phase: str = "all") -> dict[int, torch.Tensor]:
-        if phase == "all":
-            return {l: self.prefill[l] + self.decode[l] for l in self.prefill}
-        return getattr(self, phase)
-
-    def to_json(self) -> dict:
-        return {"version": 1, "sessions": self.sessions, "tokens": self.tokens, "max_tokens": self.max_tokens,
-                "prefill": {str(l): c.tolist() for l, c in self.prefill.items()},
-                "decode": {str(l): c.tolist() for l, c in self.decode.items()}}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "RouteCounts":
-        t = lambda m: {int(l): torch.tensor(c, dtype=torch.int64) for l, c in m.items()}  # noqa: E731
-        return cls(t(d["prefill"]), t(d["decode"]), dict(d["tokens"]), d.get("sessions", 0), d.get("max_tokens", 0))
-
-    def layer_top_shares(self, fraction: float, phase: str = "all") -> dict[int, float]:
-        """Per layer: the share of its routes on its own top `fraction` of experts (skew figure)."""
-        out = {}
-        for l, c in self.total(phase).items():
-            c = torch.sort(c.double(), descending=True).values
-            n = max(1, round(fraction * c.numel()))
-            out[l] = float(c[:n].sum() / c.sum()) if c.sum() > 0 else 0.0
-        return out
-
-    def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json()) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> "RouteCounts":
-        return cls.from_json(json.loads(Path(path).read_text()))
 
 
 class CountingExperts:

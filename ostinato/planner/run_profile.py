@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from ostinato.planner.profile import CountingExperts, RouteCounts, session_stream
+from ostinato.engine.routes import RouteCounts
+from ostinato.planner.profile import CountingExperts, session_stream
 
 
 def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profile", wrap=None,

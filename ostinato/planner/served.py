@@ -1,11 +1,9 @@
 """What a server routes, kept beside its plan, so that the next plan learns from the user's own sessions.
 
-`RouteTally` counts every routed (layer, expert) of the passes the engine runs, on the device, by
-phase (a one-token pass is decode). The runner puts it around the experts backend the model calls
-(engine/runner.py), so captured decode graphs count too: one index_add of K ids per MoE layer and
-step, no host sync.
+The runner's `RouteTally` (engine/routes.py) counts every routed (layer, expert) of the passes the
+engine runs, on the device, by phase, captured decode graphs included.
 
-`ServedRoutes` keeps the tally in `<plan>.served.json` (a RouteCounts file, planner/profile.py) with
+`ServedRoutes` keeps the tally in `<plan>.served.json` (a RouteCounts file, engine/routes.py) with
 exponential decay by tokens: a route counted t tokens ago weighs 0.5 ** (t / half_life). The
 development profile the plan was made from counts as routes served before the first one, so it
 fades the same way (`learned_counts`): after a few half-lives of the user's traffic, the plan is
@@ -22,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ostinato.layers.moe.types import TopKOutput
-from ostinato.planner.profile import RouteCounts
+from ostinato.engine.routes import RouteCounts, RouteTally
 
 log = logging.getLogger("ostinato")
 
@@ -35,59 +32,6 @@ def served_path(residency: str | Path) -> Path:
     """Where the routes served with a plan are kept: beside it."""
     p = Path(residency)
     return p.with_name(p.stem + ".served.json")
-
-
-class RouteTally:
-    """Routes per (phase, layer, expert) of the passes run, counted on each layer's device."""
-
-    PHASES = ("prefill", "decode")
-
-    def __init__(self, layers: list[int], num_experts: int, top_k: int):
-        self.layers, self.num_experts, self.top_k = list(layers), num_experts, top_k
-        self.counts: dict[int, torch.Tensor] = {}  # layer -> [2, E] int64, allocated at its first pass
-        self._one: dict[torch.device, torch.Tensor] = {}  # a 1 per device, expanded to each pass's ids
-
-    def wrap(self, backend):
-        return _Counting(backend, self)
-
-    def add(self, layer: int, topk: TopKOutput) -> None:
-        c = self.counts.get(layer)
-        if c is None:
-            c = self.counts[layer] = torch.zeros(2, self.num_experts, dtype=torch.int64, device=topk.ids.device)
-        ids = topk.ids.reshape(-1)
-        one = self._one.get(ids.device)
-        if one is None:
-            one = self._one[ids.device] = torch.ones(1, dtype=torch.int64, device=ids.device)
-        c[int(topk.ids.shape[0] == 1)].index_add_(0, ids, one.expand(ids.numel()))
-
-    @torch.inference_mode()  # the counters were made inside the runner's passes
-    def reset(self) -> None:
-        """Zero in place (captured graphs keep adding into the same buffers)."""
-        for c in self.counts.values():
-            c.zero_()
-
-    def take(self) -> RouteCounts:
-        """The counts so far, on the host, and zero the tally."""
-        rc = RouteCounts.zeros(self.layers, self.num_experts)
-        for layer, c in self.counts.items():
-            host = c.cpu()
-            rc.prefill[layer], rc.decode[layer] = host[0].clone(), host[1].clone()
-        self.reset()
-        first = next(iter(rc.prefill), None)
-        for phase in self.PHASES:  # every token routes K experts in every MoE layer
-            rc.tokens[phase] = int(getattr(rc, phase)[first].sum()) // self.top_k if first is not None else 0
-        return rc
-
-
-class _Counting:
-    """The backend the model calls: counts, then the backend that computes."""
-
-    def __init__(self, inner, tally: RouteTally):
-        self.inner, self.tally = inner, tally
-
-    def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        self.tally.add(layer, topk)
-        return self.inner(layer, x, topk)
 
 
 def _decay(rc: RouteCounts, factor: float) -> RouteCounts:

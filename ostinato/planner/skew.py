@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.planner.profile import RouteCounts
+from ostinato.engine.routes import RouteCounts
 from ostinato.planner.run_profile import profile_sessions
 from ostinato.synth.weights import TOKEN_CLASSES, token_classes
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.factory import load_engine
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
+from ostinato.load import load_engine
 from ostinato.planner.capacity import Capacity
 
 

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.planner.profile import RouteCounts
-from ostinato.planner.residency import Residency
+from ostinato.engine.gpu_memory import apply_memory_cap
+from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD, PlacementSettings, build_hybrid
+from ostinato.engine.residency import Residency
+from ostinato.engine.routes import RouteCounts
 from ostinato.policies.base import ModelExperts, pools_bytes
 from ostinato.policies.caches import DecayingCachePolicy, ExpertCachePolicy
-from ostinato.policies.ostinato import close_backend, hybrid_from_parts
 from ostinato.policies.settings import OSTINATO_STEPS, PolicySettings, check_policy
-from ostinato.policies.static import BUILDERS
+from ostinato.policies.static import BUILDERS, hybrid_from_parts
 
 # policy -> build(spec, budget bytes, settings, development counts); the static placements run on
 # the one executor (HybridExperts) and decode as one CUDA graph per GPU; the caches decide per pass
@@ -66,7 +67,7 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
     check_policy(name)
     if name in OSTINATO_STEPS:
         residency = _ostinato_residency(spec, settings, name)
-        np_ = settings.upload_threshold or residency.calibration.get("upload_threshold") or _default_np()
+        np_ = settings.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
         upload = OSTINATO_STEPS[name][0]
         return hybrid_from_parts(spec, residency.hot, int(np_) if upload else None, settings.cpu_backend)
     settings = settings.with_(residency=load_residency(settings.residency))
@@ -77,9 +78,6 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
 
 def make_policy(name: str, source, runner_settings, settings: PolicySettings = PolicySettings()):
     """The experts backend of policy `name` for a model's weight source, under settings.gpu_memory."""
-    from ostinato.engine.gpu_memory import apply_memory_cap
-    from ostinato.engine.placement import PlacementSettings, build_hybrid
-
     check_policy(name)
     spec = ModelExperts.from_source(source, runner_settings, graphs=name not in CACHES, experts=settings.experts)
     if name in OSTINATO_STEPS:
@@ -102,7 +100,7 @@ def make_policy(name: str, source, runner_settings, settings: PolicySettings = P
 
 
 def policy_factory(name: str, settings: PolicySettings = PolicySettings()):
-    """An experts factory for ostinato.engine.factory.load_engine(..., experts_factory=...)."""
+    """An experts factory for ostinato.load.load_engine(..., experts_factory=...)."""
     check_policy(name)
     return lambda source, runner_settings: make_policy(name, source, runner_settings, settings)
 
@@ -123,7 +121,8 @@ def release(loaded) -> None:
     runner = loaded.runner
     old = runner.experts
     runner.set_experts(None)
-    close_backend(old)
+    if old is not None:
+        old.close()
     # the backend's reference cycles (hybrid <-> borrowing <-> graph backend) are collected only
     # once nothing here names it: on the H200 the next policy's pool failed to fit beside it
     del old
@@ -149,9 +148,3 @@ def _check_budget(spec: ModelExperts, settings: PolicySettings, residency: Resid
         raise ConfigError(f"the residency needs {need / 2**20:.1f} MiB of expert pool ({residency.hot_count} hot "
                           f"experts, {spec.top_k} zero slots per format group, the rest flex) but the budget is "
                           f"{budget / 2**20:.1f} MiB: plan for this budget")
-
-
-def _default_np() -> int:
-    from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD
-
-    return DEFAULT_UPLOAD_THRESHOLD

@@ -46,8 +46,19 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.layers.moe.hybrid import HybridExperts
-from ostinato.policies.base import ModelExperts, check_fits, pools_bytes
-from ostinato.policies.ostinato import hybrid_from_parts
+from ostinato.policies.base import ModelExperts, build_parts, check_fits, pools_bytes
+
+
+def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int | None,
+                      cpu_backend="auto", flex: int | None = None, upload_all: bool = False) -> HybridExperts:
+    """A static placement over the one executor, from a spec: `hot` resident, `flex` slots for
+    the upload path (default: each format group's most cold experts of a layer; 0 without an
+    upload path)."""
+    cold = {l: sorted(set(range(spec.num_experts)) - set(hot.get(l, []))) for l in spec.moe_layers}
+    pools, host, cpu = build_parts(spec, hot, cold, flex, cpu_backend)
+    for l in spec.moe_layers:  # HybridExperts reads every layer's host table, resident-only layers too
+        host.compact.setdefault(l, torch.full((spec.num_experts,), -1, dtype=torch.int32))
+    return HybridExperts(pools, host, cpu, upload_threshold, spec.max_tokens, upload_all=upload_all)
 
 
 def cpu_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from ostinato.engine.factory import load_engine, startup_summary, summary_text
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
+from ostinato.load import load_engine, startup_summary, summary_text
 from ostinato.planner.auto import AutoPlan, load_planned
 from ostinato.planner.served import ServedRoutes, served_path
 from ostinato.server.handlers import DEFAULT_MAX_BODY

@@ -64,7 +64,7 @@ class Failed:
 
 
 class EngineWorker:
-    """`load(progress)` -> a `Loaded` (ostinato.engine.factory), called on the engine thread;
+    """`load(progress)` -> a `Loaded` (ostinato.load), called on the engine thread;
     progress(phase, done=None, of=None) says where the load is (/health shows it)."""
 
     def __init__(self, load: Callable[[Callable[[str], None]], object], warmup: bool = True):

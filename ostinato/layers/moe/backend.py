@@ -1,9 +1,10 @@
-"""The experts backend as the runner sees it: the model's one call (models/qwen3_moe.py) and the
-hooks the runner, the decode graphs and a split model's devices call around passes.
+"""The experts backend as the runner sees it: the model's one call (models/qwen3_moe.py), the
+hooks the runner, the decode graphs and a split model's devices call around passes, and what
+its owners ask of it (a report, a threshold to tune, its end).
 
 Every backend (the reference, the hybrid and its graph wrapper, the caches, a split model's
 set of per-device backends) derives from MoEBackend, so a hook it does not need is the no-op
-here and the callers call each hook directly.
+here and the callers call each hook directly; a wrapper answers for what it wraps.
 
 Legend: T tokens, K top-k, D hidden.
 """
@@ -18,6 +19,11 @@ class MoEBackend:
     capturable = False  # a decode step through it may be captured as one CUDA graph as it is
     segmented = False  # or as graph segments it cuts where it needs the host (engine/graph.py GraphChain)
     device: torch.device | None = None
+    layer_devices: list[str] | None = None  # each decoder layer's device, where it spans several (engine/devices.py)
+    cpu = None  # the CpuExperts pool that computes its host experts, if it has one
+    # passes of at least this many tokens take its upload path (None: it has none); settable, so a
+    # bench can tune it (HybridExperts calls it Np, its upload_threshold)
+    offload_threshold: int | None = None
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """x [T, D], topk ids / weights [T, K] -> routing-weighted sum of the experts [T, D]."""
@@ -45,5 +51,16 @@ class MoEBackend:
         """Cumulative placement counters (routes, cold routes, CPU experts, bytes uploaded, ...)."""
         return {}
 
+    def resident_experts(self) -> int:
+        """Experts it keeps on the GPU for reuse across passes (resident or cached)."""
+        return 0
+
+    @property
+    def unwrapped(self) -> "MoEBackend":
+        """The backend that holds the placement: itself, or the one a wrapper (the decode graph's
+        handshake, layers/moe/graph_hybrid.py) hands its passes to."""
+        return self
+
     def close(self) -> None:
-        """Stop its threads; after this it serves no pass."""
+        """Stop its threads and return its page-locked host memory (a wrapper: what it wraps too);
+        after this it serves no pass."""

@@ -47,7 +47,7 @@ class GraphHybridExperts(MoEBackend):
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
         self.worker.start(1)
-        atexit.register(self.close)
+        atexit.register(self.stop)
 
     def before_step(self) -> None:
         """First thing of a graph step: the device-side step number moves on."""
@@ -68,13 +68,39 @@ class GraphHybridExperts(MoEBackend):
     def before_prefill(self) -> None:
         self.hybrid.before_prefill()
 
-    def close(self) -> None:
-        atexit.unregister(self.close)  # the registration holds this backend, and so its pool, alive
+    @property
+    def unwrapped(self) -> HybridExperts:
+        return self.hybrid
+
+    @property
+    def offload_threshold(self) -> int | None:
+        return self.hybrid.offload_threshold
+
+    @offload_threshold.setter
+    def offload_threshold(self, n: int | None) -> None:
+        self.hybrid.offload_threshold = n
+
+    @property
+    def cpu(self):
+        return self.hybrid.cpu
+
+    def resident_experts(self) -> int:
+        return self.hybrid.resident_experts()
+
+    def stop(self) -> None:
+        """Stop the worker: the hybrid it wraps stays as it is (to serve host-driven, or to be
+        wrapped again); at exit, this is all that is done."""
+        atexit.unregister(self.stop)  # the registration holds this backend, and so its pool, alive
         if self.hybrid.borrow is not None:
             self.hybrid.borrow.on_switch = None  # no cycle through the closed worker
         if self.worker.running:
             torch.cuda.synchronize(self.device)  # no replay may be left waiting on the worker
             self.worker.stop()
+
+    def close(self) -> None:
+        """Stop the worker, then close the hybrid (its CPU pool, its page-locked host experts)."""
+        self.stop()
+        self.hybrid.close()
 
     def stats(self) -> dict[str, float]:
         out = dict(self.hybrid.stats())

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,19 @@ class HybridExperts(MoEBackend):
         """The pool of a one-group placement (every float model); ConfigError with several."""
         return self.pools.single("this use of the pool")
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens one pass may have: the rows of the host staging buffers."""
+        return self.x_host.shape[0]
+
+    def hot_experts(self, layer: int) -> torch.Tensor:
+        """The experts of a layer with a slot in its pool now (resident, or lent a flex slot)."""
+        return (self.pools.of(layer).table_host[layer] >= 0).nonzero().flatten()
+
+    def cold_experts(self, layer: int) -> torch.Tensor:
+        """The experts of a layer held in host memory (the CPU branch's and the upload path's)."""
+        return (self.host.compact[layer] >= 0).nonzero().flatten()
+
     def after_decode_step(self) -> None:
         if self.borrow is not None:
             self.borrow.end_step()
@@ -162,6 +176,25 @@ class HybridExperts(MoEBackend):
         """A decode step can be captured as a graph when no layer needs the CPU (all experts
         resident); with cold experts the graph needs the handshake backend (graph_hybrid)."""
         return not any(self.has_cold.values())
+
+    @property
+    def offload_threshold(self) -> int | None:
+        """Np (upload_threshold), as every backend names it."""
+        return self.upload_threshold
+
+    @offload_threshold.setter
+    def offload_threshold(self, n: int | None) -> None:
+        self.upload_threshold = n
+
+    def resident_experts(self) -> int:
+        return self.pools.num_hot
+
+    def close(self) -> None:
+        """Stop the CPU pool's threads, return the host experts' page-locked memory (both may be
+        shared with the other devices' backends of a split model: closing twice is harmless)."""
+        if self.cpu is not None:
+            self.cpu.close()
+        self.host.unpin()
 
     def stats(self) -> dict[str, float]:
         out = Counter(self.counters)
@@ -233,6 +266,24 @@ class HybridExperts(MoEBackend):
         self.cpu.wait()
         return (gpu + out_h.to(self.device, non_blocking=self.on_cuda)).to(x.dtype)
 
+    def cpu_branch(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> Callable[[], None]:
+        """A callable that runs the split path's CPU branch alone: the same cold routes from the
+        same page-locked staging buffers (x is copied there now), with nothing else running and
+        nothing counted (calibration times it against split_path's host part)."""
+        ids_h, w_h = topk.ids.cpu(), topk.weights.cpu()
+        x_h = self.x_host[:x.shape[0]]
+        x_h.copy_(x)
+        cid = self.host.compact[layer][ids_h]
+        cold = cid >= 0
+        tok, eids, wts = cold.nonzero()[:, 0].to(torch.int32), cid[cold], w_h[cold]
+        out = self.out_host[:x.shape[0]]
+
+        def run() -> None:
+            self.cpu.submit(layer, x_h, tok, eids, wts, out)
+            self.cpu.wait()
+
+        return run
+
     def _upload_some(self, layer, x, topk, ids_h, cold, ready):
         """Split with uploads: the most-routed cold experts (as many as MixedPass.choose says)
         go into flex slots on the copy stream, after `ready` (recorded behind every earlier
@@ -274,7 +325,7 @@ class HybridExperts(MoEBackend):
         table = pool.table[layer]
         slot = table[topk.ids]
         if self.upload_all:
-            cold_ids = (self.host.compact[layer] >= 0).nonzero()[:, 0]
+            cold_ids = self.cold_experts(layer)
         else:
             cold_ids = torch.unique(topk.ids[slot < 0]).cpu()
         n = cold_ids.numel()

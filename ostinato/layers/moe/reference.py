@@ -54,3 +54,7 @@ class ReferenceExperts(MoEBackend):
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         return moe_forward(x, topk, self.layers[layer])
+
+    def resident_experts(self) -> int:
+        """Every expert when its device is a GPU, none on the CPU."""
+        return sum(w.num_experts for w in self.layers.values() if w.w13.device.type == "cuda")

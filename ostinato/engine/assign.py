@@ -1,5 +1,6 @@
-"""Layers -> GPUs of one host: contiguous layer ranges balanced by memory, and the capacity
-test of each GPU (DESIGN.md: one expert pool per GPU, shared by the MoE layers placed on it).
+"""Layers -> GPUs of one host: contiguous layer ranges balanced by memory (DESIGN.md: one
+expert pool per GPU, shared by the MoE layers placed on it). The planner stores the ranges in
+the residency file; the engine assigns them itself when several devices run without one.
 
 The rule. A decoder layer i costs w_i = its dense weights + its KV cache (the planned
 tokens) + all E of its experts: what keeping the layer wholly resident would take. The
@@ -10,11 +11,12 @@ w_i before it) lies nearest to cap_0 + ... + cap_d over the sum of the caps, tim
 total load; every device gets at least one layer. So each device's load is
 proportional to its cap, each can keep about the same share of its layers' experts
 resident, and ranges keep the activations' hops between devices at n - 1 per pass.
-Then each device runs its own capacity test (`device_capacity`: its dense weights, its
-layers' KV cache, the activations of the largest pass, the margin) and its slots go to
-the most-routed experts of its own layers (`fill.fill_per_device`).
+Then each device runs its own capacity test (planner/capacity.py `device_capacity`: its
+dense weights, its layers' KV cache, the activations of the largest pass, the margin) and its
+slots go to the most-routed experts of its own layers (planner/fill.py `fill_per_device`).
 
-Everything here is a pure function of the config, the counts and the settings.
+Everything here is a pure function of the config and the settings; the bytes are those of
+engine/sizes.py.
 
 Legend: L decoder layers, E experts per layer, K top-k.
 """
@@ -23,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from ostinato.config import ModelConfig
-from ostinato.planner.capacity import (Capacity, CapacitySettings, dense_parts, expert_sizes, kv_bytes,
-                                       plan_capacity)
+from ostinato.engine.sizes import dense_parts, expert_sizes, kv_bytes
 
 
 def assign_layers(costs: list[int], caps: list[int], first_extra: int = 0, last_extra: int = 0) -> list[list[int]]:
@@ -68,11 +69,3 @@ def layer_map(devices: dict[str, list[int]], num_layers: int) -> list[str]:
         out.append(current)
     return out
 
-
-def device_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
-                    dtype: torch.dtype, layers: list[int], first: bool, last: bool,
-                    settings: CapacitySettings = CapacitySettings(), slots: int | None = None,
-                    name: str = "device", formats: dict | None = None) -> Capacity:
-    """The capacity test of one device holding `layers` (plan_capacity restricted to them)."""
-    return plan_capacity(cfg, counts, budget, kv_tokens, dtype, settings, slots, layers=layers, first=first,
-                         last=last, label=name, formats=formats)

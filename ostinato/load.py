@@ -1,7 +1,11 @@
 """Model argument + settings -> a ready engine and its tokenizer: the one place that wires
 source, runner, placement and session slot together (generate, serve, replay, bench), and
 the start-up summary of what it built (`startup_summary`), so every command states the
-same facts: what was loaded, where the experts live, and the memory and threads it uses."""
+same facts: what was loaded, where the experts live, and the memory and threads it uses.
+
+It sits above the engine and the planner: a load without a residency asks the planner for
+the plan of every expert resident (`all_resident`) or whether one fits (`all_resident_fit`);
+the engine itself imports nothing of the planner."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +18,7 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.engine.gpu_memory import apply_memory_cap
 from ostinato.engine.placement import PlacementSettings, hybrid_factory, resolve_np
+from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
 from ostinato.engine.threads import claim_host_thread
@@ -23,7 +28,7 @@ from ostinato.loader.gguf import GGUFSource
 from ostinato.loader.source import open_source
 from ostinato.loader.tokenizer import ChatTokenizer
 from ostinato.planner.capacity import CapacityError, CapacitySettings, plan_capacity
-from ostinato.planner.residency import Residency, model_fingerprint
+from ostinato.planner.pipeline import plan_residency, size_pool
 
 log = logging.getLogger("ostinato")
 
@@ -94,8 +99,6 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
 def all_resident(source, settings: RunnerSettings, experts: str = "native") -> Residency:
     """The plan of every expert resident (each layer's pool holds all its experts, in the formats
     `experts` keeps), held in memory: what the engine runs when no residency is given."""
-    from ostinato.planner.pipeline import plan_residency, size_pool
-
     cfg = source.config
     ones = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
     size = size_pool(cfg, ones, settings.torch_dtype(cfg.torch_dtype), hot_fraction=1.0,
@@ -174,9 +177,8 @@ def startup_summary(loaded: Loaded, url: str | None = None) -> dict:
         resident, share = res.hot_count, (1.0 if res.hot_count == total else _gpu_share(res))
     elif isinstance(runner.experts, ReferenceExperts):  # every expert on the one device
         resident, share = (total, 1.0) if on_gpu else (0, 0.0)
-    else:  # a baseline policy's placement: its own counters say (bench reports them)
-        own = getattr(runner.experts, "resident_experts", None)
-        resident, share = (own() if callable(own) else None), None
+    else:  # a baseline policy's placement: its own count says (bench reports it)
+        resident, share = runner.experts.resident_experts(), None
     place = loaded.placement
     return {
         "model": loaded.model_name, "format": _expert_formats(loaded), "devices": devices,

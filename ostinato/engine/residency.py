@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.planner.assign import layer_map
+from ostinato.engine.assign import layer_map
 
 FORMAT = "ostinato.residency"
 VERSION = 1
