@@ -22,7 +22,7 @@ def cmd_synth(a) -> int:
     t0 = time.perf_counter()
     low, high = a.depth_range or (None, None)
     try:
-        routing = regime(a.regime, depth=a.depth, low=low, high=high, persistence=a.persistence, content=a.content)
+        routing = regime(a.regime, a.preset, depth=a.depth, low=low, high=high, persistence=a.persistence, content=a.content)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if a.format == "gguf":

@@ -30,6 +30,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import mmap
 import statistics
 import sys
 import time
@@ -68,8 +69,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefetch-kib", default="1", help="how far ahead of each row stream the kernels start the "
                    "hardware prefetcher on its next page, to sweep (KiB, comma-separated; the engine's default is 1): "
                    "each format's decode is measured at each, rows FORMAT@NKiB")
+    p.add_argument("--huge-pages", action="store_true", help="put the experts and the probe's buffer in memory "
+                   "advised for transparent huge pages (madvise MADV_HUGEPAGE), to see what the TLB costs")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
+
+
+def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes in an anonymous mapping advised for transparent huge pages (2 MiB aligned), same
+    shape and dtype; the mapping lives as long as the tensor (torch.frombuffer keeps it)."""
+    n, align = t.numel() * t.element_size(), 2 << 20
+    mm = mmap.mmap(-1, n + align)
+    mm.madvise(mmap.MADV_HUGEPAGE)
+    base = torch.frombuffer(mm, dtype=torch.uint8)
+    off = (-base.data_ptr()) % align
+    out = base[off:off + n].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def huge_pages_state() -> str:
+    """The kernel's transparent huge page setting (the bracketed word), or 'unknown'."""
+    try:
+        s = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return s[s.index("[") + 1:s.index("]")] if "[" in s else s.strip()
 
 
 def random_blocks(qt: str, rows: int, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -184,12 +209,16 @@ def main() -> None:
     layout = process_layout(cpu_threads=threads)
     probe_mib = min(args.probe_mib, int(meminfo_bytes("MemAvailable") / 8 / 2**20))
     probe = torch.ones(probe_mib << 18, dtype=torch.float32)  # MiB -> fp32 elements
+    if args.huge_pages:
+        probe = huge_page_copy(probe)
     results, pre, acc = {}, {}, {}
     ce = None
     for spec in args.formats.split(","):
         qt13, _, qt2 = spec.partition("/")
         qt2 = qt2 or qt13
         w = make_layer(qt13, qt2, E, D, F, gen)
+        if args.huge_pages:
+            w = w._replace(w13=huge_page_copy(w.w13), w2=huge_page_copy(w.w2))
         if E * w.expert_bytes < 8 * l3_bytes():
             print(f"note: a layer of {spec} ({E * w.expert_bytes / 2**20:.0f} MiB) is less than 8x the L3; "
                   "raise --experts for cold reads")
@@ -233,7 +262,8 @@ def main() -> None:
         "hardware": hw,
         "config": {"experts": E, "hidden": D, "ffn": F, "topk": args.topk, "threads": threads,
                    "rounds": args.rounds, "iters": args.iters, "probe_mib": probe_mib,
-                   "prefetch": not args.no_prefetch, "prefetch_kib": args.prefetch_kib, "torch": torch.__version__},
+                   "prefetch": not args.no_prefetch, "prefetch_kib": args.prefetch_kib, "torch": torch.__version__,
+                   "huge_pages": args.huge_pages, "thp": huge_pages_state()},
         "decode": results, "prefill": pre, "accuracy": acc,
         "of_probe_min_median": min((r["of_probe_median"] for r in results.values()), default=math.nan),
         "of_probe_r1_min_median": min((r["of_probe_r1_median"] for r in results.values()), default=math.nan),

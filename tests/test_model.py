@@ -194,3 +194,27 @@ def test_fused_projections_are_the_three_linears(tiny_dir):
         a = plain(ids, pos, r.kv.layers, 0)
         b = fused(ids, pos, r.kv.layers, 0)
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_staged_on_the_gpu_falls_back_to_host_memory_when_the_cap_is_full(monkeypatch):
+    """A synthetic source generates a layer where it will live; when a pool that fills the cap
+    leaves no room for that transient layer, it is staged in host memory instead of failing."""
+    from types import SimpleNamespace
+
+    from ostinato.loader import build
+
+    tried = []
+
+    def load(source, layer, device="cpu", dtype=None, pin=False):
+        tried.append(torch.device(device).type)
+        if torch.device(device).type != "cpu":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 384.00 MiB")
+        return "staged in host memory"
+
+    monkeypatch.setattr(build, "load_experts", load)
+    source = SimpleNamespace(generate_on="meta")
+    assert build.load_experts_staged(source, 3, "meta") == "staged in host memory"
+    assert tried == ["meta", "cpu"]
+    tried.clear()
+    assert build.load_experts_staged(SimpleNamespace(), 3, "meta") == "staged in host memory"
+    assert tried == ["cpu"]  # a source that does not generate on the device stages on the host at once

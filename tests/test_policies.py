@@ -309,3 +309,19 @@ def test_release_frees_the_backend_at_once(tiny_dir, tmp_path):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_policy_that_runs_out_of_gpu_memory_says_what_did_not_fit(tiny_dir, monkeypatch):
+    """The allocator's own first line (what it tried to allocate, what was free) reaches the
+    refusal: a bench run that skips a policy says why."""
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.loader.source import open_source
+    from ostinato.policies import factory
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 384.00 MiB. GPU 0 ...\nthe allocator's advice")
+
+    monkeypatch.setattr(factory, "build_policy", out_of_memory)
+    with pytest.raises(ConfigError, match=r"decaying-cache: .*\(CUDA out of memory. Tried to allocate 384.00 MiB"):
+        factory.make_policy("decaying-cache", open_source(str(tiny_dir)),
+                            RunnerSettings(device="cpu", dtype="fp32", max_context=64), PolicySettings(expert_slots=10))

@@ -141,3 +141,20 @@ def test_synth_uri_takes_the_regime_and_its_knobs():
     assert open_source("synth:tiny?layers=2").spec.regime == regime("flat")
     with pytest.raises(ConfigError, match="unknown routing regime"):
         open_source("synth:tiny?regime=bumpy")
+
+
+def test_a_preset_measured_on_the_gpu_keeps_its_own_skew_factor():
+    """qwen3-30b-a3b's layered factor is its own (tiny's 1.5 sent 93.7% of its routes to the top
+    45%); other presets keep tiny's; an explicit knob still wins; the knobs reach the bench's record."""
+    from types import SimpleNamespace
+
+    from ostinato.bench.report import routing_knobs
+    from ostinato.synth.presets import PRESET_SKEW_FACTORS, REGIMES, regime
+
+    assert regime("layered", "qwen3-30b-a3b").skew_factor == PRESET_SKEW_FACTORS["qwen3-30b-a3b"]["layered"]
+    assert regime("layered", "tiny") == regime("layered") == REGIMES["layered"]
+    assert regime("flat", "qwen3-30b-a3b") == REGIMES["flat"]
+    assert regime("layered", "qwen3-30b-a3b", skew_factor=2.0).skew_factor == 2.0
+    spec = SimpleNamespace(regime=regime("layered", "qwen3-30b-a3b"), skew=None)
+    assert routing_knobs(SimpleNamespace(spec=spec))["routing"]["skew_factor"] == 0.9
+    assert routing_knobs(SimpleNamespace()) == {}

@@ -63,7 +63,7 @@ def load_run(name: str, folder: str | Path) -> RegimeRun:
     preset, opts = parse_synth(model)
     knobs = {k: opts.pop(k, None) for k in ("persistence", "content")}
     try:
-        routing = regime(opts.pop("regime", "flat"), **knobs)
+        routing = regime(opts.pop("regime", "flat"), preset, **knobs)
     except ValueError as e:
         raise ConfigError(f"{name}: {model}: {e}") from None
     return RegimeRun(name, Path(folder), result, routing, (preset, opts))

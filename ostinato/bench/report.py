@@ -6,6 +6,8 @@ same document without the raw turns.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import platform
@@ -63,7 +65,15 @@ def environment(loaded, bs) -> dict:
     return {**source_state(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware(),
             "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(
                 "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory,
-            "threads": loaded.runner.threads.as_dict()}
+            "threads": loaded.runner.threads.as_dict(), **routing_knobs(loaded.source)}
+
+
+def routing_knobs(source) -> dict:
+    """A synthetic model's routing regime as it ran (its knobs, the skew factor included, which
+    a preset's measured factors can change later): {"routing": {...}}; {} for other models."""
+    spec = getattr(source, "spec", None)
+    r = getattr(spec, "regime", None)
+    return {} if r is None else {"routing": {**dataclasses.asdict(r), "skew": spec.skew}}
 
 
 def _ratio(a, b):

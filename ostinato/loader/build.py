@@ -88,10 +88,16 @@ def load_experts(source, layer: int, device="cpu", dtype=None, pin: bool = False
 def load_experts_staged(source, layer: int, device, dtype=None) -> ExpertWeights:
     """One layer's experts, staged where copying them on costs least: on `device` when the
     source makes its tensors there (a synthetic model generates on the GPU: no round trip
-    through host memory, about 3x faster to build for the 30B model), else in host memory."""
+    through host memory, about 3x faster to build for the 30B model), else in host memory. A
+    layer staged on the GPU is transient memory the capacity test does not hold: when a nearly
+    full pool under the cap leaves no room for it, it is staged in host memory instead."""
     device = torch.device(device)
-    staging = device if getattr(source, "generate_on", None) == device.type else "cpu"
-    return load_experts(source, layer, device=staging, dtype=dtype)
+    if getattr(source, "generate_on", None) == device.type:
+        try:
+            return load_experts(source, layer, device=device, dtype=dtype)
+        except torch.OutOfMemoryError:
+            pass
+    return load_experts(source, layer, device="cpu", dtype=dtype)
 
 
 def load_all_experts(source, device="cpu", dtype=None, pin: bool = False) -> dict[int, ExpertWeights]:

@@ -171,7 +171,7 @@ def open_source(model: str | Path):
         preset, opts = parse_synth(text)
         knobs = {k: opts.pop(k) for k in ("persistence", "content") if k in opts}
         try:
-            routing = regime(opts.pop("regime", "flat"), **knobs)
+            routing = regime(opts.pop("regime", "flat"), preset, **knobs)
         except ValueError as e:
             raise ConfigError(f"{text}: {e}") from None
         return synth_source(preset, **opts, regime=routing)

@@ -94,9 +94,9 @@ def make_policy(name: str, source, runner_settings, settings: PolicySettings = P
     apply_memory_cap(spec.device, settings.gpu_memory)
     try:
         return build_policy(name, spec, settings)
-    except torch.OutOfMemoryError:
-        raise ConfigError(f"policy {name}: its expert slots do not fit the GPU memory cap; give a smaller "
-                          "expert budget or a larger --gpu-memory") from None
+    except torch.OutOfMemoryError as e:  # the allocator's first line says what did not fit and what was free
+        raise ConfigError(f"policy {name}: its expert slots do not fit the GPU memory cap ({str(e).splitlines()[0]}); "
+                          "give a smaller expert budget or a larger --gpu-memory") from None
 
 
 def policy_factory(name: str, settings: PolicySettings = PolicySettings()):

@@ -45,6 +45,8 @@
 #   serve_plan [M][N] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health
 #              polled) and the held-out replay through chat completions; a second start from the cache and the
 #              same turns through /v1/messages; the same turns in-process on its plan (SERVE_REPLAY_ARGS)
+#   sweep      [I] the length sweep (prefill 128-2048 new tokens after development prefixes) of Ostinato and
+#              expert-cache in one bench run, its own plan and calibration ($R/sweep; SWEEP_ARGS)
 #   regimes    [J] ostinato, fixed-per-layer and both caches under each routing regime of $M (REGIMES: flat layered
 #              layered-persistent; sizes REGIMES_ARGS), one bench run each in $R/regimes/REGIME, then `report --regimes`
 #              over every regime measured in full; about one regime a call (REGIMES=layered), a cut run is completed
@@ -110,7 +112,7 @@ phase_env() {
   { date -u; echo "commit ${OSTINATO_COMMIT:-unknown} dirty ${OSTINATO_DIRTY:-unknown}"
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
     nvidia-smi topo -m 2>/dev/null | head -5; nproc; lscpu | grep -E "Model name|Socket|NUMA|Thread|Core"
-    free -g | head -2
+    free -g | head -2; echo "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>&1)"
     python3 -c "import torch,triton,transformers;print('torch',torch.__version__,'triton',triton.__version__,
 'transformers',transformers.__version__)"; } > "$R/env.txt" 2>&1
   cat "$R/env.txt" >> "$LOG"
@@ -143,10 +145,11 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
     run 300 "$R/k_tune_gpu.txt" python3 scripts/bench_gpu_quant.py --tune --dequant-prefill
     cp ostinato/kernels/tuned/moe_quant_*.json "$R"/ 2>/dev/null
   elif [[ ${QGPU:-1} == 1 ]]; then run 150 "$R/k_bench_gpu.txt" python3 scripts/bench_gpu_quant.py --dequant-prefill; fi
+  local hp=""; [[ ${QHUGE:-0} == 1 ]] && hp=--huge-pages  # QHUGE=1: experts and probe on transparent huge pages
   if [[ -n ${QPF:-} ]]; then  # QPF=4,8,16,32: the CPU kernels' prefetch distance swept (KiB) instead
-    run 240 "$R/k_bench_cpu_pf.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K --prefill "" \
-      --rounds 3 --prefetch-kib "$QPF"
-  else run 120 "$R/k_bench_cpu.txt" python3 scripts/bench_cpu_quant.py; fi
+    run 240 "$R/k_bench_cpu_pf${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K \
+      --prefill "" --rounds 3 --prefetch-kib "$QPF" $hp
+  else run 120 "$R/k_bench_cpu${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py $hp; fi
 }
 phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route tally, the new model families, the
   # cap as nvidia-smi counts it, every expert resident through the pool executor, the fused dense kernels
@@ -226,6 +229,13 @@ phase_bench() {
     ${kv:+--max-context $kv} \
     --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $cal --no-progress \
     $(att) --out "$R/bench" ${BENCH_ARGS:-}
+}
+phase_sweep() {  # [I] BENCHMARK.md's length sweep, Ostinato and expert-cache in one process (one load, profile,
+  # plan and calibration): 8 development prefixes of 1024 tokens, then 128-2048 new tokens; the held-out replay is
+  # cut to the first turns (SWEEP_ARGS), as the sweep is what this run measures
+  run 580 "$R/i_sweep.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" \
+    --no-progress $(att) --out "$R/sweep" ${SWEEP_ARGS:---policies ostinato expert-cache --max-sessions 8 --max-turns 1 \
+    --max-output 64 --sweep-output 64 --tune-sessions 2 --tune-max-turns 4 --thresholds 512 1024 2048 --max-context 8292}
 }
 phase_regimes() {  # [J] the same bench under each routing regime; the calibration of phase calib (routing aside, the same)
   local pols="ostinato fixed-per-layer expert-cache decaying-cache" f=$R/res-cap.json cal="" kv sep="?" r d todo merge
