@@ -20,13 +20,49 @@ from pathlib import Path
 
 import torch
 
-from ostinato.layers.moe.types import SILU, ExpertAct
-
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ConfigError(ValueError):
     """A checkpoint or setting that Ostinato cannot use, with what to do about it."""
+
+
+ACT_KINDS = ("silu", "clamped_swiglu")
+
+
+@dataclass(frozen=True)
+class ExpertAct:
+    """The activation between an expert's two projections, a property of the model family:
+      silu            h = silu(g) * u                                      (Qwen3-MoE, DeepSeek)
+      clamped_swiglu  g' = min(g, limit), u' = clamp(u, -limit, limit),
+                      h = (u' + 1) * g' * sigmoid(alpha * g')              (gpt-oss: 1.702, 7.0)
+    g and u include their biases when the experts have them."""
+
+    kind: str = "silu"
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ACT_KINDS:
+            raise ValueError(f"unknown expert activation {self.kind!r} (known: {', '.join(ACT_KINDS)})")
+        if self.kind == "clamped_swiglu" and not self.limit > 0:
+            raise ValueError(f"clamped_swiglu needs a positive limit, got {self.limit}")
+
+    @property
+    def code(self) -> int:
+        """The kernels' number for the kind (kernels/cpu/experts.h Act, the Triton ACT constexpr)."""
+        return ACT_KINDS.index(self.kind)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """h from gate and up (same shapes, any float dtype; computed in that dtype)."""
+        if self.kind == "silu":
+            return torch.nn.functional.silu(gate) * up
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+SILU = ExpertAct()
 
 
 @dataclass(frozen=True)
@@ -107,7 +143,7 @@ class ModelConfig:
 
     @property
     def expert_act(self) -> ExpertAct:
-        """The routed experts' activation (types.ExpertAct), what every expert kernel computes."""
+        """The routed experts' activation (config.ExpertAct), what every expert kernel computes."""
         if self.swiglu_limit is None:
             return SILU
         return ExpertAct("clamped_swiglu", self.swiglu_alpha, self.swiglu_limit)

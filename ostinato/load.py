@@ -21,7 +21,7 @@ from ostinato.engine.placement import PlacementSettings, hybrid_factory, resolve
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
-from ostinato.engine.threads import claim_host_thread
+from ostinato.threads import claim_host_thread
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import expert_formats
 from ostinato.loader.gguf import GGUFSource

@@ -33,7 +33,7 @@ import torch.nn.functional as nnf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
 
 from ostinato.bench.report import source_state
-from ostinato.engine.threads import Topology
+from ostinato.threads import Topology
 from ostinato.layers.moe.cpu_experts import CpuExperts, torch_reference
 from ostinato.layers.moe.types import ExpertWeights
 

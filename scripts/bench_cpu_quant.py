@@ -8,7 +8,7 @@ threads (ColdExperts.read_seconds: the pool's workers plus the waiting thread su
 in 1 MiB tasks), and the probe and each format's decode alternate round by round, because a
 shared host's bandwidth drifts with its neighbours' load: each round's ratio compares
 measurements taken seconds apart, and the report gives the median round. Threads are placed
-as the engine places them (engine/threads.py): workers pinned, the waiting thread on the host
+as the engine places them (ostinato/threads.py): workers pinned, the waiting thread on the host
 CPUs; left to the scheduler, the waiting thread sometimes shared a pinned worker's core and a
 call took twice as long (2-core host).
 
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_experts import hardware, l3_bytes, meminfo_bytes, topk_routes
 
 from ostinato.bench.report import source_state
-from ostinato.engine.threads import claim_host_thread, process_layout
+from ostinato.threads import claim_host_thread, process_layout
 from ostinato.layers.moe.cpu_experts import CpuExperts, quant_reference, torch_reference
 from ostinato.layers.moe.types import QuantExpertWeights
 from ostinato.quant import formats

@@ -25,7 +25,7 @@ from ostinato.load import load_engine
 
 
 def prompt_ids(tok, n: int) -> list[int]:
-    from ostinato.bench.sessions import load_sessions
+    from ostinato.sessions.read import load_sessions
     from ostinato.planner.profile import session_stream
 
     sessions = load_sessions("embedded:4")

@@ -27,7 +27,7 @@ import torch
 
 
 def pick_sessions(spec: str, split: str, n: int):
-    from ostinato.bench.sessions import load_sessions, split_sessions
+    from ostinato.sessions.read import load_sessions, split_sessions
     from ostinato.planner.cli import spread
 
     sessions = load_sessions(spec)

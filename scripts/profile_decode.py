@@ -77,7 +77,7 @@ def sync(dev) -> None:
 
 
 def prompt_ids(tok, n: int) -> list[int]:
-    from ostinato.bench.sessions import load_sessions
+    from ostinato.sessions.read import load_sessions
     from ostinato.planner.profile import session_stream
 
     ids: list[int] = []

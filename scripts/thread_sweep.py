@@ -40,7 +40,7 @@ from ostinato.config import parse_bytes  # noqa: E402
 from ostinato.engine.placement import PlacementSettings  # noqa: E402
 from ostinato.engine.residency import Residency  # noqa: E402
 from ostinato.engine.runner import RunnerSettings  # noqa: E402
-from ostinato.engine.threads import ThreadLayout, Topology, WorkerGroup, claim_host_thread  # noqa: E402
+from ostinato.threads import ThreadLayout, Topology, WorkerGroup, claim_host_thread  # noqa: E402
 from ostinato.layers.moe.cpu_experts import CpuExperts  # noqa: E402
 from ostinato.load import load_engine  # noqa: E402
 from ostinato.planner import cost_model as cm  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 from ostinato.kernels.cpu import build
 from ostinato.layers.moe import cpu_experts as ce_mod
-from ostinato.engine.threads import process_layout
+from ostinato.threads import process_layout
 from ostinato.layers.moe.cpu_experts import CpuExperts, torch_reference
 from ostinato.layers.moe.types import ExpertWeights
 

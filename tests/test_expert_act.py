@@ -20,7 +20,8 @@ from ostinato.layers.moe import gpu_experts as ge
 from ostinato.layers.moe import gpu_quant as gq
 from ostinato.layers.moe.cpu_experts import CpuExperts, quant_reference, torch_reference
 from ostinato.layers.moe.reference import moe_forward
-from ostinato.layers.moe.types import ExpertAct, ExpertWeights, QuantExpertWeights, TopKOutput
+from ostinato.config import ExpertAct
+from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights, TopKOutput
 from ostinato.quant import formats
 from tests.test_cpu_experts import available_isas, make_routes, make_x, native_skip_reason, rel_err
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ostinato.layers.moe import gpu_experts as ge
-from ostinato.layers.moe.types import ExpertAct
+from ostinato.config import ExpertAct
 from tests.triton_interpreter import needs_cuda, run_interpreted
 
 ACT = ExpertAct("clamped_swiglu", 1.702, 1.0)
@@ -54,7 +54,7 @@ BF16_POOL_SCRIPT = """
     import test_gpu_experts as t
     import test_expert_act_triton as a
     from ostinato.layers.moe import gpu_experts as ge
-    from ostinato.layers.moe.types import ExpertAct
+    from ostinato.config import ExpertAct
     tiny = dict(decode_w13={"BLOCK_F": 16, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3},
                 decode_w2={"BLOCK_D": 16, "BLOCK_F": 16, "num_warps": 4, "num_stages": 2},
                 combine={"BLOCK_D": 32, "num_warps": 4},

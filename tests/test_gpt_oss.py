@@ -18,7 +18,8 @@ from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.layers.moe.reference import moe_forward
-from ostinato.layers.moe.types import ExpertAct, ExpertWeights, TopKOutput
+from ostinato.config import ExpertAct
+from ostinato.layers.moe.types import ExpertWeights, TopKOutput
 from ostinato.load import load_engine
 from ostinato.loader import gpt_oss as layout
 from ostinato.loader.source import CheckpointSource, open_source

@@ -18,7 +18,7 @@ from ostinato.bench.metrics import (TurnResult, client_timing, percentile, sessi
                                     sweep_summary, wins)
 from ostinato.bench.replay import (FORCED_OUTPUT_FIELD, HttpTarget, InProcessTarget, TurnRequest, format_turn,
                                    replay_sessions)
-from ostinato.bench.turns import Session, Turn
+from ostinato.sessions.turns import Session, Turn
 from ostinato.config import ConfigError
 from ostinato.engine.session import common_prefix
 
@@ -245,7 +245,7 @@ def tiny_engine(tiny_dir):
 
 
 def _short_sessions(n=1, turns=2):
-    from ostinato.bench.sessions import load_sessions
+    from ostinato.sessions.read import load_sessions
 
     out = []
     for s in load_sessions("embedded:3"):

@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from ostinato.bench.converters import convert
-from ostinato.bench.sessions import load_sessions, split_sessions
-from ostinato.bench.turns import (
+from ostinato.sessions.converters import convert
+from ostinato.sessions.read import load_sessions, split_sessions
+from ostinato.sessions.turns import (
     KINDS, Session, SessionFormatError, Turn, read_jsonl, session_from_json, session_to_json, write_jsonl,
 )
-from ostinato.bench.session_stats import FAMILIES, QUANTILE_LEVELS, load_stats, measure_stats
-from ostinato.bench.synthetic import generate_sessions
-from ostinato.bench.text import session_texts
+from ostinato.sessions.stats import FAMILIES, QUANTILE_LEVELS, load_stats, measure_stats
+from ostinato.sessions.synthetic import generate_sessions
+from ostinato.sessions.text import session_texts
 
 WORKLOADS = Path(__file__).parents[1].parent / "shared" / "workloads"
 EXPECTED = {  # sessions per file, from the workloads README
@@ -175,8 +175,8 @@ def test_split_is_by_task_and_deterministic(recorded: dict) -> None:
 
 
 def test_split_is_stable_across_processes() -> None:
-    code = ("from ostinato.bench.sessions import split_sessions;"
-            "from ostinato.bench.synthetic import generate_sessions;"
+    code = ("from ostinato.sessions.read import split_sessions;"
+            "from ostinato.sessions.synthetic import generate_sessions;"
             "print([s.id for s in split_sessions(generate_sessions(30, 0), 0.5, seed=7)[1]])")
     outputs = set()
     for hash_seed in ("1", "2"):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ostinato.bench.sessions import load_sessions, split_sessions
+from ostinato.sessions.read import load_sessions, split_sessions
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.load import load_engine
 from ostinato.loader.source import CheckpointSource

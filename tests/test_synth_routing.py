@@ -1,7 +1,7 @@
 """The synthetic model routes like agent sessions do: skewed and stable across sessions."""
 from __future__ import annotations
 
-from ostinato.bench.sessions import load_sessions, split_sessions
+from ostinato.sessions.read import load_sessions, split_sessions
 from ostinato.engine.runner import RunnerSettings
 from ostinato.load import load_engine
 from ostinato.planner.run_profile import profile_sessions

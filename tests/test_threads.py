@@ -1,11 +1,11 @@
-"""The thread layout (engine/threads.py) on faked topologies: every poller and the host thread on
+"""The thread layout (ostinato/threads.py) on faked topologies: every poller and the host thread on
 a physical core of its own, the workers on the rest, on any core count."""
 import threading
 
 import pytest
 import torch
 
-from ostinato.engine.threads import Cpu, Topology, claim_host_thread, cgroup_quota, thread_layout
+from ostinato.threads import Cpu, Topology, claim_host_thread, cgroup_quota, thread_layout
 
 
 def fake(cores: int, smt: int = 1, nodes: int = 1, quota: float | None = None) -> Topology:

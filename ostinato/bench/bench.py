@@ -6,7 +6,7 @@ policy's experts backend is built in turn under the same expert budget, swapped 
 engine (the previous one closed and freed first), warmed up, tuned on development sessions
 where it has a threshold, and replayed on the held-out sessions. Steps:
 
-1. split the sessions by task into development and held-out (bench/sessions.py);
+1. split the sessions by task into development and held-out (sessions/read.py);
 2. profile development sessions (and held-out ones, for the skew figure, its spread over the
    layers and the persistence of experts across tokens) with the `layers` policy uploading
    every pass (threshold 1, no resident layer), which fits any budget;
@@ -88,7 +88,7 @@ def _say(bs: BenchSettings, msg: str) -> None:
 
 def select_sessions(spec: str, max_sessions: int | None):
     """(development, held-out) sessions, each spread down to max_sessions."""
-    from ostinato.bench.sessions import load_sessions, split_sessions
+    from ostinato.sessions.read import load_sessions, split_sessions
     from ostinato.planner.cli import spread
 
     dev, held = split_sessions(load_sessions(spec))

@@ -52,7 +52,7 @@ def cmd_replay(a) -> int:
     from ostinato.bench.bench import select_sessions
     from ostinato.bench.metrics import summarize
     from ostinato.bench.replay import HttpTarget, format_turn, replay_sessions
-    from ostinato.bench.sessions import load_sessions
+    from ostinato.sessions.read import load_sessions
 
     if bool(a.endpoint) == bool(a.model):
         raise ConfigError("give either --endpoint URL (a running server) or --model M (in this process)")

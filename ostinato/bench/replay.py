@@ -206,7 +206,7 @@ class HttpTarget:
         elif self.tokenizer is not None:
             n = len(self.tokenizer.encode(self.tokenizer.render_assistant_output(req.output, req.tools)))
         else:
-            from ostinato.bench.text import message_chars
+            from ostinato.sessions.text import message_chars
 
             n = max(1, message_chars(req.output) // CHARS_PER_TOKEN)
         return min(n, req.max_output or n)

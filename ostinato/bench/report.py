@@ -53,7 +53,7 @@ def cpu_name() -> str:
 
 
 def hardware() -> dict:
-    from ostinato.engine.threads import Topology
+    from ostinato.threads import Topology
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"gpu": gpu, "gpu_memory": torch.cuda.get_device_properties(0).total_memory if gpu else None,

@@ -20,7 +20,7 @@ from ostinato.config import ConfigError
 from ostinato.engine.devices import SplitExperts, device_scope, gpus_in_order, in_order, physical, resolve_layer_devices
 from ostinato.engine.gpu_memory import apply_memory_cap
 from ostinato.engine.residency import Residency
-from ostinato.engine.threads import ThreadLayout
+from ostinato.threads import ThreadLayout
 from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass

@@ -21,7 +21,7 @@ from ostinato.engine import devices as split
 from ostinato.engine.graph import DecodeGraphs, window_sizes
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.routes import RouteTally
-from ostinato.engine.threads import ThreadLayout, claim_host_thread, process_layout
+from ostinato.threads import ThreadLayout, claim_host_thread, process_layout
 from ostinato.layers.moe.graph_hybrid import for_graphs
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import build_model, load_all_experts
@@ -44,7 +44,7 @@ class RunnerSettings:
     count_routes: bool = False  # tally every pass's routes on the device (engine/routes.py: serve learns from them)
 
     def thread_layout(self, layer_devices: Sequence[str] | None = None, graphs: bool = True) -> ThreadLayout:
-        """The process's thread layout (engine/threads.py) for these devices (default: the
+        """The process's thread layout (ostinato/threads.py) for these devices (default: the
         settings'); graphs: the backend decodes through the graph handshake when it can."""
         gpus = [split.cuda_index(n) for n in split.gpus_in_order(list(layer_devices or self.device_names()))]
         return process_layout(gpus, graphs and self.cuda_graph and bool(gpus), self.cpu_threads)

@@ -49,7 +49,7 @@ DEFAULT_SESSIONS = "embedded:8"
 
 @dataclass(frozen=True)
 class AutoPlan:
-    sessions: str = DEFAULT_SESSIONS  # what to profile on: a session spec (bench/sessions.py)
+    sessions: str = DEFAULT_SESSIONS  # what to profile on: a session spec (sessions/read.py)
     replan: bool = False  # make a new plan even if one is cached (from the served routes, if any)
     calibrate: CalibrateSettings = CalibrateSettings()
     cache: Path | None = None  # default: cache_root()
@@ -129,7 +129,7 @@ def load_cold(model: str, source, settings, place, path: Path):
 
 
 def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, progress):
-    from ostinato.bench.sessions import load_sessions
+    from ostinato.sessions.read import load_sessions
     from ostinato.engine.placement import apply_calibration, hybrid_factory
     from ostinato.engine.routes import RouteCounts
     from ostinato.loader.build import expert_formats

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.threads import claim_host_thread
+from ostinato.threads import claim_host_thread
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.planner import cost_model as cm
 from ostinato.planner.measure.timing import Clock

@@ -12,7 +12,7 @@ from ostinato.model_args import add_model_args, placement_settings, runner_setti
 
 
 def _sessions(spec: str | None, limit: int | None):
-    from ostinato.bench.sessions import load_sessions
+    from ostinato.sessions.read import load_sessions
 
     sessions = load_sessions(spec or "embedded")
     return sessions[:limit] if limit else sessions
@@ -61,7 +61,7 @@ def skew_summary(counts) -> str:
 
 
 def cmd_skew(a) -> int:
-    from ostinato.bench.sessions import split_sessions
+    from ostinato.sessions.read import split_sessions
     from ostinato.load import load_engine
     from ostinato.planner.skew import (content_report, hot_share, persistence_report, spread_report, top_experts,
                                        trace_sessions)

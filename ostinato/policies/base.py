@@ -53,8 +53,9 @@ from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import to_host
 from ostinato.layers.moe.pool import (ExpertPool, ExpertPools, HostExperts, Qtypes, expert_nbytes, group_flex,
                                       group_layers)
-from ostinato.engine.threads import ThreadLayout
-from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights, TopKOutput
+from ostinato.threads import ThreadLayout
+from ostinato.config import SILU, ExpertAct
+from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights, TopKOutput
 from ostinato.loader.build import expert_formats, load_layer_experts
 
 CPU = -1  # a plan's slot for "computed on the CPU"

@@ -38,8 +38,8 @@ def find_workloads() -> Path | None:
 
 def training_texts(max_chars: int = 24_000_000) -> tuple[list[str], str]:
     """Agent-like text for the tokenizer: the recorded workloads, else generated sessions."""
-    from ostinato.bench.sessions import load_sessions
-    from ostinato.bench.text import session_texts
+    from ostinato.sessions.read import load_sessions
+    from ostinato.sessions.text import session_texts
 
     workloads = find_workloads()
     sessions = load_sessions(str(workloads) if workloads else "embedded")

@@ -77,7 +77,7 @@ fi
 if [[ -d .carry/res && ! -f $R/.restored ]]; then cp -rn .carry/res/. "$R"/; touch "$R/.restored"; fi
 O="python3 -m ostinato.cli"
 M=${MODEL:-synth:qwen3-30b-a3b}; CAP=${CAP:-32GiB}; CAP_PER_GPU=${CAP_PER_GPU:-16GiB}; DEVICES=${DEVICES:-cuda:0,cuda:1}
-THREADS=${THREADS:-}  # CPU expert workers; empty: the engine's thread layout (engine/threads.py) chooses
+THREADS=${THREADS:-}  # CPU expert workers; empty: the engine's thread layout (ostinato/threads.py) chooses
 S=${SESSIONS:-.carry/agent}; NS=${SKEW_SESSIONS:-8}; STEPS=${STEPS:-128}
 LOG=$OUT/log.txt
 DEADLINE=$((SECONDS + ${BUDGET_S:-565}))

@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=${MODEL:-synth:qwen3-30b-a3b}
 RES=${RESIDENCY-/tmp/res/r40.json}  # from run.sh plans
 python3 - <<'PY'
-from ostinato.bench.sessions import load_sessions, split_sessions, write_jsonl
+from ostinato.sessions.read import load_sessions, split_sessions, write_jsonl
 _, held = split_sessions(load_sessions(".carry/agent/tau2"))
 s = next(s for s in held if len(s.turns) >= 20)
 write_jsonl([s], "/tmp/s20.jsonl")

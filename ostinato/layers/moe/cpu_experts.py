@@ -42,8 +42,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.threads import process_layout
-from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights, check_biases
+from ostinato.threads import process_layout
+from ostinato.config import SILU, ExpertAct
+from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights, check_biases
 from ostinato.quant import formats
 
 ISAS = {"auto": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
@@ -149,7 +150,7 @@ class CpuExperts:
     or QuantExpertWeights (GGUF blocks; a 4-tuple (qt13, w13, qt2, w2) is read as one),
     contiguous, on the CPU, each with its activation and optional biases (fp32 ones are used in
     place; others, a few KiB per expert, are copied to fp32 once). cpus: the logical CPU of each pool worker (a thread layout's
-    workers, engine/threads.py); without it, the layout of a host-driven process with
+    workers, ostinato/threads.py); without it, the layout of a host-driven process with
     num_threads workers (default: every physical core but the caller's, since the thread
     that calls wait() takes tasks as the last worker).
     backend: "native" (the C++ kernels; raises if unavailable), "torch", or "auto".

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ostinato.layers.moe.types import SILU, ExpertAct
+from ostinato.config import SILU, ExpertAct
 
 TUNED_DIR = Path(__file__).resolve().parents[2] / "kernels" / "tuned"
 
@@ -200,7 +200,7 @@ def triton_inputs(x, slots, weights, out, out_dtype):
 
 class Epilogue(NamedTuple):
     """What the kernels apply around the two matmuls of an expert: optional fp32 bias pools
-    b13[N, 2F] and b2[N, D] (None: no bias) and the activation (types.ExpertAct)."""
+    b13[N, 2F] and b2[N, D] (None: no bias) and the activation (config.ExpertAct)."""
 
     b13: torch.Tensor | None
     b2: torch.Tensor | None

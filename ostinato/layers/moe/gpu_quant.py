@@ -32,7 +32,7 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.layers.moe import gpu_experts as ge
-from ostinato.layers.moe.types import SILU, ExpertAct
+from ostinato.config import SILU, ExpertAct
 from ostinato.quant.formats import dequantize, row_bytes
 
 QUANT_QTYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # the block formats the kernels read

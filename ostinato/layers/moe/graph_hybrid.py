@@ -27,7 +27,7 @@ class GraphHybridExperts(MoEBackend):
     capturable = True
 
     def __init__(self, hybrid: HybridExperts, core: int = -1):
-        """core: the CPU of this GPU's poller (the thread layout's, engine/threads.py; -1 unpinned)."""
+        """core: the CPU of this GPU's poller (the thread layout's, ostinato/threads.py; -1 unpinned)."""
         from ostinato.kernels.triton import handshake as hs
 
         self.hybrid, self.hs, self.device = hybrid, hs, hybrid.device

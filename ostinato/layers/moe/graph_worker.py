@@ -71,7 +71,7 @@ class GraphWorker:
     compact_tables: {model layer: int32 [E]} cold expert -> index in that layer's host stack
     (-1 hot), e.g. HostExperts.compact; layer_order: model layer ids in execution order
     (position i of the handshake); a layer without a table is all hot. core: the CPU to pin
-    the worker to (the thread layout's poller core, engine/threads.py; -1 unpinned).
+    the worker to (the thread layout's poller core, ostinato/threads.py; -1 unpinned).
 
     The worker shares the CpuExperts pool: while decode steps run it is the pool's only
     submitter. Use cpu_experts synchronously (prefill) only between steps, then call

@@ -19,7 +19,7 @@ Q4_K_M file gives some layers Q6_K down projections, so the layers of a GPU are 
 by their format, one pool per group (`ExpertPools`, `of(layer)`); a bf16 model is one
 group. Zero slots are zero bytes: every block format here decodes them to 0.
 
-The experts' activation (types.ExpertAct, e.g. gpt-oss's clamped SwiGLU) is a property of the
+The experts' activation (config.ExpertAct, e.g. gpt-oss's clamped SwiGLU) is a property of the
 pool and of the host copies, and experts with biases (gpt-oss) keep them beside the weights,
 fp32, slot for slot: b13[N, 2F] and b2[N, D] in a pool, [n, 2F] and [n, D] per layer on the
 host; a zero slot's biases are zeros and never read.
@@ -36,7 +36,8 @@ from ostinato.config import ConfigError
 from ostinato.kernels.triton import fused_dense
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
 from ostinato.layers.moe.gpu_quant import slot_experts_quant_forward
-from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, QuantExpertWeights
+from ostinato.config import SILU, ExpertAct
+from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
 from ostinato.quant.formats import row_bytes
 
 COLD = -1

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ostinato.layers.moe.backend import MoEBackend
-from ostinato.layers.moe.types import SILU, ExpertAct, ExpertWeights, TopKOutput
+from ostinato.config import SILU, ExpertAct
+from ostinato.layers.moe.types import ExpertWeights, TopKOutput
 
 
 def expert_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,

@@ -8,7 +8,7 @@ Expert weights of one layer are stacked, in the checkpoint's own row-major layou
   w2 [E, D, F]   down_proj
   b13[E, 2F], b2[E, D]  optional biases (gpt-oss), fp32 in the pools and host copies
 One expert computes  y = w2 @ act(w13[:F] @ x + b13[:F], w13[F:] @ x + b13[F:]) + b2,
-act the model's (ExpertAct): silu(g) * u by default; without biases the b terms are absent.
+act the model's (config.ExpertAct): silu(g) * u by default; without biases the b terms are absent.
 A checkpoint that interleaves gate and up (gpt-oss: even columns gate, odd up) is
 de-interleaved at load, so every kernel keeps the [gate; up] layout.
 
@@ -25,43 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-ACT_KINDS = ("silu", "clamped_swiglu")
-
-
-@dataclass(frozen=True)
-class ExpertAct:
-    """The activation between an expert's two projections, a property of the model family:
-      silu            h = silu(g) * u                                      (Qwen3-MoE, DeepSeek)
-      clamped_swiglu  g' = min(g, limit), u' = clamp(u, -limit, limit),
-                      h = (u' + 1) * g' * sigmoid(alpha * g')              (gpt-oss: 1.702, 7.0)
-    g and u include their biases when the experts have them."""
-
-    kind: str = "silu"
-    alpha: float = 1.0
-    limit: float = 0.0
-
-    def __post_init__(self):
-        if self.kind not in ACT_KINDS:
-            raise ValueError(f"unknown expert activation {self.kind!r} (known: {', '.join(ACT_KINDS)})")
-        if self.kind == "clamped_swiglu" and not self.limit > 0:
-            raise ValueError(f"clamped_swiglu needs a positive limit, got {self.limit}")
-
-    @property
-    def code(self) -> int:
-        """The kernels' number for the kind (kernels/cpu/experts.h Act, the Triton ACT constexpr)."""
-        return ACT_KINDS.index(self.kind)
-
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """h from gate and up (same shapes, any float dtype; computed in that dtype)."""
-        if self.kind == "silu":
-            return torch.nn.functional.silu(gate) * up
-        g = gate.clamp(max=self.limit)
-        u = up.clamp(min=-self.limit, max=self.limit)
-        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
-
-
-SILU = ExpertAct()
-
+from ostinato.config import SILU, ExpertAct
 
 class TopKOutput(NamedTuple):
     """Routing of T tokens in one MoE layer."""

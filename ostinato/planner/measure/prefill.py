@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from ostinato.bench.sessions import load_sessions
+from ostinato.sessions.read import load_sessions
 from ostinato.layers.moe.types import TopKOutput
 from ostinato.planner import cost_model as cm
 from ostinato.planner.measure.timing import Clock, gpu_branch, nnls

@@ -1,12 +1,12 @@
 """Statistics of the recorded workloads, the shape the synthetic sessions follow.
 
-The recordings cannot ship inside the package, so `write_stats` (bench/record_stats.py)
+The recordings cannot ship inside the package, so `write_stats` (sessions/record_stats.py)
 measures them once per source
 family (tau2 and tau-bench customer service, SWE-agent coding): quantiles of the number of
 turns, of the characters newly appended before each request (by turn kind) and of the output
 length, and the shares of turn kinds and tool calls. They are written to
 `ostinato/data/session_stats.json`, which ships with the package and is what
-`ostinato.bench.synthetic` samples from. Lengths are characters (about 4 per token).
+`ostinato.sessions.synthetic` samples from. Lengths are characters (about 4 per token).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ostinato.bench.turns import KINDS, Session
-from ostinato.bench.text import message_chars, messages_chars
+from ostinato.sessions.turns import KINDS, Session
+from ostinato.sessions.text import message_chars, messages_chars
 
 
 FAMILIES = ("tau2", "tau-bench", "swe-agent")

@@ -8,7 +8,7 @@ import random
 import string
 from typing import Any, Callable, Iterator, Sequence
 
-from ostinato.bench.turns import Message
+from ostinato.sessions.turns import Message
 
 
 class _Lengths:

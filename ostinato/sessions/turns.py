@@ -1,5 +1,5 @@
 """Agent sessions as data: a `Session` is a chain of `Turn`s, each the messages sent, the
-recorded assistant output and the kind of event that triggered it (bench/sessions.py loads
+recorded assistant output and the kind of event that triggered it (sessions/read.py loads
 them from files and splits them; the converters and the generator make them).
 
 Storage is linear, not quadratic: a session keeps each conversation once and a turn is a

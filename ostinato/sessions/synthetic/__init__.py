@@ -12,6 +12,6 @@ the real sessions; the words do not. The same (n, seed) gives the same sessions 
 process. Lengths are characters (about 4 per token).
 """
 
-from ostinato.bench.synthetic.generator import generate_sessions
+from ostinato.sessions.synthetic.generator import generate_sessions
 
 __all__ = ["generate_sessions"]

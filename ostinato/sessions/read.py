@@ -3,7 +3,7 @@
 An agent session is a chain of requests. After every tool output or user message the
 agent sends the whole conversation again (OpenAI chat messages) and gets one assistant
 message back; an engine that keeps the previous request's KV cache prefills only the
-newly appended messages. The data (`Session`, `Turn`) is bench/turns.py; this module finds
+newly appended messages. The data (`Session`, `Turn`) is sessions/turns.py; this module finds
 sessions (files, folders, the embedded generator) and splits them by task into development
 and held-out sets.
 
@@ -19,9 +19,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from ostinato.bench.converters import convert
-from ostinato.bench.synthetic import generate_sessions
-from ostinato.bench.turns import Session, SessionFormatError, read_jsonl
+from ostinato.sessions.converters import convert
+from ostinato.sessions.synthetic import generate_sessions
+from ostinato.sessions.turns import Session, SessionFormatError, read_jsonl
 
 SPEC_HELP = (
     "pass 'embedded' (or 'embedded:N' / 'embedded:N:SEED'), a sessions .jsonl, a tau2 "

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 
-from ostinato.bench.session_stats import FAMILIES, load_stats
-from ostinato.bench.turns import Session, Turn
-from ostinato.bench.synthetic.common import _Lengths
-from ostinato.bench.synthetic.service import _service_session
-from ostinato.bench.synthetic.swe import _swe_session
+from ostinato.sessions.stats import FAMILIES, load_stats
+from ostinato.sessions.turns import Session, Turn
+from ostinato.sessions.synthetic.common import _Lengths
+from ostinato.sessions.synthetic.service import _service_session
+from ostinato.sessions.synthetic.swe import _swe_session
 
 
 def generate_sessions(n: int, seed: int = 0) -> list[Session]:

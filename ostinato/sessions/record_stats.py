@@ -1,8 +1,8 @@
 """Measure the recorded workloads once and write `ostinato/data/session_stats.json`, the
-statistics the synthetic sessions follow (bench/session_stats.py reads and applies them).
+statistics the synthetic sessions follow (sessions/stats.py reads and applies them).
 A maintenance tool: run it when ../shared/workloads changes.
 
-    python -m ostinato.bench.record_stats
+    python -m ostinato.sessions.record_stats
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import json
 from datetime import date
 from pathlib import Path
 
-from ostinato.bench.session_stats import QUANTILE_LEVELS, STATS_PATH, measure_stats
-from ostinato.bench.sessions import load_sessions
-from ostinato.bench.turns import Session
+from ostinato.sessions.stats import QUANTILE_LEVELS, STATS_PATH, measure_stats
+from ostinato.sessions.read import load_sessions
+from ostinato.sessions.turns import Session
 
 
 def default_workloads_dir() -> Path:
@@ -35,7 +35,7 @@ def write_stats(path: str | Path = STATS_PATH, workloads: str | Path | None = No
     stats = {
         "measured_on": date.today().isoformat(),
         "workloads": "../shared/workloads (see its README for origins and licenses)",
-        "written_by": "ostinato.bench.record_stats.write_stats",
+        "written_by": "ostinato.sessions.record_stats.write_stats",
         "units": "characters of message text (content, tool-call names and JSON arguments); about 4 per token",
         "quantile_levels": list(QUANTILE_LEVELS),
         "sources": sources,

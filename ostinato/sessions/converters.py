@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any, Callable, Iterable
 
-from ostinato.bench.turns import Message, Session, Turn
+from ostinato.sessions.turns import Message, Session, Turn
 
 TAU2_INSTRUCTIONS = (
     "You are a customer service agent. Help the user by following the policy below, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Iterable, Iterator
 
-from ostinato.bench.turns import Message, Session
+from ostinato.sessions.turns import Message, Session
 
 
 def message_text(message: Message) -> str:

@@ -8,8 +8,8 @@ import random
 import string
 from typing import Any, Callable
 
-from ostinato.bench.turns import Message
-from ostinato.bench.synthetic.common import _Built, _Lengths, _call, _lines, _prose
+from ostinato.sessions.turns import Message
+from ostinato.sessions.synthetic.common import _Built, _Lengths, _call, _lines, _prose
 
 
 def _service_session(rng: random.Random, lengths: _Lengths, family: str, spread: float) -> _Built:

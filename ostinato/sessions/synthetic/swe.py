@@ -7,8 +7,8 @@ import json
 import random
 from typing import Iterator
 
-from ostinato.bench.turns import Message
-from ostinato.bench.synthetic.common import _Built, _Lengths, _call, _fit, _lines, _prose
+from ostinato.sessions.turns import Message
+from ostinato.sessions.synthetic.common import _Built, _Lengths, _call, _fit, _lines, _prose
 
 
 def _swe_session(rng: random.Random, lengths: _Lengths, family: str, spread: float) -> _Built:
