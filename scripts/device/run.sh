@@ -239,7 +239,9 @@ phase_sweep() {  # [I] BENCHMARK.md's length sweep, Ostinato and expert-cache in
 }
 phase_regimes() {  # [J] the same bench under each routing regime; the calibration of phase calib (routing aside, the same)
   local pols="ostinato fixed-per-layer expert-cache decaying-cache" f=$R/res-cap.json cal="" kv sep="?" r d todo merge
-  local A=${REGIMES_ARGS:---max-sessions 4 --max-turns 4 --max-output 32 --sweep-prefixes 0 --tune-sessions 2 --tune-max-turns 4}
+  # thresholds: the caches chose 512-1024 in every tuned run so far (sessions 7 and 13); the grid keeps a regime to a call
+  local A=${REGIMES_ARGS:---max-sessions 4 --max-turns 4 --max-output 32 --sweep-prefixes 0 --tune-sessions 2 --tune-max-turns 4 \
+    --thresholds 512 1024 2048 --max-context 8292}
   [[ $M == synth:* ]] || { say "regimes: $M is not a synthetic model: it has no routing regimes"; return 1; }
   [[ $M == *\?* ]] && sep="&"
   fresh "$f" && [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
