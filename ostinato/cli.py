@@ -1,4 +1,5 @@
-"""`ostinato` command line: one subcommand per job, each a thin wrapper over the package."""
+"""`ostinato` command line: one subcommand per job, each a thin wrapper over the package; each
+handler imports what it runs (planner/cli.py says why)."""
 from __future__ import annotations
 
 import argparse

@@ -28,7 +28,7 @@ import torch
 
 def pick_sessions(spec: str, split: str, n: int):
     from ostinato.sessions.read import load_sessions, split_sessions
-    from ostinato.planner.cli import spread
+    from ostinato.sessions.read import spread
 
     sessions = load_sessions(spec)
     dev, held = split_sessions(sessions)

@@ -364,7 +364,7 @@ def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys)
 def test_spread_shares_a_small_sample_between_sources():
     from types import SimpleNamespace
 
-    from ostinato.planner.cli import spread
+    from ostinato.sessions.read import spread
 
     items = [SimpleNamespace(source="swe", i=i) for i in range(3)] + [SimpleNamespace(source="tau2", i=i)
                                                                       for i in range(40)]

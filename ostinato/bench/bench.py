@@ -29,15 +29,28 @@ from pathlib import Path
 import torch
 
 from ostinato.bench.metrics import TurnResult, summarize, sweep_summary
-from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions
+from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions, session_requests
+from ostinato.bench.report import environment, finish_result
 from ostinato.config import ConfigError
 from ostinato.engine.gpu_memory import memory_figures
+from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD
 from ostinato.engine.residency import Residency
 from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
+from ostinato.engine.sampling import SamplingParams
 from ostinato.engine.sizes import expert_sizes
 from ostinato.load import load_engine
-from ostinato.policies.settings import OFFLOAD_THRESHOLDS, OSTINATO_STEPS, POLICIES, TUNED, PolicySettings
+from ostinato.loader.build import expert_formats
+from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
+from ostinato.planner.capacity import CapacitySettings, pool_groups
+from ostinato.planner.measure.prefill import prompt_ids
+from ostinato.planner.pipeline import plan_residency, size_pool
+from ostinato.planner.profile import session_stream
+from ostinato.planner.run_profile import profile_sessions
+from ostinato.planner.skew import hot_share, persistence_report, spread_report, trace_sessions
+from ostinato.policies.factory import make_policy, policy_factory, release, use_policy
+from ostinato.policies.settings import OFFLOAD_THRESHOLDS, OSTINATO_STEPS, POLICIES, PolicySettings, TUNED
+from ostinato.sessions.read import load_sessions, split_sessions, spread
 
 DEFAULT_HOT_FRACTION = 0.4  # used only when nothing else sizes the budget (the paper's GPU held ~40%)
 
@@ -88,8 +101,6 @@ def _say(bs: BenchSettings, msg: str) -> None:
 
 def select_sessions(spec: str, max_sessions: int | None):
     """(development, held-out) sessions, each spread down to max_sessions."""
-    from ostinato.sessions.read import load_sessions, split_sessions
-    from ostinato.planner.cli import spread
 
     dev, held = split_sessions(load_sessions(spec))
     if max_sessions:
@@ -107,10 +118,6 @@ def pool_size(loaded, bs: BenchSettings, counts):
     else the capacity test on --gpu-memory; else the default fraction. Returns (PoolSize, the
     budget's JSON entry: slots of the mean expert, `bytes` every policy's pools must fit, and the
     format groups of Ostinato's plan)."""
-    from ostinato.loader.build import expert_formats
-    from ostinato.planner.capacity import CapacitySettings, pool_groups
-    from ostinato.planner.pipeline import size_pool
-
     cfg = loaded.runner.config
     f = bs.hot_fraction
     if f is None and bs.expert_budget is None and bs.gpu_memory is None:
@@ -139,13 +146,9 @@ def pool_size(loaded, bs: BenchSettings, counts):
 def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dict:
     """Np: --upload-threshold; else measured by the planner's calibration in this engine, on
     Ostinato's own placement (so its constants land in the residency); else the default."""
-    from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD
-    from ostinato.policies.factory import make_policy, release, use_policy
-
     if bs.upload_threshold:
         return {"value": bs.upload_threshold, "how": "--upload-threshold"}
     if bs.calibration_from:  # measured earlier in this engine on this machine (`ostinato calibrate`)
-        from ostinato.planner.calibrate import model_checks
 
         cal = Residency.load(bs.calibration_from).calibration
         if not cal.get("upload_threshold") or not cal.get("layers"):  # a failed calibration leaves only the Np
@@ -155,7 +158,6 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
                 "predicted": model_checks(cal, counts, base.residency.hot, loaded.runner.config)}
     if not bs.calibrate:
         return {"value": DEFAULT_UPLOAD_THRESHOLD, "how": "default (not calibrated)"}
-    from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
 
     release(loaded)
     backend = make_policy("ostinato", loaded.source, bs.runner, base.with_(upload_threshold=DEFAULT_UPLOAD_THRESHOLD))
@@ -180,9 +182,6 @@ def warm_up(loaded, sizes: tuple[int, ...] = (64, 512)) -> None:
     that lazy initialisation and kernel compilation (per shape bucket and path) are not in the
     first measured turn: a short warm-up left them to the first policy's first long turn
     (results/2026-12-01-h200-s5/README.md, "Static baselines as graphs")."""
-    from ostinato.engine.sampling import SamplingParams
-    from ostinato.planner.measure.prefill import prompt_ids
-
     runner = loaded.runner
     largest = min(runner.settings.prefill_chunk, runner.max_context - 4)
     for n in sorted({min(s, largest) for s in sizes} | {largest}):
@@ -195,9 +194,6 @@ def warm_up(loaded, sizes: tuple[int, ...] = (64, 512)) -> None:
 def sweep_requests(tok, dev, bs: BenchSettings, max_context: int) -> list[tuple[TurnRequest, list[TurnRequest]]]:
     """(prefix request, measured requests) per fixed development prefix: after the prefix,
     `size` new tokens from other development text, then `sweep_output` forced tokens."""
-    from ostinato.planner.cli import spread
-    from ostinato.planner.profile import session_stream
-
     streams = [session_stream(s, tok).ids for s in dev]
     filler = [t for st in streams for t in st]
     if not filler:
@@ -244,7 +240,6 @@ def tune_threshold(loaded, backend, name, sessions, thresholds, max_turns, log=N
 @dataclass
 class Prepared:
     """What every policy's replay shares: the engine, the split, the budget and the plan."""
-
     loaded: object
     dev: list
     held: list
@@ -256,9 +251,6 @@ class Prepared:
 
 def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     """Steps 1-4: split, profile, budget and skew, plan and calibrate."""
-    from ostinato.planner.pipeline import plan_residency
-    from ostinato.planner.run_profile import profile_sessions
-    from ostinato.planner.skew import trace_sessions
 
     dev, held = select_sessions(bs.sessions, bs.max_sessions)
     _say(bs, f"sessions: {len(dev)} development, {len(held)} held-out ({bs.sessions})")
@@ -307,8 +299,6 @@ def routing_figures(counts, held_counts, fraction: float, held_stats, top_k: int
     given the held-out sessions' per-token statistics (planner/skew.RouteStats), the share of
     top-k experts consecutive tokens keep against independent draws (persistence; held_stats None:
     not measured, as with saved profiles)."""
-    from ostinato.planner.skew import hot_share, persistence_report, spread_report
-
     out = {"top_fraction": fraction}
     for phase in ("all", "decode", "prefill"):
         share, per_layer = hot_share(counts.total("all"), held_counts.total(phase), fraction)
@@ -324,8 +314,6 @@ def routing_figures(counts, held_counts, fraction: float, held_stats, top_k: int
 
 def run_bench(bs: BenchSettings) -> dict:
     """The whole benchmark; returns the result document (also written to bs.out)."""
-    from ostinato.bench.report import environment, finish_result
-    from ostinato.policies.factory import make_policy, release, use_policy
 
     t_start = time.perf_counter()
     bs.out = Path(bs.out)
@@ -414,8 +402,6 @@ def _calibration_summary(cal: dict | None) -> dict | None:
 
 def _fitting(sessions, loaded, n: int) -> list:
     """Up to n sessions whose first turn fits the engine's context (tuning replays them)."""
-    from ostinato.bench.replay import session_requests
-
     out = []
     for s in sessions:
         req = session_requests(type(s)(s.id, s.task, s.source, s.tools, s.turns[:1]), loaded.tokenizer)[0]
@@ -428,9 +414,6 @@ def _fitting(sessions, loaded, n: int) -> list:
 
 def _probe_factory(probe: PolicySettings):
     """The profiling backend: `layers` with no resident layer and an offload threshold of 1."""
-    from ostinato.loader.build import expert_formats
-    from ostinato.policies.factory import policy_factory
-
     def make(source, runner_settings):
         cfg = source.config
         dtype = runner_settings.torch_dtype(cfg.torch_dtype)

@@ -21,7 +21,8 @@ Making a plan, in one engine (the dense part loads once):
 6. the plan goes into the cache, and the engine serves.
 
 Every phase is reported to `progress(phase, done, of)` (serve's /health) and timed into the
-plan's notes.
+plan's notes. `serve`'s parser loads this module for its cache key, so the phases import the
+engine inside their functions (planner/cli.py says why).
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """Planner subcommands: profile (count routes), skew (the hot-share figure), plan (capacity
-test + fill -> residency file), calibrate (cost-model constants measured in the engine)."""
+test + fill -> residency file), calibrate (cost-model constants measured in the engine).
+
+Each command imports what it runs inside its handler, as the other command modules do: the
+argument parsers load with `ostinato --help` and every command, the engine only with a command
+that needs it."""
 from __future__ import annotations
 
 import json
@@ -16,23 +20,6 @@ def _sessions(spec: str | None, limit: int | None):
 
     sessions = load_sessions(spec or "embedded")
     return sessions[:limit] if limit else sessions
-
-
-def spread(items: list, n: int) -> list:
-    """n items evenly spaced over the list; items with a `source` (sessions of a mixed
-    folder) are shared out between the sources in turn, so a small sample of a folder of
-    100 tau2 and 14 swe-agent sessions still holds both."""
-    if n >= len(items):
-        return list(items)
-    groups: dict = {}
-    for it in items:
-        groups.setdefault(getattr(it, "source", None), []).append(it)
-    quota = dict.fromkeys(groups, 0)
-    while sum(quota.values()) < n:
-        for key, group in groups.items():
-            if quota[key] < len(group) and sum(quota.values()) < n:
-                quota[key] += 1
-    return [g[i * len(g) // quota[k]] for k, g in groups.items() for i in range(quota[k])]
 
 
 def cmd_profile(a) -> int:

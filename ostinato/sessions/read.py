@@ -105,3 +105,20 @@ def split_sessions(sessions: Sequence[Session], held_out_fraction: float = 0.5,
 
 def _task_hash(seed: int, source: str, task: str) -> str:
     return hashlib.sha256(f"{seed}\x1f{source}\x1f{task}".encode()).hexdigest()
+
+
+def spread(items: list, n: int) -> list:
+    """n items evenly spaced over the list; items with a `source` (sessions of a mixed
+    folder) are shared out between the sources in turn, so a small sample of a folder of
+    100 tau2 and 14 swe-agent sessions still holds both."""
+    if n >= len(items):
+        return list(items)
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(getattr(it, "source", None), []).append(it)
+    quota = dict.fromkeys(groups, 0)
+    while sum(quota.values()) < n:
+        for key, group in groups.items():
+            if quota[key] < len(group) and sum(quota.values()) < n:
+                quota[key] += 1
+    return [g[i * len(g) // quota[k]] for k, g in groups.items() for i in range(quota[k])]
