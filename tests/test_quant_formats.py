@@ -223,7 +223,11 @@ def test_float_types_match_gguf(qtype):
 )
 def test_any_scale_reads_the_same_in_gguf(qtype, rows, blocks, log_scale, seed):
     """Across magnitudes 2^-12..2^8: gguf reads our bytes as we do, Q8_0/MXFP4 bytes equal
-    gguf's, and the error stays within the Gaussian bound's order of magnitude."""
+    gguf's, and from 2^-10 up the error stays within the Gaussian bound's order of magnitude.
+    Below that the formats' fp16 scales are subnormal (Q6_K's super-block scale is about
+    sigma / 1350, under fp16's smallest normal 6.1e-5 already at sigma 0.08) and run out of
+    bits, in llama.cpp's bytes as in ours: a CI run drew Q6_K, one block at 2^-12, 3.6x the
+    bound; from 2^-10, 1500 one-block draws of every format stayed within 1.62x."""
     n = blocks * block_size(qtype)
     w = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * 2.0**log_scale
     q = quantize(w, qtype)
@@ -231,7 +235,8 @@ def test_any_scale_reads_the_same_in_gguf(qtype, rows, blocks, log_scale, seed):
     assert_bits_equal(r, gguf_dequantize(q, qtype))
     if qtype in ("Q8_0", "MXFP4"):
         assert torch.equal(q, gguf_quantize(w, qtype))
-    assert ((r - w).square().mean() / w.square().mean()).sqrt() < 3 * RMS_BOUND[qtype]
+    if log_scale >= -10:
+        assert ((r - w).square().mean() / w.square().mean()).sqrt() < 3 * RMS_BOUND[qtype]
 
 
 @pytest.mark.gpu
