@@ -25,7 +25,7 @@ from ostinato.threads import claim_host_thread
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import expert_formats
 from ostinato.loader.gguf import GGUFSource
-from ostinato.loader.source import open_source
+from ostinato.sources import open_source
 from ostinato.loader.tokenizer import ChatTokenizer
 from ostinato.planner.capacity import CapacityError, CapacitySettings, plan_capacity
 from ostinato.planner.pipeline import plan_residency, size_pool

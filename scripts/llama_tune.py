@@ -32,7 +32,7 @@ from ostinato.bench.replay import HttpTarget, replay_sessions  # noqa: E402
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
 from ostinato.engine.gpu_memory import process_gpu_mib  # noqa: E402
-from ostinato.loader.source import open_source  # noqa: E402
+from ostinato.sources import open_source  # noqa: E402
 from ostinato.loader.tokenizer import ChatTokenizer  # noqa: E402
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ostinato.loader.source import parse_synth
+from ostinato.synth.source import parse_synth
 from ostinato.engine.routes import RouteCounts
 from ostinato.synth.presets import Regime, regime
 from ostinato.synth.weights import SynthSpec

@@ -271,7 +271,7 @@ def test_synthetic_source_and_regimes(ds_dir):
     values the file has), routes are skewed by the preset's bias channel, and the persistence
     regime, which needs Qwen3's q/k norms, is refused."""
     from ostinato.engine.residency import model_fingerprint
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
     from ostinato.synth.presets import regime
     from ostinato.synth.weights import SynthSpec
 

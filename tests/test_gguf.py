@@ -29,7 +29,8 @@ from ostinato.config import ConfigError
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.loader.build import load_experts, load_quantized_experts
 from ostinato.loader.gguf import GGUFSource, gguf_name
-from ostinato.loader.source import CheckpointSource, open_source
+from ostinato.loader.source import CheckpointSource
+from ostinato.sources import open_source
 from ostinato.loader.tokenizer import ChatTokenizer, TokenizerDirError
 from ostinato.quant import formats
 from ostinato.synth.build import write_checkpoint

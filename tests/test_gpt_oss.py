@@ -22,7 +22,8 @@ from ostinato.config import ExpertAct
 from ostinato.layers.moe.types import ExpertWeights, TopKOutput
 from ostinato.load import load_engine
 from ostinato.loader import gpt_oss as layout
-from ostinato.loader.source import CheckpointSource, open_source
+from ostinato.loader.source import CheckpointSource
+from ostinato.sources import open_source
 from ostinato.quant import formats
 from ostinato.quant.mxfp4 import from_hf, to_hf
 from ostinato.synth.presets import preset_config
@@ -328,7 +329,7 @@ def test_the_capacity_test_counts_the_scores_of_one_chunk_of_queries():
     """gpt-oss attends in chunks of queries holding at most SCORE_BUDGET bytes of fp32 scores, so the
     capacity test's bound on a long pass is the chunk's, not the whole H x T x N (27.5 GiB for 120b's
     2048-token chunk over 16k tokens)."""
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
     from ostinato.models.gpt_oss import SCORE_BUDGET
     from ostinato.planner.capacity import activation_bytes
 

@@ -66,7 +66,7 @@ def test_assignment_counts_embedding_and_head():
 
 
 def test_assignment_of_a_model(tiny_dir):
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
 
     cfg = open_source(tiny_dir).config
     devices = assign_devices(cfg, ["cuda:0", "cuda:1"], 128, torch.bfloat16)
@@ -116,7 +116,7 @@ def _split_residency(source, tmp_path, fraction=0.5, devices=SPLITS["two"]):
 @pytest.mark.parametrize("split", ["two", "four"])
 @pytest.mark.parametrize("threshold", [10**9, 16])  # split path / upload path for the 60-token prompt
 def test_split_hybrid_matches_one_device(tiny_dir, tmp_path, threshold, split):
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
 
     devices = SPLITS[split]
     hot = _split_residency(open_source(tiny_dir), tmp_path, devices=devices)
@@ -143,7 +143,7 @@ def test_split_hybrid_matches_one_device(tiny_dir, tmp_path, threshold, split):
 
 def test_devices_must_match_the_plan(tiny_dir, tmp_path):
     from ostinato.config import ConfigError
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
 
     _split_residency(open_source(tiny_dir), tmp_path)
     with pytest.raises(ConfigError, match="planned for devices"):
@@ -154,7 +154,7 @@ def test_devices_must_match_the_plan(tiny_dir, tmp_path):
 def test_plan_per_device(tiny_dir, tmp_path, capsys):
     from ostinato.cli import main
     from ostinato.engine.routes import RouteCounts
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
     from ostinato.planner.capacity import CapacitySettings, device_capacity
 
     cfg = open_source(tiny_dir).config
@@ -241,7 +241,7 @@ def _stepped(runner, steps=24):
 
 @pytest.mark.parametrize("residency", [None, "split.json"])
 def test_decode_stages_equal_the_eager_windowed_step(tiny_dir, tmp_path, residency):
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
 
     _split_residency(open_source(tiny_dir), tmp_path)
     one = load_engine(str(tiny_dir), _settings())
@@ -258,7 +258,7 @@ def test_decode_stages_equal_the_eager_windowed_step(tiny_dir, tmp_path, residen
 
 
 def _two_gpu_engines(tiny_dir, tmp_path, fraction, borrow):
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
     from tests.test_hybrid import _residency_for
 
     source = open_source(tiny_dir)

@@ -317,7 +317,7 @@ def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys)
     from ostinato.engine.routes import RouteCounts
     from ostinato.engine.runner import RunnerSettings
     from ostinato.load import load_engine
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
 
     cfg = open_source(tiny_dir).config
     counts = RouteCounts.load(tiny_profile).total("all")

@@ -315,7 +315,7 @@ def test_a_policy_that_runs_out_of_gpu_memory_says_what_did_not_fit(tiny_dir, mo
     """The allocator's own first line (what it tried to allocate, what was free) reaches the
     refusal: a bench run that skips a policy says why."""
     from ostinato.engine.runner import RunnerSettings
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
     from ostinato.policies import factory
 
     def out_of_memory(*args, **kwargs):

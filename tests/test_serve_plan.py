@@ -26,7 +26,7 @@ FAST = CalibrateSettings(reps=2, gpu_reps=2, step_reps=2, sizes=(64, 256), pass_
 
 def _cap_holding(hot: int) -> int:
     """The smallest cap (bytes) whose capacity test holds `hot` experts for MODEL under SETTINGS."""
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
     from ostinato.planner.capacity import CapacityError, plan_capacity
 
     cfg = open_source(MODEL).config

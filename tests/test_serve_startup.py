@@ -96,7 +96,7 @@ def test_a_cap_without_a_residency_must_hold_every_expert():
     from ostinato.config import ConfigError
     from ostinato.engine.runner import RunnerSettings
     from ostinato.load import check_all_resident_fit
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
 
     source = open_source("synth:tiny?layers=2")
     settings = RunnerSettings(device="cpu", dtype="bf16", max_context=1024)

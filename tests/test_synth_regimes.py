@@ -134,7 +134,7 @@ def test_synth_command_takes_the_knobs(tmp_path):
 
 def test_synth_uri_takes_the_regime_and_its_knobs():
     from ostinato.config import ConfigError
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
 
     src = open_source("synth:tiny?regime=layered-persistent&persistence=0.5&layers=2")
     assert src.spec.regime == regime("layered-persistent", persistence=0.5)

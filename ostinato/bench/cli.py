@@ -65,7 +65,7 @@ def cmd_replay(a) -> int:
     tokenizer, layers, engine = None, None, "reference"
     if a.endpoint:
         if a.tokenizer:  # a model argument (a checkpoint, a GGUF file, synth:PRESET): its tokenizer
-            from ostinato.loader.source import open_source
+            from ostinato.sources import open_source
             from ostinato.loader.tokenizer import ChatTokenizer
 
             tokenizer = ChatTokenizer.from_dir(open_source(a.tokenizer).tokenizer_dir)

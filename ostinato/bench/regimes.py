@@ -22,7 +22,7 @@ from pathlib import Path
 from ostinato.bench.plots import _plt, _save
 from ostinato.bench.report import _f, comparisons, load_results, provenance
 from ostinato.config import ConfigError
-from ostinato.loader.source import parse_synth
+from ostinato.synth.source import parse_synth
 from ostinato.policies.settings import TUNED
 from ostinato.synth.presets import Regime, regime
 

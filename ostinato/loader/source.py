@@ -1,5 +1,6 @@
-"""Where weights come from: a Hugging Face checkpoint directory, a GGUF file (loader/gguf.py), or a
-synthetic model (synth/source.py).
+"""A Hugging Face checkpoint directory as a weight source. The other sources are a GGUF file
+(loader/gguf.py) and a synthetic model (synth/source.py); ostinato/sources.py opens a model
+argument as whichever it names.
 
 Both give the same interface: a `ModelConfig`, tensor names and shapes, and `load_`
 that writes a named tensor into memory the caller allocated (so experts land straight
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from urllib.parse import parse_qsl
 
 import torch
 from safetensors import safe_open
@@ -26,8 +26,6 @@ from safetensors import safe_open
 from ostinato.config import ConfigError, ModelConfig, family_of
 from ostinato.layers.moe.types import expert_views
 from ostinato.loader import gpt_oss
-from ostinato.loader.gguf import GGUFSource, find_gguf
-from ostinato.synth.build import synth_source
 
 # safetensors dtypes that hold weights as they are; anything else (F8_*, I8, U8, I32 packs) needs
 # scales or unpacking this loader does not do
@@ -146,38 +144,3 @@ def refuse_quantized(config: dict, where: Path) -> None:
     raise ConfigError(f"{where}: the checkpoint is quantized ({name}; quantization_config in config.json), which "
                       "Ostinato does not load from safetensors: use the unquantized (bf16) checkpoint, or a GGUF "
                       "file (Q8_0, Q4_K_M, MXFP4_MOE, ...)")
-
-
-def parse_synth(text: str) -> tuple[str, dict]:
-    """'synth:tiny?seed=1&layers=2' -> ('tiny', {'seed': 1, 'layers': 2}); the routing regime and
-    its knobs as `ostinato synth` takes them ('synth:tiny?regime=layered-persistent&persistence=0.5')."""
-    body = text[len("synth:"):]
-    preset, _, query = body.partition("?")
-    kinds = {"seed": int, "layers": int, "skew": float, "regime": str, "persistence": float, "content": float}
-    opts = {}
-    for k, v in parse_qsl(query, strict_parsing=bool(query)):
-        if k not in kinds:
-            raise ConfigError(f"unknown synth option {k!r} in {text!r} (known: {', '.join(kinds)})")
-        opts[k] = kinds[k](v)
-    return preset, opts
-
-
-def open_source(model: str | Path):
-    """A model argument -> a weight source."""
-    text = str(model)
-    if text.startswith("synth:"):
-        from ostinato.synth.presets import regime
-
-        preset, opts = parse_synth(text)
-        knobs = {k: opts.pop(k) for k in ("persistence", "content") if k in opts}
-        try:
-            routing = regime(opts.pop("regime", "flat"), preset, **knobs)
-        except ValueError as e:
-            raise ConfigError(f"{text}: {e}") from None
-        return synth_source(preset, **opts, regime=routing)
-    path = Path(text)
-    if not (path / "config.json").is_file():  # a checkpoint directory wins over a .gguf beside it
-        gguf_file = find_gguf(path)
-        if gguf_file is not None:
-            return GGUFSource(gguf_file)
-    return CheckpointSource(text)

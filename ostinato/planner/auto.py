@@ -87,7 +87,7 @@ def load_planned(model: str, settings, place, auto: AutoPlan = AutoPlan(), progr
     GPU when they all fit under the cap, else the cached plan, else a plan made now (module
     docstring). -> a Loaded whose `residency` and `placement.residency` name the plan used."""
     from ostinato.load import all_resident_fit, load_engine
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
 
     if place.residency or place.gpu_memory is None:
         raise ValueError("load_planned plans for a cap, without a residency")

@@ -187,7 +187,7 @@ def cmd_plan(a) -> int:
     from ostinato.engine.residency import Residency, model_fingerprint
     from ostinato.engine.routes import RouteCounts
     from ostinato.loader.build import expert_formats
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
     from ostinato.planner.pipeline import plan_residency
 
     if a.from_served:
@@ -244,7 +244,7 @@ def plan_from_served(a) -> int:
     from ostinato.engine.routes import RouteCounts
     from ostinato.engine.runner import RunnerSettings
     from ostinato.loader.build import expert_formats
-    from ostinato.loader.source import open_source
+    from ostinato.sources import open_source
     from ostinato.planner.pipeline import plan_residency, route_report, size_pool
     from ostinato.planner.served import ServedRoutes, learned_counts, served_path
 

@@ -5,10 +5,11 @@ there is one and copied to where the caller allocated them.
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import torch
 
-from ostinato.config import ModelConfig
+from ostinato.config import ConfigError, ModelConfig
 from ostinato.loader import gpt_oss as gpt_oss_layout
 from ostinato.synth import gpt_oss as synth_gpt_oss
 
@@ -62,3 +63,17 @@ class SynthSource:
         gpt_oss_layout.load_quantized_(self._read, self.spec.shapes, layer, w13, w2)
         if b13 is not None:
             gpt_oss_layout.load_biases_(self._read, layer, b13, b2)
+
+
+def parse_synth(text: str) -> tuple[str, dict]:
+    """'synth:tiny?seed=1&layers=2' -> ('tiny', {'seed': 1, 'layers': 2}); the routing regime and
+    its knobs as `ostinato synth` takes them ('synth:tiny?regime=layered-persistent&persistence=0.5')."""
+    body = text[len("synth:"):]
+    preset, _, query = body.partition("?")
+    kinds = {"seed": int, "layers": int, "skew": float, "regime": str, "persistence": float, "content": float}
+    opts = {}
+    for k, v in parse_qsl(query, strict_parsing=bool(query)):
+        if k not in kinds:
+            raise ConfigError(f"unknown synth option {k!r} in {text!r} (known: {', '.join(kinds)})")
+        opts[k] = kinds[k](v)
+    return preset, opts
