@@ -20,7 +20,6 @@ layers Q6_K down projections).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
