@@ -342,13 +342,15 @@ def run_bench(bs: BenchSettings) -> dict:
     for name in bs.policies:
         t_build = time.perf_counter()  # building the policy's placement (pool fill) and its graphs
         release(loaded)  # the previous backend's memory is free before the next one is built
+        held = None  # what the engine holds before this policy's build: the same for every policy, else a leak
         if loaded.runner.device.type == "cuda":  # the allocator peak of this policy alone
             torch.cuda.reset_peak_memory_stats(loaded.runner.device)
+            held = round(torch.cuda.memory_allocated(loaded.runner.device) / 2**20)
         try:
             backend = make_policy(name, loaded.source, bs.runner, p.base)
         except ConfigError as e:
-            policies[name] = {"skipped": str(e)}
-            _say(bs, f"{name}: skipped: {e}")
+            policies[name] = {"skipped": str(e), "held_before_build_mib": held}
+            _say(bs, f"{name}: skipped: {e}" + (f" ({held} MiB allocated before its build)" if held is not None else ""))
             continue
         use_policy(loaded, backend)
         warm_up(loaded)
@@ -356,6 +358,8 @@ def run_bench(bs: BenchSettings) -> dict:
         entry = _run_policy(loaded, backend, name, bs, p.held, tune_set, sweep_plan, np_)
         entry["over_budget"] = name == "gpu" and p.budget["bytes"] < p.budget["all_experts_bytes"]
         entry["wall_s"]["build"] = round(t_build, 1)
+        if held is not None:
+            entry["held_before_build_mib"] = held
         turns[name] = entry.pop("turns")
         policies[name] = entry
         s = entry["summary"]

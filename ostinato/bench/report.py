@@ -301,6 +301,9 @@ def markdown(result: dict, plots: list[str]) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "## Settings and tuning", ""]
     for name, e in result["policies"].items():
+        if "skipped" in e:
+            held = f" ({e['held_before_build_mib']} MiB held before its build)" if e.get("held_before_build_mib") else ""
+            lines.append(f"- {name}: skipped{held}: {e['skipped']}")
         if "tuning" in e:
             t = e["tuning"]
             grid = ", ".join(f"{k}: {v:.2f} s" for k, v in t["offload_threshold"].items())
@@ -316,7 +319,9 @@ def markdown(result: dict, plots: list[str]) -> str:
         if "gpu_memory" in e:
             m = e["gpu_memory"]
             seen = "not listed by nvidia-smi" if m["process_mib"] is None else f"{m['process_mib']} MiB by nvidia-smi"
-            lines.append(f"- {name}: GPU memory after the replay {seen} (allocator peak {m['allocator_peak_mib']} MiB)")
+            held = f", {e['held_before_build_mib']} MiB held before its build" if "held_before_build_mib" in e else ""
+            lines.append(f"- {name}: GPU memory after the replay {seen} (allocator peak {m['allocator_peak_mib']} MiB"
+                         f"{held})")
         if "external" in e:
             x = e["external"]
             mib = f"; {x['gpu_mib']} MiB by nvidia-smi after the replay" if x.get("gpu_mib") is not None else ""
