@@ -24,6 +24,7 @@ import torch
 
 from ostinato.synth.source import parse_synth
 from ostinato.engine.routes import RouteCounts
+from ostinato.planner.skew import hot_share
 from ostinato.synth.presets import Regime, regime
 from ostinato.synth.weights import SynthSpec
 
@@ -55,11 +56,9 @@ def measured_layers(folder: Path, ran_with: dict[str, float]) -> tuple[str, list
 
 
 def global_share(layers: list[tuple[torch.Tensor, torch.Tensor]], fraction: float) -> float:
-    """Held-out share (mean over layers) of the top `fraction` of all (layer, expert) by development share."""
-    dev = torch.cat([d for d, _ in layers])
-    held = torch.cat([h for _, h in layers])
-    top = torch.argsort(-dev, stable=True)[:round(fraction * dev.numel())]
-    return float(held[top].sum() / len(layers))
+    """The bench's skew figure (planner/skew.py hot_share) over layers given as (development,
+    held-out) shares: each layer's routes sum to one, so runs of different lengths pool."""
+    return hot_share(dict(enumerate(d for d, _ in layers)), dict(enumerate(h for _, h in layers)), fraction)[0]
 
 
 def main() -> None:

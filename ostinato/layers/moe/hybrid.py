@@ -111,6 +111,12 @@ def choose_path(T: int, has_cold: bool, upload_threshold: int | None, mixed: Mix
     return "split"
 
 
+def cpu_routes(cid: torch.Tensor, cold: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The CPU branch's routes of a pass, on the host: cid [T, K] each route's compact index in
+    host memory, cold [T, K] the routes it computes -> (token int32, compact expert, weight) each."""
+    return cold.nonzero()[:, 0].to(torch.int32), cid[cold], weights[cold]
+
+
 class HybridExperts(MoEBackend):
     """The one executor of a static placement (Ostinato and the static baselines): the pool's
     resident experts on the GPU in every pass, the rest by the pass's path (choose_path).
@@ -253,10 +259,10 @@ class HybridExperts(MoEBackend):
             uploaded, cold = self._upload_some(layer, x, topk, ids_h, cold, done)
         out_h = None
         if r and (uploaded is None or bool(cold.any())):
-            tok = cold.nonzero()[:, 0].to(torch.int32)
-            self.counters["cpu_experts"] += int(torch.unique(cid[cold]).numel())
+            tok, eids, wts = cpu_routes(cid, cold, w_h)
+            self.counters["cpu_experts"] += int(torch.unique(eids).numel())
             out_h = self.out_host[:T]
-            self.cpu.submit(layer, x_h, tok, cid[cold], w_h[cold], out_h)
+            self.cpu.submit(layer, x_h, tok, eids, wts, out_h)
         pool = self.pools.of(layer)
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         if uploaded is not None:
@@ -274,8 +280,7 @@ class HybridExperts(MoEBackend):
         x_h = self.x_host[:x.shape[0]]
         x_h.copy_(x)
         cid = self.host.compact[layer][ids_h]
-        cold = cid >= 0
-        tok, eids, wts = cold.nonzero()[:, 0].to(torch.int32), cid[cold], w_h[cold]
+        tok, eids, wts = cpu_routes(cid, cid >= 0, w_h)
         out = self.out_host[:x.shape[0]]
 
         def run() -> None:
