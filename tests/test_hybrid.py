@@ -11,7 +11,7 @@ from ostinato.config import ConfigError
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
-from ostinato.layers.moe.pool import ExpertPool, HostExperts
+from ostinato.layers.moe.pool import ExpertPool, HostExperts, gather_rows
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
 from ostinato.layers.moe.types import ExpertWeights, TopKOutput
@@ -116,6 +116,23 @@ def test_zero_slots_and_table():
             e = int(ids[t, j])
             assert int(slots[t, j]) == (int(pool.table_host[0, e]) if hot[e] else pool.zero_lo + j)
     assert pool.num_hot == hot.sum() + (pool.table_host[2] >= 0).sum()
+
+
+def test_fills_copy_each_expert_to_its_slot_and_host_row_a_few_at_a_time():
+    """Pool and host fills gather a layer's experts in chunks (pool.gather_rows), so that a layer made
+    on the GPU is never copied whole there: every expert still lands where the tables say."""
+    hybrid, weights = _hybrid(0.5, upload_threshold=10**9)  # 8 hot and 8 cold experts per layer
+    pool, host = hybrid.pool, hybrid.host
+    for l in LAYERS:
+        for e in range(E):
+            slot, row = int(pool.table_host[l, e]), int(host.compact[l][e])
+            assert (slot >= 0) != (row >= 0)
+            got = (pool.w13[slot], pool.w2[slot]) if slot >= 0 else (host.layers[l].w13[row], host.layers[l].w2[row])
+            assert torch.equal(got[0], weights[l].w13[e]) and torch.equal(got[1], weights[l].w2[e])
+    src, ids = torch.arange(40.0).view(20, 2), torch.tensor([19, 3, 4, 0, 7, 8, 9, 10, 11, 2, 5])
+    parts = list(gather_rows(src, ids, chunk=4))
+    assert [i for i, _ in parts] == [0, 4, 8] and [len(r) for _, r in parts] == [4, 4, 3]
+    assert torch.equal(torch.cat([r for _, r in parts]), src[ids])
 
 
 def _residency_for(source, fraction, seed=0):

@@ -45,6 +45,16 @@ COLD = -1
 Qtypes = tuple[str, str] | None  # (qt13, qt2) of GGUF blocks, or None for float weights
 
 
+def gather_rows(src: torch.Tensor, ids: torch.Tensor, chunk: int = 8):
+    """(i, src[ids[i:i + chunk]]) for i = 0, chunk, ...: a layer's chosen experts gathered a few at
+    a time, so that copying them out never holds a second copy of the whole layer on src's device
+    (a cache's host copies take all 128 experts of a layer generated on the GPU: 768 MiB for the 30B
+    model's w13, which a pool near the cap cannot spare)."""
+    ids = ids.to(src.device)
+    for i in range(0, ids.numel(), chunk):
+        yield i, src[ids[i:i + chunk]]
+
+
 def stored_shapes(shape13, shape2, qtypes: Qtypes):
     """The per-expert tensor shapes as stored: [2F, D] and [D, F] floats, or their byte rows
     [2F, row_bytes(qt13, D)] and [D, row_bytes(qt2, F)]."""
@@ -136,14 +146,13 @@ class ExpertPool:
         self._check_format(layer, experts)
         row = self.table_host[layer]
         ids = (row >= 0).nonzero().flatten()
-        if ids.numel():
-            slots = row[ids].long().to(self.device)
-            src = ids.to(experts.w13.device)
-            self.w13[slots] = experts.w13[src].to(self.device, non_blocking=True)
-            self.w2[slots] = experts.w2[src].to(self.device, non_blocking=True)
-            if self.b13 is not None:
-                self.b13[slots] = experts.b13[src].to(self.device, torch.float32)
-                self.b2[slots] = experts.b2[src].to(self.device, torch.float32)
+        slots = row[ids].long().to(self.device)
+        pairs = [(self.w13, experts.w13), (self.w2, experts.w2)]
+        if self.b13 is not None:
+            pairs += [(self.b13, experts.b13), (self.b2, experts.b2)]
+        for dst, src in pairs:
+            for i, rows in gather_rows(src, ids):
+                dst[slots[i:i + len(rows)]] = rows.to(self.device, dst.dtype, non_blocking=True)
 
     def _check_format(self, layer: int, experts) -> None:
         qtypes = (experts.qt13, experts.qt2) if isinstance(experts, QuantExpertWeights) else None
@@ -326,12 +335,12 @@ class HostExperts:
             if isinstance(dst, QuantExpertWeights) != isinstance(experts, QuantExpertWeights):
                 raise ConfigError(f"layer {layer}: host experts and the loaded experts differ in format")
             check_same_math(layer, experts, self.act, self.bias, "host copy")
-            src = ids.to(experts.w13.device)
-            dst.w13.copy_(experts.w13[src])  # straight into page-locked memory, from any device
-            dst.w2.copy_(experts.w2[src])
+            pairs = [(dst.w13, experts.w13), (dst.w2, experts.w2)]
             if self.bias:
-                dst.b13.copy_(experts.b13[src])
-                dst.b2.copy_(experts.b2[src])
+                pairs += [(dst.b13, experts.b13), (dst.b2, experts.b2)]
+            for d, src in pairs:  # straight into page-locked memory, from any device
+                for i, rows in gather_rows(src, ids):
+                    d[i:i + len(rows)].copy_(rows)
 
 
 def check_same_math(layer: int, experts, act: ExpertAct, bias: bool, where: str) -> None:
