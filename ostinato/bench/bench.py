@@ -467,7 +467,7 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
 
 
 def segment_costs(before: dict, after: dict) -> dict | None:
-    """A cache's decode steps replayed as graph segments (policies/base.py): what a cut cost
+    """A cache's decode steps replayed as graph segments (layers/moe/segmented.py): what a cut cost
     over the held-out replay, on the timed steps: the GPU's wait from the end of one segment to
     the next one's inputs, over all cuts and over the cuts with no upload or CPU work (the sync
     alone). None for a backend that does not cut its steps."""

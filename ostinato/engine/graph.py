@@ -87,9 +87,11 @@ class Stage:
     all), and per window its DecodeWindow, graph and outputs ((x, cos, sin), or (logits [V],)
     for the last)."""
 
-    def __init__(self, model, kv: list, seg: Segment, backend, host_rows: torch.Tensor | None = None):
+    def __init__(self, model, kv: list, seg: Segment, backend, host_rows: torch.Tensor | None = None,
+                 side: torch.cuda.Stream | None = None):
         """host_rows: the embedding table in pinned host memory (first stage only): each step's
-        row is copied into a static input before the replay, instead of a lookup in the graph."""
+        row is copied into a static input before the replay, instead of a lookup in the graph;
+        side: the stream of its warm-up and capture (the runner's, runner.side_stream)."""
         self.model, self.kv, self.seg = model, kv, seg
         dev = self.device = seg.device
         self.cuda = dev.type == "cuda"
@@ -104,7 +106,7 @@ class Stage:
         self.inputs: tuple[torch.Tensor, ...] = ()  # allocated at the first hand-off
         self.windows: dict[int, DecodeWindow] = {}  # kept alive: the graphs read their buffers
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
-        self.side = torch.cuda.Stream(dev) if self.cuda else None  # warm-up and capture
+        self.side = (side or torch.cuda.Stream(dev)) if self.cuda else None  # warm-up and capture
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None  # this device's graphs
 
     def window(self, size: int) -> DecodeWindow:
@@ -195,7 +197,8 @@ class DecodeGraphs:
         """One stage per segment of the runner's layers (runner.segments), each with the hooks
         of the backend that serves its layers."""
         model, kv = runner.model, runner.kv.layers
-        self.stages = [Stage(model, kv, seg, backend_of(runner.experts, seg), runner.host_rows)
+        self.stages = [Stage(model, kv, seg, backend_of(runner.experts, seg), runner.host_rows,
+                             runner.side_stream(seg.device) if seg.device.type == "cuda" else None)
                        for seg in runner.segments]
         self.sizes = window_sizes(runner.max_context, smallest_window)
         # the next step's first stage waits for the last stage of the step before (split only)

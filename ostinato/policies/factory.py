@@ -19,13 +19,13 @@ from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD, PlacementSetting
 from ostinato.engine.residency import Residency
 from ostinato.engine.routes import RouteCounts
 from ostinato.policies.base import ModelExperts, pools_bytes
-from ostinato.policies.caches import DecayingCachePolicy, ExpertCachePolicy
+from ostinato.policies.caches import DecayingCache, ExpertCache
 from ostinato.policies.settings import OSTINATO_STEPS, PolicySettings, check_policy
 from ostinato.policies.static import BUILDERS, hybrid_from_parts
 
-# policy -> build(spec, budget bytes, settings, development counts); the static placements run on
-# the one executor (HybridExperts) and decode as one CUDA graph per GPU; the caches decide per pass
-BUILD = {**BUILDERS, "expert-cache": ExpertCachePolicy.build, "decaying-cache": DecayingCachePolicy.build}
+# policy -> build(spec, budget bytes, settings, development counts): each an executor (HybridExperts);
+# the static placements decode as one CUDA graph per GPU, the caches (an admission on it) as graph segments
+BUILD = {**BUILDERS, "expert-cache": ExpertCache.build, "decaying-cache": DecayingCache.build}
 CACHES = ("expert-cache", "decaying-cache")
 
 

@@ -56,8 +56,9 @@ def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_thre
     upload path)."""
     cold = {l: sorted(set(range(spec.num_experts)) - set(hot.get(l, []))) for l in spec.moe_layers}
     pools, host, cpu = build_parts(spec, hot, cold, flex, cpu_backend)
-    for l in spec.moe_layers:  # HybridExperts reads every layer's host table, resident-only layers too
+    for l in spec.moe_layers:  # HybridExperts reads every layer's host tables, resident-only layers too
         host.compact.setdefault(l, torch.full((spec.num_experts,), -1, dtype=torch.int32))
+        host.rows.setdefault(l, host.compact[l].clone())
     return HybridExperts(pools, host, cpu, upload_threshold, spec.max_tokens, upload_all=upload_all)
 
 

@@ -34,7 +34,6 @@ class Borrowing:
         self.decay, self.margin, self.every, self.wait_copies = decay, margin, every, wait_copies
         self.on_switch = on_switch
         self.steps = 0
-        self._home: dict[tuple[int, int], int] = {}  # borrowed expert -> its index in the host stack
         L, E = pool.table.shape
         self.scores = torch.zeros((L, E), dtype=torch.float32, device=pool.device)
         self.hits = torch.zeros((), dtype=torch.int64, device=pool.device)  # routes served by borrowed slots
@@ -125,17 +124,12 @@ class Borrowing:
         self.pending = still
 
     def _switch(self, layer: int, expert: int, slot: int) -> None:
-        """Both branches at once: slot >= 0 borrows, COLD returns the expert to the CPU."""
-        self.pool.table_host[layer, expert] = slot
-        self.pool.table[layer, expert] = slot
-        compact = self.host.compact[layer]
-        if slot == COLD:
-            compact[expert] = self._home[(layer, expert)]
-        else:
-            self._home[(layer, expert)] = int(compact[expert])
-            compact[expert] = COLD
+        """Both branches at once (HybridExperts.switch): slot >= 0 borrows, COLD returns the expert
+        to the CPU."""
+        self.hybrid.switch(layer, expert, slot)
+        self.hybrid.publish()
         if self.on_switch is not None:
-            self.on_switch(layer, compact)
+            self.on_switch(layer, self.host.compact[layer])
 
     def _return(self, slot: int) -> None:
         layer, expert = self.owner.pop(slot)

@@ -17,20 +17,21 @@ import atexit
 
 import torch
 
-from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
-from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
+from ostinato.layers.moe.segmented import SegmentedExperts
 from ostinato.layers.moe.types import TopKOutput
 
 
-class GraphHybridExperts(MoEBackend):
+class GraphHybridExperts(HybridWrapper):
     capturable = True
 
     def __init__(self, hybrid: HybridExperts, core: int = -1):
         """core: the CPU of this GPU's poller (the thread layout's, ostinato/threads.py; -1 unpinned)."""
         from ostinato.kernels.triton import handshake as hs
 
-        self.hybrid, self.hs, self.device = hybrid, hs, hybrid.device
+        super().__init__(hybrid)
+        self.hs = hs
         pools = hybrid.pools
         # only layers with cold experts post a step: the worker waits at each of its layers
         layers = [l for l, cold in hybrid.has_cold.items() if cold]
@@ -61,31 +62,6 @@ class GraphHybridExperts(MoEBackend):
         """The warm-up steps before a capture ran on token 0 at position 0: they are not decode."""
         if self.hybrid.borrow is not None:
             self.hybrid.borrow.forget()
-
-    def after_decode_step(self) -> None:
-        self.hybrid.after_decode_step()
-
-    def before_prefill(self) -> None:
-        self.hybrid.before_prefill()
-
-    @property
-    def unwrapped(self) -> HybridExperts:
-        return self.hybrid
-
-    @property
-    def offload_threshold(self) -> int | None:
-        return self.hybrid.offload_threshold
-
-    @offload_threshold.setter
-    def offload_threshold(self, n: int | None) -> None:
-        self.hybrid.offload_threshold = n
-
-    @property
-    def cpu(self):
-        return self.hybrid.cpu
-
-    def resident_experts(self) -> int:
-        return self.hybrid.resident_experts()
 
     def stop(self) -> None:
         """Stop the worker: the hybrid it wraps stays as it is (to serve host-driven, or to be
@@ -124,9 +100,12 @@ class GraphHybridExperts(MoEBackend):
 
 
 def for_graphs(backend, core: int = -1):
-    """The backend a decode graph can capture: a HybridExperts with cold experts gets the
-    mapped-memory handshake (native CPU backend only), its poller on `core`; any other
-    backend as it is."""
+    """The backend a decode graph can capture: a cache (HybridExperts with an admission) is cut
+    into graph segments at each MoE layer (layers/moe/segmented.py); a HybridExperts with cold
+    experts gets the mapped-memory handshake (native CPU backend only), its poller on `core`; any
+    other backend as it is."""
+    if isinstance(backend, HybridExperts) and backend.admission is not None:
+        return SegmentedExperts(backend) if backend.on_cuda else backend
     if isinstance(backend, HybridExperts) and not backend.capturable and backend.cpu.backend == "native":
         return GraphHybridExperts(backend, core)
     return backend

@@ -19,6 +19,15 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
   a gain (MixedPass.from_calibration). Decode never uploads (an upload exposes its whole
   transfer).
 
+A cache is the same executor with an `Admission` (policies/caches.py): a residency that
+changes at run time. The passes it admits bring their routing to the host, the admission
+decides which missing experts to copy into its cache slots (and which entries to evict), the
+tables switch (`switch`: the GPU branch's index table and the CPU branch's compact table
+together, as borrowed memory switches them), and the pass then runs the split path: cached
+experts on the GPU, the rest on the CPU. Passes it does not admit run the split or upload path
+over the cache as it stands. A cache's upload path stages in the top slots of the flex region
+(`staging`), below which the cache keeps its entries.
+
 Both branches accumulate in fp32; the layer output is rounded to the activations'
 dtype once, after the sum. On a machine without CUDA the "GPU" side runs on the CPU
 device through the same code (torch path of the slot kernel), so CI covers all paths.
@@ -32,10 +41,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ostinato.layers.moe.backend import MoEBackend
-from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts
+from ostinato.layers.moe.pool import COLD, ExpertPool, ExpertPools, HostExperts
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -111,10 +121,85 @@ def choose_path(T: int, has_cold: bool, upload_threshold: int | None, mixed: Mix
     return "split"
 
 
-def cpu_routes(cid: torch.Tensor, cold: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def cpu_routes(cid: np.ndarray, cold: np.ndarray, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The CPU branch's routes of a pass, on the host: cid [T, K] each route's compact index in
-    host memory, cold [T, K] the routes it computes -> (token int32, compact expert, weight) each."""
-    return cold.nonzero()[:, 0].to(torch.int32), cid[cold], weights[cold]
+    host memory, cold [T, K] the routes it computes -> (token int32, compact expert, weight) each.
+    numpy: a cache's decode step does this once per MoE layer between two graph segments, where
+    torch's per-op overhead on [K]-sized tensors would be most of the cost."""
+    return (torch.from_numpy(cold.nonzero()[0].astype(np.int32)), torch.from_numpy(cid[cold]),
+            weights[torch.from_numpy(cold)])
+
+
+def staging(pool: ExpertPool, n: int) -> range:
+    """The slots a pass stages n uploaded experts in: the top of the pool's flex region, so that a
+    cache (which keeps its entries at the bottom of it) and the upload path never meet."""
+    if n > pool.num_slots - pool.flex_lo:
+        raise RuntimeError(f"{n} experts to stage exceed the {pool.num_slots - pool.flex_lo} flex slots")
+    return range(pool.num_slots - n, pool.num_slots)
+
+
+class Admission:
+    """A residency that changes at run time (a cache, policies/caches.py), run by HybridExperts:
+    for each pass it admits, which of the pass's missing experts enter the pool. It changes the
+    placement through HybridExperts.switch only, and returns the copies to make."""
+
+    hybrid: "HybridExperts"
+
+    def admits(self, T: int) -> bool:
+        """Whether a pass of T tokens may change the cache."""
+        raise NotImplementedError
+
+    def admit(self, layer: int, ids: np.ndarray) -> list[tuple[int, int]]:
+        """ids [T, K] of an admitted pass -> (expert, slot) to copy from host memory before it
+        runs; the tables already place them there (and no longer place what they evicted)."""
+        raise NotImplementedError
+
+    def resident_experts(self) -> int:
+        """The cache's slots."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class HybridWrapper(MoEBackend):
+    """A decode-graph form of a HybridExperts (the handshake, layers/moe/graph_hybrid.py; a cache's
+    segments, layers/moe/segmented.py): it answers for the executor it wraps and hands it every
+    pass it does not capture itself."""
+
+    def __init__(self, hybrid: "HybridExperts"):
+        self.hybrid, self.device = hybrid, hybrid.device
+
+    @property
+    def unwrapped(self) -> "HybridExperts":
+        return self.hybrid
+
+    @property
+    def offload_threshold(self) -> int | None:
+        return self.hybrid.offload_threshold
+
+    @offload_threshold.setter
+    def offload_threshold(self, n: int | None) -> None:
+        self.hybrid.offload_threshold = n
+
+    @property
+    def cpu(self):
+        return self.hybrid.cpu
+
+    def resident_experts(self) -> int:
+        return self.hybrid.resident_experts()
+
+    def after_decode_step(self) -> None:
+        self.hybrid.after_decode_step()
+
+    def before_prefill(self) -> None:
+        self.hybrid.before_prefill()
+
+    def close(self) -> None:
+        self.hybrid.close()
+
+    def stats(self) -> dict[str, float]:
+        return self.hybrid.stats()
 
 
 class HybridExperts(MoEBackend):
@@ -150,6 +235,12 @@ class HybridExperts(MoEBackend):
         self.has_cold = {l: bool((host.compact[l] >= 0).any()) for l in layers}  # in layer order
         self.borrow = None  # Borrowing, when decode may lend the flex slots to cold experts
         self.mixed: MixedPass | None = None  # split passes may upload their most-routed cold experts
+        self.admission: Admission | None = None  # a cache's run-time residency (policies/caches.py)
+        # numpy views of the index table rows and the compact tables (the same memory): the host
+        # work of a cache's pass switches and reads them per expert
+        self._table = {l: self.pools.of(l).table_host[l].numpy() for l in layers}
+        self._compact = {l: host.compact[l].numpy() for l in layers}
+        self._dirty: set[int] = set()  # layers whose index table row the device has not seen yet
 
     @property
     def pool(self) -> ExpertPool:
@@ -193,7 +284,27 @@ class HybridExperts(MoEBackend):
         self.upload_threshold = n
 
     def resident_experts(self) -> int:
-        return self.pools.num_hot
+        return self.admission.resident_experts() if self.admission is not None else self.pools.num_hot
+
+    def table_row(self, layer: int) -> np.ndarray:
+        """The layer's index table on the host, expert -> pool slot or COLD (a numpy view: read it;
+        change it through switch)."""
+        return self._table[layer]
+
+    def switch(self, layer: int, expert: int, slot: int) -> None:
+        """Serve one expert from a pool slot (slot >= 0), or from host memory again (COLD), in both
+        branches at once: the host tables now, the GPU branch's device table at the next publish()."""
+        self._table[layer][expert] = slot
+        self._compact[layer][expert] = COLD if slot >= 0 else int(self.host.rows[layer][expert])
+        self._dirty.add(layer)
+
+    def publish(self) -> None:
+        """The switched rows of the index table to the device, in stream order: every kernel
+        launched after this reads them."""
+        for layer in self._dirty:
+            pool = self.pools.of(layer)
+            pool.table[layer].copy_(pool.table_host[layer], non_blocking=self.on_cuda)
+        self._dirty.clear()
 
     def close(self) -> None:
         """Stop the CPU pool's threads, return the host experts' page-locked memory (both may be
@@ -211,6 +322,8 @@ class HybridExperts(MoEBackend):
         out = dict(out)
         if self.borrow is not None:
             out |= self.borrow.stats()
+        if self.admission is not None:
+            out |= self.admission.stats()
         return out
 
     def count_captured(self, layer: int, ids: torch.Tensor) -> None:
@@ -243,26 +356,19 @@ class HybridExperts(MoEBackend):
     def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Decode and split path: GPU branch || CPU branch, then combine. The CPU branch is
         handed its routes first and the GPU branch launched while it computes (launching a
-        prefill's GPU branch takes the host about 0.6 ms, measured on the H200 machine)."""
+        prefill's GPU branch takes the host about 0.6 ms, measured on the H200 machine). A
+        cache admits the pass first: its copies and the table switch come before the GPU branch."""
         T = x.shape[0]
         if T == 1 and self.borrow is not None:
             self.borrow.observe(layer, topk.ids)
         ids_h, w_h, x_h, done = to_host(topk, x, self.x_host, self.on_cuda)
         if done is not None:
             done.synchronize()  # routing and activations are on the host
-        cid = self.host.compact[layer][ids_h]  # [T, K] compact index of cold experts, -1 for hot
-        cold = cid >= 0
-        r = int(cold.sum())
-        self.counters["cold_routes"] += r
+        cid, cold = self.route_cold(layer, ids_h)
         uploaded = None
-        if r and T > 1 and self.mixed is not None:
+        if T > 1 and self.mixed is not None and cold.any():
             uploaded, cold = self._upload_some(layer, x, topk, ids_h, cold, done)
-        out_h = None
-        if r and (uploaded is None or bool(cold.any())):
-            tok, eids, wts = cpu_routes(cid, cold, w_h)
-            self.counters["cpu_experts"] += int(torch.unique(eids).numel())
-            out_h = self.out_host[:T]
-            self.cpu.submit(layer, x_h, tok, eids, wts, out_h)
+        out_h = self.submit_cold(layer, x_h, cid, cold, w_h)
         pool = self.pools.of(layer)
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         if uploaded is not None:
@@ -272,6 +378,43 @@ class HybridExperts(MoEBackend):
         self.cpu.wait()
         return (gpu + out_h.to(self.device, non_blocking=self.on_cuda)).to(x.dtype)
 
+    def route_cold(self, layer: int, ids_h: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """A pass's routing on the host (ids_h [T, K]) -> (cid, cold): each route's compact index in
+        host memory (-1 for an expert in the pool) and the routes the CPU computes, after a cache
+        admitted the pass; its routes that were cold when it began are counted."""
+        missed = self.admit(layer, ids_h)
+        cid = self._compact[layer][ids_h.numpy()]
+        cold = cid >= 0
+        self.counters["cold_routes"] += int(cold.sum()) + missed
+        return cid, cold
+
+    def admit(self, layer: int, ids_h: torch.Tensor) -> int:
+        """A cache's admission of this pass's routing (ids_h [T, K] on the host), if it admits the
+        pass: the copies into its slots and the switched tables, in stream order before the GPU
+        branch. -> the pass's routes to the experts it copied (they were cold when it began)."""
+        if self.admission is None or not self.admission.admits(ids_h.shape[0]):
+            return 0
+        ids = ids_h.numpy()
+        uploads = self.admission.admit(layer, ids)
+        self.publish()
+        if not uploads:
+            return 0
+        pool = self.pools.of(layer)
+        self.counters["bytes_uploaded"] += sum(pool.upload(s, self.host, layer, e) for e, s in uploads)
+        self.counters["uploaded_experts"] += len(uploads)
+        return int(np.isin(ids, [e for e, _ in uploads]).sum())
+
+    def submit_cold(self, layer: int, x_h: torch.Tensor, cid: np.ndarray, cold: np.ndarray, w_h: torch.Tensor):
+        """Hand the CPU pool the `cold` routes of a pass (cid [T, K] compact indices, on the host)
+        -> the host buffer its partial sum lands in (ready after cpu.wait()), or None if none."""
+        if not cold.any():
+            return None
+        tok, eids, wts = cpu_routes(cid, cold, w_h)
+        self.counters["cpu_experts"] += len(np.unique(cid[cold]))
+        out_h = self.out_host[:x_h.shape[0]]
+        self.cpu.submit(layer, x_h, tok, eids, wts, out_h)
+        return out_h
+
     def cpu_branch(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> Callable[[], None]:
         """A callable that runs the split path's CPU branch alone: the same cold routes from the
         same page-locked staging buffers (x is copied there now), with nothing else running and
@@ -279,7 +422,7 @@ class HybridExperts(MoEBackend):
         ids_h, w_h = topk.ids.cpu(), topk.weights.cpu()
         x_h = self.x_host[:x.shape[0]]
         x_h.copy_(x)
-        cid = self.host.compact[layer][ids_h]
+        cid = self._compact[layer][ids_h.numpy()]
         tok, eids, wts = cpu_routes(cid, cid >= 0, w_h)
         out = self.out_host[:x.shape[0]]
 
@@ -293,18 +436,20 @@ class HybridExperts(MoEBackend):
         """Split with uploads: the most-routed cold experts (as many as MixedPass.choose says)
         go into flex slots on the copy stream, after `ready` (recorded behind every earlier
         reader of the flex slots), while the caller hands the rest to the CPU; the GPU computes
-        their routes once the copies land. -> (their partial sum or None, cold routes left)."""
+        their routes once the copies land. cold [T, K] numpy. -> (their partial sum or None, cold
+        routes left)."""
         pool = self.pools.of(layer)
-        experts, routes = torch.unique(ids_h[cold], return_counts=True)
+        experts, routes = torch.unique(ids_h[torch.from_numpy(cold)], return_counts=True)
         order = torch.argsort(routes, descending=True, stable=True)
         k = self.mixed.choose(routes[order].tolist(), pool.num_slots - pool.flex_lo)
         if k == 0:
             return None, cold
         up = experts[order[:k]]
+        dst = staging(pool, k)
         # the uploaded routes' slots, built on the host: nothing here may wait for the GPU, or
         # the CPU branch would start only after the copies (measured so: no overlap at all)
         lookup = torch.full((pool.table.shape[1],), -1, dtype=torch.int32)
-        lookup[up] = torch.arange(pool.flex_lo, pool.flex_lo + k, dtype=torch.int32)
+        lookup[up] = torch.tensor(dst, dtype=torch.int32)
         slot = lookup[ids_h]
         zero = torch.arange(pool.zero_lo, pool.zero_hi, dtype=torch.int32)[: ids_h.shape[1]]
         slots = torch.where(slot >= 0, slot, zero)
@@ -314,14 +459,14 @@ class HybridExperts(MoEBackend):
         if stream is not None:
             stream.wait_event(ready)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            nbytes = sum(pool.upload(pool.flex_lo + i, self.host, layer, int(e)) for i, e in enumerate(up))
+            nbytes = sum(pool.upload(d, self.host, layer, int(e)) for d, e in zip(dst, up))
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         part = pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
         self.counters["uploaded_experts"] += k
         self.counters["bytes_uploaded"] += nbytes
         self.counters["mixed_passes"] += 1
-        return part, cold & ~torch.isin(ids_h, up)
+        return part, cold & ~np.isin(ids_h.numpy(), up.numpy())
 
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once
@@ -334,10 +479,8 @@ class HybridExperts(MoEBackend):
         else:
             cold_ids = torch.unique(topk.ids[slot < 0]).cpu()
         n = cold_ids.numel()
-        if n > pool.num_slots - pool.flex_lo:
-            raise RuntimeError(f"upload path: {n} cold experts exceed the {pool.num_slots - pool.flex_lo} flex slots")
         if n:
-            dst = torch.arange(pool.flex_lo, pool.flex_lo + n)
+            dst = torch.tensor(staging(pool, n))
             nbytes = sum(pool.upload(int(s), self.host, layer, int(e)) for s, e in zip(dst, cold_ids))
             lookup = table.clone()
             lookup[cold_ids.to(self.device)] = dst.to(self.device, torch.int32)

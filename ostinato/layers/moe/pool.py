@@ -164,7 +164,7 @@ class ExpertPool:
     def upload(self, slot: int, host: "HostExperts", layer: int, expert: int) -> int:
         """Copy one cold expert from page-locked host memory into `slot`, asynchronously on the
         current stream; returns the bytes copied."""
-        hw, i = host.layers[layer], int(host.compact[layer][expert])
+        hw, i = host.layers[layer], int(host.rows[layer][expert])
         nb = self.device.type == "cuda"
         self.w13[slot].copy_(hw.w13[i], non_blocking=nb)
         self.w2[slot].copy_(hw.w2[i], non_blocking=nb)
@@ -280,8 +280,9 @@ def pin_in_place(t: torch.Tensor) -> weakref.finalize | None:
 class HostExperts:
     """The cold experts of every layer, compacted, each layer in its format (float, or GGUF blocks
     as QuantExpertWeights), in one page-locked host buffer per format for w13 and one for w2
-    (and fp32 ones for the biases of experts that have them); compact[layer][e] is the expert's
-    index in its layer's stack, or -1."""
+    (and fp32 ones for the biases of experts that have them); rows[layer][e] is the expert's
+    index in its layer's stack, or -1; compact[layer][e] the same for the experts the CPU branch
+    computes (-1 also for a copy now served from a pool slot: borrowed, or cached)."""
 
     def __init__(self, cold: dict[int, list[int]], num_experts: int, shape13, shape2, dtype,
                  qtypes: dict[int, Qtypes] | None = None, *, act: ExpertAct = SILU, bias: bool = False):
@@ -292,7 +293,10 @@ class HostExperts:
         self._pins = []
         self.pinned = True
         self.layers: dict[int, ExpertWeights | QuantExpertWeights] = {}
+        # compact: what the CPU branch computes (an expert switched into a pool slot reads COLD here);
+        # rows: where each expert's copy lies, for good (uploads read it)
         self.compact: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor] = {}
         for qt, layers in groups.items():
             s13, s2 = stored_shapes(shape13, shape2, qt)
             wdtype = dtype if qt is None else torch.uint8
@@ -317,6 +321,7 @@ class HostExperts:
                 c = torch.full((num_experts,), COLD, dtype=torch.int32)
                 c[ids] = torch.arange(n, dtype=torch.int32)
                 self.compact[layer] = c
+                self.rows[layer] = c.clone()
                 start += n
         self.pinned = self.pinned and bool(self._pins)
 
