@@ -66,8 +66,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill", default="32,128", help="prefill token counts ('' for none)")
     p.add_argument("--spin-us", type=int, default=2000)
     p.add_argument("--no-prefetch", action="store_true", help="turn the kernels' software prefetch off")
-    p.add_argument("--prefetch-kib", default="1", help="how far ahead of each row stream the kernels start the "
-                   "hardware prefetcher on its next page, to sweep (KiB, comma-separated; the engine's default is 1): "
+    p.add_argument("--prefetch-kib", default="1", help="how far ahead of each row stream the kernels prefetch "
+                   "(each line, and the next page's head for the hardware prefetcher), to sweep (KiB, "
+                   "comma-separated; the engine's default is 1): "
                    "each format's decode is measured at each, rows FORMAT@NKiB")
     p.add_argument("--huge-pages", action="store_true", help="put the experts and the probe's buffer in memory "
                    "advised for transparent huge pages (madvise MADV_HUGEPAGE), to see what the TLB costs")

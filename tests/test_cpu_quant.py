@@ -268,6 +268,26 @@ def test_threads_and_down_modes_give_identical_bits(native):
         assert torch.equal(r, results[0])
 
 
+@pytest.mark.parametrize("name", ["Q4_K/Q6_K", "Q8_0", "MXFP4"])
+def test_software_prefetch_gives_identical_bits(native, name):
+    """The kernels' software prefetch (ColdArgs.prefetch, prefetch_bytes: how far ahead of each
+    row stream) is a tuning switch: off, or at any distance, even one reaching past the layer's
+    weights (prefetches never fault), the outputs are the same bits. One token (4-row kernel
+    calls) and 64 (an expert's routes several to a row pass)."""
+    w = make_layer(name, exact=False, seed=22)
+    experts = CpuExperts([w], num_threads=2, backend="native", spin_us=100)
+    for T in (1, 64):
+        x = make_x(T, w.hidden, exact=False, seed=23)
+        tok, ids, wts = make_routes(T, seed=24)
+        results = []
+        for on, ahead in ((False, 1024), (True, 0), (True, 64), (True, 1024), (True, 1 << 20)):
+            experts._args[0].prefetch, experts._args[0].prefetch_bytes = on, ahead
+            results.append(experts.forward(0, x, tok, ids, wts).clone())
+        for r in results[1:]:
+            assert torch.equal(r, results[0])
+    experts.close()
+
+
 def test_duplicates_strided_x_and_empty_rows(native):
     w = make_layer("MXFP4", exact=True, seed=17)
     big = make_x(10, 2 * w.hidden, exact=True, seed=18)

@@ -95,8 +95,8 @@ struct ColdArgs {
   // Down projection: 0 picks by size, 1 "direct", 2 "scatter" (kernels.h); same bits.
   int32_t down_mode = 0;
   // Software prefetch of the weight rows computed next (a tuning switch; same results), and, for
-  // the quantized row kernels, how far ahead of each row stream they start the hardware
-  // prefetcher on the stream's next page (kernels_quant.cpp).
+  // the quantized row kernels, how far ahead of each row stream they prefetch every line (and
+  // start the hardware prefetcher on the stream's next page: kernels_quant.cpp prefetch_rows).
   bool prefetch = true;
   int64_t prefetch_bytes = 1024;
 };

@@ -30,7 +30,8 @@
 // A kernel call takes kQRows rows for one activation (decode; independent chains, scale bytes
 // decoded together, one horizontal sum for all) or fewer rows for up to kQTok activations (the
 // routes of one expert), so the weight bytes are decoded once per kQTok routes. A task walks
-// its rows as kQRows ascending streams (Streams below) for the hardware prefetcher.
+// its rows as kQRows ascending streams (Streams below) for the hardware prefetcher, and keeps
+// each stream's next bytes in flight by software prefetch (prefetch_rows below).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -96,10 +97,10 @@ inline float half_to_f32(const uint8_t* p) {
 // Why streams: a call reads its rows block by block side by side, and rows that are neighbours
 // in memory make one 4 KiB page see addresses that jump back and forth, so the hardware's
 // stream prefetcher (one forward stream per page) never locks on. Rows from nr distant parts
-// of the range make nr ascending streams, which it follows. Software prefetch of every line
-// could not make up for it (it holds a fill buffer per line): on the 2-core Xeon host, one core
-// from DRAM, gate/up read 11.7 GB/s with it in row order, 13.7 with streams and no prefetch
-// instructions, 11.9 with both, against a 15.5 GB/s read probe.
+// of the range make nr ascending streams, which it follows. Software prefetch into L2 of every
+// line in row order could not make up for it: on the 2-core Xeon host, one core from DRAM,
+// gate/up read 11.7 GB/s with it in row order, 13.7 with streams and no prefetch instructions,
+// 11.9 with both, against a 15.5 GB/s read probe. (The prefetch below follows the streams.)
 struct Streams {
   Streams(int64_t r0, int64_t n, int nr) : r0(r0), len(n / nr), extra(n % nr), nr(nr) {}
   int64_t calls() const { return len + (extra > 0); }
@@ -115,13 +116,29 @@ struct Streams {
   int nr;
 };
 
-// Software prefetch only helps the hardware prefetcher along: it follows an ascending stream
-// within a 4 KiB page, but must see two accesses in a page before it fetches ahead there. So a
-// stream's first two lines are touched at a task's start, and, while a stream reads a row whose
-// bytes `ahead` further on reach into the next page, that page's first two lines (measured on
-// the 2-core Xeon host, one core from DRAM, 96-row gate/up and 256-row down tasks: 92% of the
-// read probe without the page hints, 99% with them 1 KiB ahead, 94% 4 KiB ahead, and no gain
-// from one line instead of two).
+// Software prefetch (ColdArgs::prefetch; `ahead` = ColdArgs::prefetch_bytes), of two kinds.
+//
+// Lines, for memory-level parallelism: each step of a kernel call first prefetches, for each of
+// its rows, the lines that the same step reads `ahead` bytes further on (prefetch_rows, called by
+// dot_rows); past a row's end these are the next rows of its stream, which the task's next calls
+// read. Why: a step's weight loads are followed by a dozen or more dependent vector instructions
+// per 64 bytes (decoding, dots, scales); while those wait for a line from memory they fill the
+// out-of-order scheduler, and the loads of the next steps wait to be issued, so a core keeps few
+// lines in flight, where the read probe's plain sum (one add per 64 bytes) keeps all of its fill
+// buffers busy. A prefetch has nothing waiting on it: issued `ahead` bytes early in every
+// stream, the lines keep coming while the arithmetic waits. (Without them, on the 16-core Xeon
+// host, the kernels' share of the read probe was the same at any worker count: a limit of each
+// core, not of the memory.) Into L1: Intel's prefetch instructions all hold a fill buffer until
+// the line arrives, so L1 costs no more parallelism than L2 and saves the loads the trip to L2.
+//
+// Pages, for the hardware prefetcher: it follows an ascending stream within a 4 KiB page, but
+// must see two accesses in a page before it fetches ahead there. So a stream's first two lines
+// are touched at a task's start, and, at each call whose row's bytes `ahead` further on reach
+// into the next page, that page's first two lines: a call earlier than the line prefetches get
+// there (measured on the 2-core Xeon host, one core from DRAM, 96-row gate/up and 256-row down
+// tasks, before the line prefetches: 92% of the read probe without the page hints, 99% with them
+// 1 KiB ahead, 94% 4 KiB ahead, and no gain from one line instead of two; with the line
+// prefetches and no page hints, layers in L3 were read slower).
 inline void touch2(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
   _mm_prefetch(reinterpret_cast<const char*>(p) + 64, _MM_HINT_T1);
@@ -131,6 +148,14 @@ inline void next_page_hint(const uint8_t* row, int64_t rb, int64_t ahead) {
   const uintptr_t lo = reinterpret_cast<uintptr_t>(row) + uintptr_t(ahead);
   const uintptr_t page = (lo + 4095) & ~uintptr_t(4095);
   if (page < lo + uintptr_t(rb)) touch2(reinterpret_cast<const uint8_t*>(page));
+}
+
+// The bytes [off, off + len) of each of NR rows (len > 0) into L1, a line at a time. Successive
+// calls over successive ranges cover every line: no two prefetches lie more than 64 bytes apart.
+template <int NR>
+inline void prefetch_rows(const uint8_t* const* w, int64_t off, int64_t len) {
+  for (int r = 0; r < NR; ++r)
+    for (int64_t o = 0; o < len; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w[r] + off + o), _MM_HINT_T0);
 }
 
 // 16 int32 lanes: lanes 4i..4i+3 hold a, b, c, d for i = 0..3 (permutation constants).
@@ -158,9 +183,9 @@ inline __m512i gather128(const uint8_t* const* p) {
   return v;
 }
 
-// A format's row kernel is a sequence of steps (a block, or a group of small blocks); step s
-// adds the partial dot products of NR rows with NT activations into two accumulators per
-// (row, activation), acc0 and acc1; a row's dot is the sum of the lanes of
+// A format's row kernel is a sequence of steps (a block, or a group of small blocks: kStepBytes
+// of a row); step s adds the partial dot products of NR rows with NT activations into two
+// accumulators per (row, activation), acc0 and acc1; a row's dot is the sum of the lanes of
 // acc0 + kAcc1Scale * acc1. The rows of one step share what they can: activation loads, and
 // for Q4_K / Q5_K the decoding of their scale bytes (one 512-bit pass for four rows).
 //
@@ -208,6 +233,7 @@ inline void k4_scales(const uint8_t* const* blk, __m512* V) {
 template <bool Q5>
 struct K4 {
   static constexpr int64_t kBytes = Q5 ? 176 : 144;
+  static constexpr int64_t kStepBytes = kBytes;
   // Q4_K's high nibbles enter the dots as 16 * q, masked in place instead of shifted down (one
   // instruction fewer per 64 bytes): acc1 then holds 16 times its terms (the mins too), and a
   // row scales it back once. Powers of two scale every rounding alike, so the bits are those
@@ -269,6 +295,7 @@ struct K4 {
 
 struct Q6K {
   static constexpr int64_t kBytes = 210;
+  static constexpr int64_t kStepBytes = kBytes;
   static constexpr float kAcc1Scale = 1.0f;
   static int64_t steps(int64_t n) { return n / 256; }
 
@@ -318,6 +345,7 @@ struct Q80 {
   static constexpr int64_t kBytes = 34;
   static constexpr float kAcc1Scale = 1.0f;
   static constexpr int64_t kStepBlocks = 2;
+  static constexpr int64_t kStepBytes = kStepBlocks * kBytes;
   static int64_t steps(int64_t n) { return (n / 32 + 1) / 2; }
 
   // int8 weights + 128 as u8 (the dot starts at -128 * lane sums), and [d0 x8 | d1 x8]: the
@@ -363,6 +391,7 @@ struct MXFP4 {
   static constexpr int64_t kBytes = 17;
   static constexpr float kAcc1Scale = 1.0f;
   static constexpr int64_t kStepBlocks = 4;
+  static constexpr int64_t kStepBytes = kStepBlocks * kBytes;
   static int64_t steps(int64_t n) { return (n / 32 + 3) / 4; }
 
   // The four blocks at p (68 bytes): qs of block i in 128-bit lane i, and, per lane, the
@@ -436,9 +465,10 @@ inline __m128 reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
   return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
-// out[r * NT + t] = row w[r] (n values) . activation a[t], for NR rows and NT activations.
+// out[r * NT + t] = row w[r] (n values) . activation a[t], for NR rows and NT activations;
+// ahead > 0: each step first prefetches the rows' bytes `ahead` further on (see touch2).
 template <class Fmt, int NR, int NT>
-void dot_rows(const uint8_t* const* w, int64_t n, const QActView* a, float* out) {
+void dot_rows(const uint8_t* const* w, int64_t n, const QActView* a, int64_t ahead, float* out) {
   __m512 acc0[NR][NT], acc1[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc0[r][t] = acc1[r][t] = _mm512_setzero_ps();
@@ -446,7 +476,10 @@ void dot_rows(const uint8_t* const* w, int64_t n, const QActView* a, float* out)
   constexpr bool kTail = std::is_same_v<Fmt, Q80> || std::is_same_v<Fmt, MXFP4>;  // steps of several blocks
   int64_t full = steps;
   if constexpr (kTail) full = n / 32 / Fmt::kStepBlocks;
-  for (int64_t s = 0; s < full; ++s) Fmt::template step<NR, NT>(w, s, a, acc0, acc1);
+  for (int64_t s = 0; s < full; ++s) {
+    if (ahead > 0) prefetch_rows<NR>(w, s * Fmt::kStepBytes + ahead, Fmt::kStepBytes);
+    Fmt::template step<NR, NT>(w, s, a, acc0, acc1);
+  }
   if constexpr (kTail) {
     if (full < steps) {
       for (int r = 0; r < NR; ++r) Fmt::template last<NT>(w[r], full, n / 32 - Fmt::kStepBlocks * full, a, acc0[r]);
@@ -463,29 +496,30 @@ void dot_rows(const uint8_t* const* w, int64_t n, const QActView* a, float* out)
 }
 
 template <class Fmt>
-void dot_rows_n(const uint8_t* const* w, int nr, int64_t n, const QActView* a, int nt, float* out) {
-  if (nt == 1 && nr == 4) return dot_rows<Fmt, 4, 1>(w, n, a, out);
-  if (nt == 2 && nr == 2) return dot_rows<Fmt, 2, 2>(w, n, a, out);
+void dot_rows_n(const uint8_t* const* w, int nr, int64_t n, const QActView* a, int nt, int64_t ahead, float* out) {
+  if (nt == 1 && nr == 4) return dot_rows<Fmt, 4, 1>(w, n, a, ahead, out);
+  if (nt == 2 && nr == 2) return dot_rows<Fmt, 2, 2>(w, n, a, ahead, out);
   for (int r = 0; r < nr; ++r) {  // one row at a time
     float* o = out + r * nt;
     switch (nt) {
-      case 1: dot_rows<Fmt, 1, 1>(w + r, n, a, o); break;
-      case 2: dot_rows<Fmt, 1, 2>(w + r, n, a, o); break;
-      case 3: dot_rows<Fmt, 1, 3>(w + r, n, a, o); break;
-      default: dot_rows<Fmt, 1, 4>(w + r, n, a, o); break;
+      case 1: dot_rows<Fmt, 1, 1>(w + r, n, a, ahead, o); break;
+      case 2: dot_rows<Fmt, 1, 2>(w + r, n, a, ahead, o); break;
+      case 3: dot_rows<Fmt, 1, 3>(w + r, n, a, ahead, o); break;
+      default: dot_rows<Fmt, 1, 4>(w + r, n, a, ahead, o); break;
     }
   }
 }
 
 // out[r * nt + t] = row w[r] (n values of format qt) . activation a[t]; nr <= kQRows,
-// nt <= kQTok, and nr * nt <= kQRows.
-void qdot(QType qt, const uint8_t* const* w, int nr, int64_t n, const QActView* a, int nt, float* out) {
+// nt <= kQTok, and nr * nt <= kQRows; ahead: the software prefetch distance (0: none).
+void qdot(QType qt, const uint8_t* const* w, int nr, int64_t n, const QActView* a, int nt, int64_t ahead,
+          float* out) {
   switch (qt) {
-    case QType::kQ4_K: dot_rows_n<K4<false>>(w, nr, n, a, nt, out); break;
-    case QType::kQ5_K: dot_rows_n<K4<true>>(w, nr, n, a, nt, out); break;
-    case QType::kQ6_K: dot_rows_n<Q6K>(w, nr, n, a, nt, out); break;
-    case QType::kQ8_0: dot_rows_n<Q80>(w, nr, n, a, nt, out); break;
-    case QType::kMXFP4: dot_rows_n<MXFP4>(w, nr, n, a, nt, out); break;
+    case QType::kQ4_K: dot_rows_n<K4<false>>(w, nr, n, a, nt, ahead, out); break;
+    case QType::kQ5_K: dot_rows_n<K4<true>>(w, nr, n, a, nt, ahead, out); break;
+    case QType::kQ6_K: dot_rows_n<Q6K>(w, nr, n, a, nt, ahead, out); break;
+    case QType::kQ8_0: dot_rows_n<Q80>(w, nr, n, a, nt, ahead, out); break;
+    case QType::kMXFP4: dot_rows_n<MXFP4>(w, nr, n, a, nt, ahead, out); break;
     default: break;
   }
 }
@@ -640,6 +674,7 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
     for (int j = 0; j < nt; ++j) acts[j] = qact_view(p.xact, p.xl, p.route_token(q + j));
     const Streams st(f0, f1 - f0, rows_for(nt));
     const bool pf = a.prefetch && q == q0;  // later passes find the rows in L2
+    const int64_t ahead = pf ? a.prefetch_bytes : 0;
     for (int64_t i = 0; i < st.calls(); ++i) {
       int64_t f[kQRows];
       const int nr = st.rows(i, f);
@@ -658,8 +693,8 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
         }
       }
       float rg[kQRows * kQTok], ru[kQRows * kQTok];
-      qdot(a.qt13, gate, nr, a.D, acts, nt, rg);
-      qdot(a.qt13, up, nr, a.D, acts, nt, ru);
+      qdot(a.qt13, gate, nr, a.D, acts, nt, ahead, rg);
+      qdot(a.qt13, up, nr, a.D, acts, nt, ahead, ru);
       for (int r = 0; r < nr; ++r)
         for (int j = 0; j < nt; ++j) {
           p.h[int64_t(q + j) * p.F32 + f[r]] = rg[r * nt + j];
@@ -689,6 +724,7 @@ void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
     for (int j = 0; j < nt; ++j) acts[j] = qact_view(p.hact, p.hl, q + j);
     const Streams st(d0, d1 - d0, rows_for(nt));
     const bool pf = a.prefetch && q == q0;
+    const int64_t ahead = pf ? a.prefetch_bytes : 0;
     for (int64_t i = 0; i < st.calls(); ++i) {
       int64_t d[kQRows];
       const int nr = st.rows(i, d);
@@ -701,7 +737,7 @@ void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
         }
       }
       float res[kQRows * kQTok];
-      qdot(a.qt2, rows, nr, a.F, acts, nt, res);
+      qdot(a.qt2, rows, nr, a.F, acts, nt, ahead, res);
       for (int r = 0; r < nr; ++r)
         for (int j = 0; j < nt; ++j) {
           const float v = b2 ? res[r * nt + j] + b2[d[r]] : res[r * nt + j];
