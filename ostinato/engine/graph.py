@@ -106,7 +106,7 @@ class Stage:
         self.inputs: tuple[torch.Tensor, ...] = ()  # allocated at the first hand-off
         self.windows: dict[int, DecodeWindow] = {}  # kept alive: the graphs read their buffers
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
-        self.side = (side or torch.cuda.Stream(dev)) if self.cuda else None  # warm-up and capture
+        self.side = side  # warm-up and capture (None off CUDA)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None  # this device's graphs
 
     def window(self, size: int) -> DecodeWindow:
