@@ -48,7 +48,7 @@ def skew_summary(counts) -> str:
 
 
 def cmd_skew(a) -> int:
-    from ostinato.sessions.read import split_sessions
+    from ostinato.sessions.read import split_sessions, spread
     from ostinato.load import load_engine
     from ostinato.planner.skew import (content_report, hot_share, persistence_report, spread_report, top_experts,
                                        trace_sessions)
