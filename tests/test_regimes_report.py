@@ -173,3 +173,24 @@ def test_other_refusals(folders, tmp_path, capsys):
     # one regime measured so far still gets its report
     doc = write_regimes_report([("flat", flat)], tmp_path / "one")
     assert len(doc["runs"]) == 1 and (tmp_path / "one" / "regimes.png").is_file()
+
+
+def test_commits_declared_the_same_code_stand_side_by_side(folders, tmp_path, capsys):
+    """--same-code lets runs measured at two commits share a report, and the report says so; any
+    other difference is still refused, and so is a lone commit."""
+    ours = _results(folders["flat"])["commit"] or "?"  # "?" where the tree has no git
+    other = _copy(folders["layered-persistent"], tmp_path / "other", lambda d: d.update(commit="abc1234"))
+    specs = [("flat", folders["flat"]), ("layered-persistent", other)]
+    with pytest.raises(ConfigError, match="commit differs"):
+        write_regimes_report(specs, tmp_path / "refused")
+    doc = write_regimes_report(specs, tmp_path / "out", same_code=(ours[:7], "abc1234"))
+    assert doc["same_code"] == [ours[:7], "abc1234"] and "abc1234" in doc["commit"]
+    assert "declared to run the same code" in (tmp_path / "out" / "regimes.md").read_text()
+    odd = _copy(other, tmp_path / "odd", EDITS["budget"])
+    with pytest.raises(ConfigError, match="budget differs"):
+        write_regimes_report([("flat", folders["flat"]), ("lp", odd)], tmp_path / "o2", same_code=(ours, "abc1234"))
+    with pytest.raises(ConfigError, match="at least two commits"):
+        write_regimes_report(specs, tmp_path / "o3", same_code=(ours,))
+    assert main(["report", "--regimes", f"flat={folders['flat']}", f"lp={other}", "--out", str(tmp_path / "o4"),
+                 "--same-code", ours, "abc1234"]) == 0
+    assert "declared to run the same code" in (tmp_path / "o4" / "regimes.md").read_text()

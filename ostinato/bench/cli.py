@@ -182,7 +182,7 @@ def _report_regimes(a) -> int:
         if not (name and folder):
             raise ConfigError(f"--regimes {spec!r}: give NAME=DIR, e.g. layered=res/regimes/layered")
         specs.append((name, folder))
-    doc = write_regimes_report(specs, a.out or "ostinato-regimes")
+    doc = write_regimes_report(specs, a.out or "ostinato-regimes", tuple(a.same_code or ()))
     print(format_verdicts(doc))
     print(f"report: {doc['files']['report']}; figure: {doc['files']['figure'] or doc.get('figure_error')}")
     print(json.dumps(doc))
@@ -275,6 +275,9 @@ def add_bench_commands(sub) -> None:
                    help="bench folders of one synthetic model under routing regimes (synth:P?regime=R), one run each, "
                         "measured alike otherwise: regimes.md, regimes.json and regimes.png into --out")
     p.add_argument("--out", help="folder for the --regimes report (default ./ostinato-regimes)")
+    p.add_argument("--same-code", nargs="+", metavar="COMMIT",
+                   help="with --regimes: commits that run the same code for these measurements (their diff touches "
+                        "nothing the runs execute), so runs measured at them stand side by side; the report says so")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("demo", help="the benchmark on the embedded default (tiny model, generated sessions)")

@@ -74,13 +74,14 @@ def measured(result: dict) -> dict:
     return {n: e for n, e in result["policies"].items() if "summary" in e}
 
 
-def signature(run: RegimeRun) -> dict:
-    """What must be equal across the runs of one regime comparison, by what a reader is told differs."""
+def signature(run: RegimeRun, same_code: tuple[str, ...] = ()) -> dict:
+    """What must be equal across the runs of one regime comparison, by what a reader is told differs.
+    Commits in same_code (declared by the caller to run the same code) count as one."""
     r, b = run.result, run.result.get("budget") or {}
     pol = measured(r)
     return {
         "model apart from the regime": [run.model[0], sorted(run.model[1].items())],
-        "commit": sorted({c or "?" for c, _ in provenance(r).values()}),
+        "commit": sorted({_as_same(c or "?", same_code) for c, _ in provenance(r).values()}),
         "machine": {**(r.get("hardware") or {}), "device": r.get("device"), "threads": r.get("threads")},
         "dtype, context and cap": {"dtype": r.get("dtype"), "max_context": r.get("max_context"), "cap": r.get("cap")},
         "budget": {k: b.get(k) for k in BUDGET_KEYS},
@@ -91,6 +92,12 @@ def signature(run: RegimeRun) -> dict:
     }
 
 
+def _as_same(commit: str, same_code: tuple[str, ...]) -> str:
+    """A commit named in same_code (by a prefix of either) stands for them all."""
+    hit = any(commit.startswith(c) or c.startswith(commit) for c in same_code)
+    return "=".join(same_code) if hit else commit
+
+
 def _differing(values: list):
     """Only the parts that differ, for the message: a dict's differing keys, else the values."""
     if all(isinstance(v, dict) for v in values):
@@ -99,8 +106,9 @@ def _differing(values: list):
     return values
 
 
-def check_comparable(runs: list[RegimeRun]) -> None:
-    """ConfigError naming everything that differs between the runs besides the regime."""
+def check_comparable(runs: list[RegimeRun], same_code: tuple[str, ...] = ()) -> None:
+    """ConfigError naming everything that differs between the runs besides the regime (commits
+    in same_code count as one)."""
     problems = []
     names = [r.name for r in runs]
     if len(set(names)) < len(names):
@@ -113,7 +121,7 @@ def check_comparable(runs: list[RegimeRun]) -> None:
         missing = [n for n in (OURS, PER_LAYER) if n not in measured(run.result)]
         if missing:
             problems.append(f"{run.name} did not measure {', '.join(missing)}")
-    sigs = [signature(r) for r in runs]
+    sigs = [signature(r, same_code) for r in runs]
     for key in sigs[0]:
         values = [s[key] for s in sigs]
         if any(v != values[0] for v in values[1:]):
@@ -169,11 +177,13 @@ def run_entry(run: RegimeRun) -> dict:
     }
 
 
-def regimes_doc(runs: list[RegimeRun]) -> dict:
+def regimes_doc(runs: list[RegimeRun], same_code: tuple[str, ...] = ()) -> dict:
     """The comparison of comparable runs (check_comparable first)."""
     first = runs[0].result
     hw = first.get("hardware") or {}
-    return {"kind": "ostinato.regimes", "preset": runs[0].model[0], "commit": signature(runs[0])["commit"],
+    commits = sorted({c or "?" for r in runs for c, _ in provenance(r.result).values()})
+    return {"kind": "ostinato.regimes", "preset": runs[0].model[0], "commit": commits,
+            "same_code": list(same_code),
             "machine": {"gpu": hw.get("gpu"), "cpu": hw.get("cpu"), "physical_cores": hw.get("physical_cores"),
                         "device": first.get("device")},
             "dtype": first.get("dtype"), "cap": first.get("cap"), "budget": {k: (first.get("budget") or {}).get(k)
@@ -194,6 +204,13 @@ def _untuned_note(doc: dict) -> list[str]:
     return [f"- {e['name']}: {', '.join(e['untuned'])} not tuned (offload threshold "
             + ", ".join(str(e["policies"][n]["offload_threshold"]) for n in e["untuned"]) + ")"
             for e in doc["runs"] if e["untuned"]]
+
+
+def _same_code_note(doc: dict) -> list[str]:
+    if not doc.get("same_code"):
+        return []
+    return [f"- commits {', '.join(f'`{c}`' for c in doc['same_code'])} were declared to run the same code for these "
+            "measurements (`report --same-code`): their runs stand side by side although the commits differ"]
 
 
 def _size(v) -> str:
@@ -249,7 +266,7 @@ def markdown(doc: dict, figure: str | None) -> str:
              f"- sessions: {s['development']} development, {s['held_out']} held-out (`{s['sessions']}`, at most "
              f"{s.get('max_turns') or 'all'} turns each" + (f", at most {s['max_output']} recorded output tokens a turn"
                                                              if s.get("max_output") else "") + ")",
-             *_sample_note(s), *_untuned_note(doc),
+             *_sample_note(s), *_untuned_note(doc), *_same_code_note(doc),
              "- timings compare only inside one run: across regimes, compare the ratios", "",
              "## Target: Ostinato against per-layer frequency at the same budget", "",
              f"Ratios fixed-per-layer / Ostinato of median TPOT and of total request time (above 1: Ostinato "
@@ -326,14 +343,18 @@ def write_figure(doc: dict, out: Path) -> str:
     return _save(fig, out, "regimes.png")
 
 
-def write_regimes_report(specs: list[tuple[str, str | Path]], out: str | Path) -> dict:
+def write_regimes_report(specs: list[tuple[str, str | Path]], out: str | Path,
+                         same_code: tuple[str, ...] = ()) -> dict:
     """Reads each (name, bench folder), refuses incomparable runs, writes regimes.json,
-    regimes.md and regimes.png into out; returns the document."""
+    regimes.md and regimes.png into out; returns the document. same_code: commits the caller
+    declares to run the same code here (say why where the report is kept)."""
     if not specs:
         raise ConfigError("--regimes: give at least one NAME=DIR")
+    if len(same_code) == 1:
+        raise ConfigError("--same-code: name at least two commits that run the same code")
     runs = [load_run(name, folder) for name, folder in specs]
-    check_comparable(runs)
-    doc = regimes_doc(runs)
+    check_comparable(runs, tuple(same_code))
+    doc = regimes_doc(runs, tuple(same_code))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figure = None
