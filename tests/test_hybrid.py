@@ -3,6 +3,7 @@ plain-PyTorch reference MoE, on every path; and a whole model under a residency.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.layers.moe.cpu_experts import CpuExperts
-from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
+from ostinato.layers.moe.hybrid import HybridExperts, MixedPass, choose_path
 from ostinato.layers.moe.pool import ExpertPool, HostExperts, gather_rows
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
@@ -188,10 +189,43 @@ def test_residency_file_checks(tiny_dir, tmp_path):
 
 def test_mixed_pass_only_where_the_calibration_measured_a_gain():
     cal = {"cpu_pass": {"alpha_ms": 1.0, "beta_expert_ms": 0.04, "beta_route_ms": 0.01}, "upload_gbps": 50.0,
-           "expert_bytes": 9_437_184, "passes": {"split_ms": [5.0, 17.0], "upload_ms": [10.0, 13.0]}}
+           "expert_bytes": 9_437_184, "passes": {"sizes": [64, 512], "split_ms": [5.0, 17.0],
+                                                "upload_ms": [10.0, 13.0]}}
     assert MixedPass.from_calibration(cal) is None  # never timed
-    assert MixedPass.from_calibration(cal, measured=False).upload_ms == pytest.approx(9_437_184 / 50e9 * 1e3)
-    cal["passes"]["mixed_ms"] = [7.8, 15.0]  # slower than the better path in sum (22.8 > 18)
-    assert MixedPass.from_calibration(cal) is None
+    unmeasured = MixedPass.from_calibration(cal, measured=False)  # the calibration times it at every size
+    assert unmeasured.upload_ms == pytest.approx(9_437_184 / 50e9 * 1e3) and unmeasured.min_tokens == 2
+    cal["passes"]["mixed_ms"] = [7.8, 12.0]  # slower than split at 64, faster than upload at 512 (sum 19.8 > 18)
+    assert MixedPass.from_calibration(cal).min_tokens == 512  # a sum over the sizes would have said never
     cal["passes"]["mixed_ms"] = [3.5, 9.0]
-    assert MixedPass.from_calibration(cal) is not None
+    assert MixedPass.from_calibration(cal).min_tokens == 64
+    cal["passes"]["mixed_ms"] = [3.5, 14.0]  # not faster at the largest size: never
+    assert MixedPass.from_calibration(cal) is None
+    # session 15's calibration on the H200 machine (results/2026-12-02-h200-s15/): it loses below 384 tokens
+    cal["passes"] = {"sizes": [64, 128, 256, 384, 512, 768, 1024, 2048],
+                     "split_ms": [4.90, 5.09, 6.05, 7.85, 7.13, 8.71, 9.76, 14.25],
+                     "upload_ms": [10.18, 11.12, 12.04, 13.00, 12.58, 12.82, 13.14, 13.67],
+                     "mixed_ms": [4.96, 5.83, 6.27, 6.78, 6.78, 7.47, 8.05, 9.82]}
+    m = MixedPass.from_calibration(cal)
+    assert m.min_tokens == 384 and not m.applies(383) and m.applies(384)
+    # the sizes need not come sorted
+    p = cal["passes"]
+    cal["passes"] = {k: v[::-1] for k, v in p.items()}
+    assert MixedPass.from_calibration(cal).min_tokens == 384
+
+
+def test_passes_below_the_mixed_size_take_the_plain_paths():
+    m = MixedPass(upload_ms=0.2, alpha_ms=0.1, beta_expert_ms=0.05, beta_route_ms=0.05, min_tokens=384)
+    assert choose_path(100, True, 256, m) == "split"  # below Np: the plain split path
+    assert choose_path(300, True, 256, m) == "upload"  # at Np, below min_tokens: the upload path
+    assert choose_path(384, True, 256, m) == "split"  # from min_tokens: split with uploads
+    assert choose_path(1, True, 1, m) == "upload"  # a decode step never takes the split with uploads
+    assert choose_path(500, False, 256, m) == "gpu"
+    hybrid, weights = _hybrid(0.5, upload_threshold=10**9)
+    hybrid.mixed = replace(MIXED, min_tokens=8)  # MIXED uploads in passes of 7 (test_hybrid_matches_reference)
+    g = torch.Generator().manual_seed(3)
+    for tokens, mixed_passes in ((7, 0), (8, 1)):
+        x = torch.randn(tokens, D, generator=g)
+        topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
+        got = hybrid(0, x, topk)
+        assert torch.allclose(got, moe_forward(x, topk, weights[0]), rtol=1e-4, atol=1e-5)
+        assert hybrid.stats().get("mixed_passes", 0) == mixed_passes

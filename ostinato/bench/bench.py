@@ -444,7 +444,9 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
     if name in OSTINATO_STEPS:
         hybrid = backend.unwrapped  # a HybridExperts (the decode graph's wrapper hands its passes to it)
         entry["upload_threshold"] = hybrid.upload_threshold
-        entry["split_uploads"] = hybrid.mixed is not None  # Np unused then (layers/moe/hybrid.py)
+        entry["split_uploads"] = hybrid.mixed is not None  # Np unused from its min_tokens (layers/moe/hybrid.py)
+        if hybrid.mixed is not None:
+            entry["split_uploads_from"] = hybrid.mixed.min_tokens
         entry["borrowing"] = hybrid.borrow is not None
     loaded.engine.reset()
     before = loaded.runner.placement_stats()

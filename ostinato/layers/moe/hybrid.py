@@ -7,17 +7,21 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
   then the GPU branch is launched, so the two overlap; nothing but activations crosses PCIe.
 * upload (T >= Np): each distinct cold expert of the pass is copied once into a flex
   slot of the pool, then the GPU computes everything; hot experts are never uploaded.
-* split with uploads (T > 1, with `mixed` set from a calibration; Np then plays no part):
-  the split path, but the most-routed cold experts of the pass cross PCIe into flex slots
-  while the CPU computes the rest, so the two links work at once. `MixedPass.choose` takes
-  the count that minimises max(upload, CPU) by the calibrated costs: none is the split
-  path, all of them the upload path's transfers (its GPU sum in two launches, not one).
-  DESIGN.md's split path sends nothing over PCIe; on the H200 machine a 512-token pass
-  took 16.7 ms per layer split and 12.9 ms uploaded, where either link alone is idle
-  half the time. Measured there, it did not pay (7.0 against 7.5 ms at 256 tokens, worse
-  from 512: results/2026-11-29-h200x2-s3/), so it stays off unless a calibration shows
-  a gain (MixedPass.from_calibration). Decode never uploads (an upload exposes its whole
-  transfer).
+* split with uploads (T >= `mixed.min_tokens`, with `mixed` set from a calibration; Np then
+  plays no part for those passes): the split path, but the most-routed cold experts of the
+  pass cross PCIe into flex slots while the CPU computes the rest, so the two links work at
+  once. `MixedPass.choose` takes the count that minimises max(upload, CPU) by the calibrated
+  costs: none is the split path, all of them the upload path's transfers (its GPU sum in two
+  launches, not one). DESIGN.md's split path sends nothing over PCIe; on the H200 machine a
+  512-token pass took 16.7 ms per layer split and 12.9 ms uploaded, where either link alone
+  is idle half the time. It is used only from the smallest measured pass size from which the
+  calibration timed it faster than both plain paths at every larger size
+  (MixedPass.from_calibration): in session 15's calibration it lost below 384 tokens
+  (4.96 against 4.90 ms split at 64), and a sum over the sizes had let it run there: the
+  replay's prefills of fewer than 128 new tokens took 18% longer (median) than under
+  KTransformers' rules on the same residency, which differ from Ostinato's there only in
+  these uploads (results/2026-12-02-h200-s15/). Decode never uploads (an upload exposes its
+  whole transfer).
 
 A cache is the same executor with an `Admission` (policies/caches.py): a residency that
 changes at run time. The passes it admits bring their routing to the host, the admission
@@ -67,25 +71,41 @@ def to_host(topk: TopKOutput, x: torch.Tensor, x_host: torch.Tensor, on_cuda: bo
 class MixedPass:
     """Calibrated costs (ms) that split a pass's cold experts between PCIe and the CPU:
     an upload costs `upload_ms` per expert; the CPU branch alpha + beta_expert per distinct
-    expert + beta_route per route (the calibration's cpu_pass fit)."""
+    expert + beta_route per route (the calibration's cpu_pass fit). Passes of fewer than
+    `min_tokens` tokens take the plain paths (a decode step never uploads)."""
     upload_ms: float
     alpha_ms: float
     beta_expert_ms: float
     beta_route_ms: float
+    min_tokens: int = 2
 
     @classmethod
     def from_calibration(cls, cal: dict, measured: bool = True) -> "MixedPass | None":
-        """The costs of a calibration; None without them, or (measured) unless the calibration
-        timed the split path with uploads (passes.mixed_ms) and it beat the cheaper of split
-        and upload over the measured sizes: the engine uses it only where it was shown to pay."""
+        """The costs of a calibration; None without them. measured: only where the calibration
+        timed the split path with uploads (passes.mixed_ms) faster than both plain paths, from
+        the smallest measured size at which it is faster at that and every larger size
+        (min_tokens); None if it is not faster at the largest. Unmeasured (the calibration's
+        own timing of it): every pass of more than one token."""
         cp, gbps, nbytes = cal.get("cpu_pass") or {}, cal.get("upload_gbps"), cal.get("expert_bytes")
         if not (gbps and nbytes and cp.get("beta_route_ms")):
             return None
-        if measured:
-            p = cal.get("passes") or {}
-            if not p.get("mixed_ms") or sum(p["mixed_ms"]) >= sum(map(min, p["split_ms"], p["upload_ms"])):
-                return None
-        return cls(nbytes / (gbps * 1e9) * 1e3, cp["alpha_ms"], cp["beta_expert_ms"], cp["beta_route_ms"])
+        costs = (nbytes / (gbps * 1e9) * 1e3, cp["alpha_ms"], cp["beta_expert_ms"], cp["beta_route_ms"])
+        if not measured:
+            return cls(*costs)
+        p = cal.get("passes") or {}
+        if not p.get("mixed_ms"):
+            return None
+        order = sorted(range(len(p["sizes"])), key=lambda i: p["sizes"][i])
+        pays = [p["mixed_ms"][i] < min(p["split_ms"][i], p["upload_ms"][i]) for i in order]
+        if not pays[-1]:
+            return None
+        i = len(pays) - 1
+        while i > 0 and pays[i - 1]:
+            i -= 1
+        return cls(*costs, min_tokens=max(2, p["sizes"][order[i]]))
+
+    def applies(self, T: int) -> bool:
+        return T >= self.min_tokens
 
     def _ms(self, uploads: int, cpu_experts: int, cpu_routes: int) -> float:
         if not cpu_experts:
@@ -112,11 +132,11 @@ class MixedPass:
 def choose_path(T: int, has_cold: bool, upload_threshold: int | None, mixed: MixedPass | None) -> str:
     """The path of a pass of T tokens through a layer (DESIGN.md, "Three execution paths"):
     "gpu" (every expert of the layer resident), "upload" (T >= upload_threshold; never with
-    None; a split pass with uploads takes over from the upload path when `mixed` is set, except
-    for one token), or "split" (GPU branch || CPU branch; with `mixed`, split with uploads)."""
+    None; a split pass with uploads takes over from the upload path where `mixed` applies to
+    T), or "split" (GPU branch || CPU branch; with uploads where `mixed` applies to T)."""
     if not has_cold:
         return "gpu"
-    if upload_threshold is not None and T >= upload_threshold and (mixed is None or T == 1):
+    if upload_threshold is not None and T >= upload_threshold and (mixed is None or not mixed.applies(T)):
         return "upload"
     return "split"
 
@@ -366,7 +386,7 @@ class HybridExperts(MoEBackend):
             done.synchronize()  # routing and activations are on the host
         cid, cold = self.route_cold(layer, ids_h)
         uploaded = None
-        if T > 1 and self.mixed is not None and cold.any():
+        if self.mixed is not None and self.mixed.applies(T) and cold.any():
             uploaded, cold = self._upload_some(layer, x, topk, ids_h, cold, done)
         out_h = self.submit_cold(layer, x_h, cid, cold, w_h)
         pool = self.pools.of(layer)
