@@ -520,3 +520,36 @@ def test_forced_output_waits_for_every_steps_logits(tiny_dir, monkeypatch):
     forced = [11, 12, 13, 14, 15]
     out = list(loaded.engine.generate(list(range(5, 25)), SamplingParams(max_tokens=8), forced=forced))
     assert out == forced and len(calls) == len(forced)
+
+
+def test_paired_intervals_hold_the_ratio_and_see_the_spread():
+    from ostinato.bench.metrics import paired_intervals, percentile
+    from ostinato.bench.report import comparisons
+
+    def turns(tpots, scale=1.0, session="s"):
+        return [{"session": session, "turn": i, "kind": "tool", "ttft_s": 0.1, "tpot_s": t * scale,
+                 "request_s": 1.0 + t * scale, "error": None} for i, t in enumerate(tpots)]
+
+    base = [0.010 + 0.001 * (i % 5) for i in range(40)]
+    ours = turns(base)
+    same = paired_intervals(ours, turns(base, 1.2))  # every turn exactly 1.2x: no spread at all
+    assert same["turns"] == 40 and same["tpot_speedup"] == [1.2, 1.2]
+    assert 1.0 < same["request_time_speedup"][0] <= same["request_time_speedup"][1] < 1.2
+    # turn-to-turn noise widens the interval around the ratio of medians
+    noisy = turns([t * (1.1 if i % 2 else 0.9) for i, t in enumerate(base)], 1.2)
+    iv = paired_intervals(ours, noisy)["tpot_speedup"]
+    point = percentile([r["tpot_s"] for r in noisy], 50) / percentile(base, 50)
+    assert iv[0] < point < iv[1] and iv[1] - iv[0] > 0.05
+    # only the turns both replayed, and none from failed turns; too few shared turns: no interval
+    other = turns(base, 1.2, session="elsewhere")
+    assert paired_intervals(ours, other) is None
+    failed = [dict(r, error="boom") if i < 35 else r for i, r in enumerate(turns(base, 1.2))]
+    assert paired_intervals(ours, failed) is None
+    # comparisons carry them, and say whether the two rows come from one run
+    s = {"tpot_ms": {"median": 10.0}, "ttft_ms": {"median": {"tool": 100.0}}, "request_s": {"total": 50.0},
+         "session_s": {"s": 50.0}}
+    policies = {"ostinato": {"summary": s}, "layers": {"summary": s}}
+    c = comparisons(policies, turns={"ostinato": ours, "layers": turns(base, 1.2)},
+                    runs={"ostinato": ("a", "d1"), "layers": ("b", "d2")})["layers"]
+    assert c["intervals"]["tpot_speedup"] == [1.2, 1.2] and c["same_run"] is False
+    assert "intervals" not in comparisons(policies)["layers"]

@@ -175,6 +175,40 @@ def summarize(results: list[TurnResult], moe_layers: int | None = None) -> dict:
     }
 
 
+def paired_intervals(ours: list[dict], theirs: list[dict], rounds: int = 2000, level: float = 95.0,
+                     seed: int = 0) -> dict | None:
+    """Bootstrap intervals of two policies' ratios theirs / ours over the turns both replayed
+    (raw turn records, as results.json keeps them): median TPOT and total request time, the
+    statistics of `summarize`. Each draw resamples the shared turns with replacement and takes
+    a drawn turn's record from both policies, so the interval holds the spread between turns
+    within the runs; a drift between two runs (--merge) it cannot see. None with fewer than 8
+    shared turns. -> {"turns": n, "tpot_speedup": [lo, hi], "request_time_speedup": [lo, hi]}"""
+    import random
+
+    def good(r):
+        return not r.get("error") and r.get("ttft_s") is not None and r.get("kind") in KINDS
+
+    mine = {(r["session"], r["turn"]): r for r in ours if good(r)}
+    pairs = [(mine[k], r) for r in theirs if good(r) and (k := (r["session"], r["turn"])) in mine]
+    if len(pairs) < 8:
+        return None
+    rng = random.Random(seed)
+    tpot, total = [], []
+    for _ in range(rounds):
+        draw = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        a, b = median([o["tpot_s"] for o, _ in draw]), median([t["tpot_s"] for _, t in draw])
+        if a and b is not None:
+            tpot.append(b / a)
+        mine_s = sum(o["request_s"] for o, _ in draw)
+        if mine_s:
+            total.append(sum(t["request_s"] for _, t in draw) / mine_s)
+    tail = (100 - level) / 2
+
+    def interval(xs):
+        return [round(percentile(xs, tail), 3), round(percentile(xs, 100 - tail), 3)] if xs else None
+    return {"turns": len(pairs), "tpot_speedup": interval(tpot), "request_time_speedup": interval(total)}
+
+
 def _round(v, n=4):
     return None if v is None else round(v, n)
 

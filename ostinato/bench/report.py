@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ostinato.bench.metrics import slope, wins
+from ostinato.bench.metrics import paired_intervals, slope, wins
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,9 +80,13 @@ def _ratio(a, b):
     return None if a is None or b is None or b == 0 else round(a / b, 3)
 
 
-def comparisons(policies: dict, ours: str = "ostinato", np_: int | None = None) -> dict:
+def comparisons(policies: dict, ours: str = "ostinato", np_: int | None = None, turns: dict | None = None,
+                runs: dict | None = None) -> dict:
     """Ostinato against every baseline: speed-ups (baseline / ours for times), session wins, and
-    the length-sweep slopes below Ostinato's Np (np_; default: each sweep's own)."""
+    the length-sweep slopes below Ostinato's Np (np_; default: each sweep's own). With the raw
+    turns (policy -> records): 95% bootstrap intervals of the TPOT and total-time speed-ups over
+    the turns both replayed (metrics.paired_intervals); with runs (provenance): whether the two
+    were measured in one run, the only case where those intervals hold everything."""
     me = policies.get(ours, {}).get("summary")
     if me is None:
         return {}
@@ -99,6 +103,10 @@ def comparisons(policies: dict, ours: str = "ostinato", np_: int | None = None) 
             "sessions_won": [won, both],
             "sweep_slope_ratio": _ratio(entry_slope(policies[ours], np_), entry_slope(entry, np_)),
         }
+        if turns and ours in turns and name in turns:
+            out[name]["intervals"] = paired_intervals(turns[ours], turns[name])
+        if runs and ours in runs and name in runs:
+            out[name]["same_run"] = runs[ours] == runs[name]
     return out
 
 
@@ -234,6 +242,10 @@ def _merged_note(result: dict) -> list[str]:
         f"{', '.join(names)} at `{(commit or '?')[:7]}` ({date})" for (commit, date), names in runs.items())]
 
 
+def _interval(iv) -> str:
+    return "" if not iv else f" ({iv[0]:.2f}-{iv[1]:.2f})"
+
+
 def _f(v, fmt="{:.1f}"):
     return "-" if v is None else fmt.format(v)
 
@@ -355,14 +367,22 @@ def markdown(result: dict, plots: list[str]) -> str:
         lines += ["| " + " | ".join(r) + " |" for r in ablation]
     if result.get("comparisons"):
         lines += ["", "## Ostinato against each baseline", "",
-                  "| baseline | TPOT speed-up | TTFT after tool (ours/theirs) | total time speed-up | sessions won |",
-                  "|---|---|---|---|---|"]
+                  "Speed-ups are the baseline's time over Ostinato's (above 1: Ostinato faster), with 95% bootstrap "
+                  "intervals over the turns both replayed. Within one run they hold the spread between turns; "
+                  "between runs (`--merge`) they cannot hold the machine's drift between them, which reached 10% "
+                  "between calls on the H200 machine.", "",
+                  "| baseline | TPOT speed-up | TTFT after tool (ours/theirs) | total time speed-up | sessions won | "
+                  "measured |", "|---|---|---|---|---|---|"]
         for name, c in result["comparisons"].items():
             if name in OSTINATO_STEPS:  # Ostinato's own steps: in the ablation above
                 continue
             won, both = c["sessions_won"]
-            lines.append(f"| {name} | {_f(c['tpot_speedup'], '{:.2f}x')} | {_f(c['ttft_tool_ratio'], '{:.2f}')} | "
-                         f"{_f(c['request_time_speedup'], '{:.2f}x')} | {won}/{both} |")
+            iv = c.get("intervals") or {}
+            where = {True: "same run", False: "another run", None: ""}[c.get("same_run")]
+            lines.append(f"| {name} | {_f(c['tpot_speedup'], '{:.2f}x')}{_interval(iv.get('tpot_speedup'))} | "
+                         f"{_f(c['ttft_tool_ratio'], '{:.2f}')} | "
+                         f"{_f(c['request_time_speedup'], '{:.2f}x')}{_interval(iv.get('request_time_speedup'))} | "
+                         f"{won}/{both} | {where} |")
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -425,7 +445,8 @@ def finish_result(result: dict, turns: dict, out: Path, with_plots: bool = True)
     returns the result."""
     from ostinato.bench.plots import write_plots
 
-    result["comparisons"] = comparisons(result["policies"], np_=(result.get("np") or {}).get("value"))
+    result["comparisons"] = comparisons(result["policies"], np_=(result.get("np") or {}).get("value"), turns=turns,
+                                        runs=provenance(result))
     result["targets"] = targets(result)
     plots: list[str] = []
     try:
