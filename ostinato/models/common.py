@@ -12,17 +12,57 @@ Legend: T new tokens, D hidden, Hd rotary dim, V vocabulary.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ostinato.config import ModelConfig
 from ostinato.kernels.triton import fused_dense
 from ostinato.layers.moe.types import TopKOutput
 
 KVShapes = dict[str, tuple[int, ...]]  # one layer's cache tensors: name -> per-token shape
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Prefill attention of T new tokens after L - T cached ones, per head: q [H, T, Dk], k [H, L, Dk],
+    v [H, L, Dv] (K/V heads already one per query head) -> [H, T, Dv]; query i sees keys
+    [0, L - T + i]. Four-dimensional inputs and a causal flag (T = L) or the lower-right causal
+    bias, never an explicit mask, so that SDPA may take a fused kernel (flash, memory-efficient or
+    cuDNN) that holds no H x T x L score matrix: with three-dimensional inputs torch does not
+    consider the memory-efficient kernel, and an explicit [T, L] mask forces the math kernel
+    (about 13 GiB of fp32 scores at 2048 x 16k tokens)."""
+    T, L = q.shape[1], k.shape[1]
+    if T == L:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal_lower_right(T, L),
+                                          scale=scale)[0]
+
+
+FUSED_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+
+@functools.lru_cache(maxsize=None)
+def fused_attention_available(qk_dim: int, v_dim: int, dtype: torch.dtype, device: str) -> bool:
+    """Whether SDPA's fused kernels (FUSED_BACKENDS: no score matrix) take `causal_attention` with
+    these head dims and dtype on `device`, both with the causal flag and with the lower-right bias:
+    tried once per process on small inputs laid out as the models lay them out (kernel support
+    depends on the head dims, dtype and device, not on the number of heads or tokens)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.randn(16, 2, qk_dim, generator=g, device=device, dtype=dtype).transpose(0, 1) for _ in "qk")
+    v = torch.randn(16, 2, v_dim, generator=g, device=device, dtype=dtype).transpose(0, 1)
+    try:
+        with sdpa_kernel([getattr(SDPBackend, b) for b in FUSED_BACKENDS]):
+            causal_attention(q, k, v)
+            causal_attention(q[:, 8:], k, v)
+        return True
+    except RuntimeError:
+        return False
 
 
 class AttentionShape(NamedTuple):
@@ -32,9 +72,9 @@ class AttentionShape(NamedTuple):
     the cache before attending (MLA: the up-projected keys and values and the assembled keys;
     0 where the cache holds K/V themselves), the most attention scores a pass holds at once
     where the model computes its attention in chunks of queries (0: the whole H x T x N), and
-    whether a pass attends in one of SDPA's fused kernels on a GPU in half precision (a causal or
-    lower-right causal bias, no explicit mask: flash or memory-efficient attention), which hold
-    no score matrix."""
+    whether a pass attends through `causal_attention` (a causal flag or the lower-right causal
+    bias, no explicit mask), which on a GPU in half precision SDPA's fused kernels run without a
+    score matrix where they take the head dims (fused_attention_available, asked on the GPU)."""
 
     heads: int
     kv_heads: int

@@ -30,12 +30,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route_grouped
 from ostinato.layers.moe.types import TopKOutput
-from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, DenseMLP, KVShapes, MoECausalLM,
+from ostinato.models.common import (AttentionShape, causal_attention, DecodeWindow, DecoderLayer, DenseMLP, KVShapes, MoECausalLM,
                                     RMSNorm, RoutedBlock)
 from ostinato.models.rope import apply_rotary, apply_rotary_interleaved, softmax_scale
 
@@ -81,22 +80,17 @@ class MLAttention(nn.Module):
         kv.ckv[start:end] = row
         if T == 1:
             return self._attend_latent(q_nope, q_rope, kv.ckv[:end], None)
-        return self._attend_expanded(q_nope, q_rope, kv.ckv[:end], start)
+        return self._attend_expanded(q_nope, q_rope, kv.ckv[:end])
 
-    def _attend_expanded(self, q_nope, q_rope, ckv: torch.Tensor, start: int) -> torch.Tensor:
-        """T tokens over the L cached ones: the latents expanded to per-head K [L, H, Dn+Dr] and
-        V [L, H, Dv], then causal multi-head attention (query i sees keys [0, start + i])."""
+    def _attend_expanded(self, q_nope, q_rope, ckv: torch.Tensor) -> torch.Tensor:
+        """T new tokens over the L cached ones (the last T of them): the latents expanded to per-head
+        K [L, H, Dn+Dr] and V [L, H, Dv], then causal multi-head attention (common.causal_attention)."""
         T, L = q_nope.shape[0], ckv.shape[0]
         latent, k_rope = ckv.split([self.rank, self.dr], dim=-1)
         k_nope, v = self.kv_b_proj(latent).view(L, self.h, self.dn + self.dv).split([self.dn, self.dv], dim=-1)
         k = torch.cat((k_nope, k_rope[:, None, :].expand(L, self.h, self.dr)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
-        q_, k_, v_ = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T|L, .]
-        if start == 0:
-            o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale)
-        else:  # a chunk after cached tokens (see qwen3_moe.Attention: the lower-right causal bias)
-            bias = causal_lower_right(T, L)
-            o = F.scaled_dot_product_attention(q_[None], k_[None], v_[None], attn_mask=bias, scale=self.scale)[0]
+        o = causal_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.scale)  # [H, T, Dv]
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.dv))
 
     def _attend_latent(self, q_nope, q_rope, ckv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -168,4 +162,4 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     @staticmethod
     def attention_shape(cfg: ModelConfig) -> AttentionShape:
         H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        return AttentionShape(H, H, dn + dr, dv, dr, H * (dn + dv) + H * (dn + dr))
+        return AttentionShape(H, H, dn + dr, dv, dr, H * (dn + dv) + H * (dn + dr), fused_on_gpu=True)

@@ -19,11 +19,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route
-from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, DenseMLP, ExpertsBackend,
+from ostinato.models.common import (AttentionShape, causal_attention, DecodeWindow, DecoderLayer, DenseMLP, ExpertsBackend,
                                     FusedProjections, KVShapes, MoECausalLM, RMSNorm, RoutedBlock)
 from ostinato.models.rope import apply_rotary, norm_rotate_qk, store_kv
 
@@ -87,17 +86,9 @@ class Attention(nn.Module):
         v_ = kv.v[:end].transpose(0, 1)
         if T == 1:
             o = F.scaled_dot_product_attention(q_, k_, v_, enable_gqa=True)
-        elif start == 0:
-            o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)
-        else:
-            # a chunk after cached tokens: query i sees keys [0, start + i]. The lower-right
-            # causal bias lets torch pick a fused kernel; an explicit [T, L] mask would force
-            # the math kernel and a T x L x H fp32 score matrix (~13 GiB at 2048 x 16k).
-            # KV heads are repeated (exact) because the fused kernels take GQA only in some builds.
+        else:  # KV heads repeated (exact): the fused kernels take GQA only in some builds
             rep = self.h // self.hkv
-            k_, v_ = k_.repeat_interleave(rep, dim=0), v_.repeat_interleave(rep, dim=0)
-            bias = causal_lower_right(T, end)
-            o = F.scaled_dot_product_attention(q_[None], k_[None], v_[None], attn_mask=bias)[0]
+            o = causal_attention(q_, k_.repeat_interleave(rep, dim=0), v_.repeat_interleave(rep, dim=0))
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.hd))
 
     def _attend_one(self, q, kv: LayerKV, position: torch.Tensor, size: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch
 
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.sizes import dense_parts, dense_weight_bytes, expert_bytes, expert_sizes, itemsize, kv_bytes
+from ostinato.models.common import fused_attention_available
 from ostinato.models.registry import attention_shape
 from ostinato.planner.fill import fill
 
@@ -151,9 +152,14 @@ def largest_fitting(need, limit: int, most: int) -> int:
 
 def gpu_score_share(cfg: ModelConfig, dtype: torch.dtype) -> float:
     """The share of a pass's H x T x N attention scores a GPU holds at once: 0 where the model
-    attends in SDPA's fused kernels there (AttentionShape.fused_on_gpu; in half precision, where
-    flash attention runs), else 1 (torch's math kernel in fp32, as on an explicit mask)."""
-    fused = attention_shape(cfg).fused_on_gpu and dtype in (torch.bfloat16, torch.float16)
+    attends in SDPA's fused kernels there (AttentionShape.fused_on_gpu: its prefill attention is
+    models/common.causal_attention; in half precision; and, where this process has a GPU, the
+    fused kernels take its head dims there: fused_attention_available), else 1 (torch's math
+    kernel in fp32, as on an explicit mask)."""
+    shape = attention_shape(cfg)
+    fused = shape.fused_on_gpu and dtype in (torch.bfloat16, torch.float16)
+    if fused and torch.cuda.is_available():
+        fused = fused_attention_available(shape.qk_dim, shape.v_dim, dtype, "cuda")
     return 0.0 if fused else 1.0
 
 
