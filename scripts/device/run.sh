@@ -37,6 +37,7 @@
 #   llama_bench [Q] llama-bench -ngl 99 (decode at depth 0 and 2048) on the Q4_K_M file and on a bf16 GGUF of
 #              LB_LAYERS (24) layers, and Ostinato's decode step on that bf16 file
 #   tests_wave2 [M][O][K][Q] GPU-marked tests: the fused RMSNorm, q/k norm + rotary and router kernels, the route tally in the decode graph, gpt-oss and DeepSeek-V3 on CUDA,
+#              prefill attention in SDPA's fused kernels alone (and whether they take MLA's head dims),
 #              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
@@ -156,7 +157,7 @@ phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route t
   run 300 "$R/tests_wave2.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
     tests/test_dense_triton.py \
     tests/test_serve_plan.py tests/test_gpt_oss.py tests/test_deepseek_v3.py tests/test_expert_act_triton.py \
-    tests/test_conversations.py tests/test_gpu_memory.py tests/test_quant_tuning.py \
+    tests/test_conversations.py tests/test_gpu_memory.py tests/test_quant_tuning.py tests/test_fused_attention.py \
     "tests/test_gguf.py::test_every_expert_resident_on_the_gpu_keeps_the_blocks"
 }
 phase_skew() {
