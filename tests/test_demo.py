@@ -37,6 +37,10 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     full = json.loads((out / "results.json").read_text())
     assert full["turns"]["ostinato"] and "| ostinato |" in (out / "report.md").read_text()
     assert full["policies"]["ostinato"]["wall_s"].keys() == {"replay", "sweep", "build"}
+    for entry in full["policies"].values():  # the build in its parts, which add up to it (rounding aside)
+        parts = entry["build_parts_s"]
+        assert parts.keys() == {"placement", "graphs", "warm_up"}
+        assert abs(sum(parts.values()) - entry["wall_s"]["build"]) <= 0.2
 
     # `ostinato report` writes the report and plots again from results.json alone
     for f in ("report.md", "ttft_cdf.png"):
