@@ -17,7 +17,7 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.engine.gpu_memory import apply_memory_cap
-from ostinato.engine.placement import PlacementSettings, hybrid_factory, resolve_np
+from ostinato.engine.placement import PlacementSettings, hybrid_factory, placed_residency, resolve_np
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
@@ -48,14 +48,15 @@ class Loaded:
 
 
 def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placement: PlacementSettings | None = None,
-                experts_factory=None, announce: bool = True) -> Loaded:
+                experts_factory=None, announce: bool = True, residency: Residency | None = None) -> Loaded:
     """The placement comes from `placement` (a residency: hybrid CPU-GPU) or an explicit
     experts_factory(source, runner_settings); with neither, every expert resident: on one GPU in
     its pool (the executor of every plan), else on each device by the plain-PyTorch oracle.
-    `announce`: log the start-up summary here (serve and generate log their own, later)."""
-    residency = None
-    if experts_factory is None and placement is not None and placement.residency:
-        residency = Residency.load(placement.residency)  # read once, here
+    `announce`: log the start-up summary here (serve and generate log their own, later).
+    `residency`: the plan to run in place of the file placement.residency names (a plan made or
+    changed in memory: `ostinato calibrate` runs a plan's upload plan)."""
+    if experts_factory is None and placement is not None and (residency is not None or placement.residency):
+        residency = residency or Residency.load(placement.residency)  # read once, here
         if placement.gpu_memory is None and residency.gpu_memory:  # the cap it was planned for
             placement = dataclasses.replace(placement, gpu_memory=int(residency.gpu_memory))
         experts_factory = hybrid_factory(placement, residency)
@@ -174,6 +175,7 @@ def startup_summary(loaded: Loaded, url: str | None = None) -> dict:
     total = len(cfg.moe_layers) * cfg.num_experts
     on_gpu = runner.device.type == "cuda"
     if res is not None:
+        res = placed_residency(loaded.placement, res)  # what the engine built from it (--borrow: its upload plan)
         resident, share = res.hot_count, (1.0 if res.hot_count == total else _gpu_share(res))
     elif isinstance(runner.experts, ReferenceExperts):  # every expert on the one device
         resident, share = (total, 1.0) if on_gpu else (0, 0.0)

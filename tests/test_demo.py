@@ -41,6 +41,19 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
         parts = entry["build_parts_s"]
         assert parts.keys() == {"placement", "graphs", "warm_up"}
         assert abs(sum(parts.values()) - entry["wall_s"]["build"]) <= 0.2
+    # the planner weighed the upload path on the calibration: Ostinato runs the plan it chose, the
+    # ktransformers baseline the plan with the upload path, both in the budget's bytes
+    up, pol, budget = result["np"]["upload_path"], result["policies"], result["budget"]
+    assert {"on", "why", "gain_ms", "cost_ms", "hot_with_flex", "hot_without_flex"} <= set(up)
+    assert pol["ostinato"]["resident_experts"] == budget["hot"]
+    assert pol["ktransformers"]["resident_experts"] == up["hot_with_flex"]
+    if up["on"]:
+        assert pol["ostinato"]["upload_threshold"] == result["np"]["value"] and budget["hot"] == up["hot_with_flex"]
+    else:
+        assert pol["ostinato"]["upload_threshold"] is None and result["np"]["value"] is None
+        assert budget["hot"] == up["hot_without_flex"] and result["np"]["how"].startswith("none: ")
+        assert f"Np {result['np']['how']}" in (out / "report.md").read_text()
+    assert json.loads((out / "residency.json").read_text())["hot_experts"] == budget["hot"]
 
     # `ostinato report` writes the report and plots again from results.json alone
     for f in ("report.md", "ttft_cdf.png"):

@@ -358,7 +358,17 @@ def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys)
         assert key in cal
     loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64),
                          PlacementSettings(residency=str(res_path), cpu_backend="torch"))
-    assert loaded.runner.experts.upload_threshold == cal["upload_threshold"]  # the engine uses the measured Np
+    # the plan kept the upload path and the engine uses the measured Np, or it dropped it (its gain and
+    # cost recorded) for more hot experts in the same pool bytes, and the engine has no Np and no flex slots
+    up = cal["upload_path"]
+    assert "upload path " in out and {"gain_ms", "cost_ms", "hot_with_flex", "hot_without_flex"} <= set(up)
+    h, res = loaded.runner.experts, Residency.load(res_path)
+    if up["on"]:
+        assert h.upload_threshold == cal["upload_threshold"] and res.hot_count == up["hot_with_flex"]
+    else:
+        assert h.upload_threshold is None and all(p.num_slots == p.flex_lo for p in h.pools.groups)
+        assert res.hot_count == up["hot_without_flex"] >= up["hot_with_flex"] and up["gain_ms"] <= up["cost_ms"]
+        assert res.upload_plan().hot_count == up["hot_with_flex"]
 
 
 def test_spread_shares_a_small_sample_between_sources():

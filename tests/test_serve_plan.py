@@ -73,7 +73,10 @@ def test_first_start_plans_in_hybrid_and_caches(planned, tmp_path):
     a = build_parser().parse_args(["plan", "--model", MODEL, "--device", "cpu", "--profile", res.profile["path"],
                                    "--gpu-memory", str(res.gpu_memory), "--max-context", "1024", "--no-verify",
                                    "-o", str(tmp_path / "cli.json")])
-    assert a.func(a) == 0 and Residency.load(tmp_path / "cli.json").hot == res.hot
+    # (with its upload path: the calibration then decided whether that path pays for its flex slots)
+    assert a.func(a) == 0 and Residency.load(tmp_path / "cli.json").hot == res.upload_plan().hot
+    up = res.calibration["upload_path"]
+    assert res.hot_count == up["hot_with_flex" if up["on"] else "hot_without_flex"]
     assert res.calibration["upload_threshold"] > 0 and set(res.notes["phases_s"]) == {"load", "profile", "plan",
                                                                                        "calibrate"}
     assert 0 < res.notes["report"]["development"]["hot_share"] < 1
@@ -85,7 +88,11 @@ def test_first_start_plans_in_hybrid_and_caches(planned, tmp_path):
     assert key["gpu_memory"] == planned["place"].gpu_memory and key["kv_tokens"] == 1024
     # the engine it returned serves the plan: its experts in the pool, the calibrated Np applied
     h = loaded.runner.experts
-    assert h.pools.num_hot == res.hot_count and h.upload_threshold == res.calibration["upload_threshold"]
+    assert h.pools.num_hot == res.hot_count
+    if res.upload_path:
+        assert h.upload_threshold == res.calibration["upload_threshold"]
+    else:  # the pool was built again without flex slots, and no Np
+        assert h.upload_threshold is None and all(p.num_slots == p.flex_lo for p in h.pools.groups)
 
 
 def test_second_start_reuses_the_plan(planned):
@@ -233,7 +240,10 @@ def test_plan_from_served_learns_and_reports(planned, tmp_path, capsys):
     assert all(e in new.hot[l] for l, e in favoured)
     report = new.notes["report"]
     assert report["served_before"]["hot_share"] == 0.0 and report["served"]["hot_share"] == 1.0
-    assert new.calibration == old.calibration and served_path(tmp_path / "new.json").is_file()
+    # the calibration carried over, the upload path decided again for the new plan
+    measured = lambda r: {k: v for k, v in r.calibration.items() if k != "upload_path"}  # noqa: E731
+    assert measured(new) == measured(old) and "upload_path" in new.calibration
+    assert served_path(tmp_path / "new.json").is_file()
     assert "0.0% with the old plan -> 100.0% with the new" in capsys.readouterr().out
 
 

@@ -14,7 +14,11 @@ where it has a threshold, and replayed on the held-out sessions. Steps:
    most-routed experts that fit it with Ostinato's zero and flex slots, exactly as `ostinato
    plan` makes it (planner/pipeline.py: --expert-budget bytes, or the pool of a --hot-fraction
    residency, or the capacity test on --gpu-memory; 0.4 of all experts without any), saved as
-   residency.json; Np calibrated in the engine by planner/calibrate.py (or --upload-threshold);
+   residency.json; Np calibrated in the engine by planner/calibrate.py (or --upload-threshold), then
+   the planner's decision whether the upload path pays for its flex slots over the development
+   sessions (planner/pipeline.py plan_upload_path): where it does not, Ostinato's plan spends their
+   bytes on hot experts and has no Np (the ktransformers baseline and the ablation's upload and
+   borrow steps still run the plan with the upload path, in the same budget);
 5. per policy: build, warm up, tune the offload threshold over OFFLOAD_THRESHOLDS (policies/settings.py) on
    development sessions (lowest total request time), replay held-out, run the sweep;
 6. report.md, results.json, PNG plots in --out; one JSON line last on stdout.
@@ -42,9 +46,9 @@ from ostinato.engine.sizes import expert_sizes
 from ostinato.load import load_engine
 from ostinato.loader.build import expert_formats
 from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
-from ostinato.planner.capacity import CapacitySettings, pool_groups
+from ostinato.planner.capacity import CapacitySettings, hot_groups, pool_groups
 from ostinato.planner.measure.prefill import prompt_ids
-from ostinato.planner.pipeline import plan_residency, size_pool
+from ostinato.planner.pipeline import plan_residency, plan_upload_path, size_pool, upload_path_text
 from ostinato.planner.profile import session_stream
 from ostinato.planner.run_profile import profile_sessions
 from ostinato.planner.skew import hot_share, persistence_report, spread_report, trace_sessions
@@ -274,10 +278,6 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     _say(bs, f"budget: {budget['bytes'] / 2**30:.2f} GiB ({budget['pool_slots']} mean expert slots; {fmts}), "
              f"sized by {budget['sized_by']}: Ostinato keeps "
              f"{budget['hot']} of {budget['total_experts']} experts resident ({100 * budget['fraction']:.1f}%)")
-    skew = routing_figures(counts, held_counts, budget["fraction"], held_stats,
-                           loaded.runner.config.num_experts_per_tok)
-    _say(bs, f"skew: the top {100 * budget['fraction']:.1f}% of experts by development routes receive "
-             f"{100 * skew['held_out_all_share']:.1f}% of held-out routes")
 
     residency = plan_residency(loaded.source, counts.total("all"), size, gpu_memory=bs.gpu_memory,
                                profile={"path": str(bs.out / "profile-dev.json"), "sessions": counts.sessions},
@@ -287,10 +287,42 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
                           allow_over_budget=bs.upper_bound, experts=bs.experts)
     np_info = calibrate_np(loaded, bs, base, counts)
     residency.calibration = {**np_info.get("calibration", {}), "upload_threshold": np_info["value"]}
+    if np_info.get("calibration"):  # whether the upload path pays for its flex slots, decided before any policy runs
+        residency, np_info = decide_upload_path(loaded, bs, residency, counts, budget, np_info)
     residency.save(bs.out / "residency.json")
+    skew = routing_figures(counts, held_counts, budget["fraction"], held_stats,
+                           loaded.runner.config.num_experts_per_tok)
+    _say(bs, f"skew: the top {100 * budget['fraction']:.1f}% of experts by development routes receive "
+             f"{100 * skew['held_out_all_share']:.1f}% of held-out routes")
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] plan: {residency.hot_count} hot experts -> "
              f"{bs.out / 'residency.json'}; Np = {np_info['value']} ({np_info['how']})")
-    return Prepared(loaded, dev, held, budget, skew, np_info, base.with_(upload_threshold=np_info["value"]))
+    return Prepared(loaded, dev, held, budget, skew, np_info,
+                    base.with_(residency=residency, upload_threshold=np_info["value"]))
+
+
+def decide_upload_path(loaded, bs: BenchSettings, residency: Residency, counts, budget: dict, np_info: dict):
+    """The planner's decision on the upload path (planner/pipeline.py plan_upload_path) for the
+    calibrated plan, in the budget's bytes: -> (the plan Ostinato runs, np_info with the decision).
+    Where the path is dropped, the plan keeps more experts resident and has no Np: the budget's
+    entry for Ostinato's plan (hot, fraction, groups) and the model's predictions follow it."""
+    cfg = loaded.runner.config
+    K, E = cfg.num_experts_per_tok, cfg.num_experts
+    sizes = expert_sizes(cfg, loaded.runner.dtype, expert_formats(loaded.source, bs.experts))
+    residency = plan_upload_path(residency, residency.calibration, counts, counts.total("all"), sizes, K,
+                                 bs.runner.prefill_chunk, limit=budget["bytes"])
+    up = residency.calibration["upload_path"]
+    np_info = {**np_info, "upload_path": {k: v for k, v in up.items() if k not in ("added", "capacity")}}
+    if residency.upload_path:
+        return residency, {**np_info, "how": f"{np_info['how']}; upload path {upload_path_text(up)}"}
+    total = len(cfg.moe_layers) * E
+    budget.update(hot=residency.hot_count, fraction=round(residency.hot_count / total, 4),
+                  groups=hot_groups(residency.hot, K, E, sizes, flex=False))
+    try:
+        predicted = model_checks(residency.calibration, counts, residency.hot, cfg)
+    except Exception as e:  # noqa: BLE001 - the prediction is a report line, not a requirement
+        predicted = {"error": f"{type(e).__name__}: {e}"}
+    return residency, {**np_info, "value": None, "how": upload_path_text(up), "measured": np_info["value"],
+                       "predicted": predicted}
 
 
 def routing_figures(counts, held_counts, fraction: float, held_stats, top_k: int) -> dict:

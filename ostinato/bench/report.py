@@ -300,7 +300,7 @@ def markdown(result: dict, plots: list[str]) -> str:
              f"receive {100 * result['skew']['held_out_all_share']:.1f}% of held-out routes "
              f"(decode {100 * result['skew']['held_out_decode_share']:.1f}%, prefill "
              f"{100 * result['skew']['held_out_prefill_share']:.1f}%){routing_note(result['skew'])}",
-             f"- Np = {result['np']['value']} ({result['np']['how']}){_predicted(result)}", *_cpu_note(result),
+             f"- {_np_text(result['np'])}{_predicted(result)}", *_cpu_note(result),
              *_merged_note(result), "",
              "## Held-out sessions", "",
              "Medians per turn (TTFT after tool outputs, TPOT); total request time of all turns; cold routes "
@@ -344,7 +344,8 @@ def markdown(result: dict, plots: list[str]) -> str:
     sizes = sorted({p["size"] for e in result["policies"].values() for p in (e.get("sweep") or {}).get("points", [])})
     if sizes:
         np_ = (result.get("np") or {}).get("value")
-        lines.append("| policy | " + " | ".join(map(str, sizes)) + f" | slope ms/token (below Np = {np_}) |")
+        below = f"below Np = {np_}" if np_ is not None else "all sizes: no Np"
+        lines.append("| policy | " + " | ".join(map(str, sizes)) + f" | slope ms/token ({below}) |")
         lines.append("|" + "---|" * (len(sizes) + 2))
         for name, e in result["policies"].items():
             sw = e.get("sweep")
@@ -408,6 +409,14 @@ def _cpu_note(result: dict) -> list[str]:
         return []
     return ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical and "
             "the timings show the mechanics of each policy, not the speed of the design"]
+
+
+def _np_text(np_: dict) -> str:
+    """"Np = 2048 (calibrated; ...)", or where the planner dropped the upload path, why (its gain
+    and cost over the development sessions: planner/pipeline.py upload_path_text)."""
+    if np_.get("value") is None and np_.get("upload_path"):
+        return f"Np {np_['how']}"
+    return f"Np = {np_['value']} ({np_['how']})"
 
 
 def _predicted(result: dict) -> str:

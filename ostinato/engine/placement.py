@@ -5,6 +5,9 @@ runs it).
 Order matters: the cap is set first, then the expert pool and its flex slots are
 allocated before the dense model, the KV cache or any activation, so a prefill never
 competes with them; the cold experts are loaded once into page-locked host memory.
+A plan whose upload path did not pay for its flex slots (Residency.upload_path, decided by the
+planner from its calibration) gets none, no Np and no split with uploads: every pass takes the
+split path, and nothing is uploaded.
 
 Experts of a GGUF file stay in its block formats (`experts="native"`, the default) in the
 pools and in host memory, one pool per format (layers/moe/pool.py); `experts="bf16"`
@@ -32,7 +35,9 @@ from ostinato.loader.build import EXPERT_MODES, expert_formats, load_layer_exper
 class PlacementSettings:
     residency: str | None = None
     gpu_memory: int | None = None  # bytes; the engine never allocates past it
-    upload_threshold: int | None = None  # Np; default: the residency's calibrated one, else 512
+    # Np; default: the residency's calibrated one, else 512; none where the plan dropped the upload path
+    # (given, it asks for the plan with the upload path: placed_residency)
+    upload_threshold: int | None = None
     cpu_backend: str = "auto"
     # lend the flex slots to cold experts during decode (DESIGN.md "Borrowed memory"): off by default,
     # it decoded 6% slower than without on the held-out sessions (results/2026-12-01-h200-s6/README.md)
@@ -55,10 +60,26 @@ def expert_math(cfg) -> dict:
 DEFAULT_UPLOAD_THRESHOLD = 512  # used only until `ostinato calibrate` has measured Np
 
 
+def placed_residency(place: PlacementSettings, residency: Residency) -> Residency:
+    """The plan the engine builds: the residency as planned, or the plan with the upload path it
+    was made from (Residency.upload_plan) when the settings use its flex slots: borrowed memory,
+    or an Np given."""
+    if place.borrow or place.upload_threshold:
+        return residency.upload_plan()
+    return residency
+
+
+def flex_of(residency: Residency) -> int | None:
+    """The flex slots to allocate (ExpertPools.build): none for a plan without the upload path,
+    else each format group's most cold experts of a layer (None)."""
+    return None if residency.upload_path else 0
+
+
 def build_hybrid(source, residency: Residency, place: PlacementSettings, device: torch.device,
                  dtype: torch.dtype, max_tokens: int, threads: ThreadLayout) -> HybridExperts:
     """threads: the process's thread layout (its CPU pool's workers)."""
     cfg = source.config
+    residency = placed_residency(place, residency)
     residency.check(source)
     apply_memory_cap(device, place.gpu_memory)
     F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
@@ -66,8 +87,8 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
     cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
     formats = expert_formats(source, place.experts)
     try:
-        pools = ExpertPools.build(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok, None, (2 * F, D), (D, F),
-                                  device, dtype, formats, **expert_math(cfg))
+        pools = ExpertPools.build(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok, flex_of(residency),
+                                  (2 * F, D), (D, F), device, dtype, formats, **expert_math(cfg))
     except torch.OutOfMemoryError:
         raise ConfigError(f"the expert pool ({sum(map(len, hot.values()))} hot experts and their flex slots) does "
                           "not fit the GPU memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
@@ -81,8 +102,12 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
                      residency)
 
 
-def resolve_np(place: PlacementSettings, residency: Residency) -> int:
-    """Np: the setting, else the residency's calibrated one, else the default."""
+def resolve_np(place: PlacementSettings, residency: Residency) -> int | None:
+    """Np: None for a plan without the upload path (it has no flex slots to upload into), else
+    the setting, else the residency's calibrated one, else the default."""
+    residency = placed_residency(place, residency)
+    if not residency.upload_path:
+        return None
     return int(place.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD)
 
 
@@ -95,10 +120,13 @@ def configure(hybrid: HybridExperts, place: PlacementSettings, residency: Reside
 
 def apply_calibration(hybrid: HybridExperts, place: PlacementSettings, residency: Residency) -> HybridExperts:
     """What the residency's calibration decides for passes of many tokens: Np, and the split with
-    uploads. Passes only (a decode step is one token), so a loaded engine takes it in place."""
+    uploads; neither for a plan without the upload path (no flex slots to upload into). Passes
+    only (a decode step is one token), so a loaded engine takes it in place."""
+    residency = placed_residency(place, residency)
     hybrid.upload_threshold = resolve_np(place, residency)
-    if place.mixed and hybrid.on_cuda:  # a CPU-only machine has no second link to balance
-        hybrid.mixed = MixedPass.from_calibration(residency.calibration)
+    # a CPU-only machine has no second link to balance
+    mixed = place.mixed and hybrid.on_cuda and residency.upload_path
+    hybrid.mixed = MixedPass.from_calibration(residency.calibration) if mixed else None
     return hybrid
 
 
@@ -130,6 +158,7 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
     for all (the cold experts of every layer), and a CPU pool per worker group of the thread
     layout: one for every GPU, or one per NUMA node where the GPUs sit on different nodes."""
     cfg = source.config
+    residency = placed_residency(place, residency)
     residency.check(source)
     F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     hot = {l: residency.hot.get(l, []) for l in cfg.moe_layers}
@@ -144,8 +173,8 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
             continue
         try:
             pools[name] = ExpertPools.build({l: hot[l] for l in layers}, cfg.num_hidden_layers, E,
-                                            cfg.num_experts_per_tok, None, (2 * F, D), (D, F), dev, dtype, formats,
-                                            **expert_math(cfg))
+                                            cfg.num_experts_per_tok, flex_of(residency), (2 * F, D), (D, F), dev,
+                                            dtype, formats, **expert_math(cfg))
         except torch.OutOfMemoryError:
             raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
                               "--gpu-memory or --hot-fraction") from None

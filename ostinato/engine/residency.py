@@ -4,7 +4,9 @@ A residency file is written once by `ostinato plan` and read at every start. It 
 JSON a person can read and edit (hot experts per layer), carries the fingerprint of the
 model it was planned for (config shapes and router weights: the routers decide where
 tokens go, so a plan made for other routers is worthless), the memory budget, the
-profile it came from, and the calibrated cost-model constants once `calibrate` ran.
+profile it came from, and the calibrated cost-model constants once `calibrate` ran,
+with the planner's decision on the upload path that the calibration informed (a plan
+without it keeps no flex slots and no Np: `upload_path`, `upload_plan`).
 """
 from __future__ import annotations
 
@@ -67,6 +69,29 @@ class Residency:
     @property
     def hot_count(self) -> int:
         return sum(len(v) for v in self.hot.values())
+
+    @property
+    def upload_path(self) -> bool:
+        """Whether this plan has the upload path (flex slots, Np, the split with uploads). The
+        planner drops it where its calibration predicts that the upload path and the split with
+        uploads save less over the development sessions than the flex slots' bytes would as hot
+        experts (planner/pipeline.py plan_upload_path); the decision, with its numbers, is
+        calibration["upload_path"]. A plan without a decision has it."""
+        return bool((self.calibration.get("upload_path") or {}).get("on", True))
+
+    def upload_plan(self) -> "Residency":
+        """The plan with the upload path this one was made from: itself if it has one, else its
+        hot experts less those the flex slots' bytes went to (calibration.upload_path.added), with
+        the capacity it had. What needs the flex slots runs it: --borrow, an --upload-threshold
+        given, the ktransformers baseline, Ostinato's ablation steps, a new calibration."""
+        up = self.calibration.get("upload_path") or {}
+        if up.get("on", True):
+            return self
+        added = {int(l): set(v) for l, v in (up.get("added") or {}).items()}
+        hot = {l: [e for e in v if e not in added.get(l, ())] for l, v in self.hot.items()}
+        return dataclasses.replace(self, hot=hot, calibration={k: v for k, v in self.calibration.items()
+                                                               if k != "upload_path"},
+                                   capacity={**self.capacity, **(up.get("capacity") or {})})
 
     def is_hot(self, layer: int) -> torch.Tensor:
         m = torch.zeros(self.num_experts, dtype=torch.bool)

@@ -29,6 +29,10 @@ class RouteCounts:
     tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     sessions: int = 0
     max_tokens: int = 0  # the longest session stream (= longest request: prompt + output), in tokens
+    # the new prompt tokens of every turn, in order: the sizes of the prefill passes a replay of these
+    # sessions makes before the runner's chunking (the planner weighs the upload path by them,
+    # planner/pipeline.py plan_upload_path); None where not recorded (a served tally, an older profile)
+    prompts: list[int] | None = None
 
     @classmethod
     def zeros(cls, layers: list[int], num_experts: int, device="cpu") -> "RouteCounts":
@@ -41,14 +45,18 @@ class RouteCounts:
         return getattr(self, phase)
 
     def to_json(self) -> dict:
-        return {"version": 1, "sessions": self.sessions, "tokens": self.tokens, "max_tokens": self.max_tokens,
-                "prefill": {str(l): c.tolist() for l, c in self.prefill.items()},
-                "decode": {str(l): c.tolist() for l, c in self.decode.items()}}
+        out = {"version": 1, "sessions": self.sessions, "tokens": self.tokens, "max_tokens": self.max_tokens,
+               "prefill": {str(l): c.tolist() for l, c in self.prefill.items()},
+               "decode": {str(l): c.tolist() for l, c in self.decode.items()}}
+        if self.prompts is not None:
+            out["prompts"] = list(self.prompts)
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "RouteCounts":
         t = lambda m: {int(l): torch.tensor(c, dtype=torch.int64) for l, c in m.items()}  # noqa: E731
-        return cls(t(d["prefill"]), t(d["decode"]), dict(d["tokens"]), d.get("sessions", 0), d.get("max_tokens", 0))
+        return cls(t(d["prefill"]), t(d["decode"]), dict(d["tokens"]), d.get("sessions", 0), d.get("max_tokens", 0),
+                   d.get("prompts"))
 
     def layer_top_shares(self, fraction: float, phase: str = "all") -> dict[int, float]:
         """Per layer: the share of its routes on its own top `fraction` of experts (skew figure)."""

@@ -18,6 +18,9 @@ Making a plan, in one engine (the dense part loads once):
    (planner/pipeline.py), as `ostinato plan` does;
 4. the planned pool replaces the empty one in the loaded engine;
 5. calibrating: the cost model's constants and Np, measured in that engine (planner/calibrate.py);
+   then whether the upload path pays for its flex slots over the development sessions
+   (planner/pipeline.py plan_upload_path): if not, the pool is built again with more hot experts
+   and no flex slots;
 6. the plan goes into the cache, and the engine serves.
 
 Every phase is reported to `progress(phase, done, of)` (serve's /health) and timed into the
@@ -44,7 +47,7 @@ from ostinato.planner.served import file_lock, write_atomic
 
 log = logging.getLogger("ostinato")
 
-PLAN_VERSION = 1  # a change in how plans are made invalidates the cached ones
+PLAN_VERSION = 2  # a change in how plans are made invalidates the cached ones (2: the upload path decided)
 DEFAULT_SESSIONS = "embedded:8"
 
 
@@ -135,7 +138,8 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     from ostinato.engine.routes import RouteCounts
     from ostinato.loader.build import expert_formats
     from ostinato.planner.calibrate import calibrate, model_checks
-    from ostinato.planner.pipeline import plan_residency, route_report, size_pool
+    from ostinato.engine.sizes import expert_sizes
+    from ostinato.planner.pipeline import plan_residency, plan_upload_path, route_report, size_pool, upload_path_text
     from ostinato.planner.run_profile import profile_sessions
     from ostinato.planner.served import ServedRoutes, learned_counts, served_path
     from ostinato.policies.factory import release, use_policy
@@ -190,9 +194,15 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
 
     progress("calibrating")
     cal = calibrate(loaded, auto.calibrate)
-    if dev is not None:
-        cal["model"] = {"profile": str(dev_path), **model_checks(cal, dev, res.hot, cfg)}
     res.calibration = cal
+    if dev is not None:  # whether the upload path pays for its flex slots; if not, the pool is built again without
+        res = plan_upload_path(res, cal, dev, counts, expert_sizes(cfg, dtype, formats), cfg.num_experts_per_tok,
+                               settings.prefill_chunk, borrow=place.borrow)
+        log.info("upload path %s", upload_path_text(res.calibration["upload_path"]))
+        res.calibration["model"] = {"profile": str(dev_path), **model_checks(res.calibration, dev, res.hot, cfg)}
+        if not res.upload_path:
+            release(loaded)
+            use_policy(loaded, hybrid_factory(final, res)(source, loaded.runner.settings))
     apply_calibration(loaded.runner.experts.unwrapped, final, res)
     loaded.engine.reset()
     lap("calibrate")

@@ -22,6 +22,9 @@
   with bytes_g one expert in g's format (`expert_sizes`, engine/sizes.py). Adding an expert
   adds bytes_g and can lower flex_g by at most one slot of the same size, so the cost still
   never decreases with s and the same bisection runs on bytes. A float model is one group.
+* a plan whose upload path does not pay for its flex slots (planner/pipeline.py,
+  plan_upload_path) spends their bytes on hot experts instead: `grow_without_flex`, the same
+  pool bytes with K zero slots per group and no flex slot.
 
 Everything here is a pure function of the config, the counts and the settings; the
 verification (planner/verify.py) runs the largest pass of the longest request in the
@@ -41,7 +44,7 @@ from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.sizes import dense_parts, dense_weight_bytes, expert_bytes, expert_sizes, itemsize, kv_bytes
 from ostinato.models.common import fused_attention_available
 from ostinato.models.registry import attention_shape
-from ostinato.planner.fill import fill
+from ostinato.planner.fill import fill, fill_more
 
 GiB = 2**30
 
@@ -112,20 +115,40 @@ class Capacity:
 
 def pool_groups(counts: dict[int, torch.Tensor], hot_slots: int, top_k: int, num_experts: int,
                 sizes: dict[int, tuple[str, int]]) -> dict[str, dict]:
-    """The pools fill(counts, hot_slots) needs, one per format: layers, expert bytes, hot, K zero
-    and flex slots (the group's most cold experts of a layer), bytes."""
-    hot = fill(counts, hot_slots)
+    """The pools fill(counts, hot_slots) needs, one per format (hot_groups)."""
+    return hot_groups(fill(counts, hot_slots), top_k, num_experts, sizes)
+
+
+def hot_groups(hot: dict[int, list[int]], top_k: int, num_experts: int, sizes: dict[int, tuple[str, int]],
+               flex: bool = True) -> dict[str, dict]:
+    """The pools a residency set needs, one per format, over the layers of `sizes`: layers, expert
+    bytes, hot, K zero and flex slots (the group's most cold experts of a layer; none without the
+    upload path, `flex` False), bytes."""
     groups: dict[str, dict] = {}
-    for l in sorted(counts):
+    for l in sorted(sizes):
         name, eb = sizes[l]
         g = groups.setdefault(name, {"layers": 0, "expert_bytes": eb, "hot": 0, "zero": top_k, "flex": 0})
         n = len(hot.get(l, []))
         g["layers"] += 1
         g["hot"] += n
-        g["flex"] = max(g["flex"], num_experts - n)
+        if flex:
+            g["flex"] = max(g["flex"], num_experts - n)
     for g in groups.values():
         g["bytes"] = g["expert_bytes"] * (g["hot"] + g["zero"] + g["flex"])
     return groups
+
+
+def grow_without_flex(counts: dict[int, torch.Tensor], hot: dict[int, list[int]], limit: int, top_k: int,
+                      num_experts: int, sizes: dict[int, tuple[str, int]]) -> dict[int, list[int]]:
+    """A plan without the upload path: `hot` and the next experts in the fill order (fill_more), as
+    many as fit `limit` bytes of pools with K zero slots per format group and no flex slot. Each
+    added expert adds its group's bytes, so the bytes grow with the count and bisection finds it;
+    `hot` itself when not even it fits."""
+    def need(n: int) -> int:
+        return sum(g["bytes"] for g in hot_groups(fill_more(counts, hot, n), top_k, num_experts, sizes, False).values())
+
+    cold = sum(num_experts - len(hot.get(l, [])) for l in counts)
+    return fill_more(counts, hot, max(0, largest_fitting(need, limit, cold)))
 
 
 def max_hot_bytes(counts: dict[int, torch.Tensor], budget: int, top_k: int, num_experts: int,

@@ -273,7 +273,10 @@ def plan_from_served(a) -> int:
                          profile=dict(old.profile) | {"counts": f"{served.served_tokens} served tokens and the "
                                                       f"development profile at weight {served.dev_weight():.4f}"},
                          notes=dict(old.notes))
-    res.calibration = old.calibration
+    res.calibration = {k: v for k, v in old.calibration.items() if k != "upload_path"}  # the old plan's decision
+    if res.calibration.get("global") and dev is not None:  # decided again for this plan, on the development sessions
+        res = _decide_upload_path(res, res.calibration, dev, counts, source, dtype, a.prefill_chunk,
+                                  getattr(a, "experts", "native"))
     L = len(cfg.moe_layers)
     before, after = route_report(served.counts, old.hot, L), route_report(served.counts, res.hot, L)
     res.notes["report"] = dict(res.notes.get("report") or {}) | {"served": after, "served_before": before}
@@ -339,27 +342,47 @@ def cmd_calibrate(a) -> int:
 
     if not a.residency:
         raise ValueError("give --residency (a plan from `ostinato plan`)")
-    res = Residency.load(a.residency)
+    res = Residency.load(a.residency).upload_plan()  # measured with its upload path, then decided again
     place = dataclasses.replace(placement_settings(a), cpu_backend=a.cpu_backend)  # the plan's cap: load_engine
     kv = a.max_context or res.capacity.get("kv_tokens") or None
     settings = dataclasses.replace(runner_settings(a), max_context=kv)
-    loaded = load_engine(a.model, settings, place)
+    loaded = load_engine(a.model, settings, place, residency=res)
     sizes = tuple(int(x) for x in a.sizes.split(",")) if a.sizes else CalibrateSettings.sizes
     cs = CalibrateSettings(reps=a.reps, sizes=sizes, pass_layers=a.pass_layers, sessions=a.sessions or "embedded:4")
     cal = calibrate(loaded, cs)
     prof_path = a.profile or (res.profile or {}).get("path")
+    prof = None
     if prof_path:
         try:
-            cal["model"] = {"profile": prof_path, **model_checks(cal, RouteCounts.load(prof_path), res.hot,
-                                                                 loaded.runner.config)}
+            prof = RouteCounts.load(prof_path)
         except FileNotFoundError:
-            print(f"note: profile {prof_path} not found; no model predictions")
+            print(f"note: profile {prof_path} not found; no model predictions, the upload path kept")
     res.calibration = cal
+    if prof is not None:
+        res = _decide_upload_path(res, cal, prof, prof.total("all"), loaded.source, loaded.runner.dtype,
+                                  loaded.runner.settings.prefill_chunk, place.experts, place.borrow)
+        res.calibration["model"] = {"profile": prof_path, **model_checks(res.calibration, prof, res.hot,
+                                                                         loaded.runner.config)}
     out = a.output or a.residency
     res.save(out)
-    print_calibration(cal)
+    print_calibration(res.calibration)
     print(f"calibration -> {out}")
     return 0
+
+
+def _decide_upload_path(res, cal: dict, prof, counts, source, dtype, prefill_chunk: int, experts: str,
+                        borrow: bool = False):
+    """planner/pipeline.py plan_upload_path for a plan of this source with its experts kept as
+    `experts` says (native or bf16), said in one line."""
+    from ostinato.engine.sizes import expert_sizes
+    from ostinato.loader.build import expert_formats
+    from ostinato.planner.pipeline import plan_upload_path, upload_path_text
+
+    cfg = source.config
+    sizes = expert_sizes(cfg, dtype, expert_formats(source, experts))
+    res = plan_upload_path(res, cal, prof, counts, sizes, cfg.num_experts_per_tok, prefill_chunk, borrow=borrow)
+    print(f"upload path {upload_path_text(res.calibration['upload_path'])}; {res.hot_count} experts resident")
+    return res
 
 
 def print_calibration(cal: dict) -> None:

@@ -44,6 +44,12 @@ to the host time of the split path in real passes and to the one-token points (X
 all routes, measured at a few n and interpolated linearly. Np is the one-switch rule
 (`one_switch`) applied to the two curves.
 
+The upload path's worth (`upload_path_value`): over the development sessions, what the paths that
+use its flex slots save on their passes (`path_gains`, the measured curves: the upload path from Np,
+the split with uploads from its min_tokens), against what those slots would save as hot experts
+(the decode and prefill models above, with and without those experts). The planner keeps the path
+only where the first is larger (planner/pipeline.py plan_upload_path).
+
 Legend: L MoE layers, E experts per layer, K top-k, r cold routes of a token in a layer.
 """
 from __future__ import annotations
@@ -53,6 +59,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from ostinato.layers.moe.hybrid import choose_path
 
 
 def route_probs(counts: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
@@ -364,3 +372,84 @@ def model_threshold(probs: dict[int, torch.Tensor], hot: dict[int, list[int]], p
     curve = [(n, *pass_costs(n, probs, hot, pc)) for n in sizes]
     np_, crossings = one_switch([c[0] for c in curve], [c[1] for c in curve], [c[2] for c in curve])
     return np_, crossings, curve
+
+
+def prefill_passes(prompts: list[int], chunk: int) -> dict[int, int]:
+    """{tokens: count} of the passes the runner makes for prompts of these sizes (chunks of `chunk`)."""
+    out: dict[int, int] = {}
+    for n in prompts:
+        full, rest = divmod(int(n), chunk)
+        for size, k in ((chunk, full), (rest, 1 if rest else 0)):
+            if k:
+                out[size] = out.get(size, 0) + k
+    return out
+
+
+def path_gains(cal: dict, passes: dict[int, int], mixed=None) -> dict:
+    """What the paths that use the flex slots save over the split path, per MoE layer with cold
+    experts, on passes {tokens: count} (prefill_passes), ms in all, from the calibration's measured
+    curves (passes: split_ms, upload_ms, mixed_ms) interpolated at each pass's size. Each pass takes
+    the engine's path (layers/moe/hybrid.py choose_path): `plain` is the upload path at Np and above
+    (the calibration's upload_threshold), else the split path; the split with uploads (`mixed`, a
+    MixedPass) takes over where it applies. The two parts add up to split minus the path taken:
+
+      upload   split - plain, on the passes of at least Np tokens;
+      mixed    plain - mixed, on the passes `mixed` applies to.
+
+    -> {"upload_ms", "mixed_ms", "passes_at_np", "passes_mixed"}."""
+    np_, p = cal.get("upload_threshold"), cal.get("passes") or {}
+    out = {"upload_ms": 0.0, "mixed_ms": 0.0, "passes_at_np": 0, "passes_mixed": 0}
+    if not p.get("sizes"):
+        return out
+    sizes = [float(n) for n in p["sizes"]]
+    at = lambda key, n: interp(n, sizes, list(p[key]))  # noqa: E731
+    for n, k in passes.items():
+        split = at("split_ms", n)
+        plain = split
+        if choose_path(n, True, np_, None) == "upload":
+            plain = at("upload_ms", n)
+            out["upload_ms"] += k * (split - plain)
+            out["passes_at_np"] += k
+        if mixed is not None and mixed.applies(n):
+            out["mixed_ms"] += k * (plain - at("mixed_ms", n))
+            out["passes_mixed"] += k
+    return out
+
+
+def upload_path_value(cal: dict, prof, passes: dict[int, int], hot: dict[int, list[int]],
+                      bigger: dict[int, list[int]], top_k: int, mixed=None) -> dict:
+    """What the upload path is worth over a development workload, ms in all, against the plan that
+    spends its flex slots' bytes on more hot experts (`bigger`, a superset of `hot`):
+
+      gain     what the paths that use the flex slots save on its passes (path_gains: the upload
+               path and the split with uploads, `mixed`, a MixedPass or None), times the MoE
+               layers with cold experts;
+      cost     what the experts only `bigger` keeps resident would cost on the CPU: in decode,
+               tokens x (step(hot) - step(bigger)) by the decode model; in prefill, every pass's
+               split path with `hot` against `bigger` by the prefill model (cpu_pass constants).
+
+    prof: the development profile (RouteCounts: decode and prefill counts and tokens); passes:
+    {tokens: count} of its prefill passes (prefill_passes)."""
+    layers = sorted(prof.decode)
+    E = prof.decode[layers[0]].numel() if layers else 0
+    with_cold = sum(1 for l in layers if len(hot.get(l, [])) < E)
+    g = path_gains(cal, passes, mixed)
+    costs = layer_costs(cal, layers)
+    laws = route_laws(prof.decode, prof.tokens["decode"], top_k)
+    step = {name: predict_decode_step(prof.decode, prof.tokens["decode"], h, costs, top_k, laws=laws)
+            for name, h in (("hot", hot), ("bigger", bigger))}
+    decode = prof.tokens["decode"] * (step["hot"].total_ms - step["bigger"].total_ms)
+    prefill = 0.0
+    p = cal.get("passes") or {}
+    if p.get("sizes") and cal.get("cpu_pass"):
+        pc = PassCosts.from_calibration(cal)
+        probs = {l: route_probs(prof.prefill[l], prof.tokens["prefill"], top_k) for l in layers}
+        for n, k in passes.items():
+            prefill += k * len(layers) * (pass_costs(n, probs, hot, pc)[0] - pass_costs(n, probs, bigger, pc)[0])
+    gain_upload, gain_mixed = with_cold * g["upload_ms"], with_cold * g["mixed_ms"]
+    return {"gain_ms": gain_upload + gain_mixed, "gain_upload_ms": gain_upload, "gain_mixed_ms": gain_mixed,
+            "cost_ms": decode + prefill, "cost_decode_ms": decode, "cost_prefill_ms": prefill,
+            "np": cal.get("upload_threshold"), "mixed_from": mixed.min_tokens if mixed is not None else None,
+            "passes": sum(passes.values()), "passes_at_np": g["passes_at_np"], "passes_mixed": g["passes_mixed"],
+            "largest_pass": max(passes, default=0), "decode_tokens": prof.tokens["decode"],
+            "cold_routes_per_token_layer": [step["hot"].cold_routes_per_layer, step["bigger"].cold_routes_per_layer]}

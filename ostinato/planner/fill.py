@@ -27,6 +27,17 @@ def fill(counts: dict[int, torch.Tensor], slots: int) -> dict[int, list[int]]:
     return {l: sorted(v) for l, v in hot.items()}
 
 
+def fill_more(counts: dict[int, torch.Tensor], hot: dict[int, list[int]], extra: int) -> dict[int, list[int]]:
+    """`hot` and the `extra` most-routed (layer, expert) pairs outside it: the next ones in the fill
+    order (fill(counts, s + extra) when hot is fill(counts, s)), whatever counts `hot` came from."""
+    ranked = {}
+    for l, c in counts.items():
+        c = c.to(torch.float64).clone()
+        c[hot.get(l, [])] = float("inf")  # resident first
+        ranked[l] = c
+    return fill(ranked, sum(len(hot.get(l, [])) for l in counts) + extra)
+
+
 def fill_per_device(counts: dict[int, torch.Tensor], devices: dict[str, list[int]],
                     slots: dict[str, int]) -> dict[int, list[int]]:
     """Each device's slots go to the most-routed experts of its own layers (one pool per GPU)."""

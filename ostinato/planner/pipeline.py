@@ -9,6 +9,12 @@ A pool is sized one of three ways, first match:
 * `gpu_memory`: the capacity test (planner/capacity.py): every slot the cap leaves after the
   dense weights, the KV cache, the activations and the margin.
 
+Once the engine has calibrated the plan, `plan_upload_path` decides whether its upload path (the
+upload path proper and the split with uploads) earns the flex slots it needs; where it does not,
+the plan spends their bytes on hot experts and has neither (every place that calibrates a plan
+calls it: bench, `ostinato calibrate`, serve's own planning, and `plan --from-served`, which
+carries a calibration over).
+
 Pure functions of the config, the counts and the settings. `formats` (each MoE layer's GGUF
 block formats, loader.build.expert_formats) makes every byte count a quantized expert's real
 size, one pool per format (planner/capacity.py); without it experts cost the compute dtype's.
@@ -17,6 +23,7 @@ Legend: L MoE layers, E experts per layer, K top-k.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +31,10 @@ import torch
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.sizes import expert_bytes, expert_sizes
-from ostinato.planner.capacity import Capacity, CapacitySettings, max_hot_bytes, plan_capacity, pool_groups
+from ostinato.layers.moe.hybrid import MixedPass
+from ostinato.planner import cost_model as cm
+from ostinato.planner.capacity import (Capacity, CapacitySettings, grow_without_flex, hot_groups, max_hot_bytes,
+                                       plan_capacity, pool_groups)
 from ostinato.planner.fill import cold_routes, fill
 
 
@@ -100,3 +110,101 @@ def route_report(prof, hot: dict[int, list[int]], num_layers: int) -> dict:
     per_token = cold_d / max(1, prof.tokens["decode"]) / num_layers
     return {"hot_share": round(share, 4), "decode_hot_share": round(share_d, 4),
             "cold_routes_per_token_layer": round(per_token, 4)}
+
+
+def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, torch.Tensor],
+                     sizes: dict[int, tuple[str, int]], top_k: int, prefill_chunk: int, *, limit: int | None = None,
+                     borrow: bool = False) -> Residency:
+    """Whether the plan keeps its upload path, once the calibration has measured Np and the
+    paths: the flex slots it needs could hold hot experts instead (the next ones in the fill order),
+    and on a workload whose long passes are few the cold routes those experts would take off the
+    CPU save more than the flex slots do. Decided on the development sessions (`prof`, a RouteCounts
+    with their prompt sizes; `counts`: the routes the plan was filled from) by
+    cost_model.upload_path_value: the gain of the two paths that use the flex slots, each on the
+    passes it takes (the upload path from Np; the split with uploads from the smallest size the
+    calibration measured it to pay at, MixedPass.from_calibration), against the cost of the hot
+    experts the slots displace:
+
+    * kept where gain > cost, and where borrowed memory (`borrow`) lends the slots to cold experts;
+      also where it cannot be weighed (a plan of several GPUs, a profile without prompt sizes, a
+      calibration without the decode constants);
+    * dropped otherwise: the plan then keeps the most hot experts whose pools fit `limit` bytes
+      (default: the pools the plan was allowed, by its capacity test, else its own pools) with K
+      zero slots and no flex slot (grow_without_flex), and neither path (engine/placement.py).
+
+    Pure: -> the residency with calibration["upload_path"] recording the decision and its numbers
+    ("on", "why", the gain of each path and the cost in ms over the development sessions; when
+    dropped, the experts added and the capacity of the plan with the upload path, so
+    Residency.upload_plan restores it). `residency` may hold an earlier decision: it is decided
+    again from its upload plan."""
+    res = residency.upload_plan()
+    cal = {k: v for k, v in cal.items() if k != "upload_path"}
+
+    def decided(on: bool, why: str, plan: dict | None = None, **kw) -> Residency:
+        """res with the decision recorded; plan: the fields of the plan without the upload path."""
+        up = {"on": on, "why": why, **kw}
+        return dataclasses.replace(res, **(plan or {}), calibration={**cal, "upload_path": up})
+
+    if borrow:
+        return decided(True, "borrowed memory lends the flex slots to cold experts")
+    if len(res.devices) > 1:
+        return decided(True, "not weighed: a plan of several GPUs")
+    if prof is None or prof.prompts is None:
+        return decided(True, "not weighed: the development profile has no prompt sizes (profile again)")
+    if not cal.get("global"):
+        return decided(True, "not weighed: the calibration has no decode constants")
+    E = res.num_experts
+    limit = pool_limit(res, top_k, sizes) if limit is None else limit
+    bigger = grow_without_flex(counts, res.hot, limit, top_k, E, sizes)
+    passes = cm.prefill_passes(prof.prompts, prefill_chunk)
+    v = cm.upload_path_value(cal, prof, passes, res.hot, bigger, top_k, MixedPass.from_calibration(cal))
+    before = hot_groups(res.hot, top_k, E, sizes)
+    ms = {k: round(v[k], 3) + 0.0 for k in ("gain_ms", "gain_upload_ms", "gain_mixed_ms", "cost_ms",
+                                             "cost_decode_ms", "cost_prefill_ms")}  # + 0.0: no -0.0
+    numbers = {**ms, **{k: v[k] for k in ("np", "mixed_from", "passes", "passes_at_np", "passes_mixed",
+                                          "largest_pass", "decode_tokens")},
+               "flex_slots": sum(g["flex"] for g in before.values()), "hot_with_flex": res.hot_count,
+               "hot_without_flex": sum(map(len, bigger.values())),
+               "cold_routes_per_token_layer": [round(x, 4) for x in v["cold_routes_per_token_layer"]]}
+    if v["gain_ms"] > v["cost_ms"]:
+        return decided(True, "it pays", **numbers)
+    added = {str(l): sorted(set(bigger[l]) - set(res.hot.get(l, []))) for l in sorted(bigger)}
+    capacity = res.capacity
+    if capacity.get("groups") is not None:  # the capacity test's breakdown, as this plan spends the pool
+        after = hot_groups(bigger, top_k, E, sizes, flex=False)
+        pool, n = sum(g["bytes"] for g in after.values()), numbers["hot_without_flex"]
+        capacity = {**capacity, "hot_slots": n, "max_hot_slots": n, "flex_slots": 0, "groups": after,
+                    "pool_bytes": pool, "unused": capacity.get("unused", 0) + capacity.get("pool_bytes", pool) - pool}
+    return decided(False, "the upload path did not pay", {"hot": bigger, "capacity": capacity}, **numbers,
+                   added={l: ids for l, ids in added.items() if ids},
+                   capacity={k: res.capacity[k] for k in CAPACITY_KEYS if k in res.capacity})
+
+
+CAPACITY_KEYS = ("hot_slots", "max_hot_slots", "flex_slots", "groups", "pool_bytes", "unused")  # what a drop changes
+
+
+def pool_limit(res: Residency, top_k: int, sizes: dict[int, tuple[str, int]]) -> int:
+    """The bytes a plan's pools may take: what its capacity test left for them when the test sized
+    it (the cap's: pool and unused bytes), else its own pools (a hot fraction's, with flex slots)."""
+    cap = res.capacity
+    if cap.get("pool_bytes") is not None and cap.get("hot_slots") == cap.get("max_hot_slots"):
+        return int(cap["pool_bytes"] + cap.get("unused", 0))
+    return sum(g["bytes"] for g in hot_groups(res.hot, top_k, res.num_experts, sizes).values())
+
+
+def upload_path_text(up: dict | None) -> str:
+    """The decision (calibration["upload_path"]) as a report says it: the gain of each path that
+    uses the flex slots and the cost of the hot experts they displace."""
+    if not up:
+        return "not decided"
+    if "gain_ms" not in up:
+        return f"kept ({up['why']})"
+    mixed = (f"split with uploads {up['gain_mixed_ms']:.1f} ms on {up['passes_mixed']} passes from "
+             f"{up['mixed_from']} tokens" if up["mixed_from"] is not None else "split with uploads never measured a gain")
+    nums = (f"gain {up['gain_ms']:.1f} ms (upload path {up['gain_upload_ms']:.1f} ms on {up['passes_at_np']} passes "
+            f"at or above Np {up['np']}, {mixed}; {up['passes']} passes in all), cost {up['cost_ms']:.1f} ms over the "
+            f"development sessions: {up['flex_slots']} flex slots against "
+            f"{up['hot_without_flex'] - up['hot_with_flex']} more hot experts")
+    if up["on"]:
+        return f"kept: it pays ({nums})"
+    return f"none: {up['why']} ({nums})"

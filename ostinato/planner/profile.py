@@ -48,6 +48,19 @@ def session_stream(session, tok, max_tokens: int | None = None) -> SessionStream
     return SessionStream(ids, out, [s for s in starts if s < len(ids)])
 
 
+def turn_prompts(st: SessionStream) -> list[int]:
+    """The new prompt tokens of each turn of a stream: what a replay prefills at that turn (the
+    rest of the prompt is the KV cache the turn before left), from the turn's start to its first
+    output token."""
+    out = []
+    for s in st.turn_starts:
+        e = s
+        while e < len(st.ids) and not st.is_output[e]:
+            e += 1
+        out.append(e - s)
+    return out
+
+
 def turn_tools(session):
     return session.tools or None
 

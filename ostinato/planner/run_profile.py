@@ -5,7 +5,7 @@ import torch
 from tqdm import tqdm
 
 from ostinato.engine.routes import RouteCounts
-from ostinato.planner.profile import CountingExperts, session_stream
+from ostinato.planner.profile import CountingExperts, session_stream, turn_prompts
 
 
 def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profile", wrap=None,
@@ -16,6 +16,7 @@ def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profi
     on_session(done, of) after each session (serve's /health shows it)."""
     runner, tok, cfg = loaded.runner, loaded.tokenizer, loaded.runner.config
     counts = RouteCounts.zeros(cfg.moe_layers, cfg.num_experts, device=runner.device)
+    counts.prompts = []
     counter = CountingExperts(wrap(runner.experts) if wrap else runner.experts, counts)
     chunk = runner.settings.prefill_chunk
     with runner.experts_swapped(counter):
@@ -23,6 +24,7 @@ def profile_sessions(loaded, sessions, progress: bool = True, desc: str = "profi
         for s in bar:
             st = session_stream(s, tok, max_tokens=runner.max_context)
             counts.max_tokens = max(counts.max_tokens, len(st.ids))
+            counts.prompts += turn_prompts(st)
             for i in range(0, len(st.ids), chunk):
                 part = st.is_output[i:i + chunk]
                 counter.is_output = torch.tensor(part, dtype=torch.bool, device=runner.device)

@@ -15,12 +15,12 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.engine.gpu_memory import apply_memory_cap
-from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD, PlacementSettings, build_hybrid
+from ostinato.engine.placement import PlacementSettings, build_hybrid, flex_of, placed_residency, resolve_np
 from ostinato.engine.residency import Residency
 from ostinato.engine.routes import RouteCounts
 from ostinato.policies.base import ModelExperts, pools_bytes
 from ostinato.policies.caches import DecayingCache, ExpertCache
-from ostinato.policies.settings import OSTINATO_STEPS, PolicySettings, check_policy
+from ostinato.policies.settings import FLEX_STEPS, OSTINATO_STEPS, PolicySettings, check_policy
 from ostinato.policies.static import BUILDERS, hybrid_from_parts
 
 # policy -> build(spec, budget bytes, settings, development counts): each an executor (HybridExperts);
@@ -43,9 +43,10 @@ def load_residency(residency) -> Residency | None:
     return Residency.load(residency)
 
 
-def residency_bytes(spec: ModelExperts, hot: dict[int, list[int]]) -> int:
-    """Bytes of a residency's pools (per format group: hot, K zero and the group's flex slots)."""
-    return pools_bytes(spec, hot, None)
+def residency_bytes(spec: ModelExperts, residency: Residency) -> int:
+    """Bytes of a residency's pools (per format group: hot, K zero and the group's flex slots, none
+    where the plan has no upload path)."""
+    return pools_bytes(spec, residency.hot, flex_of(residency))
 
 
 def budget_bytes(spec: ModelExperts, settings: PolicySettings) -> int:
@@ -57,7 +58,7 @@ def budget_bytes(spec: ModelExperts, settings: PolicySettings) -> int:
         return settings.expert_slots * spec.expert_bytes
     residency = load_residency(settings.residency)
     if residency is not None:
-        return residency_bytes(spec, residency.hot)
+        return residency_bytes(spec, residency)
     raise ConfigError("no expert budget: give --expert-budget (bytes for the expert pool) or the --residency "
                       "whose pool the policies share")
 
@@ -66,12 +67,15 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
     """A policy over a model described by `spec` (no weight-source checks)."""
     check_policy(name)
     if name in OSTINATO_STEPS:
-        residency = _ostinato_residency(spec, settings, name)
-        np_ = settings.upload_threshold or residency.calibration.get("upload_threshold") or DEFAULT_UPLOAD_THRESHOLD
+        place = PlacementSettings(upload_threshold=settings.upload_threshold)
+        residency = placed_residency(place, _ostinato_residency(spec, settings, name))
+        np_ = resolve_np(place, residency)
         upload = OSTINATO_STEPS[name][0]
-        return hybrid_from_parts(spec, residency.hot, int(np_) if upload else None, settings.cpu_backend)
+        return hybrid_from_parts(spec, residency.hot, np_ if upload else None, settings.cpu_backend,
+                                 flex=flex_of(residency))
     settings = settings.with_(residency=load_residency(settings.residency))
-    if name == "ktransformers" and settings.residency is not None:
+    if name == "ktransformers" and settings.residency is not None:  # its upload-all path needs the flex slots
+        settings = settings.with_(residency=settings.residency.upload_plan())
         _check_budget(spec, settings, settings.residency)
     return BUILD[name](spec, budget_bytes(spec, settings), settings, load_profile(settings.profile))
 
@@ -132,9 +136,12 @@ def release(loaded) -> None:
 
 
 def _ostinato_residency(spec: ModelExperts, settings: PolicySettings, name: str) -> Residency:
+    """The plan an Ostinato step runs (FLEX_STEPS: the plan with the upload path), checked against the budget."""
     residency = load_residency(settings.residency)
     if residency is None:
         raise ConfigError(f"policy {name} needs a residency file (--residency, from `ostinato plan`)")
+    if name in FLEX_STEPS:
+        residency = residency.upload_plan()
     _check_budget(spec, settings, residency)
     return residency
 
@@ -143,7 +150,7 @@ def _check_budget(spec: ModelExperts, settings: PolicySettings, residency: Resid
     if settings.expert_slots is None and settings.budget_bytes is None:
         return
     budget = budget_bytes(spec, settings.with_(residency=None))
-    need = residency_bytes(spec, residency.hot)
+    need = residency_bytes(spec, residency)
     if need > budget:
         raise ConfigError(f"the residency needs {need / 2**20:.1f} MiB of expert pool ({residency.hot_count} hot "
                           f"experts, {spec.top_k} zero slots per format group, the rest flex) but the budget is "

@@ -6,7 +6,8 @@ handed to every policy alike, in bytes (a GGUF file's experts keep their block f
 pool per format: policies/base.py); a budget given in slots counts the mean expert's bytes. A policy's whole pool
 must fit it: its resident or cached experts, the K zero slots, and the staging slots of
 its upload path if it has one (one layer's experts, E, for `layers` and the caches;
-Ostinato's flex slots, the most cold experts of a layer). So a policy without an upload
+Ostinato's flex slots, the most cold experts of a layer, or none where the planner found its
+upload path did not pay for them: planner/pipeline.py plan_upload_path). So a policy without an upload
 path (fixed-per-layer) keeps more experts resident, and none gets memory another lacks.
 """
 from __future__ import annotations
@@ -21,6 +22,10 @@ from ostinato.config import ConfigError
 # results/2026-12-01-h200-s6/README.md). Variant -> (upload path, mixed uploads, borrowing).
 OSTINATO_STEPS = {"ostinato-split": (False, False, False), "ostinato-upload": (True, False, False),
                   "ostinato": (True, True, False), "ostinato-borrow": (True, True, True)}
+# the steps whose own mechanism lives in the flex slots (the upload path, borrowed memory): they run
+# the plan with the upload path even where the planner dropped it (Residency.upload_plan), in the
+# same budget; `ostinato` and `ostinato-split` run the plan as made
+FLEX_STEPS = ("ostinato-upload", "ostinato-borrow")
 POLICIES = ("ostinato", "ktransformers", "layers", "expert-cache", "decaying-cache", "fixed-per-layer",
             "fixed-uniform", "cpu", "gpu", "ostinato-split", "ostinato-upload", "ostinato-borrow")
 BASELINES = tuple(p for p in POLICIES if p not in OSTINATO_STEPS)
