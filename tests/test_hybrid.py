@@ -26,13 +26,15 @@ def _experts(seed):
     return ExpertWeights(torch.randn(E, 2 * F, D, generator=g) / D ** 0.5, torch.randn(E, D, F, generator=g) / F ** 0.5)
 
 
-def _hybrid(hot_fraction, upload_threshold, backend="torch", device="cpu", dtype=torch.float32):
+def _hybrid(hot_fraction, upload_threshold, backend="torch", device="cpu", dtype=torch.float32, flex=None):
+    """flex: the pool's flex slots (default: the most cold experts of a layer, unbounded)."""
     weights = {l: _experts(l) for l in LAYERS}
     n_hot = round(hot_fraction * E)
     g = torch.Generator().manual_seed(7)
     hot = {l: torch.randperm(E, generator=g)[:n_hot].tolist() for l in LAYERS}
     cold = {l: sorted(set(range(E)) - set(hot[l])) for l in LAYERS}
-    pool = ExpertPool(hot, 3, E, K, max(len(c) for c in cold.values()), (2 * F, D), (D, F), device, dtype)
+    flex = max(len(c) for c in cold.values()) if flex is None else flex
+    pool = ExpertPool(hot, 3, E, K, flex, (2 * F, D), (D, F), device, dtype)
     host = HostExperts(cold, E, (2 * F, D), (D, F), dtype)
     for l in LAYERS:
         w = ExpertWeights(weights[l].w13.to(dtype), weights[l].w2.to(dtype))
@@ -90,6 +92,77 @@ def test_hybrid_matches_reference(tokens, hot_fraction, path, device):
             assert 0 < stats["uploaded_experts"] and stats["cpu_experts"] > 0
 
 
+# split with uploads on a CPU so slow that it would upload every cold expert: the flex slots decide
+UPLOAD_ALL = MixedPass(upload_ms=1.0, alpha_ms=0.0, beta_expert_ms=0.0, beta_route_ms=100.0)
+FLEX = 2  # flex slots, fewer than the distinct cold experts of most passes (E = 16, K = 4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 512])
+@pytest.mark.parametrize("hot_fraction", [0.0, 0.5])
+@pytest.mark.parametrize("path", ["upload", "mixed"])
+def test_fewer_flex_slots_than_cold_experts(tokens, hot_fraction, path, device):
+    """A bounded flex region (planner/capacity.py): a pass routing to more distinct cold experts than
+    the FLEX slots uploads the FLEX most-routed of them and computes the others on the CPU, on the
+    upload path and in a split with uploads alike; the result is the reference MoE's, and the
+    counters say what went where."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    hybrid, weights = _hybrid(hot_fraction, upload_threshold=1 if path == "upload" else 10**9,
+                              backend="torch" if device == "cpu" else "auto", device=device, dtype=dtype, flex=FLEX)
+    if path == "mixed":
+        hybrid.mixed = UPLOAD_ALL
+    pool = hybrid.pool
+    assert pool.num_slots - pool.flex_lo == FLEX
+    g = torch.Generator().manual_seed(100 + tokens)
+    uploaded = on_cpu = overflows = cold_routes = 0
+    for layer in LAYERS:
+        x = torch.randn(tokens, D, generator=g)
+        topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
+        cold = pool.table_host[layer][topk.ids] < 0
+        experts, routes = torch.unique(topk.ids[cold], return_counts=True)
+        order = torch.argsort(routes, descending=True, stable=True)
+        distinct, cold_routes = experts.numel(), cold_routes + int(cold.sum())
+        # decode takes the split path with no upload where `mixed` runs it; the upload path uploads
+        ups = min(distinct, FLEX) if path == "upload" or tokens > 1 else 0
+        uploaded, on_cpu = uploaded + ups, on_cpu + distinct - ups
+        overflows += path == "upload" and distinct > FLEX
+        if device == "cpu":
+            got = hybrid(layer, x, topk)
+            want = moe_forward(x, topk, weights[layer])
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+        else:
+            w = weights[layer]
+            rounded = type(w)(w.w13.to(dtype).float(), w.w2.to(dtype).float())
+            want = moe_forward(x.to(dtype).float(), topk, rounded)
+            got = hybrid(layer, x.to(dtype).to(device), TopKOutput(topk.ids.to(device), topk.weights.to(device)))
+            err = float((got.float().cpu() - want).abs().max() / want.abs().max())
+            assert err < 2e-2, err
+        if ups and distinct > FLEX:  # the staging slots hold the pass's most-routed cold experts
+            staged = {int(e) for e in experts[order[:FLEX]]}
+            held = [next(e for e in staged if torch.equal(pool.w13[s].cpu().float(), weights[layer].w13[e].to(dtype)
+                                                          .float())) for s in range(pool.flex_lo, pool.num_slots)]
+            assert set(held) == staged
+    stats = hybrid.stats()
+    assert overflows == 2 or tokens == 1 or path == "mixed"  # a pass of 7+ tokens routes to more than FLEX
+    assert stats.get("uploaded_experts", 0) == uploaded and stats.get("cpu_experts", 0) == on_cpu
+    assert stats.get("overflow_passes", 0) == overflows
+    assert stats.get("mixed_passes", 0) == (2 if path == "mixed" and tokens > 1 else 0)
+    assert stats["cold_routes"] == cold_routes and stats["routes"] == 2 * tokens * K
+
+
+def test_no_flex_slot_runs_the_upload_path_as_the_split_path():
+    """flex 0 (a bound of 0, or a pool too small for any): every cold route on the CPU, nothing uploaded."""
+    hybrid, weights = _hybrid(0.5, upload_threshold=1, flex=0)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, D, generator=g)
+    topk = route(torch.randn(64, E, generator=g), K, True, x.dtype)
+    assert torch.allclose(hybrid(0, x, topk), moe_forward(x, topk, weights[0]), rtol=1e-4, atol=1e-5)
+    s = hybrid.stats()
+    assert s.get("uploaded_experts", 0) == 0 and s["overflow_passes"] == 1 and s["cpu_experts"] == 8
+
+
 def test_mixed_pass_choice_balances_the_two_links():
     m = MixedPass(upload_ms=1.0, alpha_ms=0.0, beta_expert_ms=0.0, beta_route_ms=1.0)
     assert m.choose([1, 1, 1, 1], limit=10) == 2  # 2 uploads || 2 CPU routes
@@ -144,8 +217,10 @@ def _residency_for(source, fraction, seed=0):
     return Residency(model_fingerprint(source), cfg.num_experts, hot)
 
 
-@pytest.mark.parametrize("threshold", [10**9, 16])
-def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold):
+@pytest.mark.parametrize("threshold,max_flex", [(10**9, None), (16, None), (16, 2)])
+def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold, max_flex):
+    """max_flex: the plan's bound on the flex slots (Residency.max_flex), which the engine allocates;
+    passes with more distinct cold experts upload two and compute the rest on the CPU."""
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
     from ostinato.load import load_engine
@@ -153,9 +228,13 @@ def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold):
     settings = RunnerSettings(device="cpu", dtype="fp32", max_context=256, prefill_chunk=64)
     ref = load_engine(str(tiny_dir), settings)
     res = _residency_for(ref.source, 0.5)
+    res.max_flex = max_flex
     res.save(tmp_path / "r.json")
+    assert Residency.load(tmp_path / "r.json").max_flex == max_flex
     hyb = load_engine(str(tiny_dir), settings, PlacementSettings(residency=str(tmp_path / "r.json"),
                                                                  upload_threshold=threshold))
+    pool, cfg = hyb.runner.experts.unwrapped.pool, ref.source.config
+    assert pool.num_slots - pool.flex_lo == (max_flex if max_flex is not None else cfg.num_experts // 2)
     ids = list(range(5, 5 + 100))
     a = ref.runner.forward(ids, 0, all_logits=True)
     b = hyb.runner.forward(ids, 0, all_logits=True)
@@ -163,6 +242,10 @@ def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold):
     stats = hyb.runner.placement_stats()
     assert stats["cold_routes"] > 0
     assert (stats.get("bytes_uploaded", 0) > 0) == (threshold == 16)
+    assert (stats.get("overflow_passes", 0) > 0) == (max_flex is not None)
+    if max_flex is not None:  # both chunks (64 + 36 tokens) of each MoE layer overflow: 2 uploads each, rest CPU
+        assert stats["overflow_passes"] == 2 * len(cfg.moe_layers)
+        assert stats["uploaded_experts"] == max_flex * stats["overflow_passes"] and stats["cpu_experts"] > 0
 
 
 def test_residency_file_checks(tiny_dir, tmp_path):

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from ostinato.config import ModelConfig
 from ostinato.engine.sizes import dense_parts, dense_weight_bytes
 from ostinato.planner import cost_model as cm
-from ostinato.planner.capacity import CapacityError, CapacitySettings, activation_bytes, flex_slots, plan_capacity
+from ostinato.planner.capacity import (GiB, CapacityError, CapacitySettings, activation_bytes, flex_slots,
+                                       max_hot_slots, plan_capacity)
 from ostinato.planner.fill import cold_routes, fill
 from ostinato.synth.presets import preset_config
 
@@ -101,12 +102,75 @@ def test_capacity_is_the_flex_fixed_point(extra_slots, kv_tokens):
     cap = plan_capacity(cfg, counts, budget, kv_tokens, torch.float32, s)
     slots = (budget - cap.fixed) // cap.expert_bytes
     K, E, total = cfg.num_experts_per_tok, cfg.num_experts, len(cfg.moe_layers) * cfg.num_experts
-    assert cap.flex_slots == flex_slots(counts, cap.hot_slots, E)
+    # the flex bound: a quarter of the pool's bytes (one format group)
+    assert cap.max_flex == int(0.25 * (budget - cap.fixed)) // cap.expert_bytes
+    assert cap.flex_slots == flex_slots(counts, cap.hot_slots, E, cap.max_flex) <= cap.max_flex
     assert cap.hot_slots + K + cap.flex_slots <= slots and cap.unused >= 0
     if cap.hot_slots < total:  # one more hot expert does not fit
-        assert cap.hot_slots + 1 + K + flex_slots(counts, cap.hot_slots + 1, E) > slots
+        assert cap.hot_slots + 1 + K + flex_slots(counts, cap.hot_slots + 1, E, cap.max_flex) > slots
     bigger = plan_capacity(cfg, counts, budget + 7 * cap.expert_bytes, kv_tokens, torch.float32, s)
     assert bigger.hot_slots >= cap.hot_slots
+
+
+@FAST
+@given(route_counts(max_layers=4, max_experts=16), st.data())
+def test_bounded_flex_keeps_the_bisection_exact(counts, data):
+    """flex(s) = min(M, most cold experts of a layer under fill(s)): s + K + flex(s) never decreases
+    in s, so the bisection finds the largest s that fits, as a scan does; flex never exceeds M."""
+    E = max(c.numel() for c in counts.values())
+    counts = {l: torch.nn.functional.pad(c, (0, E - c.numel())) for l, c in counts.items()}
+    total, K = len(counts) * E, 2
+    M = data.draw(st.integers(0, E + 1))
+    slots = data.draw(st.integers(0, total + K + E))
+    need = [s + K + flex_slots(counts, s, E, M) for s in range(total + 1)]
+    assert all(a <= b for a, b in zip(need, need[1:]))
+    assert all(flex_slots(counts, s, E, M) <= M for s in range(total + 1))
+    fits = [s for s in range(total + 1) if need[s] <= slots]
+    assert max_hot_slots(counts, slots, K, E, M) == (max(fits) if fits else -1)
+
+
+def _skewed(cfg, seed=0, a=0.8):
+    """Zipf-like routes per layer (experts in a random order per layer)."""
+    g = torch.Generator().manual_seed(seed)
+    E = cfg.num_experts
+    return {l: (1e5 / torch.arange(1, E + 1).double() ** a)[torch.randperm(E, generator=g)].long()
+            for l in cfg.moe_layers}
+
+
+def test_deepseek_v3_shape_plans_under_24_gib_with_bounded_flex():
+    """Issue [O]: DeepSeek-V3's 256 experts of 84 MiB (bf16). Unbounded, the flex slots (a layer's
+    cold experts, up to 256: 21 GiB) refuse the plan before any expert is resident; bounded (a
+    quarter of the pool's bytes), it keeps experts resident. The activations are taken as a fused
+    attention kernel's (--attention-scores 0): MLA's materialised scores are another matter."""
+    cfg = ModelConfig.from_dict(preset_config("deepseek-v3-shaped"))
+    E, counts = cfg.num_experts, _skewed(cfg)
+    s = CapacitySettings(attention_score_share=0.0)
+    with pytest.raises(CapacityError, match="zero and flex slots"):
+        plan_capacity(cfg, counts, 24 * GiB, 4096, torch.bfloat16, CapacitySettings(attention_score_share=0.0,
+                                                                                    max_flex=E))
+    cap = plan_capacity(cfg, counts, 24 * GiB, 4096, torch.bfloat16, s)
+    pool = cap.budget - cap.fixed
+    assert cap.expert_bytes == 84 * 2**20 and cap.max_flex == int(0.25 * pool) // cap.expert_bytes < E
+    assert cap.hot_slots > 0 and cap.flex_slots == cap.max_flex and cap.unused >= 0
+    assert cap.flex_slots * cap.expert_bytes <= 0.25 * pool
+    assert cap.to_json()["max_flex"] == cap.max_flex and any(f"flex <= {cap.max_flex}" in w for w, _ in cap.table())
+    pinned = plan_capacity(cfg, counts, 24 * GiB, 4096, torch.bfloat16, CapacitySettings(attention_score_share=0.0,
+                                                                                        max_flex=8))
+    assert pinned.flex_slots == 8 and pinned.hot_slots > cap.hot_slots
+
+
+@pytest.mark.parametrize("preset,cap_gib", [("qwen3-30b-a3b", 12), ("qwen3-30b-a3b", 32)])
+def test_default_flex_bound_leaves_128_expert_plans_unchanged(preset, cap_gib):
+    """The default bound (a quarter of the pool) does not bind on a 128-expert model at these caps, even
+    with a profile that leaves some layer nearly all cold."""
+    cfg = ModelConfig.from_dict(preset_config(preset))
+    counts = _skewed(cfg, a=1.5)
+    s = CapacitySettings(attention_score_share=0.0)
+    bounded = plan_capacity(cfg, counts, cap_gib * GiB, 4096, torch.bfloat16, s)
+    free = plan_capacity(cfg, counts, cap_gib * GiB, 4096, torch.bfloat16,
+                         CapacitySettings(attention_score_share=0.0, max_flex=cfg.num_experts))
+    assert (bounded.hot_slots, bounded.flex_slots) == (free.hot_slots, free.flex_slots)
+    assert bounded.max_flex >= cfg.num_experts
 
 
 def test_pool_sizing_the_three_ways():
@@ -127,9 +191,13 @@ def test_pool_sizing_the_three_ways():
     cap = plan_capacity(cfg, counts, budget, 256, torch.float32, s)
     assert by_cap.hot == cap.hot_slots and by_cap.pool_slots == (budget - cap.fixed) // cap.expert_bytes
     assert by_cap.capacity == cap
+    assert by_cap.max_flex == cap.max_flex is not None  # the bound goes into the plan
     by_f = size_pool(cfg, counts, torch.float32, hot_fraction=0.25)
     hot = round(0.25 * total)
     assert by_f.hot == hot and by_f.pool_slots == hot + K + flex_slots(counts, hot, E) and by_f.capacity is None
+    assert by_f.max_flex is None  # no pool's bytes to take a share of: unbounded unless max_flex says
+    pinned = size_pool(cfg, counts, torch.float32, hot_fraction=0.25, capacity=CapacitySettings(max_flex=1))
+    assert pinned.max_flex == 1 and pinned.pool_slots == hot + K + flex_slots(counts, hot, E, 1)
     with pytest.raises(CapacityError, match="do not fit"):
         size_pool(cfg, counts, torch.float32, hot_fraction=1.0, gpu_memory=budget, kv_tokens=256, capacity=s)
     by_b = size_pool(cfg, counts, torch.float32, expert_budget=by_cap.pool_slots * by_cap.expert_bytes)
@@ -334,6 +402,12 @@ def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys)
     assert 0 < res.hot_count < total and res.gpu_memory == budget
     assert res.capacity["hot_slots"] == res.hot_count and res.capacity["kv_tokens"] == 384
     assert "cold_routes_per_token_layer" in res.notes["report"]["development"]
+    # the flex bound the test counted goes into the plan: a quarter of the pool's 44 slots
+    assert res.max_flex == res.capacity["max_flex"] == 11 and res.capacity["flex_slots"] <= 11
+    assert _cli("plan", *common, "--gpu-memory", budget, "--max-flex", 3, "-o", tmp_path / "f.json") == 0
+    pinned = Residency.load(tmp_path / "f.json")
+    assert pinned.max_flex == 3 and pinned.capacity["flex_slots"] <= 3 and pinned.hot_count >= res.hot_count
+    assert "flex <= 3 a group" in capsys.readouterr().out
 
     # too small a budget: one clear line, exit status 2
     assert _cli("plan", *common, "--gpu-memory", probe.fixed // 2, "-o", tmp_path / "x.json") == 2
@@ -341,7 +415,9 @@ def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys)
     assert "cannot hold the dense weights" in err and "\n" not in err
     # several GPUs: --gpu-memory per device, layers split (more in tests/test_multi_device.py)
     assert _cli("plan", *common, "--gpu-memory", budget, "--devices", "cuda:0,cuda:1", "-o", tmp_path / "y.json") == 0
-    assert list(Residency.load(tmp_path / "y.json").devices) == ["cuda:0", "cuda:1"]
+    split = Residency.load(tmp_path / "y.json")
+    assert list(split.devices) == ["cuda:0", "cuda:1"]
+    assert split.max_flex == min(d["max_flex"] for d in split.capacity["devices"].values())
     capsys.readouterr()
 
     assert _cli("calibrate", "--model", tiny_dir, "--residency", res_path, "--device", "cpu", "--cpu-threads", 1,

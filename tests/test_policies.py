@@ -237,6 +237,35 @@ def test_ostinato_policy_split_and_upload_paths():
         build_policy("ostinato", _spec(), _settings(expert_slots=8))
 
 
+def test_bounded_flex_residency_on_the_policies():
+    """A plan whose flex slots are bounded (Residency.max_flex): Ostinato's pool has that many, its
+    budget (what the baselines share) counts them, an upload-path pass with more distinct cold
+    experts uploads the most-routed that fit and computes the rest on the CPU; ktransformers keeps
+    its own staging (a layer's cold experts whole), the layers policy its E slots."""
+    bounded = Residency("sha256:test", E, {l: list(range(8)) for l in LAYERS}, max_flex=3)
+    spec = _spec()
+    p = build_policy("ostinato", spec, _settings(residency=bounded, expert_slots=None))
+    assert [g.num_slots - g.flex_lo for g in p.pools.groups] == [3]
+    assert budget_bytes(spec, PolicySettings(residency=bounded)) == (24 + K + 3) * spec.expert_bytes
+    x, ids = _x(64), _routing([[0, 8, 9, 10]] * 32 + [[1, 8, 11, 12]] * 16 + [[2, 9, 13, 12]] * 16)
+    got = p(0, x, ids)
+    assert torch.allclose(got, moe_forward(x, ids, WEIGHTS[0]), rtol=1e-4, atol=1e-5)
+    s = p.stats()  # cold 8 and 9 (48 routes each), 10 and 12 (32), 11 and 13 (16): 8, 9 and 10 uploaded
+    assert s["uploaded_experts"] == 3 and s["cpu_experts"] == 3 and s["overflow_passes"] == 1
+    pool = p.pools.groups[0]
+    staged = [next(e for e in range(E) if torch.equal(pool.w13[i], WEIGHTS[0].w13[e]))
+              for i in range(pool.flex_lo, pool.num_slots)]
+    assert sorted(staged) == [8, 9, 10]
+    assert s["cold_routes"] == 64 * 3
+    kt = build_policy("ktransformers", spec, _settings(residency=bounded, expert_slots=None, offload_threshold=32))
+    assert [g.num_slots - g.flex_lo for g in kt.pools.groups] == [E - 8]
+    kt(0, x, ids)
+    assert kt.stats()["uploaded_experts"] == E - 8 and kt.stats().get("cpu_experts", 0) == 0
+    with pytest.raises(ConfigError, match="budget"):  # ktransformers' staging does not fit Ostinato's pool
+        build_policy("ktransformers", spec, _settings(residency=bounded, expert_slots=24 + K + 3))
+    build_policy("ostinato", spec, _settings(residency=bounded, expert_slots=24 + K + 3))
+
+
 def test_budget_is_the_same_for_every_policy():
     spec = _spec()
     assert budget_bytes(spec, PolicySettings(expert_slots=5)) == 5 * spec.expert_bytes

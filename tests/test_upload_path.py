@@ -17,7 +17,7 @@ from ostinato.engine.residency import Residency
 from ostinato.engine.routes import RouteCounts
 from ostinato.layers.moe.hybrid import MixedPass
 from ostinato.layers.moe.reference import moe_forward
-from ostinato.layers.moe.types import ExpertWeights, TopKOutput
+from ostinato.layers.moe.types import ExpertWeights
 from ostinato.planner import cost_model as cm
 from ostinato.planner.capacity import CapacitySettings, grow_without_flex, hot_groups, plan_capacity
 from ostinato.planner.fill import fill, fill_more
@@ -74,10 +74,11 @@ H200 = dict(np_=2048, sizes=[64, 128, 256, 384, 512, 768, 1024, 2048],
 def _plan(extra_slots: int = 14) -> tuple[Residency, dict]:
     """A plan sized by the capacity test on a cap that leaves K + flex + extra slots for the pool."""
     counts = _profile([1000], 1000).total("all")
-    s = CapacitySettings(margin_bytes=0, margin_fraction=0.0, prefill_chunk=CHUNK)
+    # flex slots unbounded (a share of the whole pool): these tests weigh the upload path, not the bound
+    s = CapacitySettings(margin_bytes=0, margin_fraction=0.0, prefill_chunk=CHUNK, flex_share=1.0)
     probe = plan_capacity(CFG, counts, 2**40, 256, torch.float32, s)
     cap = plan_capacity(CFG, counts, probe.fixed + (K + extra_slots + E) * EB, 256, torch.float32, s)
-    return Residency("sha256:test", E, fill(counts, cap.hot_slots), capacity=cap.to_json()), counts
+    return Residency("sha256:test", E, fill(counts, cap.hot_slots), capacity=cap.to_json(), max_flex=cap.max_flex), counts
 
 
 def test_upload_path_kept_where_long_passes_pay_for_it():

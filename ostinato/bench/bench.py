@@ -134,7 +134,7 @@ def pool_size(loaded, bs: BenchSettings, counts):
                                                attention_score_share=bs.attention_scores), formats=formats)
     K, E = cfg.num_experts_per_tok, cfg.num_experts
     sizes = {l: v for l, v in expert_sizes(cfg, loaded.runner.dtype, formats).items() if l in total}
-    groups = pool_groups(total, size.hot, K, E, sizes)
+    groups = pool_groups(total, size.hot, K, E, sizes, size.max_flex)
     if bs.expert_budget is not None:
         nbytes = int(bs.expert_budget)
     elif f is None:  # the capacity test: every byte the cap leaves after the fixed parts

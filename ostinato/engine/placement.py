@@ -5,6 +5,8 @@ runs it).
 Order matters: the cap is set first, then the expert pool and its flex slots are
 allocated before the dense model, the KV cache or any activation, so a prefill never
 competes with them; the cold experts are loaded once into page-locked host memory.
+The flex slots are what the plan's capacity test counted: each format group's most cold
+experts of a layer, at most the residency's `max_flex` (pool.bounded_flex).
 A plan whose upload path did not pay for its flex slots (Residency.upload_path, decided by the
 planner from its calibration) gets none, no Np and no split with uploads: every pass takes the
 split path, and nothing is uploaded.
@@ -27,7 +29,7 @@ from ostinato.threads import ThreadLayout
 from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
-from ostinato.layers.moe.pool import ExpertPools, HostExperts
+from ostinato.layers.moe.pool import ExpertPools, HostExperts, bounded_flex
 from ostinato.loader.build import EXPERT_MODES, expert_formats, load_layer_experts
 
 
@@ -69,10 +71,13 @@ def placed_residency(place: PlacementSettings, residency: Residency) -> Residenc
     return residency
 
 
-def flex_of(residency: Residency) -> int | None:
-    """The flex slots to allocate (ExpertPools.build): none for a plan without the upload path,
-    else each format group's most cold experts of a layer (None)."""
-    return None if residency.upload_path else 0
+def flex_of(residency: Residency, num_experts: int, formats, hot: dict[int, list[int]] | None = None) -> dict | int:
+    """The flex slots to allocate per format group (ExpertPools.build, pools_bytes) for `hot`
+    (default: the plan's): none for a plan without the upload path, else each group's most cold
+    experts of a layer, at most the plan's bound (pool.bounded_flex, Residency.max_flex)."""
+    if not residency.upload_path:
+        return 0
+    return bounded_flex(residency.hot if hot is None else hot, num_experts, formats, residency.max_flex)
 
 
 def build_hybrid(source, residency: Residency, place: PlacementSettings, device: torch.device,
@@ -87,8 +92,9 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
     cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
     formats = expert_formats(source, place.experts)
     try:
-        pools = ExpertPools.build(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok, flex_of(residency),
-                                  (2 * F, D), (D, F), device, dtype, formats, **expert_math(cfg))
+        pools = ExpertPools.build(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok,
+                                  flex_of(residency, E, formats), (2 * F, D), (D, F), device, dtype, formats,
+                                  **expert_math(cfg))
     except torch.OutOfMemoryError:
         raise ConfigError(f"the expert pool ({sum(map(len, hot.values()))} hot experts and their flex slots) does "
                           "not fit the GPU memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
@@ -172,9 +178,10 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
         if not layers:
             continue
         try:
-            pools[name] = ExpertPools.build({l: hot[l] for l in layers}, cfg.num_hidden_layers, E,
-                                            cfg.num_experts_per_tok, flex_of(residency), (2 * F, D), (D, F), dev,
-                                            dtype, formats, **expert_math(cfg))
+            mine = {l: hot[l] for l in layers}
+            pools[name] = ExpertPools.build(mine, cfg.num_hidden_layers, E, cfg.num_experts_per_tok,
+                                            flex_of(residency, E, formats, mine), (2 * F, D), (D, F), dev, dtype,
+                                            formats, **expert_math(cfg))
         except torch.OutOfMemoryError:
             raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
                               "--gpu-memory or --hot-fraction") from None

@@ -7,6 +7,8 @@ tokens go, so a plan made for other routers is worthless), the memory budget, th
 profile it came from, and the calibrated cost-model constants once `calibrate` ran,
 with the planner's decision on the upload path that the calibration informed (a plan
 without it keeps no flex slots and no Np: `upload_path`, `upload_plan`).
+`max_flex` is the bound on each format group's flex slots that the capacity test counted
+(planner/capacity.py); the engine allocates no more (a file without it: unbounded, as before).
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class Residency:
     calibration: dict = field(default_factory=dict)  # cost-model constants, Np (from calibrate)
     notes: dict = field(default_factory=dict)
     capacity: dict = field(default_factory=dict)  # the capacity test's breakdown (bytes), verification
+    max_flex: int | None = None  # each format group's flex slots at most (None: its most cold experts of a layer)
 
     @property
     def hot_count(self) -> int:
@@ -107,7 +110,7 @@ class Residency:
         return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
                 "num_experts": self.num_experts, "gpu_memory": self.gpu_memory, "devices": self.devices,
                 "hot_experts": self.hot_count, "profile": self.profile, "calibration": self.calibration,
-                "capacity": self.capacity, "notes": self.notes,
+                "capacity": self.capacity, "max_flex": self.max_flex, "notes": self.notes,
                 "hot": {str(l): sorted(v) for l, v in sorted(self.hot.items())}}
 
     def save(self, path: str | Path) -> None:
@@ -129,7 +132,7 @@ class Residency:
                               "plan again with this version of ostinato")
         return cls(d["fingerprint"], d["num_experts"], {int(l): list(v) for l, v in d["hot"].items()},
                    d.get("devices") or {}, d.get("gpu_memory"), d.get("profile") or {},
-                   d.get("calibration") or {}, d.get("notes") or {}, d.get("capacity") or {})
+                   d.get("calibration") or {}, d.get("notes") or {}, d.get("capacity") or {}, d.get("max_flex"))
 
     def check(self, source, fingerprint: str | None = None) -> None:
         """Fail with a clear message if this plan was made for another model."""
@@ -141,6 +144,8 @@ class Residency:
         bad = [l for l in self.hot if l not in cfg.moe_layers]
         if bad or any(e < 0 or e >= cfg.num_experts for v in self.hot.values() for e in v):
             raise ConfigError("the residency file names layers or experts this model does not have")
+        if self.max_flex is not None and (not isinstance(self.max_flex, int) or self.max_flex < 0):
+            raise ConfigError(f"the residency file's max_flex must be a number of slots (>= 0), not {self.max_flex!r}")
         listed = [l for v in self.devices.values() for l in v]
         if len(listed) != len(set(listed)) or any(l < 0 or l >= cfg.num_hidden_layers for l in listed):
             raise ConfigError("the residency file's `devices` must give each layer of this model to one device")

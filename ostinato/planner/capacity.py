@@ -13,9 +13,29 @@
   CUDA workspaces;
 * K zero slots (cold routes read them) and the flex slots of the upload path: the
   engine allocates max over layers of the layer's cold experts, so flex depends on the
-  fill. Since fill(s + 1) adds one expert to fill(s), s + flex(s) never decreases with
-  s, and the largest s with s + K + flex(s) <= slots is found by bisection (the fixed
-  point of "fill, count flex, refill").
+  fill, at most a bound M per format group: flex(s) = min(M, max over layers of the cold
+  experts under fill(s)). Since fill(s + 1) adds one expert to fill(s), the most cold
+  experts of a layer drop by at most one, and so does their minimum with a constant M:
+  s + flex(s) never decreases with s, and the largest s with s + K + flex(s) <= slots is
+  found by bisection (the fixed point of "fill, count flex, refill"). M must not depend on
+  s: it is fixed before the bisection, from the settings and the pool's bytes.
+* the bound M (`flex_bound`): `CapacitySettings.max_flex` slots if given, else a quarter
+  (`flex_share`) of the bytes left for the pools, split evenly over the format groups, in
+  the largest group's expert bytes. Why a bound: unbounded, a DeepSeek-V3 layer's 256 cold
+  experts of 84 MiB (bf16) reserve 21 GiB of staging, more than a 24 GiB cap leaves for the
+  whole pool, so not one expert could be resident; with it, a pass whose distinct cold
+  experts outnumber the flex slots uploads the most-routed that fit and computes the rest
+  on the CPU beside the copies (the shape of the split with uploads, layers/moe/hybrid.py,
+  which session 15's calibration of the 30B model timed faster than the upload path from
+  384 tokens up), exact whatever the pass. Why a quarter:
+  a flex slot is an expert slot a hot expert cannot take, worth something only to passes
+  at or above Np, whereas a hot expert serves its routes in every pass; and it leaves the
+  plans of 128-expert models as they were: the plans in results/ (Qwen3-30B-A3B, bf16 at
+  32 GiB, Q4_K_M at 12 GiB) give their flex slots 3-9% of the pool's bytes, and even a
+  layer with all 128 experts cold stays under a quarter of the pool there (and for
+  Qwen3-235B-A22B from 80 GiB, gpt-oss-120b from 24 GiB). Evenly over the groups: a
+  layer's upload stages in its own group's pool, and any group may have a layer with
+  every expert cold.
 * real bytes: a quantized model keeps its experts in their GGUF blocks, one pool per
   format (a Q4_K_M file: Q4_K/Q4_K and Q4_K/Q6_K layers), each with its own K zero slots
   and flex slots; so the pool costs sum over groups g of bytes_g * (hot_g + K + flex_g),
@@ -60,6 +80,16 @@ class CapacitySettings:
     prefill_chunk: int = 2048  # the runner's chunk: the largest forward pass
     # share of a pass's H x T x N attention scores materialised at once; None: the model's (gpu_score_share)
     attention_score_share: float | None = None
+    # the upload path's flex slots per format group: at most max_flex; None: flex_share of the pool's
+    # bytes, split evenly over the groups (flex_bound; the module docstring says why a quarter)
+    max_flex: int | None = None
+    flex_share: float = 0.25
+
+    def __post_init__(self):
+        if self.max_flex is not None and self.max_flex < 0:
+            raise ConfigError(f"max_flex must be >= 0, got {self.max_flex}")
+        if not 0.0 <= self.flex_share <= 1.0:
+            raise ConfigError(f"flex_share must be in [0, 1], got {self.flex_share}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +109,7 @@ class Capacity:
     dtype: str
     activation_parts: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)  # per expert format: layers, expert_bytes, hot, zero, flex, bytes
+    max_flex: int | None = None  # the bound on each group's flex slots (flex_bound); None: unbounded
 
     @property
     def fixed(self) -> int:
@@ -103,27 +134,32 @@ class Capacity:
     def to_json(self) -> dict:
         return {**asdict(self), "pool_bytes": self.pool_bytes, "unused": self.unused}
 
+    @property
+    def _flex_note(self) -> str:
+        return "" if self.max_flex is None else f"; flex <= {self.max_flex} a group"
+
     def table(self) -> list[tuple[str, int]]:
         """(what, bytes) rows for a printed breakdown."""
         rows = [("dense weights", self.dense_weights), (f"KV cache ({self.kv_tokens} tokens)", self.kv_cache),
                 (f"activations ({self.pass_tokens}-token pass)", self.activations), ("margin", self.margin),
                 (f"hot slots ({self.hot_slots})", self.hot_bytes),
-                (f"zero + flex slots ({self.zero_slots} + {self.flex_slots})", self.pool_bytes - self.hot_bytes),
+                (f"zero + flex slots ({self.zero_slots} + {self.flex_slots}{self._flex_note})",
+                 self.pool_bytes - self.hot_bytes),
                 ("unused", self.unused)]
         return rows
 
 
 def pool_groups(counts: dict[int, torch.Tensor], hot_slots: int, top_k: int, num_experts: int,
-                sizes: dict[int, tuple[str, int]]) -> dict[str, dict]:
-    """The pools fill(counts, hot_slots) needs, one per format (hot_groups)."""
-    return hot_groups(fill(counts, hot_slots), top_k, num_experts, sizes)
+                sizes: dict[int, tuple[str, int]], max_flex: int | None = None) -> dict[str, dict]:
+    """The pools fill(counts, hot_slots) needs, one per format (hot_groups, flex at most max_flex)."""
+    return hot_groups(fill(counts, hot_slots), top_k, num_experts, sizes, max_flex=max_flex)
 
 
 def hot_groups(hot: dict[int, list[int]], top_k: int, num_experts: int, sizes: dict[int, tuple[str, int]],
-               flex: bool = True) -> dict[str, dict]:
+               flex: bool = True, max_flex: int | None = None) -> dict[str, dict]:
     """The pools a residency set needs, one per format, over the layers of `sizes`: layers, expert
-    bytes, hot, K zero and flex slots (the group's most cold experts of a layer; none without the
-    upload path, `flex` False), bytes."""
+    bytes, hot, K zero and flex slots (the group's most cold experts of a layer, at most max_flex;
+    none without the upload path, `flex` False), bytes."""
     groups: dict[str, dict] = {}
     for l in sorted(sizes):
         name, eb = sizes[l]
@@ -134,6 +170,8 @@ def hot_groups(hot: dict[int, list[int]], top_k: int, num_experts: int, sizes: d
         if flex:
             g["flex"] = max(g["flex"], num_experts - n)
     for g in groups.values():
+        if max_flex is not None:
+            g["flex"] = min(g["flex"], max_flex)
         g["bytes"] = g["expert_bytes"] * (g["hot"] + g["zero"] + g["flex"])
     return groups
 
@@ -151,10 +189,39 @@ def grow_without_flex(counts: dict[int, torch.Tensor], hot: dict[int, list[int]]
     return fill_more(counts, hot, max(0, largest_fitting(need, limit, cold)))
 
 
+def flex_bound(settings: CapacitySettings, pool_bytes: int | None, sizes: dict[int, tuple[str, int]]) -> int | None:
+    """M, the most flex slots of a format group (module docstring): settings.max_flex if given, else
+    flex_share of `pool_bytes` (what is left for the pools) split evenly over the groups of `sizes`,
+    in the largest group's expert bytes; None (unbounded) where no pool budget is known (a pool
+    sized by a hot fraction alone)."""
+    if settings.max_flex is not None:
+        return settings.max_flex
+    if pool_bytes is None or not sizes:
+        return None
+    per_group = {name: b for name, b in sizes.values()}
+    return max(0, int(settings.flex_share * pool_bytes) // (len(per_group) * max(per_group.values())))
+
+
+def least_pool(counts: dict[int, torch.Tensor], top_k: int, num_experts: int, sizes: dict[int, tuple[str, int]],
+               settings: CapacitySettings) -> tuple[int, int | None]:
+    """The fewest bytes that hold the pools with no hot expert (K zero slots and the flex slots, bounded
+    by flex_bound of those very bytes) and that bound: the least P with need(P) <= P, reached from
+    below by P <- need(P) (need never decreases in P, so every P that fits lies above each step)."""
+    P = 0
+    while True:
+        bound = flex_bound(settings, P, sizes)
+        need = sum(g["bytes"] for g in pool_groups(counts, 0, top_k, num_experts, sizes, bound).values())
+        if need <= P:
+            return P, bound
+        P = need
+
+
 def max_hot_bytes(counts: dict[int, torch.Tensor], budget: int, top_k: int, num_experts: int,
-                  sizes: dict[int, tuple[str, int]]) -> int:
-    """The largest s whose pools (pool_groups) fit `budget` bytes (-1 if not even s = 0 fits)."""
-    need = lambda s: sum(g["bytes"] for g in pool_groups(counts, s, top_k, num_experts, sizes).values())  # noqa: E731
+                  sizes: dict[int, tuple[str, int]], max_flex: int | None = None) -> int:
+    """The largest s whose pools (pool_groups, flex at most max_flex) fit `budget` bytes (-1 if not
+    even s = 0 fits)."""
+    need = lambda s: sum(g["bytes"] for g in pool_groups(counts, s, top_k, num_experts, sizes,  # noqa: E731
+                                                         max_flex).values())
     return largest_fitting(need, budget, len(counts) * num_experts)
 
 
@@ -263,15 +330,18 @@ def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: dict
                                  cfg.num_experts, itemsize(dtype), max(sizes[l][1] for l in quantized))
 
 
-def flex_slots(counts: dict[int, torch.Tensor], slots: int, num_experts: int) -> int:
-    """The upload path's staging slots under fill(counts, slots): the most cold experts of a layer."""
+def flex_slots(counts: dict[int, torch.Tensor], slots: int, num_experts: int, max_flex: int | None = None) -> int:
+    """The upload path's staging slots under fill(counts, slots): the most cold experts of a layer,
+    at most max_flex."""
     hot = fill(counts, slots)
-    return max((num_experts - len(v) for v in hot.values()), default=0)
+    most = max((num_experts - len(v) for v in hot.values()), default=0)
+    return most if max_flex is None else min(most, max_flex)
 
 
-def max_hot_slots(counts: dict[int, torch.Tensor], slots: int, top_k: int, num_experts: int) -> int:
+def max_hot_slots(counts: dict[int, torch.Tensor], slots: int, top_k: int, num_experts: int,
+                  max_flex: int | None = None) -> int:
     """The largest s with s + K + flex(s) <= slots (-1 if not even s = 0 fits)."""
-    need = lambda s: s + top_k + flex_slots(counts, s, num_experts)  # noqa: E731  non-decreasing in s
+    need = lambda s: s + top_k + flex_slots(counts, s, num_experts, max_flex)  # noqa: E731  non-decreasing in s
     return largest_fitting(need, slots, len(counts) * num_experts)
 
 
@@ -315,13 +385,15 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     E = cfg.num_experts
     K = cfg.num_experts_per_tok if moe else 0  # a device without MoE layers needs no zero slots
     fixed = dense + kv + act["total"] + margin
-    best = (max_hot_bytes(counts, budget - fixed, K, E, sizes) if moe else 0) if budget >= fixed else -1
+    bound = flex_bound(settings, max(0, budget - fixed), sizes)
+    best = (max_hot_bytes(counts, budget - fixed, K, E, sizes, bound) if moe else 0) if budget >= fixed else -1
     if best < 0:
-        pool0 = sum(g["bytes"] for g in pool_groups(counts, 0, K, E, sizes).values())
+        pool0, bound0 = least_pool(counts, K, E, sizes, settings)
         raise CapacityError(
             f"{who}--gpu-memory {_gib(budget)} cannot hold the dense weights ({_gib(dense)}) and the KV cache of "
             f"{kv_tokens} tokens ({_gib(kv)}), with activations of a {T}-token pass ({_gib(act['total'])}), "
-            f"the margin ({_gib(margin)}) and the pool's zero and flex slots ({_gib(pool0)}): need at least "
+            f"the margin ({_gib(margin)}) and the pool's zero and flex slots ({_gib(pool0)}"
+            f"{'' if bound0 is None else f', flex at most {bound0} a format group'}): need at least "
             f"{_gib(fixed + pool0)} plus {eb / 2**20:.1f} MiB per hot expert; give a larger --gpu-memory or "
             "a smaller --max-context")
     if slots is not None:
@@ -330,10 +402,10 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
             raise CapacityError(f"{who}{slots} hot experts do not fit --gpu-memory {_gib(budget)}: it holds at most "
                                 f"{best} (with {_gib(fixed)} for dense weights, KV cache, activations and margin)")
     hot = best if slots is None else slots
-    groups = pool_groups(counts, hot, K, E, sizes)
+    groups = pool_groups(counts, hot, K, E, sizes, bound)
     zero, flex = sum(g["zero"] for g in groups.values()), sum(g["flex"] for g in groups.values())
     return Capacity(budget, dense, kv, kv_tokens, act["total"], T, margin, eb, zero, flex, hot,
-                    best, str(dtype).removeprefix("torch."), act, groups)
+                    best, str(dtype).removeprefix("torch."), act, groups, bound)
 
 
 def device_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,

@@ -145,15 +145,13 @@ def _pool_size(a, cfg, counts, prof, device, formats=None):
     formats: the experts' block formats per MoE layer (loader.build.expert_formats)."""
     from ostinato.config import parse_bytes
     from ostinato.engine.runner import RunnerSettings
-    from ostinato.planner.capacity import CapacitySettings, fmt_bytes
+    from ostinato.planner.capacity import fmt_bytes
     from ostinato.planner.pipeline import size_pool
 
     dtype = RunnerSettings(device=device, dtype=a.dtype).torch_dtype(cfg.torch_dtype)
-    settings = CapacitySettings(margin_bytes=parse_bytes(a.margin), margin_fraction=a.margin_fraction,
-                                prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores)
     size = size_pool(cfg, counts, dtype, gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None,
                      hot_fraction=a.hot_fraction, kv_tokens=a.max_context or (prof.max_tokens if prof else 0),
-                     capacity=settings, formats=formats)
+                     capacity=_capacity_settings(a), formats=formats)
     cap = size.capacity
     if cap is not None:
         print(f"capacity test, --gpu-memory {fmt_bytes(cap.budget)} ({cap.dtype}, one expert "
@@ -161,7 +159,18 @@ def _pool_size(a, cfg, counts, prof, device, formats=None):
         for what, n in cap.table():
             print(f"  {what:<44} {fmt_bytes(n):>11}")
         print(f"  serve with --max-context {cap.kv_tokens} (the KV cache this plan holds)")
+    elif size.max_flex is not None:
+        print(f"flex slots: at most {size.max_flex} per expert format group (--max-flex)")
     return size
+
+
+def _capacity_settings(a):
+    from ostinato.config import parse_bytes
+    from ostinato.planner.capacity import CapacitySettings
+
+    return CapacitySettings(margin_bytes=parse_bytes(a.margin), margin_fraction=a.margin_fraction,
+                            prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores,
+                            max_flex=a.max_flex, flex_share=a.flex_share)
 
 
 def _verify(a, res, cap, device) -> None:
@@ -209,9 +218,9 @@ def cmd_plan(a) -> int:
     notes = {"hot_fraction": a.hot_fraction} if a.hot_fraction is not None else {}
     cap = None
     if len(names) > 1:  # one pool per GPU, each planned for its own layers under its own cap
-        hot, devices, budget, capacity = _plan_split(a, cfg, counts, prof, names, formats)
+        hot, devices, budget, capacity, max_flex = _plan_split(a, cfg, counts, prof, names, formats)
         res = Residency(model_fingerprint(source), E, hot, devices=devices, gpu_memory=budget, profile=profile,
-                        capacity=capacity, notes=notes)
+                        capacity=capacity, notes=notes, max_flex=max_flex)
     else:
         size = _pool_size(a, cfg, counts, prof, device, formats)
         cap = size.capacity
@@ -237,6 +246,7 @@ def plan_from_served(a) -> int:
     """The plan again, from the routes served with it (planner/served.py), for the same cap and
     context (or the same share of experts, for a plan sized by one); the calibration is carried over.
     Says how the share of the served routes on the GPU changes."""
+    import dataclasses
     import shutil
 
     from ostinato.config import parse_bytes
@@ -245,6 +255,7 @@ def plan_from_served(a) -> int:
     from ostinato.engine.runner import RunnerSettings
     from ostinato.loader.build import expert_formats
     from ostinato.sources import open_source
+    from ostinato.planner.capacity import CapacitySettings
     from ostinato.planner.pipeline import plan_residency, route_report, size_pool
     from ostinato.planner.served import ServedRoutes, learned_counts, served_path
 
@@ -265,10 +276,15 @@ def plan_from_served(a) -> int:
     kv = a.max_context or old.capacity.get("kv_tokens") or served.counts.max_tokens
     total = len(cfg.moe_layers) * cfg.num_experts
     formats = expert_formats(source, getattr(a, "experts", "native"))
+    # the flex bound: --max-flex, else by the share of the new pool; a plan sized by a share of experts has
+    # no pool's bytes to take a share of, and keeps the old plan's bound
+    flex = CapacitySettings(max_flex=a.max_flex, flex_share=a.flex_share)
     if cap:
-        size = size_pool(cfg, counts, dtype, gpu_memory=cap, kv_tokens=kv, formats=formats)
+        size = size_pool(cfg, counts, dtype, gpu_memory=cap, kv_tokens=kv, capacity=flex, formats=formats)
     else:
-        size = size_pool(cfg, counts, dtype, hot_fraction=old.hot_count / total, kv_tokens=kv, formats=formats)
+        flex = dataclasses.replace(flex, max_flex=old.max_flex if a.max_flex is None else a.max_flex)
+        size = size_pool(cfg, counts, dtype, hot_fraction=old.hot_count / total, kv_tokens=kv, capacity=flex,
+                         formats=formats)
     res = plan_residency(source, counts, size, devices=old.devices, gpu_memory=cap,
                          profile=dict(old.profile) | {"counts": f"{served.served_tokens} served tokens and the "
                                                       f"development profile at weight {served.dev_weight():.4f}"},
@@ -298,11 +314,12 @@ def plan_from_served(a) -> int:
 def _plan_split(a, cfg, counts, prof, names: list[str], formats=None):
     """Several GPUs: contiguous layer ranges balanced by memory (engine/assign.py), a capacity
     test per device with --gpu-memory as each device's cap, then each device's slots filled
-    from its own layers. -> (hot, devices, budget per device, capacity)."""
+    from its own layers. -> (hot, devices, budget per device, capacity, max_flex: the smallest
+    device's bound on the flex slots, which every device's pools then keep)."""
     from ostinato.config import parse_bytes
     from ostinato.engine.assign import assign_devices
     from ostinato.engine.runner import RunnerSettings
-    from ostinato.planner.capacity import CapacitySettings, device_capacity, fmt_bytes
+    from ostinato.planner.capacity import device_capacity, fmt_bytes
     from ostinato.planner.fill import fill_per_device
 
     dtype = RunnerSettings(device=names[0], dtype=a.dtype).torch_dtype(cfg.torch_dtype)
@@ -312,8 +329,8 @@ def _plan_split(a, cfg, counts, prof, names: list[str], formats=None):
                              formats=formats)
     moe = {d: [l for l in layers if cfg.is_moe_layer(l)] for d, layers in devices.items()}
     slots, caps = {}, {}
-    settings = CapacitySettings(margin_bytes=parse_bytes(a.margin), margin_fraction=a.margin_fraction,
-                                prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores)
+    settings = _capacity_settings(a)
+    bounds = [settings.max_flex]
     for i, (d, layers) in enumerate(devices.items()):
         want = round(a.hot_fraction * len(moe[d]) * cfg.num_experts) if a.hot_fraction is not None else None
         if budget is None:
@@ -323,13 +340,15 @@ def _plan_split(a, cfg, counts, prof, names: list[str], formats=None):
         cap = device_capacity(cfg, counts, budget, kv_tokens, dtype, layers, i == 0, i == len(devices) - 1,
                               settings, want, name=d, formats=formats)
         caps[d], slots[d] = cap.to_json(), cap.hot_slots
+        bounds.append(cap.max_flex)
         print(f"{d}: layers {layers[0]}-{layers[-1]}; capacity test, --gpu-memory {fmt_bytes(budget)} per device "
               f"({cap.dtype}; holds {cap.max_hot_slots} hot experts):")
         for what, n in cap.table():
             print(f"  {what:<44} {fmt_bytes(n):>11}")
     hot = fill_per_device(counts, moe, slots)
     capacity = {"kv_tokens": kv_tokens, "devices": caps} if budget else {}
-    return hot, devices, budget, capacity
+    known = [b for b in bounds if b is not None]
+    return hot, devices, budget, capacity, min(known) if known else None
 
 
 def cmd_calibrate(a) -> int:
@@ -454,6 +473,11 @@ def add_planner_commands(sub) -> None:
     p.add_argument("--attention-scores", type=float, help="share of a pass's attention scores materialised at "
                    "once (default: the model's; 0 where its prefill attends in a fused kernel on the GPU, Qwen3's, "
                    "else 1: torch's math kernel)")
+    p.add_argument("--max-flex", type=int, help="at most this many flex slots (the upload path's staging) per "
+                   "expert format group; a pass with more cold experts uploads the most routed and computes the "
+                   "rest on the CPU (default: --flex-share of the pool)")
+    p.add_argument("--flex-share", type=float, default=0.25, help="without --max-flex: the flex slots take at "
+                   "most this share of the pool's bytes (default 0.25)")
     p.add_argument("--device", help="the GPU (default: cuda if present)")
     p.add_argument("--devices", help="comma-separated GPUs of this host, e.g. cuda:0,cuda:1: layers split "
                    "across them, one pool each; --gpu-memory is then per device")

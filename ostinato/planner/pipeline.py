@@ -15,6 +15,11 @@ the plan spends their bytes on hot experts and has neither (every place that cal
 calls it: bench, `ostinato calibrate`, serve's own planning, and `plan --from-served`, which
 carries a calibration over).
 
+The flex slots of each format group are bounded (capacity.flex_bound: `max_flex`, else a share
+of the pool's bytes: the expert budget, or what the cap leaves); a hot fraction without a cap has
+no pool's bytes to take a share of, and is bounded only by an explicit `max_flex`. The bound
+goes into the plan (Residency.max_flex), so that the engine allocates what the test counted.
+
 Pure functions of the config, the counts and the settings. `formats` (each MoE layer's GGUF
 block formats, loader.build.expert_formats) makes every byte count a quantized expert's real
 size, one pool per format (planner/capacity.py); without it experts cost the compute dtype's.
@@ -33,8 +38,8 @@ from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.sizes import expert_bytes, expert_sizes
 from ostinato.layers.moe.hybrid import MixedPass
 from ostinato.planner import cost_model as cm
-from ostinato.planner.capacity import (Capacity, CapacitySettings, grow_without_flex, hot_groups, max_hot_bytes,
-                                       plan_capacity, pool_groups)
+from ostinato.planner.capacity import (Capacity, CapacitySettings, flex_bound, grow_without_flex, hot_groups,
+                                       max_hot_bytes, plan_capacity, pool_groups)
 from ostinato.planner.fill import cold_routes, fill
 
 
@@ -45,10 +50,12 @@ class PoolSize:
     sized_by: str
     expert_bytes: int
     capacity: Capacity | None = None  # the capacity test, when a cap sized or checked the pool
+    max_flex: int | None = None  # the bound on each format group's flex slots (None: unbounded)
 
     def to_json(self, total_experts: int) -> dict:
         out = {"expert_bytes": self.expert_bytes, "total_experts": total_experts, "pool_slots": self.pool_slots,
-               "hot": self.hot, "sized_by": self.sized_by, "fraction": round(self.hot / total_experts, 4)}
+               "hot": self.hot, "sized_by": self.sized_by, "fraction": round(self.hot / total_experts, 4),
+               "max_flex": self.max_flex}
         if self.capacity is not None:
             out["capacity"] = self.capacity.to_json()
         return out
@@ -66,27 +73,32 @@ def size_pool(cfg: ModelConfig, counts: dict[int, torch.Tensor], dtype: torch.dt
     total = len(cfg.moe_layers) * E
     sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats).items() if l in counts}
     eb = round(sum(b for _, b in sizes.values()) / len(sizes)) if sizes else expert_bytes(cfg, dtype)
-    slots_of = lambda s: sum(g["hot"] + g["zero"] + g["flex"] for g in pool_groups(counts, s, K, E, sizes).values())  # noqa: E731
+    slots_of = lambda s, m: sum(g["hot"] + g["zero"] + g["flex"]  # noqa: E731
+                                for g in pool_groups(counts, s, K, E, sizes, m).values())
     if hot_fraction is not None and not 0.0 <= hot_fraction <= 1.0:
         raise ConfigError(f"--hot-fraction must be in [0, 1], got {hot_fraction}")
     cap = None
     if expert_budget is not None:
+        bound = flex_bound(capacity, int(expert_budget), sizes)
         pool, how = int(expert_budget // eb), "--expert-budget"
-        hot = max_hot_bytes(counts, int(expert_budget), K, E, sizes)
+        hot = max_hot_bytes(counts, int(expert_budget), K, E, sizes, bound)
     elif hot_fraction is not None:
         hot = min(total, round(hot_fraction * total))
+        bound = flex_bound(capacity, None, sizes)
         if gpu_memory is not None:  # the fraction must fit the cap
             cap = plan_capacity(cfg, counts, gpu_memory, kv_tokens, dtype, capacity, hot, formats=formats)
-        pool, how = slots_of(hot), f"hot fraction {hot_fraction}"
+            bound = cap.max_flex
+        pool, how = slots_of(hot, bound), f"hot fraction {hot_fraction}"
     elif gpu_memory is not None:
         cap = plan_capacity(cfg, counts, gpu_memory, kv_tokens, dtype, capacity, formats=formats)
         pool, how, hot = int((cap.budget - cap.fixed) // cap.expert_bytes), "capacity test on --gpu-memory", cap.hot_slots
+        bound = cap.max_flex
     else:
         raise ConfigError("give --gpu-memory (size the pool by the capacity test), --hot-fraction or --expert-budget")
     if hot < 0:
         raise ConfigError(f"a budget of {pool} expert slots cannot hold Ostinato's {K} zero slots and its flex "
                           "slots: give a larger budget")
-    return PoolSize(pool, hot, how, eb, cap)
+    return PoolSize(pool, hot, how, eb, cap, bound)
 
 
 def plan_residency(source, counts: dict[int, torch.Tensor], size: PoolSize, *, devices: dict | None = None,
@@ -98,7 +110,8 @@ def plan_residency(source, counts: dict[int, torch.Tensor], size: PoolSize, *, d
         gpu_memory = size.capacity.budget
     return Residency(model_fingerprint(source), cfg.num_experts, fill(counts, size.hot), devices=devices or {},
                      gpu_memory=gpu_memory, profile=profile or {},
-                     capacity=size.capacity.to_json() if size.capacity else {}, notes=notes or {})
+                     capacity=size.capacity.to_json() if size.capacity else {}, notes=notes or {},
+                     max_flex=size.max_flex)
 
 
 def route_report(prof, hot: dict[int, list[int]], num_layers: int) -> dict:
@@ -158,7 +171,7 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     bigger = grow_without_flex(counts, res.hot, limit, top_k, E, sizes)
     passes = cm.prefill_passes(prof.prompts, prefill_chunk)
     v = cm.upload_path_value(cal, prof, passes, res.hot, bigger, top_k, MixedPass.from_calibration(cal))
-    before = hot_groups(res.hot, top_k, E, sizes)
+    before = hot_groups(res.hot, top_k, E, sizes, max_flex=res.max_flex)
     ms = {k: round(v[k], 3) + 0.0 for k in ("gain_ms", "gain_upload_ms", "gain_mixed_ms", "cost_ms",
                                              "cost_decode_ms", "cost_prefill_ms")}  # + 0.0: no -0.0
     numbers = {**ms, **{k: v[k] for k in ("np", "mixed_from", "passes", "passes_at_np", "passes_mixed",
@@ -189,7 +202,8 @@ def pool_limit(res: Residency, top_k: int, sizes: dict[int, tuple[str, int]]) ->
     cap = res.capacity
     if cap.get("pool_bytes") is not None and cap.get("hot_slots") == cap.get("max_hot_slots"):
         return int(cap["pool_bytes"] + cap.get("unused", 0))
-    return sum(g["bytes"] for g in hot_groups(res.hot, top_k, res.num_experts, sizes).values())
+    groups = hot_groups(res.hot, top_k, res.num_experts, sizes, max_flex=res.max_flex)
+    return sum(g["bytes"] for g in groups.values())
 
 
 def upload_path_text(up: dict | None) -> str:

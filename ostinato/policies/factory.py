@@ -44,9 +44,9 @@ def load_residency(residency) -> Residency | None:
 
 
 def residency_bytes(spec: ModelExperts, residency: Residency) -> int:
-    """Bytes of a residency's pools (per format group: hot, K zero and the group's flex slots, none
-    where the plan has no upload path)."""
-    return pools_bytes(spec, residency.hot, flex_of(residency))
+    """Bytes of a residency's pools (per format group: hot, K zero and the group's flex slots as
+    engine/placement.py allocates them: flex_of)."""
+    return pools_bytes(spec, residency.hot, flex_of(residency, spec.num_experts, spec.formats))
 
 
 def budget_bytes(spec: ModelExperts, settings: PolicySettings) -> int:
@@ -72,11 +72,11 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
         np_ = resolve_np(place, residency)
         upload = OSTINATO_STEPS[name][0]
         return hybrid_from_parts(spec, residency.hot, np_ if upload else None, settings.cpu_backend,
-                                 flex=flex_of(residency))
+                                 flex=flex_of(residency, spec.num_experts, spec.formats))
     settings = settings.with_(residency=load_residency(settings.residency))
-    if name == "ktransformers" and settings.residency is not None:  # its upload-all path needs the flex slots
+    if name == "ktransformers" and settings.residency is not None:  # its staging: every cold expert of a layer
         settings = settings.with_(residency=settings.residency.upload_plan())
-        _check_budget(spec, settings, settings.residency)
+        _check_budget(spec, settings, settings.residency, pools_bytes(spec, settings.residency.hot, None))
     return BUILD[name](spec, budget_bytes(spec, settings), settings, load_profile(settings.profile))
 
 
@@ -142,15 +142,15 @@ def _ostinato_residency(spec: ModelExperts, settings: PolicySettings, name: str)
         raise ConfigError(f"policy {name} needs a residency file (--residency, from `ostinato plan`)")
     if name in FLEX_STEPS:
         residency = residency.upload_plan()
-    _check_budget(spec, settings, residency)
+    _check_budget(spec, settings, residency, residency_bytes(spec, residency))
     return residency
 
 
-def _check_budget(spec: ModelExperts, settings: PolicySettings, residency: Residency) -> None:
+def _check_budget(spec: ModelExperts, settings: PolicySettings, residency: Residency, need: int) -> None:
+    """`need`: the bytes of the pools the policy builds on the residency (its flex slots by its rule)."""
     if settings.expert_slots is None and settings.budget_bytes is None:
         return
     budget = budget_bytes(spec, settings.with_(residency=None))
-    need = residency_bytes(spec, residency)
     if need > budget:
         raise ConfigError(f"the residency needs {need / 2**20:.1f} MiB of expert pool ({residency.hot_count} hot "
                           f"experts, {spec.top_k} zero slots per format group, the rest flex) but the budget is "

@@ -6,9 +6,10 @@ handed to every policy alike, in bytes (a GGUF file's experts keep their block f
 pool per format: policies/base.py); a budget given in slots counts the mean expert's bytes. A policy's whole pool
 must fit it: its resident or cached experts, the K zero slots, and the staging slots of
 its upload path if it has one (one layer's experts, E, for `layers` and the caches;
-Ostinato's flex slots, the most cold experts of a layer, or none where the planner found its
-upload path did not pay for them: planner/pipeline.py plan_upload_path). So a policy without an upload
-path (fixed-per-layer) keeps more experts resident, and none gets memory another lacks.
+Ostinato's flex slots, the most cold experts of a layer up to its plan's bound, or none where
+the planner found its upload path did not pay for them: planner/pipeline.py plan_upload_path).
+So a policy without an upload path (fixed-per-layer) keeps more experts resident, and none gets
+memory another lacks.
 """
 from __future__ import annotations
 

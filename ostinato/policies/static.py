@@ -32,7 +32,9 @@ kernels") defines them:
   routes in every pass below its prefill threshold (`--kt-gpu-prefill-token-threshold`, the
   offload threshold here); at or above it, each layer uploads all its cold experts, not only
   those the pass uses, and computes the layer on the GPU. It isolates Ostinato's execution
-  paths from its placement.
+  paths from its placement. Its staging holds a layer's cold experts whole (flex None), not
+  Ostinato's bounded flex slots (planner/capacity.py), so on a plan whose bound binds its pool is
+  the larger of the two.
 
 The budget is bytes (policies/base.py): each format group's slots cost its expert bytes, so on
 a Q4_K_M file a Q6_K-down layer costs more than a Q4_K one. Bytes a rule cannot use (the
@@ -50,10 +52,10 @@ from ostinato.policies.base import ModelExperts, build_parts, check_fits, pools_
 
 
 def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int | None,
-                      cpu_backend="auto", flex: int | None = None, upload_all: bool = False) -> HybridExperts:
+                      cpu_backend="auto", flex: int | dict | None = None, upload_all: bool = False) -> HybridExperts:
     """A static placement over the one executor, from a spec: `hot` resident, `flex` slots for
     the upload path (default: each format group's most cold experts of a layer; 0 without an
-    upload path)."""
+    upload path; per group, pool.group_flex: Ostinato's, bounded by its plan)."""
     cold = {l: sorted(set(range(spec.num_experts)) - set(hot.get(l, []))) for l in spec.moe_layers}
     pools, host, cpu = build_parts(spec, hot, cold, flex, cpu_backend)
     for l in spec.moe_layers:  # HybridExperts reads every layer's host tables, resident-only layers too

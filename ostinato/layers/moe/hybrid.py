@@ -7,6 +7,11 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
   then the GPU branch is launched, so the two overlap; nothing but activations crosses PCIe.
 * upload (T >= Np): each distinct cold expert of the pass is copied once into a flex
   slot of the pool, then the GPU computes everything; hot experts are never uploaded.
+  The flex slots are bounded (planner/capacity.py: a DeepSeek-V3 layer's 256 cold experts
+  would take 21 GiB), so a pass may route to more distinct cold experts than they hold: it
+  then runs as a split pass with uploads whose count is fixed, the most-routed cold experts
+  that fit (`stage_most`), the rest on the CPU (split_path, `staged`; counted as
+  `overflow_passes`).
 * split with uploads (T >= `mixed.min_tokens`, with `mixed` set from a calibration; Np then
   plays no part for those passes): the split path, but the most-routed cold experts of the
   pass cross PCIe into flex slots while the CPU computes the rest, so the two links work at
@@ -127,6 +132,12 @@ class MixedPass:
             if t < best:
                 best, best_k = t, k
         return best_k
+
+
+def stage_most(routes: list[int], limit: int) -> int:
+    """The upload path's count where a pass's distinct cold experts outnumber the `limit` flex slots
+    (routes: cold routes per expert, most first): as many of the most-routed as the slots hold."""
+    return min(len(routes), limit)
 
 
 def choose_path(T: int, has_cold: bool, upload_threshold: int | None, mixed: MixedPass | None) -> str:
@@ -373,11 +384,14 @@ class HybridExperts(MoEBackend):
         # the fp32 sum rounded once to x's dtype in the combine: the value the split path's cast gives
         return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=x.dtype)
 
-    def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+    def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput, staged: bool = False) -> torch.Tensor:
         """Decode and split path: GPU branch || CPU branch, then combine. The CPU branch is
         handed its routes first and the GPU branch launched while it computes (launching a
         prefill's GPU branch takes the host about 0.6 ms, measured on the H200 machine). A
-        cache admits the pass first: its copies and the table switch come before the GPU branch."""
+        cache admits the pass first: its copies and the table switch come before the GPU branch.
+        Uploads part of the cold experts where `mixed` applies (MixedPass.choose says how many), or
+        `staged`: an upload-path pass with more distinct cold experts than flex slots, whose
+        most-routed fill the slots (stage_most)."""
         T = x.shape[0]
         if T == 1 and self.borrow is not None:
             self.borrow.observe(layer, topk.ids)
@@ -386,8 +400,12 @@ class HybridExperts(MoEBackend):
             done.synchronize()  # routing and activations are on the host
         cid, cold = self.route_cold(layer, ids_h)
         uploaded = None
-        if self.mixed is not None and self.mixed.applies(T) and cold.any():
-            uploaded, cold = self._upload_some(layer, x, topk, ids_h, cold, done)
+        mixed = not staged and self.mixed is not None and self.mixed.applies(T)
+        if (staged or mixed) and cold.any():
+            choose = stage_most if staged else self.mixed.choose
+            uploaded, cold = self._upload_some(layer, x, topk, ids_h, cold, done, choose)
+            if mixed and uploaded is not None:
+                self.counters["mixed_passes"] += 1
         out_h = self.submit_cold(layer, x_h, cid, cold, w_h)
         pool = self.pools.of(layer)
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
@@ -452,16 +470,16 @@ class HybridExperts(MoEBackend):
 
         return run
 
-    def _upload_some(self, layer, x, topk, ids_h, cold, ready):
-        """Split with uploads: the most-routed cold experts (as many as MixedPass.choose says)
-        go into flex slots on the copy stream, after `ready` (recorded behind every earlier
-        reader of the flex slots), while the caller hands the rest to the CPU; the GPU computes
-        their routes once the copies land. cold [T, K] numpy. -> (their partial sum or None, cold
-        routes left)."""
+    def _upload_some(self, layer, x, topk, ids_h, cold, ready, choose: Callable[[list[int], int], int]):
+        """Split with uploads: the most-routed cold experts (as many as `choose` says of the flex
+        slots: MixedPass.choose, or stage_most) go into flex slots on the copy stream, after
+        `ready` (recorded behind every earlier reader of the flex slots), while the caller hands
+        the rest to the CPU; the GPU computes their routes once the copies land. cold [T, K]
+        numpy. -> (their partial sum or None, cold routes left)."""
         pool = self.pools.of(layer)
         experts, routes = torch.unique(ids_h[torch.from_numpy(cold)], return_counts=True)
         order = torch.argsort(routes, descending=True, stable=True)
-        k = self.mixed.choose(routes[order].tolist(), pool.num_slots - pool.flex_lo)
+        k = choose(routes[order].tolist(), pool.num_slots - pool.flex_lo)
         if k == 0:
             return None, cold
         up = experts[order[:k]]
@@ -485,12 +503,13 @@ class HybridExperts(MoEBackend):
         part = pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
         self.counters["uploaded_experts"] += k
         self.counters["bytes_uploaded"] += nbytes
-        self.counters["mixed_passes"] += 1
         return part, cold & ~np.isin(ids_h.numpy(), up.numpy())
 
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once
-        into a flex slot, all on the GPU."""
+        into a flex slot, all on the GPU. With more of them than the pool has flex slots (a
+        bounded flex region), the split path with the most-routed of the pass's cold experts
+        uploaded into every flex slot and the rest on the CPU (split_path, staged)."""
         pool = self.pools.of(layer)
         table = pool.table[layer]
         slot = table[topk.ids]
@@ -499,6 +518,9 @@ class HybridExperts(MoEBackend):
         else:
             cold_ids = torch.unique(topk.ids[slot < 0]).cpu()
         n = cold_ids.numel()
+        if n > pool.num_slots - pool.flex_lo:
+            self.counters["overflow_passes"] += 1
+            return self.split_path(layer, x, topk, staged=True)
         if n:
             dst = torch.tensor(staging(pool, n))
             nbytes = sum(pool.upload(int(s), self.host, layer, int(e)) for s, e in zip(dst, cold_ids))

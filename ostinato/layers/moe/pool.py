@@ -8,6 +8,11 @@ Pool slots (equal size, one tensor per weight, allocated once, before anything e
   [S + K, S + K + U) flexible slots: the upload path stages a long pass's cold experts
                     here; decode may lend them to borrowed experts
 
+Ostinato's U is a format group's most cold experts of a layer (what a pass routing to all of them
+stages), at most the plan's bound `max_flex` (planner/capacity.py: a DeepSeek-V3 layer's 256 cold
+experts would take 21 GiB); a pass with more distinct cold experts than U uploads the most-routed
+U of them and computes the rest on the CPU (layers/moe/hybrid.py). `bounded_flex` says how many.
+
 The index table maps (layer, expert) -> slot, or -1 for "cold". Host memory holds only
 the cold experts (page-locked once, in place), compacted per layer, so a resident
 expert keeps no second copy.
@@ -202,6 +207,18 @@ def group_flex(flex, qt: Qtypes, layers: list[int], hot: dict[int, list[int]], n
     if flex is None:
         return max(num_experts - len(hot.get(l, [])) for l in layers)
     return flex
+
+
+def bounded_flex(hot: dict[int, list[int]], num_experts: int, qtypes: dict[int, Qtypes] | None,
+                 max_flex: int | None) -> dict[Qtypes, int]:
+    """Ostinato's flex slots per format group (a `flex` dict for ExpertPools.build and pools_bytes):
+    the group's most cold experts of a layer, at most `max_flex` (the plan's bound, Residency.max_flex;
+    None: unbounded, as plans made before the bound)."""
+    out = {}
+    for qt, layers in group_layers(hot, qtypes).items():
+        n = group_flex(None, qt, layers, hot, num_experts)
+        out[qt] = n if max_flex is None else min(n, max_flex)
+    return out
 
 
 class ExpertPools:

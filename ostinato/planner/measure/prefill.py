@@ -81,10 +81,12 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, sizes: list[
             row["upload_ms"].append(med(lambda: clock.wall(lambda: h.upload_path(layer, x, topk))))
             row["gpu_hot_ms"].append(med(lambda: clock.device(lambda: gpu_branch(h, layer, x, topk.ids,
                                                                                  topk.weights))))
-            # the flex slots now hold this pass's cold experts in upload_path's order
+            # the flex slots now hold this pass's cold experts (as many as they hold: a bounded flex
+            # region leaves the others at their zero slots, upload_path computes them on the CPU)
             lookup = table.clone()
-            lookup[cold_ids.to(h.device)] = torch.arange(pool.flex_lo, pool.flex_lo + cold_ids.numel(),
-                                                         dtype=torch.int32, device=h.device)
+            staged = cold_ids[:pool.num_slots - pool.flex_lo]
+            lookup[staged.to(h.device)] = torch.arange(pool.flex_lo, pool.flex_lo + staged.numel(),
+                                                       dtype=torch.int32, device=h.device)
             slots = lookup[topk.ids]
             row["gpu_all_ms"].append(med(lambda: clock.device(lambda: gpu_branch(h, layer, x, topk.ids,
                                                                                  topk.weights, slots))))
