@@ -1,0 +1,28 @@
+"""scripts/bench_breakdown.py on a results.json of two policies whose turns differ by known factors."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("bench_breakdown", Path(__file__).parent.parent / "scripts" /
+                                              "bench_breakdown.py")
+bb = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bb)
+
+
+def _turns(scale: float, per_route_us: float) -> list[dict]:
+    out = []
+    for i, new in enumerate([50, 60, 300, 3000]):
+        decode = {"graph_steps": 10, "graph_cold_routes": 20, "graph_compute_ns": int(20 * per_route_us * 1e3)}
+        out.append({"session": "s", "turn": i, "new_tokens": new, "prefill_s": scale * new / 1000,
+                    "placement": {"decode": decode}, "error": None})
+    return out
+
+
+def test_prefill_ratio_by_size_and_cpu_time_per_route():
+    turns = {"ostinato": _turns(1.2, 100.0), "other": _turns(1.0, 80.0)}
+    lines = bb.prefill_by_size(turns, "ostinato")
+    assert "0-127 (2 turns): ostinato 66, other 55 (1.20)" in lines[1]
+    assert lines[2].startswith("  128-511 (1 turns)") and "2048- (1 turns)" in lines[-1]
+    cpu = bb.decode_cpu(turns)
+    assert "ostinato: 200 us a step, 100.0 us a cold route" in cpu[1] and "80.0 us a cold route" in cpu[2]
