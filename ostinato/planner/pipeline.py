@@ -91,7 +91,8 @@ def size_pool(cfg: ModelConfig, counts: dict[int, torch.Tensor], dtype: torch.dt
         pool, how = slots_of(hot, bound), f"hot fraction {hot_fraction}"
     elif gpu_memory is not None:
         cap = plan_capacity(cfg, counts, gpu_memory, kv_tokens, dtype, capacity, formats=formats)
-        pool, how, hot = int((cap.budget - cap.fixed) // cap.expert_bytes), "capacity test on --gpu-memory", cap.hot_slots
+        pool, hot = int((cap.budget - cap.fixed) // cap.expert_bytes), cap.hot_slots
+        how = "capacity test on --gpu-memory"
         bound = cap.max_flex
     else:
         raise ConfigError("give --gpu-memory (size the pool by the capacity test), --hot-fraction or --expert-budget")
@@ -213,8 +214,10 @@ def upload_path_text(up: dict | None) -> str:
         return "not decided"
     if "gain_ms" not in up:
         return f"kept ({up['why']})"
-    mixed = (f"split with uploads {up['gain_mixed_ms']:.1f} ms on {up['passes_mixed']} passes from "
-             f"{up['mixed_from']} tokens" if up["mixed_from"] is not None else "split with uploads never measured a gain")
+    mixed = "split with uploads never measured a gain"
+    if up["mixed_from"] is not None:
+        mixed = (f"split with uploads {up['gain_mixed_ms']:.1f} ms on {up['passes_mixed']} passes from "
+                 f"{up['mixed_from']} tokens")
     nums = (f"gain {up['gain_ms']:.1f} ms (upload path {up['gain_upload_ms']:.1f} ms on {up['passes_at_np']} passes "
             f"at or above Np {up['np']}, {mixed}; {up['passes']} passes in all), cost {up['cost_ms']:.1f} ms over the "
             f"development sessions: {up['flex_slots']} flex slots against "
