@@ -240,13 +240,13 @@ def grouped_plans(draw):
 def test_capacity_without_flex_holds_more_in_the_same_bytes(case):
     counts, hot, sizes, limit, n_e = case
     bigger = grow_without_flex(counts, hot, limit, 2, n_e, sizes)
-    need = lambda h: sum(g["bytes"] for g in hot_groups(h, 2, n_e, sizes, flex=False).values())  # noqa: E731
+    need = lambda h: sum(g["bytes"] for g in hot_groups(h, 2, n_e, sizes, max_flex=0).values())  # noqa: E731
     assert all(set(hot[l]) <= set(bigger[l]) for l in counts)  # the plan's experts, and more
     assert need(bigger) <= limit  # never over the budget, every format group counted in its bytes
     n = sum(map(len, bigger.values()))
     if n < 4 * n_e:  # the next expert in the fill order does not fit
         assert need(fill_more(counts, hot, n - sum(map(len, hot.values())) + 1)) > limit
-    groups = hot_groups(bigger, 2, n_e, sizes, flex=False)
+    groups = hot_groups(bigger, 2, n_e, sizes, max_flex=0)
     assert all(g["flex"] == 0 and g["zero"] == 2 for g in groups.values())
 
 

@@ -316,7 +316,7 @@ def decide_upload_path(loaded, bs: BenchSettings, residency: Residency, counts, 
         return residency, {**np_info, "how": f"{np_info['how']}; upload path {upload_path_text(up)}"}
     total = len(cfg.moe_layers) * E
     budget.update(hot=residency.hot_count, fraction=round(residency.hot_count / total, 4),
-                  groups=hot_groups(residency.hot, K, E, sizes, flex=False))
+                  groups=hot_groups(residency.hot, K, E, sizes, max_flex=0))
     try:
         predicted = model_checks(residency.calibration, counts, residency.hot, cfg)
     except Exception as e:  # noqa: BLE001 - the prediction is a report line, not a requirement

@@ -156,10 +156,10 @@ def pool_groups(counts: dict[int, torch.Tensor], hot_slots: int, top_k: int, num
 
 
 def hot_groups(hot: dict[int, list[int]], top_k: int, num_experts: int, sizes: dict[int, tuple[str, int]],
-               flex: bool = True, max_flex: int | None = None) -> dict[str, dict]:
+               max_flex: int | None = None) -> dict[str, dict]:
     """The pools a residency set needs, one per format, over the layers of `sizes`: layers, expert
     bytes, hot, K zero and flex slots (the group's most cold experts of a layer, at most max_flex;
-    none without the upload path, `flex` False), bytes."""
+    0 for a plan without the upload path), bytes."""
     groups: dict[str, dict] = {}
     for l in sorted(sizes):
         name, eb = sizes[l]
@@ -167,8 +167,7 @@ def hot_groups(hot: dict[int, list[int]], top_k: int, num_experts: int, sizes: d
         n = len(hot.get(l, []))
         g["layers"] += 1
         g["hot"] += n
-        if flex:
-            g["flex"] = max(g["flex"], num_experts - n)
+        g["flex"] = max(g["flex"], num_experts - n)
     for g in groups.values():
         if max_flex is not None:
             g["flex"] = min(g["flex"], max_flex)
@@ -183,7 +182,7 @@ def grow_without_flex(counts: dict[int, torch.Tensor], hot: dict[int, list[int]]
     added expert adds its group's bytes, so the bytes grow with the count and bisection finds it;
     `hot` itself when not even it fits."""
     def need(n: int) -> int:
-        return sum(g["bytes"] for g in hot_groups(fill_more(counts, hot, n), top_k, num_experts, sizes, False).values())
+        return sum(g["bytes"] for g in hot_groups(fill_more(counts, hot, n), top_k, num_experts, sizes, 0).values())
 
     cold = sum(num_experts - len(hot.get(l, [])) for l in counts)
     return fill_more(counts, hot, max(0, largest_fitting(need, limit, cold)))

@@ -185,7 +185,7 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     added = {str(l): sorted(set(bigger[l]) - set(res.hot.get(l, []))) for l in sorted(bigger)}
     capacity = res.capacity
     if capacity.get("groups") is not None:  # the capacity test's breakdown, as this plan spends the pool
-        after = hot_groups(bigger, top_k, E, sizes, flex=False)
+        after = hot_groups(bigger, top_k, E, sizes, max_flex=0)
         pool, n = sum(g["bytes"] for g in after.values()), numbers["hot_without_flex"]
         capacity = {**capacity, "hot_slots": n, "max_hot_slots": n, "flex_slots": 0, "groups": after,
                     "pool_bytes": pool, "unused": capacity.get("unused", 0) + capacity.get("pool_bytes", pool) - pool}
