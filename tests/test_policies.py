@@ -12,7 +12,7 @@ from ostinato.engine.routes import RouteCounts
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
 from ostinato.layers.moe.types import ExpertWeights, TopKOutput
-from ostinato.policies.base import ModelExperts
+from ostinato.engine.experts import ModelExperts
 from ostinato.policies.factory import budget_bytes, build_policy
 from ostinato.policies.settings import POLICIES, PolicySettings
 

@@ -264,7 +264,7 @@ WEIGHTS = {l: _weights(l) for l in CFG.moe_layers}
 
 
 def _spec():
-    from ostinato.policies.base import ModelExperts
+    from ostinato.engine.experts import ModelExperts
 
     return ModelExperts(CFG.num_hidden_layers, list(CFG.moe_layers), E, K, D, F, torch.device("cpu"), torch.float32,
                         lambda l: ExpertWeights(WEIGHTS[l].w13.clone(), WEIGHTS[l].w2.clone()), max_tokens=512)

@@ -23,6 +23,7 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.engine.devices import SplitExperts, device_scope, gpus_in_order, in_order, physical, resolve_layer_devices
+from ostinato.engine.experts import ModelExperts, hybrid_from_parts
 from ostinato.engine.gpu_memory import apply_memory_cap
 from ostinato.engine.residency import Residency
 from ostinato.threads import ThreadLayout
@@ -82,30 +83,20 @@ def flex_of(residency: Residency, num_experts: int, formats, hot: dict[int, list
 
 def build_hybrid(source, residency: Residency, place: PlacementSettings, device: torch.device,
                  dtype: torch.dtype, max_tokens: int, threads: ThreadLayout) -> HybridExperts:
-    """threads: the process's thread layout (its CPU pool's workers)."""
-    cfg = source.config
+    """The plan on one device, built as every placement is (engine/experts.py hybrid_from_parts);
+    threads: the process's thread layout (its CPU pool's workers)."""
     residency = placed_residency(place, residency)
     residency.check(source)
     apply_memory_cap(device, place.gpu_memory)
-    F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
-    hot = {l: residency.hot.get(l, []) for l in cfg.moe_layers}
-    cold = {l: sorted(set(range(E)) - set(v)) for l, v in hot.items()}
-    formats = expert_formats(source, place.experts)
+    spec = ModelExperts.of(source, device, dtype, max_tokens, threads, place.experts)
+    hot = {l: residency.hot.get(l, []) for l in spec.moe_layers}
     try:
-        pools = ExpertPools.build(hot, cfg.num_hidden_layers, E, cfg.num_experts_per_tok,
-                                  flex_of(residency, E, formats), (2 * F, D), (D, F), device, dtype, formats,
-                                  **expert_math(cfg))
+        hybrid = hybrid_from_parts(spec, hot, resolve_np(place, residency), place.cpu_backend,
+                                   flex=flex_of(residency, spec.num_experts, spec.formats))
     except torch.OutOfMemoryError:
         raise ConfigError(f"the expert pool ({sum(map(len, hot.values()))} hot experts and their flex slots) does "
                           "not fit the GPU memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
-    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats, **expert_math(cfg))
-    for layer in cfg.moe_layers:
-        experts = load_layer_experts(source, layer, formats[layer], device, dtype)
-        pools.fill_layer(layer, experts)
-        host.fill_layer(layer, experts)
-    cpu = CpuExperts(host.layers, backend=place.cpu_backend, cpus=threads.workers)
-    return configure(HybridExperts(pools, host, cpu, resolve_np(place, residency), max_tokens), place,
-                     residency)
+    return configure(hybrid, place, residency)
 
 
 def resolve_np(place: PlacementSettings, residency: Residency) -> int | None:
@@ -191,6 +182,7 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
         experts = load_layer_experts(source, layer, formats[layer], pool.device, dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
+        del experts  # before the next layer's load: one layer's experts on the device at a time
     gpu_of = {n: i for i, n in enumerate(gpus_in_order(layer_devices))}
     group = {name: threads.group_of(gpu_of.get(name, 0)) for name in pools}
     cpus = {}

@@ -51,6 +51,7 @@ class CalibrateSettings:
     sizes: tuple[int, ...] = DEFAULT_SIZES
     pass_layers: int = 4  # layers whose n-token passes are timed
     pass_reps: int = 3
+    mixed_reps: int = 7  # split passes with and without uploads, timed in pairs (measure_mixed)
     sessions: str = "embedded:4"  # prompts whose routing the passes use
     seed: int = 0
 
@@ -77,6 +78,9 @@ def calibrate(loaded, s: CalibrateSettings = CalibrateSettings(), progress: bool
     h = runner.experts.unwrapped if runner.experts is not None else None  # the branches are timed on the hybrid
     if not isinstance(h, HybridExperts):
         raise ValueError("calibrate needs the hybrid engine: load it with a residency")
+    if h.cpu is None:
+        raise ConfigError("calibrate measures the CPU branch and the uploads of cold experts, and this plan keeps "
+                          "every expert resident: there is nothing to calibrate")
     graph = runner.experts if runner.experts is not h and runner.graphs is not None else None  # its decode graphs
     if h.on_cuda:
         claim_host_thread(runner.threads)  # as the runner serves: the host thread on its own core
@@ -129,7 +133,7 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
                                        measured=False)
     if passes and h.on_cuda and mixed is not None:  # with a PCIe link beside the CPU: split with uploads
         with torch.inference_mode():
-            passes["mixed_ms"] = measure_mixed(h, routing, passes, mixed, clock, s.pass_reps)
+            passes.update(measure_mixed(h, routing, passes, mixed, clock, s.mixed_reps))
     np_ = passes.get("upload_threshold")
     if passes and np_ is None:
         np_ = max(sizes) + 1  # upload never cheaper up to the largest pass the runner makes

@@ -2,7 +2,7 @@
 
 Both keep every expert in page-locked host memory and use the budget (less the K zero
 slots and one layer of staging slots) as a cache of expert slots shared by the MoE layers
-of the GPU (an entry is a (layer, expert) copy). Experts keep their format (policies/base.py),
+of the GPU (an entry is a (layer, expert) copy). Experts keep their format (engine/experts.py),
 so there is a pool per format group, and a cache per pool: each pool has its own K zero and E
 staging slots, and the bytes left after them are split over the groups in proportion to their
 MoE layers (a Q4_K_M file's Q6_K-down layers get as many bytes per layer as its Q4_K ones, so
@@ -47,7 +47,7 @@ import torch
 
 from ostinato.layers.moe.hybrid import Admission, HybridExperts
 from ostinato.layers.moe.pool import COLD
-from ostinato.policies.base import ModelExperts, build_parts, check_fits, pools_bytes
+from ostinato.engine.experts import ModelExperts, build_parts, check_fits, pools_bytes
 
 
 def cache_slots(spec: ModelExperts, budget: int, name: str) -> dict:

@@ -18,10 +18,10 @@ from ostinato.engine.gpu_memory import apply_memory_cap
 from ostinato.engine.placement import PlacementSettings, build_hybrid, flex_of, placed_residency, resolve_np
 from ostinato.engine.residency import Residency
 from ostinato.engine.routes import RouteCounts
-from ostinato.policies.base import ModelExperts, pools_bytes
+from ostinato.engine.experts import ModelExperts, hybrid_from_parts, pools_bytes
 from ostinato.policies.caches import DecayingCache, ExpertCache
 from ostinato.policies.settings import FLEX_STEPS, OSTINATO_STEPS, PolicySettings, check_policy
-from ostinato.policies.static import BUILDERS, hybrid_from_parts
+from ostinato.policies.static import BUILDERS
 
 # policy -> build(spec, budget bytes, settings, development counts): each an executor (HybridExperts);
 # the static placements decode as one CUDA graph per GPU, the caches (an admission on it) as graph segments

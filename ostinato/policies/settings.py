@@ -3,7 +3,7 @@
 Every policy runs under the same expert budget: the bytes the capacity test leaves for
 the expert pool (cap - dense weights - KV cache - activations - margin), computed once and
 handed to every policy alike, in bytes (a GGUF file's experts keep their block formats, one
-pool per format: policies/base.py); a budget given in slots counts the mean expert's bytes. A policy's whole pool
+pool per format: engine/experts.py); a budget given in slots counts the mean expert's bytes. A policy's whole pool
 must fit it: its resident or cached experts, the K zero slots, and the staging slots of
 its upload path if it has one (one layer's experts, E, for `layers` and the caches;
 Ostinato's flex slots, the most cold experts of a layer up to its plan's bound, or none where

@@ -36,7 +36,7 @@ kernels") defines them:
   Ostinato's bounded flex slots (planner/capacity.py), so on a plan whose bound binds its pool is
   the larger of the two.
 
-The budget is bytes (policies/base.py): each format group's slots cost its expert bytes, so on
+The budget is bytes (engine/experts.py): each format group's slots cost its expert bytes, so on
 a Q4_K_M file a Q6_K-down layer costs more than a Q4_K one. Bytes a rule cannot use (the
 remainder of a division by layers) stay unused.
 
@@ -47,21 +47,8 @@ from __future__ import annotations
 import torch
 
 from ostinato.config import ConfigError
+from ostinato.engine.experts import ModelExperts, check_fits, hybrid_from_parts, pools_bytes
 from ostinato.layers.moe.hybrid import HybridExperts
-from ostinato.policies.base import ModelExperts, build_parts, check_fits, pools_bytes
-
-
-def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int | None,
-                      cpu_backend="auto", flex: int | dict | None = None, upload_all: bool = False) -> HybridExperts:
-    """A static placement over the one executor, from a spec: `hot` resident, `flex` slots for
-    the upload path (default: each format group's most cold experts of a layer; 0 without an
-    upload path; per group, pool.group_flex: Ostinato's, bounded by its plan)."""
-    cold = {l: sorted(set(range(spec.num_experts)) - set(hot.get(l, []))) for l in spec.moe_layers}
-    pools, host, cpu = build_parts(spec, hot, cold, flex, cpu_backend)
-    for l in spec.moe_layers:  # HybridExperts reads every layer's host tables, resident-only layers too
-        host.compact.setdefault(l, torch.full((spec.num_experts,), -1, dtype=torch.int32))
-        host.rows.setdefault(l, host.compact[l].clone())
-    return HybridExperts(pools, host, cpu, upload_threshold, spec.max_tokens, upload_all=upload_all)
 
 
 def cpu_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:

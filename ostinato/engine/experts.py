@@ -1,15 +1,16 @@
-"""What every baseline policy shares: the model's experts as a spec (ModelExperts), the budget
-in bytes, and the expert pools, host experts and CPU pool built from one load (build_parts), which
-a policy hands to the one executor (HybridExperts, layers/moe/hybrid.py): the static placements
-(policies/static.py) as they are, the caches (policies/caches.py) with an admission on it.
+"""What every placement builds from: the model's experts as a spec (ModelExperts), the bytes of
+its pools (pools_bytes), and the expert pools, page-locked host copies and CPU pool made from
+one load of each layer (build_parts), which a placement hands to the one executor
+(HybridExperts, layers/moe/hybrid.py): Ostinato's plan (engine/placement.py build_hybrid), the
+static baselines (policies/static.py) as they are, the caches (policies/caches.py) with an
+admission on it.
 
-Experts keep their format as in Ostinato's placement (engine/placement.py): a GGUF file's
-experts stay in its block formats (`ModelExperts.formats`, loader.build.expert_formats), one
-pool per format group (ExpertPools, layers/moe/pool.py), host copies per format. So a
-policy's budget is bytes, not slots: every group's pool (its resident or cached experts, K
-zero slots and its staging slots) costs that group's expert bytes per slot (`pools_bytes`),
-and a policy chooses its residency so that the sum fits the budget. A float model is one group,
-where bytes // expert bytes is the old slot count.
+Experts keep their format: a GGUF file's experts stay in its block formats
+(`ModelExperts.formats`, loader.build.expert_formats), one pool per format group (ExpertPools,
+layers/moe/pool.py), host copies per format. So a budget is bytes, not slots: every group's
+pool (its resident or cached experts, K zero slots and its staging slots) costs that group's
+expert bytes per slot (`pools_bytes`), and a policy chooses its residency so that the sum fits
+the budget. A float model is one group, where bytes // expert bytes is the old slot count.
 
 Legend: T tokens, K top-k, E experts per layer, D hidden, F expert FFN, L model layers.
 """
@@ -22,6 +23,7 @@ import torch
 
 from ostinato.config import SILU, ConfigError, ExpertAct
 from ostinato.layers.moe.cpu_experts import CpuExperts
+from ostinato.layers.moe.hybrid import HybridExperts
 from ostinato.layers.moe.pool import ExpertPools, HostExperts, Qtypes, expert_nbytes, group_flex, group_layers
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
 from ostinato.loader.build import expert_formats, load_layer_experts
@@ -68,18 +70,22 @@ class ModelExperts:
         return len(self.moe_layers) * self.num_experts
 
     @classmethod
-    def from_source(cls, source, runner_settings, graphs: bool = True, experts: str = "native") -> "ModelExperts":
-        """graphs: the policy decodes through the graph handshake (a poller core is kept for it);
-        experts: "native" keeps a GGUF file's block formats, "bf16" dequantizes them at load."""
+    def of(cls, source, device: torch.device, dtype: torch.dtype, max_tokens: int, threads: ThreadLayout | None,
+           experts: str = "native") -> "ModelExperts":
+        """experts: "native" keeps a GGUF file's block formats, "bf16" dequantizes them at load."""
         cfg = source.config
-        dtype = runner_settings.torch_dtype(cfg.torch_dtype)
-        device = runner_settings.torch_device()
         formats = expert_formats(source, experts)
         return cls(cfg.num_hidden_layers, list(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok,
                    cfg.hidden_size, cfg.moe_intermediate_size, device, dtype,
                    lambda layer: load_layer_experts(source, layer, formats[layer], device, dtype),
-                   runner_settings.prefill_chunk, runner_settings.thread_layout(graphs=graphs),
-                   {l: qt for l, qt in formats.items() if qt is not None}, cfg.expert_act, cfg.expert_bias)
+                   max_tokens, threads, {l: qt for l, qt in formats.items() if qt is not None},
+                   cfg.expert_act, cfg.expert_bias)
+
+    @classmethod
+    def from_source(cls, source, runner_settings, graphs: bool = True, experts: str = "native") -> "ModelExperts":
+        """graphs: the policy decodes through the graph handshake (a poller core is kept for it)."""
+        return cls.of(source, runner_settings.torch_device(), runner_settings.torch_dtype(source.config.torch_dtype),
+                      runner_settings.prefill_chunk, runner_settings.thread_layout(graphs=graphs), experts)
 
 
 def pools_bytes(spec: ModelExperts, hot: dict[int, list[int]], flex) -> int:
@@ -119,3 +125,17 @@ def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dic
     cpus = spec.threads.workers if spec.threads is not None else None
     cpu = CpuExperts(host.layers, backend=cpu_backend, cpus=cpus) if host.layers else None
     return pools, host, cpu
+
+
+def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int | None,
+                      cpu_backend="auto", flex: int | dict | None = None, upload_all: bool = False) -> HybridExperts:
+    """A static placement over the one executor, from a spec: `hot` resident, the others on the
+    host for the CPU branch, `flex` slots for the upload path (default: each format group's most
+    cold experts of a layer; 0 without an upload path; per group, pool.group_flex: Ostinato's,
+    bounded by its plan)."""
+    cold = {l: sorted(set(range(spec.num_experts)) - set(hot.get(l, []))) for l in spec.moe_layers}
+    pools, host, cpu = build_parts(spec, hot, cold, flex, cpu_backend)
+    for l in spec.moe_layers:  # HybridExperts reads every layer's host tables, resident-only layers too
+        host.compact.setdefault(l, torch.full((spec.num_experts,), -1, dtype=torch.int32))
+        host.rows.setdefault(l, host.compact[l].clone())
+    return HybridExperts(pools, host, cpu, upload_threshold, spec.max_tokens, upload_all=upload_all)
