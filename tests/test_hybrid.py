@@ -296,6 +296,52 @@ def test_mixed_pass_only_where_the_calibration_measured_a_gain():
     assert MixedPass.from_calibration(cal).min_tokens == 384
 
 
+def test_a_paired_calibration_needs_the_uploads_to_win_on_every_layer():
+    """Session 16's two calibrations of one plan on the H200 machine, minutes apart, timed the split
+    path at 64 tokens at 4.42 and 3.70 ms: a drift as large as what uploads save on short passes.
+    Timed in pairs (measure_mixed), a size counts only where the uploads won on every layer."""
+    cal = {"cpu_pass": {"alpha_ms": 1.0, "beta_expert_ms": 0.04, "beta_route_ms": 0.01}, "upload_gbps": 50.0,
+           "expert_bytes": 9_437_184,
+           "passes": {"sizes": [64, 256, 1024, 2048], "split_ms": [4.4, 6.4, 9.1, 13.4],
+                      "upload_ms": [9.7, 12.3, 13.1, 13.7], "mixed_ms": [4.3, 5.7, 6.6, 7.9],
+                      "split_paired_ms": [4.5, 5.9, 9.0, 13.2], "mixed_wins": [3, 4, 4, 4], "paired_layers": 4}}
+    assert MixedPass.from_calibration(cal).min_tokens == 256  # faster on the mean at 64, but one layer lost
+    cal["passes"]["split_paired_ms"] = [4.5, 5.6, 9.0, 13.2]  # the paired split beats it at 256: from 1024
+    assert MixedPass.from_calibration(cal).min_tokens == 1024
+    cal["passes"]["mixed_wins"] = [4, 4, 4, 3]
+    assert MixedPass.from_calibration(cal) is None
+
+
+def test_measure_mixed_times_both_paths_in_alternating_pairs():
+    from ostinato.planner.measure.prefill import measure_mixed
+
+    class H:  # stands in for HybridExperts: split_path's cost depends on whether uploads are on
+        mixed = "before"
+
+        def split_path(self, layer, x, topk):
+            order.append((layer, self.mixed is not None))
+
+    class Clock:  # a machine that slows down by 1% a call, and a first call per layer that is slow
+        def wall(self, f):
+            f()
+            layer, up = order[-1]
+            first = sum(1 for o in order if o[0] == layer) == 1
+            speed = 0.8 if up and layer == 0 else 1.05 if up else 1.0
+            return (50.0 if first else speed) * (1 + 0.01 * len(order))
+
+    order, h = [], H()
+    routing = {l: (torch.zeros(8, 4), TopKOutput(torch.zeros(8, 2, dtype=torch.long), torch.ones(8, 2)))
+               for l in (0, 1)}
+    out = measure_mixed(h, routing, {"sizes": [4, 8], "layers": [0, 1]}, "on", Clock(), reps=4)
+    assert h.mixed == "before"  # restored
+    assert out["paired_layers"] == 2 and out["mixed_wins"] == [1, 1]  # uploads win on layer 0 only
+    # 2 (warm-up) + 2 x 4 timed calls per layer and size, alternating ABBA so that drift falls on both
+    assert len(order) == 2 * 2 * 10
+    assert [up for l, up in order[:6]] == [False, True, True, False, False, True]
+    assert out["mixed_ms"][0] < out["split_paired_ms"][0]  # 0.8 and 1.05 against 1.0, before the drift
+    assert max(out["mixed_ms"] + out["split_paired_ms"]) < 2
+
+
 def test_passes_below_the_mixed_size_take_the_plain_paths():
     m = MixedPass(upload_ms=0.2, alpha_ms=0.1, beta_expert_ms=0.05, beta_route_ms=0.05, min_tokens=384)
     assert choose_path(100, True, 256, m) == "split"  # below Np: the plain split path

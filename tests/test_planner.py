@@ -517,3 +517,22 @@ def test_quantized_experts_count_the_dequantized_paths_scratch():
     assert plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, big).activation_parts["dequant_scratch"] == 0
     below = plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, small, formats=q8)
     assert below.activation_parts["dequant_scratch"] == 0
+
+
+def test_the_calibration_printout_shows_the_paired_timing(capsys):
+    """`ostinato calibrate` prints the split with uploads beside the split path timed with it, and on
+    how many layers it won (what MixedPass.from_calibration decides on), on session 16's H200 figures."""
+    import json
+    from pathlib import Path
+
+    from ostinato.planner.cli import print_calibration
+
+    path = Path(__file__).resolve().parents[1] / "results/2026-12-02-h200-s16/bench/res-cap.json"
+    cal = json.loads(path.read_text())["calibration"]
+    cal["passes"].update(split_paired_ms=[4.5, 5.6, 6.3, 7.1, 7.2, 8.0, 9.0, 13.2], mixed_wins=[3, 4, 4, 4, 4, 4, 4, 4],
+                         paired_layers=4)
+    print_calibration(cal)
+    out = capsys.readouterr().out
+    assert "paired split  layers won (of 4)" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("64 "))
+    assert row.split()[-2:] == ["4.500", "3"]

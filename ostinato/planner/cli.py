@@ -433,12 +433,14 @@ def print_calibration(cal: dict) -> None:
     p = cal.get("passes") or {}
     m = cal.get("model") or {}
     if p:
-        mixed = p.get("mixed_ms")
+        mixed, paired = p.get("mixed_ms"), p.get("split_paired_ms")
         print("  n-token pass, per layer (ms):     n    split   upload  cheaper" +
-              ("   model split  model upload" if "split_ms" in m else "") + ("  split+upload" if mixed else ""))
+              ("   model split  model upload" if "split_ms" in m else "") + ("  split+upload" if mixed else "") +
+              (f"  paired split  layers won (of {p.get('paired_layers')})" if paired else ""))
         for i, n in enumerate(p["sizes"]):
             extra = f"   {m['split_ms'][i]:10.3f}  {m['upload_ms'][i]:12.3f}" if "split_ms" in m else ""
             extra += f"  {mixed[i]:12.3f}" if mixed else ""
+            extra += f"  {paired[i]:12.3f}  {p['mixed_wins'][i]:>10d}" if paired else ""
             print(f"  {'':32}{n:5d} {p['split_ms'][i]:8.3f} {p['upload_ms'][i]:8.3f}  "
                   f"{'upload' if p['upload_ms'][i] < p['split_ms'][i] else 'split':>7}{extra}")
     if p.get("cpu_alone_ms"):

@@ -388,7 +388,8 @@ def prefill_passes(prompts: list[int], chunk: int) -> dict[int, int]:
 def path_gains(cal: dict, passes: dict[int, int], mixed=None) -> dict:
     """What the paths that use the flex slots save over the split path, per MoE layer with cold
     experts, on passes {tokens: count} (prefill_passes), ms in all, from the calibration's measured
-    curves (passes: split_ms, upload_ms, mixed_ms) interpolated at each pass's size. Each pass takes
+    curves (passes: split_ms, upload_ms, mixed_ms, and split_paired_ms, the split path timed in
+    pairs with mixed_ms, where the calibration has it) interpolated at each pass's size. Each pass takes
     the engine's path (layers/moe/hybrid.py choose_path): `plain` is the upload path at Np and above
     (the calibration's upload_threshold), else the split path; the split with uploads (`mixed`, a
     MixedPass) takes over where it applies. The two parts add up to split minus the path taken:
@@ -403,6 +404,7 @@ def path_gains(cal: dict, passes: dict[int, int], mixed=None) -> dict:
         return out
     sizes = [float(n) for n in p["sizes"]]
     at = lambda key, n: interp(n, sizes, list(p[key]))  # noqa: E731
+    paired = "split_paired_ms" in p  # the split path as timed beside the split with uploads
     for n, k in passes.items():
         split = at("split_ms", n)
         plain = split
@@ -411,7 +413,8 @@ def path_gains(cal: dict, passes: dict[int, int], mixed=None) -> dict:
             out["upload_ms"] += k * (split - plain)
             out["passes_at_np"] += k
         if mixed is not None and mixed.applies(n):
-            out["mixed_ms"] += k * (plain - at("mixed_ms", n))
+            ref = at("split_paired_ms", n) if paired and plain == split else plain
+            out["mixed_ms"] += k * (ref - at("mixed_ms", n))
             out["passes_mixed"] += k
     return out
 

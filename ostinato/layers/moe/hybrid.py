@@ -89,8 +89,11 @@ class MixedPass:
         """The costs of a calibration; None without them. measured: only where the calibration
         timed the split path with uploads (passes.mixed_ms) faster than both plain paths, from
         the smallest measured size at which it is faster at that and every larger size
-        (min_tokens); None if it is not faster at the largest. Unmeasured (the calibration's
-        own timing of it): every pass of more than one token."""
+        (min_tokens); None if it is not faster at the largest. Where the calibration timed it in
+        pairs with the split path (planner/measure/prefill.py measure_mixed), faster means faster
+        than the paired split on every layer timed: a single layer's loss says the gain is within
+        the machine's noise. Unmeasured (the calibration's own timing of it): every pass of more
+        than one token."""
         cp, gbps, nbytes = cal.get("cpu_pass") or {}, cal.get("upload_gbps"), cal.get("expert_bytes")
         if not (gbps and nbytes and cp.get("beta_route_ms")):
             return None
@@ -101,7 +104,10 @@ class MixedPass:
         if not p.get("mixed_ms"):
             return None
         order = sorted(range(len(p["sizes"])), key=lambda i: p["sizes"][i])
-        pays = [p["mixed_ms"][i] < min(p["split_ms"][i], p["upload_ms"][i]) for i in order]
+        split = p.get("split_paired_ms") or p["split_ms"]
+        wins = p.get("mixed_wins") or [None] * len(order)
+        pays = [p["mixed_ms"][i] < min(split[i], p["upload_ms"][i])
+                and (wins[i] is None or wins[i] >= p.get("paired_layers", 0)) for i in order]
         if not pays[-1]:
             return None
         i = len(pays) - 1

@@ -107,21 +107,33 @@ def cpu_alone(h, layer: int, x: torch.Tensor, topk: TopKOutput, clock: Clock, re
     return ms, h.cpu.last_stats()
 
 
-def measure_mixed(h, routing, passes: dict, mixed, clock: Clock, reps: int) -> list[float]:
-    """The split path with uploads (HybridExperts.mixed) on the passes of measure_passes:
-    per size, the mean over its layers of the median wall time (ms) of reps."""
-    before, h.mixed = h.mixed, mixed
+def measure_mixed(h, routing, passes: dict, mixed, clock: Clock, reps: int) -> dict:
+    """The split path with uploads (HybridExperts.mixed) on the passes of measure_passes, timed in
+    pairs with the plain split path on the same layer and pass, alternately, so that the two see
+    the same machine (a host's memory bandwidth drifts by 10-15% between the minutes of a
+    calibration, as much as what the uploads save on short passes). Per size: the mean over its
+    layers of each path's median wall time (ms) of reps, and on how many of the layers the split
+    with uploads was the faster -> {"mixed_ms", "split_paired_ms", "mixed_wins", "paired_layers"}."""
+    before = h.mixed
+    out = {"mixed_ms": [], "split_paired_ms": [], "mixed_wins": [], "paired_layers": len(passes["layers"])}
     try:
-        out = []
         for n in passes["sizes"]:
-            per_layer = []
+            with_up, plain = [], []
             for layer in passes["layers"]:
                 xa, ta = routing[layer]
                 x, topk = xa[:n], TopKOutput(ta.ids[:n], ta.weights[:n])
-                h.split_path(layer, x, topk)  # warm-up
-                per_layer.append(statistics.median(clock.wall(lambda: h.split_path(layer, x, topk))
-                                                   for _ in range(reps)))
-            out.append(statistics.fmean(per_layer))
+                times = ([], [])  # plain, with uploads
+                for r in range(reps + 1):  # the first pair warms both paths up
+                    for i in (0, 1) if r % 2 == 0 else (1, 0):
+                        h.mixed = mixed if i else None
+                        t = clock.wall(lambda: h.split_path(layer, x, topk))
+                        if r:
+                            times[i].append(t)
+                plain.append(statistics.median(times[0]))
+                with_up.append(statistics.median(times[1]))
+            out["mixed_ms"].append(statistics.fmean(with_up))
+            out["split_paired_ms"].append(statistics.fmean(plain))
+            out["mixed_wins"].append(sum(a < b for a, b in zip(with_up, plain)))
         return out
     finally:
         h.mixed = before
