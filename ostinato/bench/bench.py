@@ -20,7 +20,8 @@ where it has a threshold, and replayed on the held-out sessions. Steps:
    bytes on hot experts and has no Np (the ktransformers baseline and the ablation's upload and
    borrow steps still run the plan with the upload path, in the same budget);
 5. per policy: build, warm up, tune the offload threshold over OFFLOAD_THRESHOLDS (policies/settings.py) on
-   development sessions (lowest total request time), replay held-out, run the sweep;
+   development sessions (lowest total request time), replay held-out (the host's read bandwidth measured with
+   the policy's CPU pool just before and after it), run the sweep;
 6. report.md, results.json, PNG plots in --out; one JSON line last on stdout.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ostinato.loader.build import expert_formats
 from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
 from ostinato.planner.capacity import CapacitySettings, hot_groups, pool_groups
 from ostinato.planner.measure.prefill import prompt_ids
+from ostinato.planner.measure.transfers import host_read_gbps, read_buffer
 from ostinato.planner.pipeline import plan_residency, plan_upload_path, size_pool, upload_path_text
 from ostinato.planner.profile import session_stream
 from ostinato.planner.run_profile import profile_sessions
@@ -89,6 +91,7 @@ class BenchSettings:
     upper_bound: bool = False  # run `gpu` even when all experts exceed the budget (logical memory only)
     experts: str = "native"  # every policy alike: a GGUF file's experts in its block formats, or "bf16"
     out: Path = Path("ostinato-bench")
+    host_read_gib: float = 1.0  # the buffer of the host-read probe around each policy's replay
     merge: bool = False  # add these policies to the results.json already in `out` (same model, budget, split)
     progress: bool = True
     log: object = None  # where progress lines go: None for sys.stderr (at the time), False for nowhere
@@ -400,9 +403,11 @@ def run_bench(bs: BenchSettings) -> dict:
         turns[name] = entry.pop("turns")
         policies[name] = entry
         s = entry["summary"]
+        read = entry.get("host_read_gbps")
         _say(bs, f"[{time.perf_counter() - t_start:.0f} s] {name}: TTFT after tool {s['ttft_ms']['median']['tool']} "
                  f"ms, TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s (wall: "
-                 + ", ".join(f"{k} {v} s" for k, v in entry["wall_s"].items()) + ")")
+                 + ", ".join(f"{k} {v} s" for k, v in entry["wall_s"].items()) + ")"
+                 + (f"; host read {read['before']} -> {read['after']} GB/s ({read['probe']})" if read else ""))
         backend = None  # nothing but the engine may hold it: release() must free its pool for the next
         write(with_plots=False)
     release(loaded)
@@ -485,16 +490,28 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         if hybrid.mixed is not None:
             entry["split_uploads_from"] = hybrid.mixed.min_tokens
         entry["borrowing"] = hybrid.borrow is not None
+    if cpu is not None:  # the host's read bandwidth with the policy's own pool, just before and after its replay:
+        # it drifts by 15-20% between runs of a shared VM, as much as policies differ by (report.py warns
+        # where two compared replays ran at bandwidths that differ); one buffer for both, freed after
+        buf = read_buffer(bs.host_read_gib)
+        cpus = set(cpu.cpus) | set(loaded.runner.threads.host)  # the workers and the caller, as calibrate takes
+        read_before = host_read_gbps(cpu, cpus, buf=buf)
     loaded.engine.reset()
     before = loaded.runner.placement_stats()
     t0 = time.perf_counter()
     results = _replay_with_progress(loaded, held, bs, name)
     t1 = time.perf_counter()
+    if cpu is not None:
+        read_after = host_read_gbps(cpu, cpus, buf=buf)
+        entry["host_read_gbps"] = {"before": read_before["gbps"], "after": read_after["gbps"],
+                                   "probe": read_after["probe"]}
+        del buf
     segments = segment_costs(before, loaded.runner.placement_stats())
     if segments:
         entry["graph_segments"] = segments
+    t2 = time.perf_counter()
     sweep = run_sweep(InProcessTarget(loaded), sweep_plan)
-    entry["wall_s"] = {"replay": round(t1 - t0, 1), "sweep": round(time.perf_counter() - t1, 1)}
+    entry["wall_s"] = {"replay": round(t1 - t0, 1), "sweep": round(time.perf_counter() - t2, 1)}
     memory = memory_figures(loaded.runner.device)  # beside the cap, as nvidia-smi counts it
     if memory is not None:
         entry["gpu_memory"] = memory

@@ -26,7 +26,8 @@ DEMO_MODEL = "synth:tiny"
 def demo_settings(out: str | Path = "ostinato-demo", sessions: str = "embedded:6", max_turns: int = 3,
                   device: str | None = None, quick: bool = False, **kw) -> BenchSettings:
     """The demo's size; `quick` is the CI size (one session per side, one turn, two sweep
-    points, two thresholds): every step and every policy still runs."""
+    points, two thresholds, a quarter of the host-read probe's buffer): every step and every
+    policy still runs."""
     from ostinato.planner.calibrate import CalibrateSettings
 
     calibration = CalibrateSettings(reps=5, gpu_reps=5, step_reps=4, sizes=(32, 128, 512), pass_layers=2,
@@ -38,7 +39,7 @@ def demo_settings(out: str | Path = "ostinato-demo", sessions: str = "embedded:6
         upper_bound=True, calibration=calibration, out=Path(out))
     if quick:
         bs = replace(bs, max_sessions=1, max_turns=1, tune_max_turns=1, thresholds=(32, 512), sweep_sizes=(32, 64),
-                     sweep_output=4, sweep_prefixes=1, sweep_prefix_tokens=128,
+                     sweep_output=4, sweep_prefixes=1, sweep_prefix_tokens=128, host_read_gib=0.25,
                      calibration=replace(calibration, reps=2, gpu_reps=2, step_reps=2, sizes=(32,), pass_layers=1))
     return replace(bs, **kw)
 

@@ -102,12 +102,27 @@ def comparisons(policies: dict, ours: str = "ostinato", np_: int | None = None, 
             "request_time_speedup": _ratio(s["request_s"]["total"], me["request_s"]["total"]),
             "sessions_won": [won, both],
             "sweep_slope_ratio": _ratio(entry_slope(policies[ours], np_), entry_slope(entry, np_)),
+            "host_read_ratio": host_read_ratio(policies[ours], entry),
         }
         if turns and ours in turns and name in turns:
             out[name]["intervals"] = paired_intervals(turns[ours], turns[name])
         if runs and ours in runs and name in runs:
             out[name]["same_run"] = runs[ours] == runs[name]
     return out
+
+
+DRIFT = (0.95, 1.05)  # host read ratios of two compared replays outside these: a drift warning
+
+
+def host_read_ratio(ours: dict, theirs: dict) -> float | None:
+    """Ours over theirs of the host's read bandwidth, each the mean of the probes just before and
+    after its replay (bench._run_policy): how far the machine drifted between the two. None where
+    either has no probe (no CPU pool, another engine, a run from before the probe) or the two
+    probes differ (a native read and a torch sum do not compare)."""
+    a, b = ours.get("host_read_gbps"), theirs.get("host_read_gbps")
+    if not a or not b or a["probe"] != b["probe"]:
+        return None
+    return _ratio(a["before"] + a["after"], b["before"] + b["after"])
 
 
 def targets(result: dict, ours: str = "ostinato") -> list[dict]:
@@ -311,6 +326,7 @@ def markdown(result: dict, plots: list[str]) -> str:
     lines.append("| " + " | ".join(TABLE_COLUMNS) + " |")
     lines.append("|" + "---|" * len(TABLE_COLUMNS))
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += host_read_lines(result)
     lines += ["", "## Settings and tuning", ""]
     for name, e in result["policies"].items():
         if "skipped" in e:
@@ -384,9 +400,37 @@ def markdown(result: dict, plots: list[str]) -> str:
                          f"{_f(c['ttft_tool_ratio'], '{:.2f}')} | "
                          f"{_f(c['request_time_speedup'], '{:.2f}x')}{_interval(iv.get('request_time_speedup'))} | "
                          f"{won}/{both} | {where} |")
+        lines += drift_warnings(result["comparisons"])
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def host_read_lines(result: dict) -> list[str]:
+    """The host read bandwidth around each policy's replay, for the policies that measured it."""
+    rows = [(name, e["host_read_gbps"]) for name, e in result["policies"].items() if e.get("host_read_gbps")]
+    if not rows:
+        return []
+    lines = ["", "Host-memory read bandwidth (GB/s) with each policy's CPU pool just before and just after its "
+             "held-out replay, best of 3 reads of a buffer far larger than the caches (native: the pool's own "
+             "workers, as its kernels read; torch-sum: a torch sum on its cores; the two probes' figures do not "
+             "compare).", "",
+             "| policy | probe | before | after | change |", "|---|---|---|---|---|"]
+    for name, r in rows:
+        lines.append(f"| {name} | {r['probe']} | {r['before']:.1f} | {r['after']:.1f} | "
+                     f"{_f(_ratio(r['after'] - r['before'], r['before']), '{:+.1%}')} |")
+    return lines
+
+
+def drift_warnings(comp: dict) -> list[str]:
+    """A line per comparison whose two replays ran at host read bandwidths further apart than DRIFT."""
+    out = []
+    for name, c in comp.items():
+        r = c.get("host_read_ratio")
+        if r is not None and not DRIFT[0] <= r <= DRIFT[1]:
+            out.append(f"- **{name}**: host read bandwidth differed by {100 * abs(r - 1):.1f}% between the two "
+                       "replays: the decode ratio is confounded by machine drift")
+    return [""] + out if out else []
 
 
 def routing_note(skew: dict) -> str:
