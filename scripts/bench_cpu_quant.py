@@ -126,8 +126,7 @@ def make_layer(qt13: str, qt2: str, E: int, D: int, F: int, gen: torch.Generator
 
 
 def probe_gbps(ce: CpuExperts, buf: torch.Tensor) -> float:
-    nbytes = buf.numel() * buf.element_size()
-    return nbytes / ce._native.read_seconds(buf.data_ptr(), nbytes) / 1e9
+    return buf.numel() * buf.element_size() / ce.read_seconds(buf) / 1e9
 
 
 def decode_times(ce: CpuExperts, w: QuantExpertWeights, r: int, iters: int, start: int, gen) -> list[float]:

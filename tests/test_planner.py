@@ -430,6 +430,7 @@ def test_plan_and_calibrate_end_to_end(tiny_dir, tiny_profile, tmp_path, capsys)
     assert all(d["G_ms"] > 0 and len(d["C_ms"]) == cfg.num_experts_per_tok + 1 for d in cal["layers"].values())
     assert cal["upload_gbps"] > 0 and cal["passes"]["sizes"] == [8, 16, 32]
     assert isinstance(cal["upload_threshold"], int) and cal["model"]["decode_step_ms"] > 0
+    assert cal["host_read_gbps"] > 0 and cal["host_read_probe"] == "torch-sum"  # the torch backend's probe
     for key in ("device", "date", "torch", "global", "cpu_pass", "dense_step_ms"):
         assert key in cal
     loaded = load_engine(str(tiny_dir), RunnerSettings(device="cpu", max_context=64),

@@ -32,7 +32,7 @@ from ostinato.threads import claim_host_thread
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.planner import cost_model as cm
 from ostinato.planner.measure.timing import Clock
-from ostinato.planner.measure.transfers import measure_host_read, measure_upload
+from ostinato.planner.measure.transfers import host_read_gbps, measure_upload
 
 DEFAULT_SIZES = (64, 128, 256, 384, 512, 768, 1024, 2048)  # the crossing on the H200 lay between 256 and 512
 # A graph step's CPU branch costs alpha per layer with a cold route beyond its routes' work: the
@@ -113,7 +113,7 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
                  for l, d in layers.items()}
         with_cold = [l for l in cfg.moe_layers if layers[l]["cold"] > 0]
         gbps, eb = measure_upload(h, with_cold[:: max(1, len(with_cold) // 4)][:4], clock)
-        read_gbps = measure_host_read(set(h.cpu.cpus) | set(runner.threads.host))  # the workers and the caller
+        read = host_read_gbps(h.cpu, set(h.cpu.cpus) | set(runner.threads.host), gib=2.0)  # the workers and the caller
         rs = tuple(sorted({0, 1, 2, K // 2, K}))
         step = measure_steps(runner, h, costs, clock, s.step_reps, gen, rs, graph=graph)
         if not handshake_ok(step, glob):  # measured once more before refusing: a transient, or a misconfiguration
@@ -146,7 +146,8 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
         "overlapped": h.on_cuda,
         "global": glob,
         "layers": {str(l): d for l, d in layers.items()},
-        "upload_gbps": gbps, "expert_bytes": eb, "host_read_gbps": read_gbps,
+        "upload_gbps": gbps, "expert_bytes": eb, "host_read_gbps": read["gbps"],
+        "host_read_probe": read["probe"],
         **step,
         "cpu_pass": cpu_pass,
         "passes": passes,

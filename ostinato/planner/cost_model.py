@@ -261,9 +261,10 @@ def predict_decode_step(counts: dict[int, torch.Tensor], tokens: int, hot: dict[
 
 def read_gbps(cal: dict) -> float | None:
     """The host read bandwidth the bound divides cold bytes by, GB/s: the faster of the host
-    read probe and the CPU branch's own rate per cold route (expert bytes / beta; the native
-    kernel out-read the torch-sum probe on the H200 machine: 107 against 93 GB/s), so that
-    the bound stays below every step the kernels could have made."""
+    read probe (the native pool's own where it has one, planner/measure/transfers.py
+    host_read_gbps; calibrations before session 16 hold a torch sum's, 78 GB/s on the H200
+    machine) and the CPU branch's own rate per cold route (expert bytes / beta: 133 GB/s there),
+    so that the bound stays below every step the kernels could have made."""
     eb, probe = cal.get("expert_bytes"), cal.get("host_read_gbps")
     beta = (cal.get("graph_fit") or cal.get("global") or {}).get("beta_ms")
     rates = [r for r in (probe, eb / (beta * 1e6) if eb and beta else None) if r]

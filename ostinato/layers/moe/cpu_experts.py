@@ -290,6 +290,13 @@ class CpuExperts:
             E, D, F = (max(dims) for dims in zip(*(_dims(w) for w in self.layers.values())))
             self._native.reserve(max_routes, max_tokens, E, D, F)
 
+    def read_seconds(self, buf: torch.Tensor) -> float:
+        """Native: seconds for the pool's workers (and the calling thread) to read `buf` once, in 1
+        MiB tasks (ColdExperts::read_seconds): the host read bandwidth the kernels can get."""
+        if self._native is None:
+            raise RuntimeError("read_seconds needs the native backend")
+        return self._native.read_seconds(buf.data_ptr(), buf.numel() * buf.element_size())
+
     def last_stats(self) -> dict:
         """Native: which ISA path the last call used and how many experts went to AMX."""
         return self._native.last_stats() if self._native is not None else {"isa": "torch"}

@@ -78,9 +78,8 @@ def host_read_gbps(cpu: CpuExperts | None, cpus: Sequence[int], gib: float = 1.0
     get, 140 GB/s on the H200 machine's 15 workers), else "torch-sum" on `cpus`
     (measure_host_read: 78 GB/s there). Figures of two probes do not compare."""
     buf = read_buffer(gib) if buf is None else buf
-    if cpu is None or cpu._native is None:
+    if cpu is None or cpu.backend != "native":
         return {"gbps": measure_host_read(cpus, reps=reps, buf=buf), "probe": "torch-sum"}
-    nbytes = buf.numel() * buf.element_size()
-    cpu._native.read_seconds(buf.data_ptr(), nbytes)  # first touch and the workers woken
-    best = min(cpu._native.read_seconds(buf.data_ptr(), nbytes) for _ in range(reps))
-    return {"gbps": round(nbytes / best / 1e9, 2), "probe": "native"}
+    cpu.read_seconds(buf)  # first touch and the workers woken
+    best = min(cpu.read_seconds(buf) for _ in range(reps))
+    return {"gbps": round(buf.numel() * buf.element_size() / best / 1e9, 2), "probe": "native"}
