@@ -48,6 +48,22 @@ def test_the_native_probe_takes_the_best_read_after_the_first():
     assert got == {"gbps": round(2**30 * GIB / 0.25 / 1e9, 2), "probe": "native"}
 
 
+def _record(mp, events: list, sessions: bool = False) -> None:
+    """Patches bench's replay and tuning to note ("replay", policy[, session ids]) and ("tune", policy)."""
+    replay, tune = bench_mod._replay_with_progress, bench_mod.tune_threshold
+
+    def replaying(loaded, held, bs, name):
+        events.append(("replay", name, tuple(s.id for s in held)) if sessions else ("replay", name))
+        return replay(loaded, held, bs, name)
+
+    def tuning(loaded, backend, name, *a, **kw):
+        events.append(("tune", name))
+        return tune(loaded, backend, name, *a, **kw)
+
+    mp.setattr(bench_mod, "_replay_with_progress", replaying)
+    mp.setattr(bench_mod, "tune_threshold", tuning)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A bench folder of ostinato, layers (tuned) and gpu (no CPU pool), then expert-cache merged
@@ -56,25 +72,16 @@ def run(tmp_path_factory):
     bs = demo_settings(out, quick=True, device="cpu", cpu_backend="torch", progress=False)
     bs = replace(bs, policies=("ostinato", "layers", "gpu"), calibrate=False, upload_threshold=64, log=False,
                  sweep_prefixes=0, host_read_gib=GIB, max_sessions=2)  # two: one's first turn fits, to tune on
-    events: list[tuple[str, str]] = []
-    probe, replay, tune = bench_mod.host_read_gbps, bench_mod._replay_with_progress, bench_mod.tune_threshold
+    events: list[tuple] = []
+    probe = bench_mod.host_read_gbps
 
     def probing(cpu, cpus, **kw):
         events.append(("probe", ""))
         return probe(cpu, cpus, **kw)
 
-    def replaying(loaded, sessions, bs, name):
-        events.append(("replay", name))
-        return replay(loaded, sessions, bs, name)
-
-    def tuning(loaded, backend, name, *a, **kw):
-        events.append(("tune", name))
-        return tune(loaded, backend, name, *a, **kw)
-
     with pytest.MonkeyPatch.context() as mp:
+        _record(mp, events)
         mp.setattr(bench_mod, "host_read_gbps", probing)
-        mp.setattr(bench_mod, "_replay_with_progress", replaying)
-        mp.setattr(bench_mod, "tune_threshold", tuning)
         run_demo(bs, stdout=io.StringIO())
         first = json.loads((out / "results.json").read_text())
         run_demo(replace(bs, policies=("expert-cache",), merge=True), stdout=io.StringIO())
@@ -143,3 +150,31 @@ def test_a_run_from_before_the_probe_still_renders(run, tmp_path):
     comp, md = _report(run[0], tmp_path / "old", dict.fromkeys(("ostinato", "layers", "expert-cache")))
     assert all(c["host_read_ratio"] is None for c in comp.values())
     assert "Host-memory read bandwidth" not in md and WARNING not in md and "| layers |" in md
+
+
+def test_rounds_interleave_the_policies_over_slices_of_the_held_out_sessions(tmp_path):
+    """--rounds 2: each policy is built and replayed on each half of the held-out sessions, the order
+    reversed in the second round (ABBA), tuned only in the first; one entry per policy over all."""
+    bs = demo_settings(tmp_path, quick=True, device="cpu", cpu_backend="torch", progress=False)
+    bs = replace(bs, policies=("ostinato", "layers"), calibrate=False, upload_threshold=64, log=False,
+                 sweep_prefixes=0, host_read_gib=GIB, max_sessions=2, max_turns=2, rounds=2)
+    events: list[tuple] = []
+    with pytest.MonkeyPatch.context() as mp:
+        _record(mp, events, sessions=True)
+        run_demo(bs, stdout=io.StringIO())
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [e[:2] for e in events] == [("replay", "ostinato"), ("tune", "layers"), ("replay", "layers"),
+                                       ("replay", "layers"), ("replay", "ostinato")]
+    slices = [e[2] for e in events if e[0] == "replay"]
+    assert slices[0] == slices[1] and slices[2] == slices[3] and not set(slices[0]) & set(slices[2])
+    held = result["split"]["held_out"]
+    assert len(slices[0]) + len(slices[2]) == held
+    for name in ("ostinato", "layers"):
+        e = result["policies"][name]
+        assert e["rounds"] == 2 and len(e["host_read_gbps"]["rounds"]) == 2
+        assert e["summary"]["sessions"] == held
+        assert {t["session"] for t in result["turns"][name]} == set(slices[0]) | set(slices[2])
+    layers = result["policies"]["layers"]
+    assert layers["offload_threshold"] == layers["tuning"]["chosen"]
+    assert "replayed in 2 rounds" in (tmp_path / "report.md").read_text()
+    assert result["comparisons"]["layers"]["same_run"]

@@ -93,6 +93,9 @@ class BenchSettings:
     out: Path = Path("ostinato-bench")
     host_read_gib: float = 1.0  # the buffer of the host-read probe around each policy's replay
     merge: bool = False  # add these policies to the results.json already in `out` (same model, budget, split)
+    # the held-out sessions in this many slices, every policy built and replayed on each slice in turn,
+    # the order reversed every other round (ABBA): a host's drift over the run falls on every policy alike
+    rounds: int = 1
     progress: bool = True
     log: object = None  # where progress lines go: None for sys.stderr (at the time), False for nowhere
 
@@ -374,42 +377,56 @@ def run_bench(bs: BenchSettings) -> dict:
         return finish_result({**base, **extra, "policies": dict(policies),
                               "elapsed_s": round(time.perf_counter() - t_start, 1)}, dict(turns), bs.out, with_plots)
 
-    for name in bs.policies:
-        t_build = time.perf_counter()  # building the policy's placement (pool fill) and its graphs
-        release(loaded)  # the previous backend's memory is free before the next one is built
-        held = None  # what the engine holds before this policy's build: the same for every policy, else a leak
-        if loaded.runner.device.type == "cuda":  # the allocator peak of this policy alone
-            torch.cuda.reset_peak_memory_stats(loaded.runner.device)
-            held = round(torch.cuda.memory_allocated(loaded.runner.device) / 2**20)
-        try:
-            backend = make_policy(name, loaded.source, bs.runner, p.base)
-        except ConfigError as e:
-            policies[name] = {"skipped": str(e), "held_before_build_mib": held}
-            _say(bs, f"{name}: skipped: {e}" + (f" ({held} MiB allocated before its build)" if held is not None else ""))
-            continue
-        t_made = time.perf_counter()
-        use_policy(loaded, backend)  # its decode graphs captured
-        t_used = time.perf_counter()
-        warm_up(loaded)
-        t_end = time.perf_counter()
-        entry = _run_policy(loaded, backend, name, bs, p.held, tune_set, sweep_plan, np_)
-        entry["over_budget"] = name == "gpu" and p.budget["bytes"] < p.budget["all_experts_bytes"]
-        entry["wall_s"]["build"] = round(t_end - t_build, 1)
-        # where a build's time goes (session 15: Ostinato's took 80 s, KTransformers' rules on the same pool 31 s)
-        entry["build_parts_s"] = {"placement": round(t_made - t_build, 1), "graphs": round(t_used - t_made, 1),
-                                  "warm_up": round(t_end - t_used, 1)}
-        if held is not None:
-            entry["held_before_build_mib"] = held
-        turns[name] = entry.pop("turns")
-        policies[name] = entry
-        s = entry["summary"]
-        read = entry.get("host_read_gbps")
-        _say(bs, f"[{time.perf_counter() - t_start:.0f} s] {name}: TTFT after tool {s['ttft_ms']['median']['tool']} "
-                 f"ms, TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s (wall: "
-                 + ", ".join(f"{k} {v} s" for k, v in entry["wall_s"].items()) + ")"
-                 + (f"; host read {read['before']} -> {read['after']} GB/s ({read['probe']})" if read else ""))
-        backend = None  # nothing but the engine may hold it: release() must free its pool for the next
-        write(with_plots=False)
+    if bs.rounds < 1 or bs.rounds > len(p.held):
+        raise ConfigError(f"--rounds {bs.rounds}: give 1 to {len(p.held)} (the held-out sessions are cut into that "
+                          "many slices)")
+    rounds: dict[str, list[dict]] = {}  # each policy's entries so far, one per round
+    for r in range(bs.rounds):
+        part = p.held[r::bs.rounds]
+        last = r == bs.rounds - 1
+        for name in bs.policies if r % 2 == 0 else bs.policies[::-1]:
+            if policies.get(name, {}).get("skipped"):
+                continue
+            t_build = time.perf_counter()  # building the policy's placement (pool fill) and its graphs
+            release(loaded)  # the previous backend's memory is free before the next one is built
+            held = None  # what the engine holds before this policy's build: the same for every policy, else a leak
+            if loaded.runner.device.type == "cuda":  # the allocator peak of this policy alone
+                torch.cuda.reset_peak_memory_stats(loaded.runner.device)
+                held = round(torch.cuda.memory_allocated(loaded.runner.device) / 2**20)
+            try:
+                backend = make_policy(name, loaded.source, bs.runner, p.base)
+            except ConfigError as e:
+                policies[name] = {"skipped": str(e), "held_before_build_mib": held}
+                _say(bs, f"{name}: skipped: {e}" + (f" ({held} MiB allocated before its build)"
+                                                     if held is not None else ""))
+                continue
+            t_made = time.perf_counter()
+            use_policy(loaded, backend)  # its decode graphs captured
+            t_used = time.perf_counter()
+            warm_up(loaded)
+            t_end = time.perf_counter()
+            tuned = (rounds.get(name) or [{}])[0].get("tuning")  # round 0 tunes, the later rounds take its choice
+            entry = _run_policy(loaded, backend, name, bs, part, tune_set if not tuned else None,
+                                sweep_plan if last else [], np_, tuned["chosen"] if tuned else None)
+            entry["over_budget"] = name == "gpu" and p.budget["bytes"] < p.budget["all_experts_bytes"]
+            entry["wall_s"]["build"] = round(t_end - t_build, 1)
+            # where a build's time goes (session 15: Ostinato's took 80 s, KTransformers' rules on the same pool 31 s)
+            entry["build_parts_s"] = {"placement": round(t_made - t_build, 1), "graphs": round(t_used - t_made, 1),
+                                      "warm_up": round(t_end - t_used, 1)}
+            if held is not None:
+                entry["held_before_build_mib"] = held
+            rounds.setdefault(name, []).append(entry)
+            policies[name], turns[name] = combine_rounds(rounds[name], len(loaded.runner.config.moe_layers), np_)
+            s = policies[name]["summary"]
+            read = entry.get("host_read_gbps")
+            _say(bs, f"[{time.perf_counter() - t_start:.0f} s] {name}"
+                     + (f" (round {r + 1} of {bs.rounds}, {len(part)} sessions)" if bs.rounds > 1 else "")
+                     + f": TTFT after tool {s['ttft_ms']['median']['tool']} ms, TPOT {s['tpot_ms']['median']} ms, "
+                     f"total {s['request_s']['total']} s (wall: "
+                     + ", ".join(f"{k} {v} s" for k, v in entry["wall_s"].items()) + ")"
+                     + (f"; host read {read['before']} -> {read['after']} GB/s ({read['probe']})" if read else ""))
+            backend = None  # nothing but the engine may hold it: release() must free its pool for the next
+            write(with_plots=False)
     release(loaded)
     return write(with_plots=True)
 
@@ -469,8 +486,11 @@ def _probe_factory(probe: PolicySettings):
     return make
 
 
-def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_plan, np_) -> dict:
-    """Tune (where the policy has a threshold), replay the held-out sessions, run the sweep."""
+def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_plan, np_,
+                threshold: int | None = None) -> dict:
+    """Tune (where the policy has a threshold and tune_set is given; else `threshold`, an earlier
+    round's choice, if any), replay the held-out sessions `held`, run the sweep. The entry keeps
+    the TurnResults in "_results" and "_sweep" (combine_rounds makes its summary and turns)."""
     entry: dict = {"resident_experts": backend.resident_experts(), "decode_graph": loaded.runner.graphs is not None}
     cpu = backend.cpu
     if cpu is not None:  # the pool's workers (a host-driven baseline's host thread is its last worker)
@@ -481,6 +501,8 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         best = min(totals, key=totals.get)
         backend.offload_threshold = best
         entry["tuning"] = {"offload_threshold": totals, "chosen": best}
+    elif threshold is not None:
+        backend.offload_threshold = threshold
     if name not in OSTINATO_STEPS and backend.offload_threshold is not None:
         entry["offload_threshold"] = backend.offload_threshold
     if name in OSTINATO_STEPS:
@@ -515,11 +537,31 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
     memory = memory_figures(loaded.runner.device)  # beside the cap, as nvidia-smi counts it
     if memory is not None:
         entry["gpu_memory"] = memory
-    cfg = loaded.runner.config
-    entry["summary"] = summarize(results, len(cfg.moe_layers))
-    entry["sweep"] = sweep_summary(sweep, np_)
-    entry["turns"] = [r.to_json() for r in results + sweep]
+    entry["_results"], entry["_sweep"] = results, sweep
     return entry
+
+
+def combine_rounds(entries: list[dict], moe_layers: int, np_) -> tuple[dict, list[dict]]:
+    """One policy's entry from its rounds' (_run_policy's, in order) -> (entry, its turns as JSON):
+    the summary over every round's turns, the sweep of the round that ran it, wall times and build
+    parts summed, and the host read probe as the mean of the rounds' (each round's in `rounds`)."""
+    results = [r for e in entries for r in e["_results"]]
+    sweep = [r for e in entries for r in e["_sweep"]]
+    out = {k: v for k, v in entries[-1].items() if k not in ("_results", "_sweep")}
+    out.update({k: v for k, v in entries[0].items() if k in ("tuning", "offload_threshold")})
+    for key in ("wall_s", "build_parts_s"):
+        if all(key in e for e in entries):
+            out[key] = {k: round(sum(e[key][k] for e in entries), 1) for k in entries[0][key]}
+    reads = [e["host_read_gbps"] for e in entries if e.get("host_read_gbps")]
+    if len(entries) > 1:
+        out["rounds"] = len(entries)
+        if reads:
+            mean = lambda k: round(sum(r[k] for r in reads) / len(reads), 2)  # noqa: E731
+            out["host_read_gbps"] = {"before": mean("before"), "after": mean("after"), "probe": reads[-1]["probe"],
+                                     "rounds": [[r["before"], r["after"]] for r in reads]}
+    out["summary"] = summarize(results, moe_layers)
+    out["sweep"] = sweep_summary(sweep, np_)
+    return out, [r.to_json() for r in results + sweep]
 
 
 def segment_costs(before: dict, after: dict) -> dict | None:

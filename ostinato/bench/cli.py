@@ -127,7 +127,7 @@ def _bench_settings(a):
         thresholds=tuple(a.thresholds), sweep_sizes=tuple(a.sweep_sizes), sweep_output=a.sweep_output,
         sweep_prefixes=a.sweep_prefixes, sweep_prefix_tokens=a.sweep_prefix_tokens,
         upload_threshold=a.upload_threshold, calibration_from=a.calibration,
-        cpu_backend=a.cpu_backend, upper_bound=a.upper_bound, out=Path(a.out), merge=a.merge,
+        cpu_backend=a.cpu_backend, upper_bound=a.upper_bound, out=Path(a.out), merge=a.merge, rounds=a.rounds,
         progress=not a.no_progress, experts=a.experts)
 
 
@@ -262,6 +262,10 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--out", default="ostinato-bench", help="folder for report.md, results.json and plots")
     p.add_argument("--merge", action="store_true", help="add these policies to the results.json in --out (a run "
                    "of the same model, budget and split, e.g. the other policies in another call)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="cut the held-out sessions into this many slices and replay every policy on each in turn, "
+                        "the order reversed every other round, so that the machine's drift during the run falls on "
+                        "every policy alike (each policy is built once a round; thresholds are tuned in the first)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_bench)
 

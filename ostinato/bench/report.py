@@ -328,6 +328,11 @@ def markdown(result: dict, plots: list[str]) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += host_read_lines(result)
     lines += ["", "## Settings and tuning", ""]
+    rounds = max((e.get("rounds", 1) for e in result["policies"].values()), default=1)
+    if rounds > 1:
+        lines.append(f"- replayed in {rounds} rounds: the held-out sessions in {rounds} slices, every policy built "
+                     "and replayed on each in turn, the order reversed every other round (the machine's drift falls "
+                     "on every policy alike); thresholds tuned in the first round")
     for name, e in result["policies"].items():
         if "skipped" in e:
             held = f" ({e['held_before_build_mib']} MiB held before its build)" if e.get("held_before_build_mib") else ""
