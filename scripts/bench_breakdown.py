@@ -4,6 +4,11 @@
   first policy named (`--ours`, default ostinato), over the turns both replayed;
 * decode: each policy's CPU-branch compute per decode step and per cold route (the graph
   handshake's counters, median over turns);
+* host reads after tool outputs: the experts each policy read from host memory in a tool turn's
+  prefill (computed on the CPU or uploaded: each is read once from host memory either way), median
+  over the tool turns all policies replayed, the ratio to the first policy's, and the rate the
+  prefill read them at. Where a pass touches most cold experts, TTFT follows these bytes (GB from the
+  run's expert bytes);
 * `--upload-path RES.json`: the planner's decision on the upload path (planner/pipeline.py
   plan_upload_path) for the run's plan and calibration (RES.json: a residency with its
   calibration, e.g. phase calib's res-cap.json), with the held-out turns' new tokens standing
@@ -61,6 +66,29 @@ def decode_cpu(turns: dict) -> list[str]:
     return lines
 
 
+def host_reads(turns: dict, ours: str, expert_mb: float | None) -> list[str]:
+    tool = {n: {_key(t): t for t in ts if t.get("kind") == "tool" and not t.get("error")} for n, ts in turns.items()}
+    keys = sorted(set.intersection(*(set(v) for v in tool.values()))) if tool else []
+    if not keys:
+        return ["host expert reads after tool outputs: no tool turn that every policy replayed"]
+
+    def reads(t: dict) -> int:
+        p = t["placement"]["prefill"]
+        return p.get("cpu_experts", 0) + p.get("uploaded_experts", 0)
+
+    lines = [f"host expert reads in a tool turn's prefill (median over {len(keys)} tool turns; ratio {ours} / policy)"]
+    for n, ts in tool.items():
+        row = f"  {n}: {median([reads(ts[k]) for k in keys]):.0f} experts"
+        if expert_mb:
+            gbps = median([reads(ts[k]) * expert_mb / 1e3 / ts[k]["prefill_s"] for k in keys])
+            row += f" ({median([reads(ts[k]) for k in keys]) * expert_mb / 1e3:.1f} GB, read at {gbps:.0f} GB/s)"
+        if n != ours:
+            row += f", reads ratio {median([reads(tool[ours][k]) / reads(ts[k]) for k in keys]):.2f}, TTFT ratio " \
+                   f"{median([tool[ours][k]['prefill_s'] / ts[k]['prefill_s'] for k in keys]):.2f}"
+        lines.append(row)
+    return lines
+
+
 def upload_path(folder: Path, res_file: str, turns: dict, ours: str) -> list[str]:
     import torch
 
@@ -99,10 +127,12 @@ def main() -> None:
     p.add_argument("--upload-path", metavar="RES.json", help="also the planner's upload-path decision")
     a = p.parse_args()
     folder = Path(a.folder)
-    turns = json.loads((folder / "results.json").read_text())["turns"]
+    result = json.loads((folder / "results.json").read_text())
+    turns = result["turns"]
     if a.ours not in turns:
         raise SystemExit(f"{folder}: no turns of {a.ours} (policies: {', '.join(turns)})")
-    lines = prefill_by_size(turns, a.ours) + decode_cpu(turns)
+    expert_mb = (result.get("budget") or {}).get("expert_bytes", 0) / 1e6 or None
+    lines = prefill_by_size(turns, a.ours) + decode_cpu(turns) + host_reads(turns, a.ours, expert_mb)
     if a.upload_path:
         lines += upload_path(folder, a.upload_path, turns, a.ours)
     print("\n".join(lines))

@@ -14,8 +14,10 @@ def _turns(scale: float, per_route_us: float) -> list[dict]:
     out = []
     for i, new in enumerate([50, 60, 300, 3000]):
         decode = {"graph_steps": 10, "graph_cold_routes": 20, "graph_compute_ns": int(20 * per_route_us * 1e3)}
+        prefill = {"cpu_experts": int(scale * 100), "uploaded_experts": 20 if scale > 1 else 0}
         out.append({"session": "s", "turn": i, "new_tokens": new, "prefill_s": scale * new / 1000,
-                    "placement": {"decode": decode}, "error": None})
+                    "kind": "tool" if i else "first", "placement": {"decode": decode, "prefill": prefill},
+                    "error": None})
     return out
 
 
@@ -26,3 +28,13 @@ def test_prefill_ratio_by_size_and_cpu_time_per_route():
     assert lines[2].startswith("  128-511 (1 turns)") and "2048- (1 turns)" in lines[-1]
     cpu = bb.decode_cpu(turns)
     assert "ostinato: 200 us a step, 100.0 us a cold route" in cpu[1] and "80.0 us a cold route" in cpu[2]
+
+
+def test_host_reads_after_tool_outputs():
+    turns = {"ostinato": _turns(1.2, 100.0), "other": _turns(1.0, 80.0)}
+    lines = bb.host_reads(turns, "ostinato", expert_mb=10.0)
+    assert lines[0].startswith("host expert reads in a tool turn's prefill (median over 3 tool turns")
+    # 120 CPU + 20 uploaded against 100: 1.40; prefill 1.2x; 140 experts of 10 MB in 0.36 s (300 tokens) ...
+    assert lines[1].startswith("  ostinato: 140 experts (1.4 GB, read at ")
+    assert lines[2].endswith("reads ratio 1.40, TTFT ratio 1.20")
+    assert "no tool turn" in bb.host_reads({"a": [], "b": []}, "a", None)[0]
