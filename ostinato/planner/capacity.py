@@ -47,8 +47,8 @@
   pool bytes with K zero slots per group and no flex slot.
 
 Everything here is a pure function of the config, the counts and the settings; the
-verification (planner/verify.py) runs the largest pass of the longest request in the
-engine under the cap and reads torch.cuda.max_memory_allocated.
+verification (ostinato/verify.py, above the planner and the engine) runs the largest pass of the
+longest request in the engine under the cap and reads torch.cuda.max_memory_allocated.
 
 Legend: T tokens of a pass, N KV tokens, D hidden, H / Hkv query / KV heads, Dq / Dv / Dr q-k /
 v / rotary head dims, E experts per layer, K top-k, F expert FFN, I dense FFN, V vocabulary,

@@ -175,7 +175,7 @@ def _capacity_settings(a):
 
 def _verify(a, res, cap, device) -> None:
     from ostinato.planner.capacity import fmt_bytes
-    from ostinato.planner.verify import verify_capacity
+    from ostinato.verify import verify_capacity
 
     v = verify_capacity(a.model, a.output, cap, a.cpu_threads, device, a.dtype, getattr(a, "experts", "native"))
     res.capacity["verified"] = v
