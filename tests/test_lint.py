@@ -19,3 +19,49 @@ def test_pyflakes_finds_nothing(folder):
     out, err = io.StringIO(), io.StringIO()
     found = pyflakes_api.checkRecursive([str(ROOT / folder)], Reporter(out, err))
     assert found == 0 and not err.getvalue(), out.getvalue() + err.getvalue()
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports at module level (imports inside
+    functions are the deliberate lazy ones: a command loading the engine only when it runs)."""
+    import ast
+
+    names = {}
+    for path in (ROOT / "ostinato").rglob("*.py"):
+        mod = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        names[mod] = path
+    graph = {}
+    for mod, path in names.items():
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ostinato"):
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[mod] = {d for d in deps if d in names and d != mod}
+    return graph
+
+
+def _part(mod: str) -> str:
+    return ".".join(mod.split(".")[:2])  # ostinato.engine.runner -> ostinato.engine
+
+
+def test_no_import_cycle_between_the_packages_parts():
+    """The package's parts (engine, planner, layers, load, ...) import each other one way only."""
+    edges: dict[str, set[str]] = {}
+    for mod, deps in _module_imports().items():
+        edges.setdefault(_part(mod), set()).update(_part(d) for d in deps if _part(d) != _part(mod))
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            for n in edges.get(todo.pop(), ()):
+                if n == b:
+                    return True
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return False
+
+    cycles = sorted((a, b) for a, bs in edges.items() for b in bs if a < b and reaches(b, a))
+    assert not cycles, f"parts that import each other (directly or around a loop): {cycles}"
