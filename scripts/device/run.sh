@@ -159,6 +159,17 @@ phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route t
     tests/test_serve_plan.py tests/test_gpt_oss.py tests/test_deepseek_v3.py tests/test_expert_act_triton.py \
     tests/test_conversations.py tests/test_gpu_memory.py tests/test_quant_tuning.py tests/test_fused_attention.py \
     "tests/test_gguf.py::test_every_expert_resident_on_the_gpu_keeps_the_blocks"
+  # the fused-attention probe's answer at each big shape's real head dims (the capacity test asks it), kept in the log
+  python3 -c "
+import torch
+from ostinato.config import ModelConfig
+from ostinato.models.common import fused_attention_available
+from ostinato.models.registry import attention_shape
+from ostinato.synth.presets import preset_config
+for p in ('qwen3-30b-a3b', 'qwen3-235b-a22b', 'gpt-oss-120b', 'deepseek-v3-shaped'):
+    s = attention_shape(ModelConfig.from_dict(preset_config(p)))
+    print(f'fused attention, {p}: q/k {s.qk_dim}, v {s.v_dim}:', fused_attention_available(s.qk_dim, s.v_dim,
+          torch.bfloat16, 'cuda'))" 2>&1 | tee -a "$R/tests_wave2.txt" "$LOG"
 }
 phase_skew() {
   $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1
