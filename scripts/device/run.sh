@@ -233,7 +233,11 @@ phase_bench() {
   # calibrates. --merge needs the Np of the run it adds to: a calibration with another Np gives way to BENCH_CAL
   if [[ ${BENCH_ARGS:-} == *--merge* && -n ${BENCH_CAL:-} && $(field "$f" "d['calibration'].get('upload_threshold')") != \
         $(field "$R/bench/results.json" "d['np']['value']") ]]; then f=$BENCH_CAL; say "bench: Np of $f (--merge)"; fi
-  fresh "$f" && [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
+  # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
+  # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
+  if [[ ${BENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
+  elif ! fresh "$f"; then f=""; fi
+  [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
     && cal="--calibration $f"
   local kv  # the KV cache the capacity plan holds (the longest development request)
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
@@ -256,7 +260,11 @@ phase_regimes() {  # [J] the same bench under each routing regime; the calibrati
     --thresholds 512 1024 2048 --max-context 8292}
   [[ $M == synth:* ]] || { say "regimes: $M is not a synthetic model: it has no routing regimes"; return 1; }
   [[ $M == *\?* ]] && sep="&"
-  fresh "$f" && [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
+  # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
+  # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
+  if [[ ${BENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
+  elif ! fresh "$f"; then f=""; fi
+  [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
     && cal="--calibration $f"
   kv=$(field "$f" "d['capacity'].get('kv_tokens')")
   for r in ${REGIMES:-flat layered layered-persistent}; do
@@ -358,7 +366,11 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
   local g f=$R/${QBENCH_OUT:-bench_q4}/residency.json cal="" kv; g=$(gguf_file)
   gguf_wait || return 1
   # the calibration and Np of this bench's first call (a --merge adds to it); the first call calibrates
-  fresh "$f" && [[ -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
+  # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
+  # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
+  if [[ ${BENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
+  elif ! fresh "$f"; then f=""; fi
+  [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
     && cal="--calibration $f"
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   # the route counts of the bf16 model of the same weights (phase skew, $QPROFILED): the quantized model's
