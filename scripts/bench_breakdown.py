@@ -7,8 +7,9 @@
 * host reads after tool outputs: the experts each policy read from host memory in a tool turn's
   prefill (computed on the CPU or uploaded: each is read once from host memory either way), median
   over the tool turns all policies replayed, the ratio to the first policy's, and the rate the
-  prefill read them at. Where a pass touches most cold experts, TTFT follows these bytes (GB from the
-  run's expert bytes);
+  prefill read them at, and (where the run probed the host's read bandwidth) the prefill against the
+  floor of those bytes at the probe's rate. Where a pass touches most cold experts, TTFT follows
+  these bytes (GB from the run's expert bytes);
 * `--upload-path RES.json`: the planner's decision on the upload path (planner/pipeline.py
   plan_upload_path) for the run's plan and calibration (RES.json: a residency with its
   calibration, e.g. phase calib's res-cap.json), with the held-out turns' new tokens standing
@@ -66,7 +67,9 @@ def decode_cpu(turns: dict) -> list[str]:
     return lines
 
 
-def host_reads(turns: dict, ours: str, expert_mb: float | None) -> list[str]:
+def host_reads(turns: dict, ours: str, expert_mb: float | None, probes: dict | None = None) -> list[str]:
+    """probes: policy -> its host read probe (results.json's host_read_gbps), for the floor of a
+    tool turn's prefill: its host bytes at the probe's rate (mean of before and after)."""
     tool = {n: {_key(t): t for t in ts if t.get("kind") == "tool" and not t.get("error")} for n, ts in turns.items()}
     keys = sorted(set.intersection(*(set(v) for v in tool.values()))) if tool else []
     if not keys:
@@ -81,7 +84,13 @@ def host_reads(turns: dict, ours: str, expert_mb: float | None) -> list[str]:
         row = f"  {n}: {median([reads(ts[k]) for k in keys]):.0f} experts"
         if expert_mb:
             gbps = median([reads(ts[k]) * expert_mb / 1e3 / ts[k]["prefill_s"] for k in keys])
-            row += f" ({median([reads(ts[k]) for k in keys]) * expert_mb / 1e3:.1f} GB, read at {gbps:.0f} GB/s)"
+            row += f" ({median([reads(ts[k]) for k in keys]) * expert_mb / 1e3:.1f} GB, read at {gbps:.0f} GB/s"
+            probe = (probes or {}).get(n)
+            if probe:
+                rate = (probe["before"] + probe["after"]) / 2
+                floor = median([ts[k]["prefill_s"] / (reads(ts[k]) * expert_mb / 1e3 / rate) for k in keys])
+                row += f"; {floor:.2f}x the floor of its bytes at the probe's {rate:.0f} GB/s"
+            row += ")"
         if n != ours:
             row += f", reads ratio {median([reads(tool[ours][k]) / reads(ts[k]) for k in keys]):.2f}, TTFT ratio " \
                    f"{median([tool[ours][k]['prefill_s'] / ts[k]['prefill_s'] for k in keys]):.2f}"
@@ -132,7 +141,8 @@ def main() -> None:
     if a.ours not in turns:
         raise SystemExit(f"{folder}: no turns of {a.ours} (policies: {', '.join(turns)})")
     expert_mb = (result.get("budget") or {}).get("expert_bytes", 0) / 1e6 or None
-    lines = prefill_by_size(turns, a.ours) + decode_cpu(turns) + host_reads(turns, a.ours, expert_mb)
+    probes = {n: e["host_read_gbps"] for n, e in result["policies"].items() if e.get("host_read_gbps")}
+    lines = prefill_by_size(turns, a.ours) + decode_cpu(turns) + host_reads(turns, a.ours, expert_mb, probes)
     if a.upload_path:
         lines += upload_path(folder, a.upload_path, turns, a.ours)
     print("\n".join(lines))

@@ -38,3 +38,6 @@ def test_host_reads_after_tool_outputs():
     assert lines[1].startswith("  ostinato: 140 experts (1.4 GB, read at ")
     assert lines[2].endswith("reads ratio 1.40, TTFT ratio 1.20")
     assert "no tool turn" in bb.host_reads({"a": [], "b": []}, "a", None)[0]
+    # 140 experts of 10 MB at 7 GB/s: 0.2 s; the prefills take 0.072, 0.36 and 3.6 s: median 1.8x
+    probed = bb.host_reads(turns, "ostinato", 10.0, {"ostinato": {"before": 8.0, "after": 6.0, "probe": "native"}})
+    assert "; 1.80x the floor of its bytes at the probe's 7 GB/s)" in probed[1] and "floor" not in probed[2]
