@@ -176,5 +176,11 @@ def test_rounds_interleave_the_policies_over_slices_of_the_held_out_sessions(tmp
         assert {t["session"] for t in result["turns"][name]} == set(slices[0]) | set(slices[2])
     layers = result["policies"]["layers"]
     assert layers["offload_threshold"] == layers["tuning"]["chosen"]
-    assert "replayed in 2 rounds" in (tmp_path / "report.md").read_text()
+    for name in ("ostinato", "layers"):  # each round's own figures, and the totals add up
+        rounds = result["policies"][name]["by_round"]
+        assert [r["sessions"] for r in rounds] == [len(slices[0]), len(slices[2])]
+        assert sum(r["total_s"] for r in rounds) == pytest.approx(result["policies"][name]["summary"]["request_s"]
+                                                                ["total"], abs=1e-3)
+    report = (tmp_path / "report.md").read_text()
+    assert "replayed in 2 rounds" in report and "| layers | 2 | " in report
     assert result["comparisons"]["layers"]["same_run"]

@@ -555,6 +555,12 @@ def combine_rounds(entries: list[dict], moe_layers: int, np_) -> tuple[dict, lis
     reads = [e["host_read_gbps"] for e in entries if e.get("host_read_gbps")]
     if len(entries) > 1:
         out["rounds"] = len(entries)
+        out["by_round"] = []  # each round's own medians and total: the spread a reader weighs the ratios by
+        for e in entries:
+            r = summarize(e["_results"], moe_layers)
+            out["by_round"].append({"sessions": r["sessions"], "ttft_tool_ms": r["ttft_ms"]["median"]["tool"],
+                                    "tpot_ms": r["tpot_ms"]["median"], "total_s": r["request_s"]["total"],
+                                    "host_read_gbps": e.get("host_read_gbps")})
         if reads:
             mean = lambda k: round(sum(r[k] for r in reads) / len(reads), 2)  # noqa: E731
             out["host_read_gbps"] = {"before": mean("before"), "after": mean("after"), "probe": reads[-1]["probe"],

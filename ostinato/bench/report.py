@@ -326,7 +326,7 @@ def markdown(result: dict, plots: list[str]) -> str:
     lines.append("| " + " | ".join(TABLE_COLUMNS) + " |")
     lines.append("|" + "---|" * len(TABLE_COLUMNS))
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += host_read_lines(result)
+    lines += host_read_lines(result) + round_lines(result)
     lines += ["", "## Settings and tuning", ""]
     rounds = max((e.get("rounds", 1) for e in result["policies"].values()), default=1)
     if rounds > 1:
@@ -409,6 +409,23 @@ def markdown(result: dict, plots: list[str]) -> str:
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def round_lines(result: dict) -> list[str]:
+    """Each policy's figures round by round (bench --rounds), in the order the rounds ran."""
+    rows = [(name, e["by_round"]) for name, e in result["policies"].items() if e.get("by_round")]
+    if not rows:
+        return []
+    lines = ["", "Round by round (each round a slice of the held-out sessions; every policy replays the same "
+             "slice in a round):", "", "| policy | round | sessions | TTFT tool ms | TPOT ms | total s | host read "
+             "GB/s before / after |", "|---|---|---|---|---|---|---|"]
+    for name, rounds in rows:
+        for i, r in enumerate(rounds, 1):
+            read = r.get("host_read_gbps")
+            probe = f"{read['before']:.1f} / {read['after']:.1f}" if read else "-"
+            lines.append(f"| {name} | {i} | {r['sessions']} | {_f(r['ttft_tool_ms'], '{:.1f}')} | "
+                         f"{_f(r['tpot_ms'], '{:.2f}')} | {r['total_s']:.2f} | {probe} |")
+    return lines
 
 
 def host_read_lines(result: dict) -> list[str]:
