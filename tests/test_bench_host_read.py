@@ -184,3 +184,13 @@ def test_rounds_interleave_the_policies_over_slices_of_the_held_out_sessions(tmp
     report = (tmp_path / "report.md").read_text()
     assert "replayed in 2 rounds" in report and "| layers | 2 | " in report
     assert result["comparisons"]["layers"]["same_run"]
+
+
+def test_rounds_outside_the_held_out_sessions_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from ostinato.config import ConfigError
+
+    monkeypatch.setattr(bench_mod, "load_engine", lambda *a, **kw: pytest.fail("loaded the model"))
+    bs = demo_settings(tmp_path, quick=True, device="cpu", cpu_backend="torch", progress=False)
+    for rounds in (0, 99):
+        with pytest.raises(ConfigError, match=f"--rounds {rounds}: give 1 to"):
+            bench_mod.run_bench(replace(bs, rounds=rounds, log=False))

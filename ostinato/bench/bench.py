@@ -263,6 +263,9 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     """Steps 1-4: split, profile, budget and skew, plan and calibrate."""
 
     dev, held = select_sessions(bs.sessions, bs.max_sessions)
+    if not 1 <= bs.rounds <= len(held):  # before the model loads
+        raise ConfigError(f"--rounds {bs.rounds}: give 1 to {len(held)} (the held-out sessions are cut into that "
+                          "many slices)")
     _say(bs, f"sessions: {len(dev)} development, {len(held)} held-out ({bs.sessions})")
     probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1,
                            cpu_backend=bs.cpu_backend, experts=bs.experts)
@@ -377,9 +380,6 @@ def run_bench(bs: BenchSettings) -> dict:
         return finish_result({**base, **extra, "policies": dict(policies),
                               "elapsed_s": round(time.perf_counter() - t_start, 1)}, dict(turns), bs.out, with_plots)
 
-    if bs.rounds < 1 or bs.rounds > len(p.held):
-        raise ConfigError(f"--rounds {bs.rounds}: give 1 to {len(p.held)} (the held-out sessions are cut into that "
-                          "many slices)")
     rounds: dict[str, list[dict]] = {}  # each policy's entries so far, one per round
     for r in range(bs.rounds):
         part = p.held[r::bs.rounds]

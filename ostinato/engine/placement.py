@@ -89,12 +89,11 @@ def build_hybrid(source, residency: Residency, place: PlacementSettings, device:
     residency.check(source)
     apply_memory_cap(device, place.gpu_memory)
     spec = ModelExperts.of(source, device, dtype, max_tokens, threads, place.experts)
-    hot = {l: residency.hot.get(l, []) for l in spec.moe_layers}
     try:
-        hybrid = hybrid_from_parts(spec, hot, resolve_np(place, residency), place.cpu_backend,
+        hybrid = hybrid_from_parts(spec, residency.hot, resolve_np(place, residency), place.cpu_backend,
                                    flex=flex_of(residency, spec.num_experts, spec.formats))
     except torch.OutOfMemoryError:
-        raise ConfigError(f"the expert pool ({sum(map(len, hot.values()))} hot experts and their flex slots) does "
+        raise ConfigError(f"the expert pool ({residency.hot_count} hot experts and their flex slots) does "
                           "not fit the GPU memory cap: plan with a smaller --gpu-memory or --hot-fraction") from None
     return configure(hybrid, place, residency)
 
