@@ -224,6 +224,18 @@ def test_ktransformers_runs_the_cross_layer_residency_by_its_rules():
         build_policy("ktransformers", _spec(), _settings(residency=None))
 
 
+def test_ktransformers_runs_the_fill_by_routes_where_ostinato_filled_again_by_time():
+    """KTransformers' frequency strategy ranks by routes: a plan the planner filled again by time
+    saved (calibration.fill) gives it back its experts by routes; Ostinato runs the plan as made."""
+    res = _residency()
+    res.calibration = {"fill": {"by": "time saved", "moved": 2, "in": {"0": [12, 13]}, "out": {"0": [6, 7]}}}
+    res.hot[0] = [0, 1, 2, 3, 4, 5, 12, 13]
+    kt = build_policy("ktransformers", _spec(), _settings(residency=res))
+    ours = build_policy("ostinato", _spec(), _settings(residency=res))
+    resident = lambda p: (p.pool.table_host[0] >= 0).nonzero()[:, 0].tolist()  # noqa: E731
+    assert resident(kt) == list(range(8)) and resident(ours) == [0, 1, 2, 3, 4, 5, 12, 13]
+
+
 def test_ostinato_policy_split_and_upload_paths():
     p = build_policy("ostinato", _spec(), _settings(upload_threshold=32))
     assert p.resident_experts() == 24 and not p.capturable

@@ -21,7 +21,7 @@ from ostinato.layers.moe.types import ExpertWeights
 from ostinato.planner import cost_model as cm
 from ostinato.planner.capacity import CapacitySettings, grow_without_flex, hot_groups, plan_capacity
 from ostinato.planner.fill import fill, fill_more
-from ostinato.planner.pipeline import plan_upload_path, upload_path_text
+from ostinato.planner.pipeline import fill_text, plan_upload_path, upload_path_text
 from ostinato.synth.presets import preset_config
 
 FAST = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -365,3 +365,90 @@ def test_engine_without_upload_path_has_no_flex_slots_and_no_np(tiny_dir, tmp_pa
         hu = up.runner.experts.unwrapped
         assert hu.pools.num_hot == flexed.hot_count and any(p.num_slots > p.flex_lo for p in hu.pools.groups)
         assert hu.upload_threshold == 16  # the measured Np of the plan with the upload path, or the one given
+
+
+def _skewed_profile(prompts: list[int], decode_tokens: int) -> RouteCounts:
+    """Decode routes expert e with probability proportional to 0.8^e, prefill the other way round
+    (0.8^(E-1-e)): a fill by route totals, where prompt tokens outnumber decode tokens, keeps the
+    experts the prefill favours; a fill by time saved keeps those decode favours."""
+    w = torch.tensor([0.8 ** e for e in range(E)], dtype=torch.float64)
+    p_dec, p_pre = K * w / w.sum(), K * w.flip(0) / w.sum()
+    prof = RouteCounts.zeros(CFG.moe_layers, E)
+    for l in CFG.moe_layers:
+        prof.prefill[l] = torch.round(p_pre * sum(prompts)).to(torch.int64)
+        prof.decode[l] = torch.round(p_dec * decode_tokens).to(torch.int64)
+    prof.tokens = {"prefill": sum(prompts), "decode": decode_tokens}
+    prof.prompts = list(prompts)
+    return prof
+
+
+def test_expert_values_are_the_cpu_time_each_expert_costs():
+    """cost_model.expert_values against the formula written out: decode routes x beta, and on every
+    pass of n tokens beta_expert x P(read) + beta_route x n x p below Np, P(read) x upload time at
+    Np and above."""
+    prof = _skewed_profile([300, 300, 2500], 1000)  # passes: 300 x 2, 2048 (the chunk) and 452
+    cal = _calibration(**PAYS)  # Np 512: the 2048-token pass uploads
+    v = cm.expert_values(cal, prof, cm.prefill_passes(prof.prompts, CHUNK), K)
+    beta, cp = cal["graph_fit"]["beta_ms"], cal["cpu_pass"]
+    upload = cal["expert_bytes"] / (cal["upload_gbps"] * 1e6)
+    for l in CFG.moe_layers:
+        for e in (0, 7, E - 1):
+            p = float(prof.prefill[l][e]) / prof.tokens["prefill"]
+            read = lambda n: 1 - (1 - p) ** n  # noqa: E731
+            want = float(prof.decode[l][e]) * beta + read(2048) * upload
+            want += sum(cp["beta_expert_ms"] * read(n) + cp["beta_route_ms"] * n * p for n in (300, 300, 452))
+            assert float(v[l][e]) == pytest.approx(want, rel=1e-9)
+    assert cm.expert_values({k: x for k, x in cal.items() if k != "cpu_pass"}, prof, {300: 1}, K) is None
+
+
+def test_plan_fills_again_by_time_saved_and_ktransformers_keeps_the_fill_by_routes():
+    """The fill by route totals keeps the prefill's favourites; the calibrated plan keeps as many
+    experts, chosen by the time they save, which the model predicts to cut the decode step; the
+    plan by routes comes back for the ktransformers baseline and for a new decision."""
+    prof = _skewed_profile([300] * 40, 2000)
+    counts = prof.total("all")
+    res, _ = _plan()
+    res = dataclasses.replace(res, hot=fill(counts, res.hot_count))
+    cal = _calibration(**H200)
+    out = plan_upload_path(res, cal, prof, counts, SIZES, K, CHUNK, borrow=True)  # borrowing keeps the flex slots
+    f = out.calibration["fill"]
+    values = cm.expert_values(cal, prof, cm.prefill_passes(prof.prompts, CHUNK), K)
+    assert out.upload_path and out.hot_count == res.hot_count
+    assert out.hot == fill(values, res.hot_count) != res.hot and f["by"] == "time saved" and f["moved"] > 0
+    assert f["moved"] == sum(len(set(out.hot[l]) - set(res.hot[l])) for l in res.hot)
+    assert f["decode_moe_ms"]["time"] < f["decode_moe_ms"]["routes"]
+    assert f["cold_routes_per_token_layer"]["time"] < f["cold_routes_per_token_layer"]["routes"]
+    assert fill_text(f).startswith(f"by time saved: {f['moved']} experts moved")
+    back = _roundtrip(out)
+    assert back.frequency_plan().hot == res.hot and "fill" not in back.frequency_plan().calibration
+    again = plan_upload_path(back, cal, prof, counts, SIZES, K, CHUNK, borrow=True)  # decided again: the same plan
+    assert again.hot == out.hot and again.calibration["fill"] == f
+    kept = plan_upload_path(res, cal, prof, counts, SIZES, K, CHUNK, borrow=True, by_time=False)
+    assert kept.hot == res.hot and "fill" not in kept.calibration and fill_text(None) == "by routes"
+
+
+def test_fill_by_time_dropping_the_upload_path_comes_back_to_the_fill_by_routes():
+    """Both decisions undone in turn: the flex slots' experts, then the experts the fill moved."""
+    prof = _skewed_profile([300] * 40, 3000)
+    counts = prof.total("all")
+    res, _ = _plan()
+    res = dataclasses.replace(res, hot=fill(counts, res.hot_count))
+    out = plan_upload_path(res, _calibration(**FINDING), prof, counts, SIZES, K, CHUNK)
+    assert not out.upload_path and out.calibration["fill"]["moved"] > 0 and out.hot_count > res.hot_count
+    back = _roundtrip(out)
+    assert back.upload_plan().hot_count == res.hot_count and back.upload_plan().hot != res.hot
+    assert back.frequency_plan().hot == res.hot and back.frequency_plan().upload_path
+
+
+def test_fill_by_time_keeps_each_format_groups_bytes():
+    """A Q4_K_M-like model: layers of two block formats; each group keeps as many hot experts."""
+    sizes = {l: (("q4_k", 2_654_208) if l < 2 else ("q4_k+q6_k", 3_063_808)) for l in CFG.moe_layers}
+    prof = _skewed_profile([300] * 40, 2000)
+    w = torch.tensor([1.0 + l for l in CFG.moe_layers], dtype=torch.float64)  # later layers route more
+    for l in CFG.moe_layers:
+        prof.decode[l] = (prof.decode[l] * w[l]).to(torch.int64)
+    res = Residency("sha256:test", E, fill(prof.total("all"), 24))
+    out = plan_upload_path(res, _calibration(**H200), prof, prof.total("all"), sizes, K, CHUNK, borrow=True)
+    assert out.calibration["fill"]["moved"] > 0
+    for group in ((0, 1), (2, 3)):
+        assert sum(len(out.hot[l]) for l in group) == sum(len(res.hot[l]) for l in group)

@@ -15,10 +15,11 @@ where it has a threshold, and replayed on the held-out sessions. Steps:
    plan` makes it (planner/pipeline.py: --expert-budget bytes, or the pool of a --hot-fraction
    residency, or the capacity test on --gpu-memory; 0.4 of all experts without any), saved as
    residency.json; Np calibrated in the engine by planner/calibrate.py (or --upload-threshold), then
-   the planner's decision whether the upload path pays for its flex slots over the development
-   sessions (planner/pipeline.py plan_upload_path): where it does not, Ostinato's plan spends their
-   bytes on hot experts and has no Np (the ktransformers baseline and the ablation's upload and
-   borrow steps still run the plan with the upload path, in the same budget);
+   the plan filled again by the time each expert saves and the planner's decision whether the upload
+   path pays for its flex slots over the development sessions (planner/pipeline.py plan_upload_path):
+   where it does not, Ostinato's plan spends their bytes on hot experts and has no Np (the ablation's
+   upload and borrow steps still run the plan with the upload path, in the same budget; the
+   ktransformers baseline runs the fill by routes with it, Residency.frequency_plan);
 5. per policy: build, warm up, tune the offload threshold over OFFLOAD_THRESHOLDS (policies/settings.py) on
    development sessions (lowest total request time), replay held-out (the host's read bandwidth measured with
    the policy's CPU pool just before and after it), run the sweep;
@@ -50,7 +51,7 @@ from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_check
 from ostinato.planner.capacity import CapacitySettings, hot_groups, pool_groups
 from ostinato.planner.measure.prefill import prompt_ids
 from ostinato.planner.measure.transfers import host_read_gbps, read_buffer
-from ostinato.planner.pipeline import plan_residency, plan_upload_path, size_pool, upload_path_text
+from ostinato.planner.pipeline import fill_text, plan_residency, plan_upload_path, size_pool, upload_path_text
 from ostinato.planner.profile import session_stream
 from ostinato.planner.run_profile import profile_sessions
 from ostinato.planner.skew import hot_share, persistence_report, spread_report, trace_sessions
@@ -319,19 +320,20 @@ def decide_upload_path(loaded, bs: BenchSettings, residency: Residency, counts, 
     sizes = expert_sizes(cfg, loaded.runner.dtype, expert_formats(loaded.source, bs.experts))
     residency = plan_upload_path(residency, residency.calibration, counts, counts.total("all"), sizes, K,
                                  bs.runner.prefill_chunk, limit=budget["bytes"])
-    up = residency.calibration["upload_path"]
-    np_info = {**np_info, "upload_path": {k: v for k, v in up.items() if k not in ("added", "capacity")}}
+    up, fill = residency.calibration["upload_path"], residency.calibration.get("fill")
+    np_info = {**np_info, "upload_path": {k: v for k, v in up.items() if k not in ("added", "capacity")},
+               "fill": {k: v for k, v in (fill or {}).items() if k not in ("in", "out")}}
+    try:  # the model's figures for the plan Ostinato runs (filled again by time saved, maybe grown)
+        np_info["predicted"] = model_checks(residency.calibration, counts, residency.hot, cfg)
+    except Exception as e:  # noqa: BLE001 - the prediction is a report line, not a requirement
+        np_info["predicted"] = {"error": f"{type(e).__name__}: {e}"}
+    how = f"fill {fill_text(fill)}; "
     if residency.upload_path:
-        return residency, {**np_info, "how": f"{np_info['how']}; upload path {upload_path_text(up)}"}
+        return residency, {**np_info, "how": f"{np_info['how']}; {how}upload path {upload_path_text(up)}"}
     total = len(cfg.moe_layers) * E
     budget.update(hot=residency.hot_count, fraction=round(residency.hot_count / total, 4),
                   groups=hot_groups(residency.hot, K, E, sizes, max_flex=0))
-    try:
-        predicted = model_checks(residency.calibration, counts, residency.hot, cfg)
-    except Exception as e:  # noqa: BLE001 - the prediction is a report line, not a requirement
-        predicted = {"error": f"{type(e).__name__}: {e}"}
-    return residency, {**np_info, "value": None, "how": upload_path_text(up), "measured": np_info["value"],
-                       "predicted": predicted}
+    return residency, {**np_info, "value": None, "how": how + upload_path_text(up), "measured": np_info["value"]}
 
 
 def routing_figures(counts, held_counts, fraction: float, held_stats, top_k: int) -> dict:

@@ -96,6 +96,23 @@ class Residency:
                                                                if k != "upload_path"},
                                    capacity={**self.capacity, **(up.get("capacity") or {})})
 
+    def frequency_plan(self) -> "Residency":
+        """The plan filled by route counts (planner/fill.py) with the upload path that this one was
+        made from: its upload plan, less the experts the fill by time saved brought in and with those
+        it took out (calibration.fill, planner/pipeline.py refill_by_time). KTransformers' frequency
+        strategy ranks by routes and runs it (the ktransformers baseline); a new decision starts
+        from it."""
+        plan = self.upload_plan()
+        f = plan.calibration.get("fill") or {}
+        if not f:
+            return plan
+        moved_in = {int(l): set(v) for l, v in (f.get("in") or {}).items()}
+        moved_out = {int(l): list(v) for l, v in (f.get("out") or {}).items()}
+        hot = {l: sorted([e for e in v if e not in moved_in.get(l, ())] + moved_out.get(l, []))
+               for l, v in plan.hot.items()}
+        return dataclasses.replace(plan, hot=hot, calibration={k: v for k, v in plan.calibration.items()
+                                                               if k != "fill"})
+
     def is_hot(self, layer: int) -> torch.Tensor:
         m = torch.zeros(self.num_experts, dtype=torch.bool)
         m[self.hot.get(layer, [])] = True

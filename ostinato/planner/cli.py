@@ -289,10 +289,12 @@ def plan_from_served(a) -> int:
                          profile=dict(old.profile) | {"counts": f"{served.served_tokens} served tokens and the "
                                                       f"development profile at weight {served.dev_weight():.4f}"},
                          notes=dict(old.notes))
-    res.calibration = {k: v for k, v in old.calibration.items() if k != "upload_path"}  # the old plan's decision
-    if res.calibration.get("global") and dev is not None:  # decided again for this plan, on the development sessions
+    # the old plan's decisions go: this plan is filled by its learned routes (served ones have no prompt
+    # sizes to weigh passes by, so no fill by time), and its upload path is decided on the development sessions
+    res.calibration = {k: v for k, v in old.calibration.items() if k not in ("upload_path", "fill")}
+    if res.calibration.get("global") and dev is not None:
         res = _decide_upload_path(res, res.calibration, dev, counts, source, dtype, a.prefill_chunk,
-                                  getattr(a, "experts", "native"))
+                                  getattr(a, "experts", "native"), by_time=False)
     L = len(cfg.moe_layers)
     before, after = route_report(served.counts, old.hot, L), route_report(served.counts, res.hot, L)
     res.notes["report"] = dict(res.notes.get("report") or {}) | {"served": after, "served_before": before}
@@ -390,16 +392,18 @@ def cmd_calibrate(a) -> int:
 
 
 def _decide_upload_path(res, cal: dict, prof, counts, source, dtype, prefill_chunk: int, experts: str,
-                        borrow: bool = False):
+                        borrow: bool = False, by_time: bool = True):
     """planner/pipeline.py plan_upload_path for a plan of this source with its experts kept as
-    `experts` says (native or bf16), said in one line."""
+    `experts` says (native or bf16), said in two lines."""
     from ostinato.engine.sizes import expert_sizes
     from ostinato.loader.build import expert_formats
-    from ostinato.planner.pipeline import plan_upload_path, upload_path_text
+    from ostinato.planner.pipeline import fill_text, plan_upload_path, upload_path_text
 
     cfg = source.config
     sizes = expert_sizes(cfg, dtype, expert_formats(source, experts))
-    res = plan_upload_path(res, cal, prof, counts, sizes, cfg.num_experts_per_tok, prefill_chunk, borrow=borrow)
+    res = plan_upload_path(res, cal, prof, counts, sizes, cfg.num_experts_per_tok, prefill_chunk, borrow=borrow,
+                           by_time=by_time)
+    print(f"fill {fill_text(res.calibration.get('fill'))}")
     print(f"upload path {upload_path_text(res.calibration['upload_path'])}; {res.hot_count} experts resident")
     return res
 

@@ -457,3 +457,38 @@ def upload_path_value(cal: dict, prof, passes: dict[int, int], hot: dict[int, li
             "passes": sum(passes.values()), "passes_at_np": g["passes_at_np"], "passes_mixed": g["passes_mixed"],
             "largest_pass": max(passes, default=0), "decode_tokens": prof.tokens["decode"],
             "cold_routes_per_token_layer": [step["hot"].cold_routes_per_layer, step["bigger"].cold_routes_per_layer]}
+
+
+def expert_values(cal: dict, prof, passes: dict[int, int], top_k: int) -> dict[int, torch.Tensor] | None:
+    """What keeping each expert resident saves over a development workload, ms, to first order
+    (each expert on its own, the other experts as they are): the cost of its routes on the CPU,
+    by the calibrated constants, on the passes the engine makes,
+
+      decode    its decode routes x beta_l (the CPU branch's cost of one cold route);
+      prefill   on every split pass of n tokens (below Np): beta_expert x P(a pass reads it) +
+                beta_route x n p_e, with P = 1 - (1 - p_e)^n; on an upload pass (Np and above):
+                P x its upload time.
+
+    A decode route costs 31x a prefill route on the H200 machine (session 16: 70.9 against 2.3
+    µs), and most prefill routes fall on passes that read every expert of the layer anyway, so a
+    fill by these values keeps the experts decode uses where a fill by route counts keeps those
+    long prefills use. prof: a RouteCounts with prompt sizes; passes: prefill_passes of them.
+    None where the calibration lacks the decode constants or the prefill ones (cpu_pass)."""
+    if not cal.get("global") or not cal.get("cpu_pass") or not cal.get("upload_gbps"):
+        return None
+    layers = sorted(prof.decode)
+    costs, pc = layer_costs(cal, layers), PassCosts.from_calibration(cal)
+    np_ = cal.get("upload_threshold")
+    upload_ms = pc.expert_bytes / (pc.upload_gbps * 1e6)
+    out = {}
+    for l in layers:
+        v = prof.decode[l].double() * costs[l].beta
+        p = route_probs(prof.prefill[l], prof.tokens["prefill"], top_k)
+        for n, k in passes.items():
+            read = 1.0 - (1.0 - p) ** n
+            if choose_path(n, True, np_, None) == "upload":
+                v = v + k * read * upload_ms
+            else:
+                v = v + k * (pc.beta_expert * read + pc.beta_route * n * p)
+        out[l] = v
+    return out

@@ -9,11 +9,12 @@ A pool is sized one of three ways, first match:
 * `gpu_memory`: the capacity test (planner/capacity.py): every slot the cap leaves after the
   dense weights, the KV cache, the activations and the margin.
 
-Once the engine has calibrated the plan, `plan_upload_path` decides whether its upload path (the
-upload path proper and the split with uploads) earns the flex slots it needs; where it does not,
-the plan spends their bytes on hot experts and has neither (every place that calibrates a plan
-calls it: bench, `ostinato calibrate`, serve's own planning, and `plan --from-served`, which
-carries a calibration over).
+Once the engine has calibrated the plan, `plan_upload_path` fills it again by the time each expert
+saves rather than by its routes (`refill_by_time`: a decode route costs the CPU 31x a prefill
+route), then decides whether its upload path (the upload path proper and the split with uploads)
+earns the flex slots it needs; where it does not, the plan spends their bytes on hot experts and
+has neither (every place that calibrates a plan calls it: bench, `ostinato calibrate`, serve's own
+planning, and `plan --from-served`, which carries a calibration over).
 
 The flex slots of each format group are bounded (capacity.flex_bound: `max_flex`, else a share
 of the pool's bytes: the expert budget, or what the cap leaves); a hot fraction without a cap has
@@ -40,7 +41,7 @@ from ostinato.layers.moe.hybrid import MixedPass
 from ostinato.planner import cost_model as cm
 from ostinato.planner.capacity import (Capacity, CapacitySettings, flex_bound, grow_without_flex, hot_groups,
                                        max_hot_bytes, plan_capacity, pool_groups)
-from ostinato.planner.fill import cold_routes, fill
+from ostinato.planner.fill import cold_routes, fill, fill_per_device
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,46 @@ def route_report(prof, hot: dict[int, list[int]], num_layers: int) -> dict:
             "cold_routes_per_token_layer": round(per_token, 4)}
 
 
+def refill_by_time(res: Residency, values: dict[int, torch.Tensor], sizes: dict[int, tuple[str, int]],
+                   prof, cal: dict, top_k: int) -> Residency:
+    """The plan with each format group's hot experts chosen again by `values` (cost_model.expert_values:
+    the ms each expert saves over the development sessions), as many in each group as before, so that
+    its pools keep their bytes. calibration["fill"] records the experts moved ("in", "out": what
+    Residency.frequency_plan undoes) and the decode step the model predicts for the development
+    sessions under both fills."""
+    groups: dict[str, list[int]] = {}
+    for l in values:
+        groups.setdefault(sizes[l][0] if l in sizes else "", []).append(l)
+    hot = fill_per_device(values, groups, {g: sum(len(res.hot.get(l, [])) for l in ls) for g, ls in groups.items()})
+    moved_in = {str(l): sorted(set(hot[l]) - set(res.hot.get(l, []))) for l in sorted(hot)}
+    moved_out = {str(l): sorted(set(res.hot.get(l, [])) - set(hot[l])) for l in sorted(hot)}
+    note = {"by": "time saved", "moved": sum(map(len, moved_in.values())),
+            "in": {l: v for l, v in moved_in.items() if v}, "out": {l: v for l, v in moved_out.items() if v}}
+    layers = sorted(prof.decode)
+    costs, laws = cm.layer_costs(cal, layers), cm.route_laws(prof.decode, prof.tokens["decode"], top_k)
+    for name, h in (("routes", res.hot), ("time", hot)):
+        step = cm.predict_decode_step(prof.decode, prof.tokens["decode"], h, costs, top_k, laws=laws)
+        note.setdefault("decode_moe_ms", {})[name] = round(step.moe_ms, 4)
+        note.setdefault("cold_routes_per_token_layer", {})[name] = round(step.cold_routes_per_layer, 4)
+    return dataclasses.replace(res, hot={**res.hot, **hot}, calibration={**res.calibration, "fill": note})
+
+
+def fill_text(f: dict | None) -> str:
+    """calibration["fill"] as a report says it."""
+    if not f:
+        return "by routes"
+    d, r = f["decode_moe_ms"], f["cold_routes_per_token_layer"]
+    return (f"by time saved: {f['moved']} experts moved from the fill by routes; over the development sessions the "
+            f"model predicts {r['time']:.3f} cold routes per token-layer (by routes {r['routes']:.3f}) and "
+            f"{d['time']:.3f} ms of MoE layers per decode step (by routes {d['routes']:.3f})")
+
+
 def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, torch.Tensor],
                      sizes: dict[int, tuple[str, int]], top_k: int, prefill_chunk: int, *, limit: int | None = None,
-                     borrow: bool = False) -> Residency:
-    """Whether the plan keeps its upload path, once the calibration has measured Np and the
+                     borrow: bool = False, by_time: bool = True) -> Residency:
+    """The plan filled again by time saved (refill_by_time, where `by_time` and the calibration and
+    the development profile allow: cost_model.expert_values; a plan of several GPUs keeps its fill),
+    then whether it keeps its upload path, once the calibration has measured Np and the
     paths: the flex slots it needs could hold hot experts instead (the next ones in the fill order),
     and on a workload whose long passes are few the cold routes those experts would take off the
     CPU save more than the flex slots do. Decided on the development sessions (`prof`, a RouteCounts
@@ -149,10 +186,18 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     Pure: -> the residency with calibration["upload_path"] recording the decision and its numbers
     ("on", "why", the gain of each path and the cost in ms over the development sessions; when
     dropped, the experts added and the capacity of the plan with the upload path, so
-    Residency.upload_plan restores it). `residency` may hold an earlier decision: it is decided
-    again from its upload plan."""
-    res = residency.upload_plan()
-    cal = {k: v for k, v in cal.items() if k != "upload_path"}
+    Residency.upload_plan restores it). `residency` may hold earlier decisions: they are made
+    again from its plan by routes with the upload path (Residency.frequency_plan). `by_time`
+    False: the plan keeps the fill it came with (plan --from-served: its served routes have no
+    prompt sizes to weigh passes by)."""
+    res = residency.frequency_plan()
+    cal = {k: v for k, v in cal.items() if k not in ("upload_path", "fill")}
+    values = None
+    if by_time and len(res.devices) <= 1 and prof is not None and prof.prompts is not None:
+        values = cm.expert_values(cal, prof, cm.prefill_passes(prof.prompts, prefill_chunk), top_k)
+    if values is not None:
+        res = refill_by_time(dataclasses.replace(res, calibration=cal), values, sizes, prof, cal, top_k)
+        cal, counts = res.calibration, values
 
     def decided(on: bool, why: str, plan: dict | None = None, **kw) -> Residency:
         """res with the decision recorded; plan: the fields of the plan without the upload path."""

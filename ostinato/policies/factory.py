@@ -74,8 +74,8 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
         return hybrid_from_parts(spec, residency.hot, np_ if upload else None, settings.cpu_backend,
                                  flex=flex_of(residency, spec.num_experts, spec.formats))
     settings = settings.with_(residency=load_residency(settings.residency))
-    if name == "ktransformers" and settings.residency is not None:  # its staging: every cold expert of a layer
-        settings = settings.with_(residency=settings.residency.upload_plan())
+    if name == "ktransformers" and settings.residency is not None:  # the fill by routes (its frequency strategy);
+        settings = settings.with_(residency=settings.residency.frequency_plan())  # staging: a layer's cold experts
         _check_budget(spec, settings, settings.residency, pools_bytes(spec, settings.residency.hot, None))
     return BUILD[name](spec, budget_bytes(spec, settings), settings, load_profile(settings.profile))
 

@@ -34,8 +34,8 @@ BASELINES = tuple(p for p in POLICIES if p not in OSTINATO_STEPS)
 ABLATION = (("cpu", "nothing resident"), ("layers", "whole layers (llama.cpp's fit)"),
             ("fixed-uniform", "the same ids in every layer (KTransformers' uniform)"),
             ("fixed-per-layer", "each layer's most routed (per-layer frequency)"),
-            ("ktransformers", "cross-layer fill, KTransformers' rules"),
-            ("ostinato-split", "Ostinato's split prefill"), ("ostinato-upload", "+ upload path"),
+            ("ktransformers", "cross-layer fill by routes, KTransformers' rules"),
+            ("ostinato-split", "Ostinato's fill by time saved, split prefill"), ("ostinato-upload", "+ upload path"),
             ("ostinato", "+ mixed uploads (Ostinato)"), ("ostinato-borrow", "+ borrowed memory (`--borrow`)"))
 # llama.cpp's op-offload threshold (GGML_OP_OFFLOAD_MIN_BATCH) defaults to 32 tokens; the
 # values a tuning run chooses from (the reference paper found 512 best for its caches). 2048 (a whole

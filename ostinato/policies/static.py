@@ -28,11 +28,12 @@ kernels") defines them:
   (llama.cpp's op-offload rule; its default threshold is 32).
 * `ktransformers`: KTransformers at its best. Its `frequency` strategy takes the experts most
   routed over all layers (kt-kernel's generate_gpu_experts_masks), the set of Ostinato's
-  cross-layer fill, so it runs Ostinato's residency by its own rules: the CPU computes the cold
+  cross-layer fill by routes (Residency.frequency_plan: Ostinato fills again by time saved once
+  calibrated), and runs it by its own rules: the CPU computes the cold
   routes in every pass below its prefill threshold (`--kt-gpu-prefill-token-threshold`, the
   offload threshold here); at or above it, each layer uploads all its cold experts, not only
   those the pass uses, and computes the layer on the GPU. It isolates Ostinato's execution
-  paths from its placement. Its staging holds a layer's cold experts whole (flex None), not
+  paths and its fill by time from the cross-layer fill. Its staging holds a layer's cold experts whole (flex None), not
   Ostinato's bounded flex slots (planner/capacity.py), so on a plan whose bound binds its pool is
   the larger of the two.
 
