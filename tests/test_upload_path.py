@@ -452,3 +452,10 @@ def test_fill_by_time_keeps_each_format_groups_bytes():
     assert out.calibration["fill"]["moved"] > 0
     for group in ((0, 1), (2, 3)):
         assert sum(len(out.hot[l]) for l in group) == sum(len(res.hot[l]) for l in group)
+    # unbounded flex slots are a group's most cold experts of a layer: no layer gets more than it had
+    before, after = (hot_groups(r.hot, K, E, sizes, max_flex=None) for r in (res, out))
+    assert {n: g["bytes"] for n, g in after.items()} == {n: g["bytes"] for n, g in before.items()}
+    assert all(E - len(out.hot[l]) <= before[sizes[l][0]]["flex"] for l in CFG.moe_layers)
+    free = plan_upload_path(dataclasses.replace(res, max_flex=2), _calibration(**H200), prof, prof.total("all"),
+                            sizes, K, CHUNK, borrow=True)  # a bound that binds: no floor
+    assert max(E - len(free.hot[l]) for l in CFG.moe_layers) > max(E - len(out.hot[l]) for l in CFG.moe_layers)

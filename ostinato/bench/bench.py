@@ -40,7 +40,7 @@ from ostinato.bench.report import environment, finish_result
 from ostinato.config import ConfigError
 from ostinato.engine.gpu_memory import memory_figures
 from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD
-from ostinato.engine.residency import Residency
+from ostinato.engine.residency import Residency, measured
 from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sampling import SamplingParams
@@ -161,7 +161,7 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
         return {"value": bs.upload_threshold, "how": "--upload-threshold"}
     if bs.calibration_from:  # measured earlier in this engine on this machine (`ostinato calibrate`)
 
-        cal = Residency.load(bs.calibration_from).calibration
+        cal = measured(Residency.load(bs.calibration_from).calibration)  # its plan's decisions are made again here
         if not cal.get("upload_threshold") or not cal.get("layers"):  # a failed calibration leaves only the Np
             raise ConfigError(f"--calibration {bs.calibration_from}: the file holds no calibration, only the Np "
                               "a policy ran with: leave --calibration out to calibrate here, or run `ostinato calibrate`")
@@ -305,7 +305,8 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     _say(bs, f"skew: the top {100 * budget['fraction']:.1f}% of experts by development routes receive "
              f"{100 * skew['held_out_all_share']:.1f}% of held-out routes")
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] plan: {residency.hot_count} hot experts -> "
-             f"{bs.out / 'residency.json'}; Np = {np_info['value']} ({np_info['how']})")
+             f"{bs.out / 'residency.json'}; fill {fill_text(residency.calibration.get('fill'))}; "
+             f"Np = {np_info['value']} ({np_info['how']})")
     return Prepared(loaded, dev, held, budget, skew, np_info,
                     base.with_(residency=residency, upload_threshold=np_info["value"]))
 
@@ -327,13 +328,12 @@ def decide_upload_path(loaded, bs: BenchSettings, residency: Residency, counts, 
         np_info["predicted"] = model_checks(residency.calibration, counts, residency.hot, cfg)
     except Exception as e:  # noqa: BLE001 - the prediction is a report line, not a requirement
         np_info["predicted"] = {"error": f"{type(e).__name__}: {e}"}
-    how = f"fill {fill_text(fill)}; "
     if residency.upload_path:
-        return residency, {**np_info, "how": f"{np_info['how']}; {how}upload path {upload_path_text(up)}"}
+        return residency, {**np_info, "how": f"{np_info['how']}; upload path {upload_path_text(up)}"}
     total = len(cfg.moe_layers) * E
     budget.update(hot=residency.hot_count, fraction=round(residency.hot_count / total, 4),
                   groups=hot_groups(residency.hot, K, E, sizes, max_flex=0))
-    return residency, {**np_info, "value": None, "how": how + upload_path_text(up), "measured": np_info["value"]}
+    return residency, {**np_info, "value": None, "how": upload_path_text(up), "measured": np_info["value"]}
 
 
 def routing_figures(counts, held_counts, fraction: float, held_stats, top_k: int) -> dict:

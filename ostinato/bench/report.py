@@ -19,6 +19,7 @@ import torch
 
 from ostinato.bench.metrics import paired_intervals, slope, wins
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
+from ostinato.planner.pipeline import fill_text
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -315,6 +316,7 @@ def markdown(result: dict, plots: list[str]) -> str:
              f"receive {100 * result['skew']['held_out_all_share']:.1f}% of held-out routes "
              f"(decode {100 * result['skew']['held_out_decode_share']:.1f}%, prefill "
              f"{100 * result['skew']['held_out_prefill_share']:.1f}%){routing_note(result['skew'])}",
+             *([f"- Ostinato's fill {fill_text(result['np']['fill'])}"] if "fill" in result["np"] else []),
              f"- {_np_text(result['np'])}{_predicted(result)}", *_cpu_note(result),
              *_merged_note(result), "",
              "## Held-out sessions", "",

@@ -32,6 +32,15 @@ VERSION = 1
 ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
 
 
+DECISIONS = ("upload_path", "fill")  # what the planner decided on the plan a calibration measured (planner/pipeline.py)
+
+
+def measured(calibration: dict) -> dict:
+    """A calibration's measurements without the planner's decisions on the plan it measured: what
+    another plan of the same machine and model may take (its decisions are made again for it)."""
+    return {k: v for k, v in calibration.items() if k not in DECISIONS}
+
+
 def model_fingerprint(source) -> str:
     """sha256 over the architecture's shapes, the routing settings and every router's weights
     (checkpoint dtype), its selection bias too where it has one."""
@@ -107,11 +116,9 @@ class Residency:
         if not f:
             return plan
         moved_in = {int(l): set(v) for l, v in (f.get("in") or {}).items()}
-        moved_out = {int(l): list(v) for l, v in (f.get("out") or {}).items()}
-        hot = {l: sorted([e for e in v if e not in moved_in.get(l, ())] + moved_out.get(l, []))
-               for l, v in plan.hot.items()}
-        return dataclasses.replace(plan, hot=hot, calibration={k: v for k, v in plan.calibration.items()
-                                                               if k != "fill"})
+        moved_out = {int(l): set(v) for l, v in (f.get("out") or {}).items()}
+        hot = {l: sorted((set(v) - moved_in.get(l, set())) | moved_out.get(l, set())) for l, v in plan.hot.items()}
+        return dataclasses.replace(plan, hot=hot, calibration={k: v for k, v in plan.calibration.items() if k != "fill"})
 
     def is_hot(self, layer: int) -> torch.Tensor:
         m = torch.zeros(self.num_experts, dtype=torch.bool)

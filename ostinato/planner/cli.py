@@ -250,7 +250,7 @@ def plan_from_served(a) -> int:
     import shutil
 
     from ostinato.config import parse_bytes
-    from ostinato.engine.residency import Residency
+    from ostinato.engine.residency import Residency, measured
     from ostinato.engine.routes import RouteCounts
     from ostinato.engine.runner import RunnerSettings
     from ostinato.loader.build import expert_formats
@@ -291,7 +291,7 @@ def plan_from_served(a) -> int:
                          notes=dict(old.notes))
     # the old plan's decisions go: this plan is filled by its learned routes (served ones have no prompt
     # sizes to weigh passes by, so no fill by time), and its upload path is decided on the development sessions
-    res.calibration = {k: v for k, v in old.calibration.items() if k not in ("upload_path", "fill")}
+    res.calibration = measured(old.calibration)
     if res.calibration.get("global") and dev is not None:
         res = _decide_upload_path(res, res.calibration, dev, counts, source, dtype, a.prefill_chunk,
                                   getattr(a, "experts", "native"), by_time=False)

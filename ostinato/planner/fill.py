@@ -38,6 +38,18 @@ def fill_more(counts: dict[int, torch.Tensor], hot: dict[int, list[int]], extra:
     return fill(ranked, sum(len(hot.get(l, [])) for l in counts) + extra)
 
 
+def fill_with_floor(counts: dict[int, torch.Tensor], slots: int, floor: int) -> dict[int, list[int]]:
+    """fill(counts, slots) with every layer keeping at least its `floor` most-routed experts (a
+    plan whose flex slots hold a layer's cold experts whole keeps its bytes only if no layer gets
+    more cold experts than it had; slots >= floor x layers)."""
+    ranked = {}
+    for l, c in counts.items():
+        c = c.to(torch.float64).clone()
+        c[torch.argsort(-c, stable=True)[:floor]] = float("inf")
+        ranked[l] = c
+    return fill(ranked, slots)
+
+
 def fill_per_device(counts: dict[int, torch.Tensor], devices: dict[str, list[int]],
                     slots: dict[str, int]) -> dict[int, list[int]]:
     """Each device's slots go to the most-routed experts of its own layers (one pool per GPU)."""

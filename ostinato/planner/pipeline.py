@@ -35,13 +35,13 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.engine.residency import Residency, model_fingerprint
+from ostinato.engine.residency import Residency, measured, model_fingerprint
 from ostinato.engine.sizes import expert_bytes, expert_sizes
 from ostinato.layers.moe.hybrid import MixedPass
 from ostinato.planner import cost_model as cm
 from ostinato.planner.capacity import (Capacity, CapacitySettings, flex_bound, grow_without_flex, hot_groups,
                                        max_hot_bytes, plan_capacity, pool_groups)
-from ostinato.planner.fill import cold_routes, fill, fill_per_device
+from ostinato.planner.fill import cold_routes, fill, fill_with_floor
 
 
 @dataclass(frozen=True)
@@ -130,14 +130,18 @@ def route_report(prof, hot: dict[int, list[int]], num_layers: int) -> dict:
 def refill_by_time(res: Residency, values: dict[int, torch.Tensor], sizes: dict[int, tuple[str, int]],
                    prof, cal: dict, top_k: int) -> Residency:
     """The plan with each format group's hot experts chosen again by `values` (cost_model.expert_values:
-    the ms each expert saves over the development sessions), as many in each group as before, so that
-    its pools keep their bytes. calibration["fill"] records the experts moved ("in", "out": what
-    Residency.frequency_plan undoes) and the decode step the model predicts for the development
-    sessions under both fills."""
-    groups: dict[str, list[int]] = {}
-    for l in values:
-        groups.setdefault(sizes[l][0] if l in sizes else "", []).append(l)
-    hot = fill_per_device(values, groups, {g: sum(len(res.hot.get(l, [])) for l in ls) for g, ls in groups.items()})
+    the ms each expert saves over the development sessions), as many in each group as before, and
+    where the group's flex slots are its most cold experts of a layer (below the plan's bound), no
+    layer with more cold experts than that: so its pools keep their bytes. calibration["fill"]
+    records the experts moved ("in", "out": what Residency.frequency_plan undoes) and the decode
+    step the model predicts for the development sessions under both fills."""
+    E = res.num_experts
+    before = hot_groups(res.hot, top_k, E, sizes, max_flex=res.max_flex)
+    hot: dict[int, list[int]] = {}
+    for name, g in before.items():
+        layers = [l for l in values if sizes[l][0] == name]
+        floor = E - g["flex"] if res.max_flex is None or g["flex"] < res.max_flex else 0
+        hot |= fill_with_floor({l: values[l] for l in layers}, sum(len(res.hot.get(l, [])) for l in layers), floor)
     moved_in = {str(l): sorted(set(hot[l]) - set(res.hot.get(l, []))) for l in sorted(hot)}
     moved_out = {str(l): sorted(set(res.hot.get(l, [])) - set(hot[l])) for l in sorted(hot)}
     note = {"by": "time saved", "moved": sum(map(len, moved_in.values())),
@@ -191,7 +195,7 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     False: the plan keeps the fill it came with (plan --from-served: its served routes have no
     prompt sizes to weigh passes by)."""
     res = residency.frequency_plan()
-    cal = {k: v for k, v in cal.items() if k not in ("upload_path", "fill")}
+    cal = measured(cal)
     values = None
     if by_time and len(res.devices) <= 1 and prof is not None and prof.prompts is not None:
         values = cm.expert_values(cal, prof, cm.prefill_passes(prof.prompts, prefill_chunk), top_k)
