@@ -413,6 +413,9 @@ def test_the_report_orders_the_ablation_from_nothing_resident():
     rows = ablation_rows(result)
     assert [r[1] for r in rows] == ["cpu", "layers", "ostinato-split", "ostinato"]  # caches are no step
     assert rows[0][0] == "nothing resident" and rows[-1][2:] == ["20.0", "10.00", "30.00"]
+    assert rows[-1][0] == "+ mixed uploads (Ostinato)"
+    result["np"] = {"value": None, "upload_path": {"on": False}}  # the planner dropped the upload path
+    assert ablation_rows(result)[-1][0].startswith("Ostinato: the planner dropped its upload path")
 
 
 def test_an_engine_replayed_over_http_joins_the_report():

@@ -191,6 +191,9 @@ def ablation_rows(result: dict) -> list[list[str]]:
     rows = []
     for name, step in ABLATION:
         s = (pol.get(name) or {}).get("summary")
+        np_ = result.get("np") or {}
+        if name == "ostinato" and np_.get("value") is None and np_.get("upload_path"):
+            step = "Ostinato: the planner dropped its upload path (its bytes hold hot experts)"
         if s is not None:
             rows.append([step, name, _f(s["ttft_ms"]["median"]["tool"]), _f(s["tpot_ms"]["median"], "{:.2f}"),
                          _f(s["request_s"]["total"], "{:.2f}")])
