@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ostinato.engine.placement import PlacementSettings
-from ostinato.engine.residency import Residency
+from ostinato.engine.residency import Residency, measured
 from ostinato.engine.runner import RunnerSettings
 from ostinato.planner.auto import AutoPlan, load_planned, plan_dir, plan_key
 from ostinato.planner.calibrate import CalibrateSettings
@@ -73,8 +73,9 @@ def test_first_start_plans_in_hybrid_and_caches(planned, tmp_path):
     a = build_parser().parse_args(["plan", "--model", MODEL, "--device", "cpu", "--profile", res.profile["path"],
                                    "--gpu-memory", str(res.gpu_memory), "--max-context", "1024", "--no-verify",
                                    "-o", str(tmp_path / "cli.json")])
-    # (with its upload path: the calibration then decided whether that path pays for its flex slots)
-    assert a.func(a) == 0 and Residency.load(tmp_path / "cli.json").hot == res.upload_plan().hot
+    # (by routes, with its upload path: the calibration then filled it again by time saved and decided
+    # whether that path pays for its flex slots)
+    assert a.func(a) == 0 and Residency.load(tmp_path / "cli.json").hot == res.frequency_plan().hot
     up = res.calibration["upload_path"]
     assert res.hot_count == up["hot_with_flex" if up["on"] else "hot_without_flex"]
     assert res.calibration["upload_threshold"] > 0 and set(res.notes["phases_s"]) == {"load", "profile", "plan",
@@ -240,9 +241,10 @@ def test_plan_from_served_learns_and_reports(planned, tmp_path, capsys):
     assert all(e in new.hot[l] for l, e in favoured)
     report = new.notes["report"]
     assert report["served_before"]["hot_share"] == 0.0 and report["served"]["hot_share"] == 1.0
-    # the calibration carried over, the upload path decided again for the new plan
-    measured = lambda r: {k: v for k, v in r.calibration.items() if k != "upload_path"}  # noqa: E731
-    assert measured(new) == measured(old) and "upload_path" in new.calibration
+    # the calibration's measurements carried over, the upload path decided again for the new plan, which
+    # keeps the fill by its learned routes (the old plan was filled again by time saved)
+    assert measured(new.calibration) == measured(old.calibration) and "upload_path" in new.calibration
+    assert "fill" in old.calibration and "fill" not in new.calibration
     assert served_path(tmp_path / "new.json").is_file()
     assert "0.0% with the old plan -> 100.0% with the new" in capsys.readouterr().out
 

@@ -166,7 +166,8 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     served = ServedRoutes(served_path(path))
     dev_path = folder / "profile.json"
     dev = RouteCounts.load(dev_path) if dev_path.is_file() else None
-    if auto.replan and served.counts is not None:
+    learned = auto.replan and served.counts is not None
+    if learned:
         counts, how = learned_counts(dev, served), f"{served.served_tokens} served tokens"
         log.info("planning again from the routes of %d served tokens (the development profile weighs %.3f now)",
                  served.served_tokens, served.dev_weight())
@@ -196,8 +197,9 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     cal = calibrate(loaded, auto.calibrate)
     res.calibration = cal
     if dev is not None:  # whether the upload path pays for its flex slots; if not, the pool is built again without
+        # a plan from served routes keeps their fill (they have no prompt sizes to weigh passes by)
         res = plan_upload_path(res, cal, dev, counts, expert_sizes(cfg, dtype, formats), cfg.num_experts_per_tok,
-                               settings.prefill_chunk, borrow=place.borrow)
+                               settings.prefill_chunk, borrow=place.borrow, by_time=not learned)
         log.info("upload path %s", upload_path_text(res.calibration["upload_path"]))
         res.calibration["model"] = {"profile": str(dev_path), **model_checks(res.calibration, dev, res.hot, cfg)}
         if not res.upload_path:
