@@ -90,10 +90,24 @@ def test_first_start_plans_in_hybrid_and_caches(planned, tmp_path):
     # the engine it returned serves the plan: its experts in the pool, the calibrated Np applied
     h = loaded.runner.experts
     assert h.pools.num_hot == res.hot_count
+    for l, ids in res.hot.items():  # the plan as filled again by time saved, not the one calibrated
+        assert (h.pools.of(l).table_host[l] >= 0).nonzero()[:, 0].tolist() == sorted(ids)
     if res.upload_path:
         assert h.upload_threshold == res.calibration["upload_threshold"]
     else:  # the pool was built again without flex slots, and no Np
         assert h.upload_threshold is None and all(p.num_slots == p.flex_lo for p in h.pools.groups)
+
+
+def test_first_start_serves_the_plan_filled_again_with_its_upload_path_kept(tmp_path):
+    """Borrowed memory keeps the upload path, so only the fill by time saved changes the plan after
+    calibration: the engine is built again for it, not left with the plan by routes it calibrated."""
+    place = PlacementSettings(gpu_memory=_cap_holding(12), borrow=True)
+    loaded = load_planned(MODEL, SETTINGS, place, AutoPlan(sessions="embedded:2", calibrate=FAST,
+                                                            cache=tmp_path / "plans"), Phases())
+    res, h = loaded.residency, loaded.runner.experts
+    assert res.upload_path and res.calibration["fill"]["moved"] > 0 and res.hot != res.frequency_plan().hot
+    for l, ids in res.hot.items():
+        assert (h.pools.of(l).table_host[l] >= 0).nonzero()[:, 0].tolist() == sorted(ids)
 
 
 def test_second_start_reuses_the_plan(planned):

@@ -139,7 +139,8 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     from ostinato.loader.build import expert_formats
     from ostinato.planner.calibrate import calibrate, model_checks
     from ostinato.engine.sizes import expert_sizes
-    from ostinato.planner.pipeline import plan_residency, plan_upload_path, route_report, size_pool, upload_path_text
+    from ostinato.planner.pipeline import (fill_text, plan_residency, plan_upload_path, route_report, size_pool,
+                                          upload_path_text)
     from ostinato.planner.run_profile import profile_sessions
     from ostinato.planner.served import ServedRoutes, learned_counts, served_path
     from ostinato.policies.factory import release, use_policy
@@ -196,13 +197,17 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     progress("calibrating")
     cal = calibrate(loaded, auto.calibrate)
     res.calibration = cal
-    if dev is not None:  # whether the upload path pays for its flex slots; if not, the pool is built again without
-        # a plan from served routes keeps their fill (they have no prompt sizes to weigh passes by)
+    if dev is not None:  # filled again by time saved, and whether the upload path pays for its flex slots;
+        # the pool is built again for the plan that comes of it (a plan from served routes keeps their fill: they
+        # have no prompt sizes to weigh passes by)
+        built = res
         res = plan_upload_path(res, cal, dev, counts, expert_sizes(cfg, dtype, formats), cfg.num_experts_per_tok,
                                settings.prefill_chunk, borrow=place.borrow, by_time=not learned)
-        log.info("upload path %s", upload_path_text(res.calibration["upload_path"]))
+        log.info("fill %s; upload path %s", fill_text(res.calibration.get("fill")),
+                 upload_path_text(res.calibration["upload_path"]))
         res.calibration["model"] = {"profile": str(dev_path), **model_checks(res.calibration, dev, res.hot, cfg)}
-        if not res.upload_path:
+        res.notes["report"] = {"development": route_report(dev, res.hot, len(cfg.moe_layers))}
+        if res.hot != built.hot or res.upload_path != built.upload_path:
             release(loaded)
             use_policy(loaded, hybrid_factory(final, res)(source, loaded.runner.settings))
     apply_calibration(loaded.runner.experts.unwrapped, final, res)
