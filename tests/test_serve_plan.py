@@ -16,7 +16,7 @@ from ostinato.engine.residency import Residency, measured
 from ostinato.engine.runner import RunnerSettings
 from ostinato.planner.auto import AutoPlan, load_planned, plan_dir, plan_key
 from ostinato.planner.calibrate import CalibrateSettings
-from ostinato.planner.served import ServedRoutes, learned_counts, served_path
+from ostinato.planner.served import ServedRoutes, learned_profile, served_path
 
 MODEL = "synth:tiny?layers=2"
 SETTINGS = RunnerSettings(device="cpu", max_context=1024)
@@ -98,9 +98,22 @@ def test_first_start_plans_in_hybrid_and_caches(planned, tmp_path):
         assert h.upload_threshold is None and all(p.num_slots == p.flex_lo for p in h.pools.groups)
 
 
-def test_first_start_serves_the_plan_filled_again_with_its_upload_path_kept(tmp_path):
+def _priced(cal: dict) -> dict:
+    """A calibration with the H200 machine's prices of a cold route (session 17: decode 79 µs in a
+    graph, a prefill pass 80 µs an expert read and 2.8 µs a route): a 2-core CPU's quick fit can price
+    one at nothing, and the fill by time saved then keeps the fill by routes."""
+    return {**cal, "global": {**cal["global"], "beta_ms": 0.079},
+            "layers": {l: {**c, "beta_ms": 0.079} for l, c in cal["layers"].items()},
+            "cpu_pass": {**cal["cpu_pass"], "beta_expert_ms": 0.080, "beta_route_ms": 0.0028}}
+
+
+def test_first_start_serves_the_plan_filled_again_with_its_upload_path_kept(tmp_path, monkeypatch):
     """Borrowed memory keeps the upload path, so only the fill by time saved changes the plan after
     calibration: the engine is built again for it, not left with the plan by routes it calibrated."""
+    import ostinato.planner.calibrate as calibrate
+
+    measure = calibrate.calibrate
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **kw: _priced(measure(*a, **kw)))
     place = PlacementSettings(gpu_memory=_cap_holding(12), borrow=True)
     loaded = load_planned(MODEL, SETTINGS, place, AutoPlan(sessions="embedded:2", calibrate=FAST,
                                                             cache=tmp_path / "plans"), Phases())
@@ -213,8 +226,10 @@ def test_served_routes_decay_by_tokens(tmp_path):
     back = ServedRoutes(tmp_path / "r.served.json")
     assert back.half_life == 100 and back.served_tokens == 200 and back.counts.decode[0].tolist() == [50, 100, 0, 0]
     dev = counts(3, 40)
-    learned = learned_counts(dev, back)  # the development profile is two half-lives old
-    assert learned[0].tolist() == [50.0, 100.0, 0.0, 10.0]
+    dev.prompts = [30, 10]
+    learned = learned_profile(dev, back)  # the development profile is two half-lives old
+    assert learned.decode[0].tolist() == [50.0, 100.0, 0.0, 10.0] and learned.total("all")[0][3] == 10.0
+    assert learned.tokens == {"prefill": 0, "decode": 150 + 10} and learned.prompts == [30, 10]
 
 
 def _skew_served_to_cold(res: Residency, path, tokens: int = 5000, half_life: int = 1000) -> list[tuple]:
@@ -238,13 +253,12 @@ def _skew_served_to_cold(res: Residency, path, tokens: int = 5000, half_life: in
 
 
 def test_plan_from_served_learns_and_reports(planned, tmp_path, capsys):
-    import shutil
-
     from ostinato.cli import build_parser
 
     src = tmp_path / "r.json"
-    shutil.copyfile(planned["loaded"].placement.residency, src)
-    old = Residency.load(src)
+    old = Residency.load(planned["loaded"].placement.residency)
+    old.calibration = _priced(old.calibration)
+    old.save(src)
     favoured = _skew_served_to_cold(old, src)
     a = build_parser().parse_args(["plan", "--model", MODEL, "--device", "cpu", "--from-served", str(src),
                                    "-o", str(tmp_path / "new.json")])
@@ -255,10 +269,10 @@ def test_plan_from_served_learns_and_reports(planned, tmp_path, capsys):
     assert all(e in new.hot[l] for l, e in favoured)
     report = new.notes["report"]
     assert report["served_before"]["hot_share"] == 0.0 and report["served"]["hot_share"] == 1.0
-    # the calibration's measurements carried over, the upload path decided again for the new plan, which
-    # keeps the fill by its learned routes (the old plan was filled again by time saved)
+    # the calibration's measurements carried over; the new plan filled again by time saved and its upload
+    # path decided on the learned routes, not the old plan's decisions
     assert measured(new.calibration) == measured(old.calibration) and "upload_path" in new.calibration
-    assert "fill" in old.calibration and "fill" not in new.calibration
+    assert new.calibration["fill"]["by"] == "time saved" and new.calibration["fill"] != old.calibration.get("fill")
     assert served_path(tmp_path / "new.json").is_file()
     assert "0.0% with the old plan -> 100.0% with the new" in capsys.readouterr().out
 

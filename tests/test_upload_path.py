@@ -399,6 +399,8 @@ def test_expert_values_are_the_cpu_time_each_expert_costs():
             want += sum(cp["beta_expert_ms"] * read(n) + cp["beta_route_ms"] * n * p for n in (300, 300, 452))
             assert float(v[l][e]) == pytest.approx(want, rel=1e-9)
     assert cm.expert_values({k: x for k, x in cal.items() if k != "cpu_pass"}, prof, {300: 1}, K) is None
+    free = {**cal, "graph_fit": {**cal["graph_fit"], "beta_ms": 0.0}}  # a fit that priced a decode route at nothing
+    assert cm.expert_values(free, prof, {300: 1}, K) is None
 
 
 def test_plan_fills_again_by_time_saved_and_ktransformers_keeps_the_fill_by_routes():
@@ -423,8 +425,21 @@ def test_plan_fills_again_by_time_saved_and_ktransformers_keeps_the_fill_by_rout
     assert back.frequency_plan().hot == res.hot and "fill" not in back.frequency_plan().calibration
     again = plan_upload_path(back, cal, prof, counts, SIZES, K, CHUNK, borrow=True)  # decided again: the same plan
     assert again.hot == out.hot and again.calibration["fill"] == f
-    kept = plan_upload_path(res, cal, prof, counts, SIZES, K, CHUNK, borrow=True, by_time=False)
+    unweighed = dataclasses.replace(prof, prompts=None)  # no prompt sizes (an older profile): the fill stays
+    kept = plan_upload_path(res, cal, unweighed, counts, SIZES, K, CHUNK, borrow=True)
     assert kept.hot == res.hot and "fill" not in kept.calibration and fill_text(None) == "by routes"
+
+
+def test_a_learned_profile_weighs_its_tokens_in_the_development_prompts_shapes():
+    """planner/served.py learned_profile counts served tokens with the development prompts: the
+    passes of those prompts, scaled to the prefill tokens counted (cost_model.profile_passes)."""
+    prof = _skewed_profile([300, 2500], 100)
+    assert cm.profile_passes(prof, CHUNK) == {300: 1, 2048: 1, 452: 1}  # a profile's prompts are its tokens
+    learned = dataclasses.replace(prof, tokens={"prefill": 3 * 2800, "decode": 100})
+    assert cm.profile_passes(learned, CHUNK) == {300: 3.0, 2048: 3.0, 452: 3.0}
+    res, _ = _plan()
+    up = plan_upload_path(res, _calibration(**PAYS), learned, learned.total("all"), SIZES, K, CHUNK)
+    assert up.calibration["upload_path"]["passes"] == 9 and up.calibration["fill"]["by"] == "time saved"
 
 
 def test_fill_by_time_dropping_the_upload_path_comes_back_to_the_fill_by_routes():

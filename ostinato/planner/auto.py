@@ -142,7 +142,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     from ostinato.planner.pipeline import (fill_text, plan_residency, plan_upload_path, route_report, size_pool,
                                           upload_path_text)
     from ostinato.planner.run_profile import profile_sessions
-    from ostinato.planner.served import ServedRoutes, learned_counts, served_path
+    from ostinato.planner.served import ServedRoutes, learned_profile, served_path
     from ostinato.policies.factory import release, use_policy
 
     cfg = source.config
@@ -167,9 +167,10 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     served = ServedRoutes(served_path(path))
     dev_path = folder / "profile.json"
     dev = RouteCounts.load(dev_path) if dev_path.is_file() else None
-    learned = auto.replan and served.counts is not None
-    if learned:
-        counts, how = learned_counts(dev, served), f"{served.served_tokens} served tokens"
+    prof = dev  # the routes the plan is made and decided from
+    if auto.replan and served.counts is not None:
+        prof, how = learned_profile(dev, served), f"{served.served_tokens} served tokens"
+        counts = prof.total("all")
         log.info("planning again from the routes of %d served tokens (the development profile weighs %.3f now)",
                  served.served_tokens, served.dev_weight())
     else:
@@ -179,7 +180,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
         progress("profiling", 0, len(sessions))
         dev = profile_sessions(loaded, sessions, desc="profiling", on_session=lambda i, n: progress("profiling", i, n))
         write_atomic(dev_path, json.dumps(dev.to_json()) + "\n")
-        counts, how = dev.total("all"), f"{dev.sessions} sessions ({auto.sessions})"
+        prof, counts, how = dev, dev.total("all"), f"{dev.sessions} sessions ({auto.sessions})"
         lap("profile")
 
     progress("planning")
@@ -197,12 +198,12 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     progress("calibrating")
     cal = calibrate(loaded, auto.calibrate)
     res.calibration = cal
-    if dev is not None:  # filled again by time saved, and whether the upload path pays for its flex slots;
-        # the pool is built again for the plan that comes of it (a plan from served routes keeps their fill: they
-        # have no prompt sizes to weigh passes by)
+    if dev is not None:  # filled again by time saved, and whether the upload path pays for its flex slots, on
+        # the routes it was planned from (served ones in the development prompts' shapes: served.py learned_profile);
+        # the pool is built again for the plan that comes of it
         built = res
-        res = plan_upload_path(res, cal, dev, counts, expert_sizes(cfg, dtype, formats), cfg.num_experts_per_tok,
-                               settings.prefill_chunk, borrow=place.borrow, by_time=not learned)
+        res = plan_upload_path(res, cal, prof, counts, expert_sizes(cfg, dtype, formats), cfg.num_experts_per_tok,
+                               settings.prefill_chunk, borrow=place.borrow)
         log.info("fill %s; upload path %s", fill_text(res.calibration.get("fill")),
                  upload_path_text(res.calibration["upload_path"]))
         res.calibration["model"] = {"profile": str(dev_path), **model_checks(res.calibration, dev, res.hot, cfg)}

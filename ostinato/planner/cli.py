@@ -257,7 +257,7 @@ def plan_from_served(a) -> int:
     from ostinato.sources import open_source
     from ostinato.planner.capacity import CapacitySettings
     from ostinato.planner.pipeline import plan_residency, route_report, size_pool
-    from ostinato.planner.served import ServedRoutes, learned_counts, served_path
+    from ostinato.planner.served import ServedRoutes, learned_profile, served_path
 
     old = Residency.load(a.from_served)
     served = ServedRoutes(served_path(a.from_served))
@@ -270,7 +270,8 @@ def plan_from_served(a) -> int:
     cfg = source.config
     dev_path = (old.profile or {}).get("path")
     dev = RouteCounts.load(dev_path) if dev_path and Path(dev_path).is_file() else None
-    counts = learned_counts(dev, served)
+    prof = learned_profile(dev, served)
+    counts = prof.total("all")
     dtype = RunnerSettings(device=_device(a), dtype=a.dtype).torch_dtype(cfg.torch_dtype)
     cap = parse_bytes(a.gpu_memory) if a.gpu_memory else old.gpu_memory
     kv = a.max_context or old.capacity.get("kv_tokens") or served.counts.max_tokens
@@ -289,12 +290,12 @@ def plan_from_served(a) -> int:
                          profile=dict(old.profile) | {"counts": f"{served.served_tokens} served tokens and the "
                                                       f"development profile at weight {served.dev_weight():.4f}"},
                          notes=dict(old.notes))
-    # the old plan's decisions go: this plan is filled by its learned routes (served ones have no prompt
-    # sizes to weigh passes by, so no fill by time), and its upload path is decided on the development sessions
+    # the old plan's decisions go: this plan is filled again by time saved and its upload path decided on the
+    # learned routes, in the development prompts' shapes (served.py learned_profile)
     res.calibration = measured(old.calibration)
     if res.calibration.get("global") and dev is not None:
-        res = _decide_upload_path(res, res.calibration, dev, counts, source, dtype, a.prefill_chunk,
-                                  getattr(a, "experts", "native"), by_time=False)
+        res = _decide_upload_path(res, res.calibration, prof, counts, source, dtype, a.prefill_chunk,
+                                  getattr(a, "experts", "native"))
     L = len(cfg.moe_layers)
     before, after = route_report(served.counts, old.hot, L), route_report(served.counts, res.hot, L)
     res.notes["report"] = dict(res.notes.get("report") or {}) | {"served": after, "served_before": before}
@@ -392,7 +393,7 @@ def cmd_calibrate(a) -> int:
 
 
 def _decide_upload_path(res, cal: dict, prof, counts, source, dtype, prefill_chunk: int, experts: str,
-                        borrow: bool = False, by_time: bool = True):
+                        borrow: bool = False):
     """planner/pipeline.py plan_upload_path for a plan of this source with its experts kept as
     `experts` says (native or bf16), said in two lines."""
     from ostinato.engine.sizes import expert_sizes
@@ -401,8 +402,7 @@ def _decide_upload_path(res, cal: dict, prof, counts, source, dtype, prefill_chu
 
     cfg = source.config
     sizes = expert_sizes(cfg, dtype, expert_formats(source, experts))
-    res = plan_upload_path(res, cal, prof, counts, sizes, cfg.num_experts_per_tok, prefill_chunk, borrow=borrow,
-                           by_time=by_time)
+    res = plan_upload_path(res, cal, prof, counts, sizes, cfg.num_experts_per_tok, prefill_chunk, borrow=borrow)
     print(f"fill {fill_text(res.calibration.get('fill'))}")
     print(f"upload path {upload_path_text(res.calibration['upload_path'])}; {res.hot_count} experts resident")
     return res

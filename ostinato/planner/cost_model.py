@@ -386,6 +386,22 @@ def prefill_passes(prompts: list[int], chunk: int) -> dict[int, int]:
     return out
 
 
+def _count(x: float) -> int | float:
+    """A number of passes as a report gives it: whole, or to a tenth (a learned profile's)."""
+    return int(x) if float(x).is_integer() else round(x, 1)
+
+
+def profile_passes(prof, chunk: int) -> dict[int, float]:
+    """The prefill passes of a profile (RouteCounts with prompt sizes, chunks of `chunk`), as many
+    as its prefill tokens make: a profile's prompts are its prefill tokens, and a learned one
+    (planner/served.py learned_profile) counts served tokens in the development prompts' shapes."""
+    passes = prefill_passes(prof.prompts, chunk)
+    made, counted = sum(prof.prompts), prof.tokens["prefill"]
+    if made == counted or made == 0:
+        return passes
+    return {n: k * counted / made for n, k in passes.items()}
+
+
 def path_gains(cal: dict, passes: dict[int, int], mixed=None) -> dict:
     """What the paths that use the flex slots save over the split path, per MoE layer with cold
     experts, on passes {tokens: count} (prefill_passes), ms in all, from the calibration's measured
@@ -454,7 +470,8 @@ def upload_path_value(cal: dict, prof, passes: dict[int, int], hot: dict[int, li
     return {"gain_ms": gain_upload + gain_mixed, "gain_upload_ms": gain_upload, "gain_mixed_ms": gain_mixed,
             "cost_ms": decode + prefill, "cost_decode_ms": decode, "cost_prefill_ms": prefill,
             "np": cal.get("upload_threshold"), "mixed_from": mixed.min_tokens if mixed is not None else None,
-            "passes": sum(passes.values()), "passes_at_np": g["passes_at_np"], "passes_mixed": g["passes_mixed"],
+            "passes": _count(sum(passes.values())), "passes_at_np": _count(g["passes_at_np"]),
+            "passes_mixed": _count(g["passes_mixed"]),
             "largest_pass": max(passes, default=0), "decode_tokens": prof.tokens["decode"],
             "cold_routes_per_token_layer": [step["hot"].cold_routes_per_layer, step["bigger"].cold_routes_per_layer]}
 
@@ -473,11 +490,15 @@ def expert_values(cal: dict, prof, passes: dict[int, int], top_k: int) -> dict[i
     µs), and most prefill routes fall on passes that read every expert of the layer anyway, so a
     fill by these values keeps the experts decode uses where a fill by route counts keeps those
     long prefills use. prof: a RouteCounts with prompt sizes; passes: prefill_passes of them.
-    None where the calibration lacks the decode constants or the prefill ones (cpu_pass)."""
+    None where the calibration lacks the decode constants or the prefill ones (cpu_pass), or priced
+    a cold route at nothing in either phase (a fit that found no cost: the values would rank by one
+    phase alone, or tie)."""
     if not cal.get("global") or not cal.get("cpu_pass") or not cal.get("upload_gbps"):
         return None
     layers = sorted(prof.decode)
     costs, pc = layer_costs(cal, layers), PassCosts.from_calibration(cal)
+    if min(c.beta for c in costs.values()) <= 0 or pc.beta_expert + pc.beta_route <= 0:
+        return None
     np_ = cal.get("upload_threshold")
     upload_ms = pc.expert_bytes / (pc.upload_gbps * 1e6)
     out = {}

@@ -167,9 +167,9 @@ def fill_text(f: dict | None) -> str:
 
 def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, torch.Tensor],
                      sizes: dict[int, tuple[str, int]], top_k: int, prefill_chunk: int, *, limit: int | None = None,
-                     borrow: bool = False, by_time: bool = True) -> Residency:
-    """The plan filled again by time saved (refill_by_time, where `by_time` and the calibration and
-    the development profile allow: cost_model.expert_values; a plan of several GPUs keeps its fill),
+                     borrow: bool = False) -> Residency:
+    """The plan filled again by time saved (refill_by_time, where the calibration and the profile
+    allow: cost_model.expert_values; a plan of several GPUs keeps its fill),
     then whether it keeps its upload path, once the calibration has measured Np and the
     paths: the flex slots it needs could hold hot experts instead (the next ones in the fill order),
     and on a workload whose long passes are few the cold routes those experts would take off the
@@ -191,14 +191,14 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     ("on", "why", the gain of each path and the cost in ms over the development sessions; when
     dropped, the experts added and the capacity of the plan with the upload path, so
     Residency.upload_plan restores it). `residency` may hold earlier decisions: they are made
-    again from its plan by routes with the upload path (Residency.frequency_plan). `by_time`
-    False: the plan keeps the fill it came with (plan --from-served: its served routes have no
-    prompt sizes to weigh passes by)."""
+    again from its plan by routes with the upload path (Residency.frequency_plan). `prof` may be
+    a learned profile (planner/served.py learned_profile): its passes are the development prompts'
+    shapes, as many as its prefill tokens make (cost_model.profile_passes)."""
     res = residency.frequency_plan()
     cal = measured(cal)
     values = None
-    if by_time and len(res.devices) <= 1 and prof is not None and prof.prompts is not None:
-        values = cm.expert_values(cal, prof, cm.prefill_passes(prof.prompts, prefill_chunk), top_k)
+    if len(res.devices) <= 1 and prof is not None and prof.prompts is not None:
+        values = cm.expert_values(cal, prof, cm.profile_passes(prof, prefill_chunk), top_k)
     if values is not None:
         res = refill_by_time(dataclasses.replace(res, calibration=cal), values, sizes, prof, cal, top_k)
         cal, counts = res.calibration, values
@@ -219,7 +219,7 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     E = res.num_experts
     limit = pool_limit(res, top_k, sizes) if limit is None else limit
     bigger = grow_without_flex(counts, res.hot, limit, top_k, E, sizes)
-    passes = cm.prefill_passes(prof.prompts, prefill_chunk)
+    passes = cm.profile_passes(prof, prefill_chunk)
     v = cm.upload_path_value(cal, prof, passes, res.hot, bigger, top_k, MixedPass.from_calibration(cal))
     before = hot_groups(res.hot, top_k, E, sizes, max_flex=res.max_flex)
     ms = {k: round(v[k], 3) + 0.0 for k in ("gain_ms", "gain_upload_ms", "gain_mixed_ms", "cost_ms",

@@ -6,7 +6,7 @@ engine runs, on the device, by phase, captured decode graphs included.
 `ServedRoutes` keeps the tally in `<plan>.served.json` (a RouteCounts file, engine/routes.py) with
 exponential decay by tokens: a route counted t tokens ago weighs 0.5 ** (t / half_life). The
 development profile the plan was made from counts as routes served before the first one, so it
-fades the same way (`learned_counts`): after a few half-lives of the user's traffic, the plan is
+fades the same way (`learned_profile`): after a few half-lives of the user's traffic, the plan is
 made from that traffic alone.
 """
 from __future__ import annotations
@@ -109,15 +109,21 @@ class ServedRoutes:
         return 0.5 ** (self.served_tokens / self.half_life)
 
 
-def learned_counts(dev: RouteCounts | None, served: ServedRoutes) -> dict[int, torch.Tensor]:
-    """Routes per layer to plan from: the served ones, plus the development profile decayed by
-    the tokens served since (float counts)."""
-    out = {l: c.double() for l, c in served.counts.total("all").items()} if served.counts else {}
+def learned_profile(dev: RouteCounts | None, served: ServedRoutes) -> RouteCounts:
+    """The routes to plan from, by phase: the served ones, plus the development profile decayed by
+    the tokens served since (float counts). The served tally keeps no prompt sizes, so the learned
+    profile takes the development sessions' (the agent sessions the plan was made for) as the shape
+    of its prefill passes; planner/pipeline.py plan_upload_path scales their count to the prefill
+    tokens counted here."""
+    parts = [(served.counts, 1.0)] if served.counts else []
     if dev is not None:
-        w = served.dev_weight()
-        for l, c in dev.total("all").items():
-            out[l] = out.get(l, 0) + w * c.double()
-    return out
+        parts.append((dev, served.dev_weight()))
+    layers = sorted({l for rc, _ in parts for l in rc.prefill})
+    phase = lambda name: {l: sum(w * getattr(rc, name)[l].double() for rc, w in parts  # noqa: E731
+                                 if l in getattr(rc, name)) for l in layers}
+    tokens = {p: round(sum(w * rc.tokens.get(p, 0) for rc, w in parts)) for p in ("prefill", "decode")}
+    return RouteCounts(phase("prefill"), phase("decode"), tokens, sum(rc.sessions for rc, _ in parts),
+                       max((rc.max_tokens for rc, _ in parts), default=0), dev.prompts if dev is not None else None)
 
 
 def write_atomic(path: Path, text: str) -> None:
