@@ -537,3 +537,38 @@ def test_the_calibration_printout_shows_the_paired_timing(capsys):
     assert "paired split  layers won (of 4)" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("64 "))
     assert row.split()[-2:] == ["4.500", "3"]
+
+
+def test_calibrating_a_plan_again_starts_from_its_fill_by_routes(tiny_dir, tiny_profile, tmp_path, capsys,
+                                                                  monkeypatch):
+    """`ostinato calibrate` on a plan it filled again by time saved: measured on the plan by routes
+    (Residency.frequency_plan), filled again the same way; the record of what moved survives, so the
+    ktransformers baseline still runs the fill by routes."""
+    import ostinato.planner.calibrate as calibrate
+    from ostinato.engine.residency import Residency
+    from ostinato.engine.routes import RouteCounts
+
+    cfg_counts = RouteCounts.load(tiny_profile)
+    measure = calibrate.calibrate
+
+    def priced(*a, **kw):  # the H200 machine's prices of a cold route (a 2-core quick fit can find none)
+        cal = measure(*a, **kw)
+        return {**cal, "global": {**cal["global"], "beta_ms": 0.079},
+                "layers": {l: {**c, "beta_ms": 0.079} for l, c in cal["layers"].items()},
+                "cpu_pass": {**cal["cpu_pass"], "beta_expert_ms": 0.080, "beta_route_ms": 0.0028}}
+
+    monkeypatch.setattr(calibrate, "calibrate", priced)
+    res_path = tmp_path / "res.json"
+    common = ["--model", tiny_dir, "--device", "cpu", "--max-context", 64]
+    assert _cli("plan", *common, "--profile", tiny_profile, "--hot-fraction", 0.4, "--no-verify", "-o", res_path) == 0
+    by_routes = Residency.load(res_path).hot
+    calib = ["calibrate", *common[:4], "--residency", res_path, "--cpu-threads", 1, "--sizes", "8,16", "--reps", 1,
+             "--pass-layers", 1, "--sessions", "embedded:1", "--cpu-backend", "torch"]
+    assert _cli(*calib) == 0
+    first = Residency.load(res_path)
+    assert first.calibration["fill"]["moved"] > 0 and first.frequency_plan().hot == by_routes
+    assert cfg_counts.prompts and "fill by time saved" in capsys.readouterr().out
+    assert _cli(*calib) == 0
+    again = Residency.load(res_path)
+    assert again.calibration["fill"]["moved"] == first.calibration["fill"]["moved"]
+    assert again.frequency_plan().hot == by_routes and again.upload_plan().hot == first.upload_plan().hot

@@ -474,3 +474,20 @@ def test_fill_by_time_keeps_each_format_groups_bytes():
     free = plan_upload_path(dataclasses.replace(res, max_flex=2), _calibration(**H200), prof, prof.total("all"),
                             sizes, K, CHUNK, borrow=True)  # a bound that binds: no floor
     assert max(E - len(free.hot[l]) for l in CFG.moe_layers) > max(E - len(out.hot[l]) for l in CFG.moe_layers)
+
+
+def test_a_plan_without_the_upload_path_adds_the_experts_its_split_passes_value():
+    """Where the path is dropped, the passes at Np and above run split: the experts the flex slots'
+    bytes go to are ranked by their value on the split path, not by the upload time they would save."""
+    prof = _skewed_profile([2048] * 30, 1500)  # every pass a whole chunk, at Np
+    counts = prof.total("all")
+    res, _ = _plan()
+    res = dataclasses.replace(res, hot=fill(counts, res.hot_count))
+    cal = _calibration(**FINDING)
+    out = plan_upload_path(res, cal, prof, counts, SIZES, K, CHUNK)
+    assert not out.upload_path and out.calibration["fill"]["moved"] > 0
+    base = out.upload_plan().hot
+    split = cm.expert_values({**cal, "upload_threshold": None}, prof, cm.profile_passes(prof, CHUNK), K)
+    assert out.hot == fill_more(split, base, out.hot_count - sum(map(len, base.values())))
+    uploads = cm.expert_values(cal, prof, cm.profile_passes(prof, CHUNK), K)
+    assert fill_more(uploads, base, out.hot_count - sum(map(len, base.values()))) != out.hot  # the old ranking

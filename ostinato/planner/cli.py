@@ -364,7 +364,7 @@ def cmd_calibrate(a) -> int:
 
     if not a.residency:
         raise ValueError("give --residency (a plan from `ostinato plan`)")
-    res = Residency.load(a.residency).upload_plan()  # measured with its upload path, then decided again
+    res = Residency.load(a.residency).frequency_plan()  # measured by routes with its upload path, then decided again
     place = dataclasses.replace(placement_settings(a), cpu_backend=a.cpu_backend)  # the plan's cap: load_engine
     kv = a.max_context or res.capacity.get("kv_tokens") or None
     settings = dataclasses.replace(runner_settings(a), max_context=kv)

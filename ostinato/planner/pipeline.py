@@ -196,12 +196,15 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     shapes, as many as its prefill tokens make (cost_model.profile_passes)."""
     res = residency.frequency_plan()
     cal = measured(cal)
+    limit = pool_limit(res, top_k, sizes) if limit is None else limit  # the pools the plan by routes was allowed
     values = None
     if len(res.devices) <= 1 and prof is not None and prof.prompts is not None:
-        values = cm.expert_values(cal, prof, cm.profile_passes(prof, prefill_chunk), top_k)
+        passes = cm.profile_passes(prof, prefill_chunk)
+        values = cm.expert_values(cal, prof, passes, top_k)
     if values is not None:
         res = refill_by_time(dataclasses.replace(res, calibration=cal), values, sizes, prof, cal, top_k)
-        cal, counts = res.calibration, values
+        # the experts a plan without the upload path adds are valued as it runs its passes: all split
+        cal, counts = res.calibration, cm.expert_values({**cal, "upload_threshold": None}, prof, passes, top_k)
 
     def decided(on: bool, why: str, plan: dict | None = None, **kw) -> Residency:
         """res with the decision recorded; plan: the fields of the plan without the upload path."""
@@ -217,7 +220,6 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     if not cal.get("global"):
         return decided(True, "not weighed: the calibration has no decode constants")
     E = res.num_experts
-    limit = pool_limit(res, top_k, sizes) if limit is None else limit
     bigger = grow_without_flex(counts, res.hot, limit, top_k, E, sizes)
     passes = cm.profile_passes(prof, prefill_chunk)
     v = cm.upload_path_value(cal, prof, passes, res.hot, bigger, top_k, MixedPass.from_calibration(cal))
