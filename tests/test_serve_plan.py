@@ -197,6 +197,7 @@ def test_tally_counts_what_the_router_chose():
     runner.forward(list(range(5, 60)), 0)
     for i in range(4):
         runner.forward([7 + i], 55 + i)
+    runner.forward(list(range(8, 20)), 59)  # a second prefill pass (a tool output)
     got = runner.routes.take()
     E = runner.config.num_experts
     for phase in ("prefill", "decode"):
@@ -205,8 +206,9 @@ def test_tally_counts_what_the_router_chose():
             want[layer] += torch.bincount(ids.flatten(), minlength=E)
         for l in want:
             assert torch.equal(getattr(got, phase)[l], want[l]), (phase, l)
-    assert got.tokens == {"prefill": 55, "decode": 4}
-    assert all(int(c.sum()) == 0 for c in runner.routes.take().total("all").values())  # take() zeroed it
+    assert got.tokens == {"prefill": 55 + 12, "decode": 4} and got.passes == {55: 1, 12: 1}  # passes by size
+    again = runner.routes.take()
+    assert all(int(c.sum()) == 0 for c in again.total("all").values()) and again.passes == {}  # take() zeroed it
 
 
 def test_served_routes_decay_by_tokens(tmp_path):
@@ -219,17 +221,22 @@ def test_served_routes_decay_by_tokens(tmp_path):
         return rc
 
     s = ServedRoutes(tmp_path / "r.served.json", half_life=100)
-    s.add(counts(0, 100))
-    s.add(counts(1, 100))  # expert 0's routes are now one half-life old
+    first = counts(0, 100)
+    first.passes = {300: 2}
+    s.add(first)
+    s.add(counts(1, 100))  # expert 0's routes are now one half-life old (and the passes counted with them)
     assert s.counts.decode[0].tolist() == [50, 100, 0, 0] and s.served_tokens == 200
+    assert s.counts.passes == {300: 1.0}
     s.save()
     back = ServedRoutes(tmp_path / "r.served.json")
     assert back.half_life == 100 and back.served_tokens == 200 and back.counts.decode[0].tolist() == [50, 100, 0, 0]
+    assert back.counts.passes == {300: 1.0}
     dev = counts(3, 40)
-    dev.prompts = [30, 10]
-    learned = learned_profile(dev, back)  # the development profile is two half-lives old
+    dev.prompts = [30, 3000]
+    learned = learned_profile(dev, back, 2048)  # the development profile is two half-lives old
     assert learned.decode[0].tolist() == [50.0, 100.0, 0.0, 10.0] and learned.total("all")[0][3] == 10.0
-    assert learned.tokens == {"prefill": 0, "decode": 150 + 10} and learned.prompts == [30, 10]
+    assert learned.tokens == {"prefill": 0, "decode": 150 + 10} and learned.prompts is None
+    assert learned.passes == {30: 0.25, 300: 1.0, 952: 0.25, 2048: 0.25}  # served as counted, dev's decayed
 
 
 def _skew_served_to_cold(res: Residency, path, tokens: int = 5000, half_life: int = 1000) -> list[tuple]:

@@ -430,13 +430,14 @@ def test_plan_fills_again_by_time_saved_and_ktransformers_keeps_the_fill_by_rout
     assert kept.hot == res.hot and "fill" not in kept.calibration and fill_text(None) == "by routes"
 
 
-def test_a_learned_profile_weighs_its_tokens_in_the_development_prompts_shapes():
-    """planner/served.py learned_profile counts served tokens with the development prompts: the
-    passes of those prompts, scaled to the prefill tokens counted (cost_model.profile_passes)."""
+def test_the_planner_weighs_the_passes_a_profile_counted_before_its_prompts():
+    """cost_model.profile_passes: a served or learned profile's counted passes (planner/served.py), else
+    the passes its prompts make; neither: the plan is not weighed."""
     prof = _skewed_profile([300, 2500], 100)
-    assert cm.profile_passes(prof, CHUNK) == {300: 1, 2048: 1, 452: 1}  # a profile's prompts are its tokens
-    learned = dataclasses.replace(prof, tokens={"prefill": 3 * 2800, "decode": 100})
-    assert cm.profile_passes(learned, CHUNK) == {300: 3.0, 2048: 3.0, 452: 3.0}
+    assert cm.profile_passes(prof, CHUNK) == {300: 1, 2048: 1, 452: 1}
+    learned = dataclasses.replace(prof, prompts=None, passes={300: 3.0, 2048: 3.0, 452: 3.0})
+    assert cm.profile_passes(learned, CHUNK) == learned.passes
+    assert cm.profile_passes(dataclasses.replace(prof, prompts=None), CHUNK) is None
     res, _ = _plan()
     up = plan_upload_path(res, _calibration(**PAYS), learned, learned.total("all"), SIZES, K, CHUNK)
     assert up.calibration["upload_path"]["passes"] == 9 and up.calibration["fill"]["by"] == "time saved"

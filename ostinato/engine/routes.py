@@ -30,9 +30,12 @@ class RouteCounts:
     sessions: int = 0
     max_tokens: int = 0  # the longest session stream (= longest request: prompt + output), in tokens
     # the new prompt tokens of every turn, in order: the sizes of the prefill passes a replay of these
-    # sessions makes before the runner's chunking (the planner weighs the upload path by them,
-    # planner/pipeline.py plan_upload_path); None where not recorded (a served tally, an older profile)
+    # sessions makes before the runner's chunking (the planner weighs passes by them: planner/pipeline.py
+    # plan_upload_path); None where not recorded (a served tally, an older profile)
     prompts: list[int] | None = None
+    # the prefill passes run, by size (after the runner's chunking), where they were counted rather than
+    # made from prompts: a served tally's, decayed with its routes (planner/served.py); None elsewhere
+    passes: dict[int, float] | None = None
 
     @classmethod
     def zeros(cls, layers: list[int], num_experts: int, device="cpu") -> "RouteCounts":
@@ -50,13 +53,16 @@ class RouteCounts:
                "decode": {str(l): c.tolist() for l, c in self.decode.items()}}
         if self.prompts is not None:
             out["prompts"] = list(self.prompts)
+        if self.passes is not None:
+            out["passes"] = {str(n): k for n, k in sorted(self.passes.items())}
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> "RouteCounts":
         t = lambda m: {int(l): torch.tensor(c, dtype=torch.int64) for l, c in m.items()}  # noqa: E731
+        passes = {int(n): k for n, k in d["passes"].items()} if d.get("passes") is not None else None
         return cls(t(d["prefill"]), t(d["decode"]), dict(d["tokens"]), d.get("sessions", 0), d.get("max_tokens", 0),
-                   d.get("prompts"))
+                   d.get("prompts"), passes)
 
     def layer_top_shares(self, fraction: float, phase: str = "all") -> dict[int, float]:
         """Per layer: the share of its routes on its own top `fraction` of experts (skew figure)."""
@@ -83,6 +89,7 @@ class RouteTally:
     def __init__(self, layers: list[int], num_experts: int, top_k: int):
         self.layers, self.num_experts, self.top_k = list(layers), num_experts, top_k
         self.counts: dict[int, torch.Tensor] = {}  # layer -> [2, E] int64, allocated at its first pass
+        self.passes: dict[int, int] = {}  # prefill passes by size, counted on the host at the first MoE layer
         self._one: dict[torch.device, torch.Tensor] = {}  # a 1 per device, expanded to each pass's ids
 
     def wrap(self, backend):
@@ -92,21 +99,26 @@ class RouteTally:
         c = self.counts.get(layer)
         if c is None:
             c = self.counts[layer] = torch.zeros(2, self.num_experts, dtype=torch.int64, device=topk.ids.device)
+        T = int(topk.ids.shape[0])
+        if T > 1 and layer == self.layers[0]:  # a prefill pass (never inside a captured graph: decode is)
+            self.passes[T] = self.passes.get(T, 0) + 1
         ids = topk.ids.reshape(-1)
         one = self._one.get(ids.device)
         if one is None:
             one = self._one[ids.device] = torch.ones(1, dtype=torch.int64, device=ids.device)
-        c[int(topk.ids.shape[0] == 1)].index_add_(0, ids, one.expand(ids.numel()))
+        c[int(T == 1)].index_add_(0, ids, one.expand(ids.numel()))
 
     @torch.inference_mode()  # the counters were made inside the runner's passes
     def reset(self) -> None:
         """Zero in place (captured graphs keep adding into the same buffers)."""
         for c in self.counts.values():
             c.zero_()
+        self.passes = {}
 
     def take(self) -> RouteCounts:
         """The counts so far, on the host, and zero the tally."""
         rc = RouteCounts.zeros(self.layers, self.num_experts)
+        rc.passes = dict(self.passes)
         for layer, c in self.counts.items():
             host = c.cpu()
             rc.prefill[layer], rc.decode[layer] = host[0].clone(), host[1].clone()

@@ -169,7 +169,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     dev = RouteCounts.load(dev_path) if dev_path.is_file() else None
     prof = dev  # the routes the plan is made and decided from
     if auto.replan and served.counts is not None:
-        prof, how = learned_profile(dev, served), f"{served.served_tokens} served tokens"
+        prof, how = learned_profile(dev, served, settings.prefill_chunk), f"{served.served_tokens} served tokens"
         counts = prof.total("all")
         log.info("planning again from the routes of %d served tokens (the development profile weighs %.3f now)",
                  served.served_tokens, served.dev_weight())

@@ -270,7 +270,7 @@ def plan_from_served(a) -> int:
     cfg = source.config
     dev_path = (old.profile or {}).get("path")
     dev = RouteCounts.load(dev_path) if dev_path and Path(dev_path).is_file() else None
-    prof = learned_profile(dev, served)
+    prof = learned_profile(dev, served, a.prefill_chunk)
     counts = prof.total("all")
     dtype = RunnerSettings(device=_device(a), dtype=a.dtype).torch_dtype(cfg.torch_dtype)
     cap = parse_bytes(a.gpu_memory) if a.gpu_memory else old.gpu_memory

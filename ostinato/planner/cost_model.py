@@ -391,15 +391,13 @@ def _count(x: float) -> int | float:
     return int(x) if float(x).is_integer() else round(x, 1)
 
 
-def profile_passes(prof, chunk: int) -> dict[int, float]:
-    """The prefill passes of a profile (RouteCounts with prompt sizes, chunks of `chunk`), as many
-    as its prefill tokens make: a profile's prompts are its prefill tokens, and a learned one
-    (planner/served.py learned_profile) counts served tokens in the development prompts' shapes."""
-    passes = prefill_passes(prof.prompts, chunk)
-    made, counted = sum(prof.prompts), prof.tokens["prefill"]
-    if made == counted or made == 0:
-        return passes
-    return {n: k * counted / made for n, k in passes.items()}
+def profile_passes(prof, chunk: int) -> dict[int, float] | None:
+    """The prefill passes of a profile (RouteCounts) by size: those it counted (a served tally's, a
+    learned profile's: planner/served.py), else those its prompts make in chunks of `chunk`; None
+    where it has neither (an older profile)."""
+    if prof.passes is not None:
+        return prof.passes
+    return prefill_passes(prof.prompts, chunk) if prof.prompts is not None else None
 
 
 def path_gains(cal: dict, passes: dict[int, int], mixed=None) -> dict:

@@ -192,14 +192,14 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     dropped, the experts added and the capacity of the plan with the upload path, so
     Residency.upload_plan restores it). `residency` may hold earlier decisions: they are made
     again from its plan by routes with the upload path (Residency.frequency_plan). `prof` may be
-    a learned profile (planner/served.py learned_profile): its passes are the development prompts'
-    shapes, as many as its prefill tokens make (cost_model.profile_passes)."""
+    a learned profile (planner/served.py learned_profile), with the passes it counted
+    (cost_model.profile_passes)."""
     res = residency.frequency_plan()
     cal = measured(cal)
     limit = pool_limit(res, top_k, sizes) if limit is None else limit  # the pools the plan by routes was allowed
+    passes = cm.profile_passes(prof, prefill_chunk) if prof is not None else None
     values = None
-    if len(res.devices) <= 1 and prof is not None and prof.prompts is not None:
-        passes = cm.profile_passes(prof, prefill_chunk)
+    if len(res.devices) <= 1 and passes is not None:
         values = cm.expert_values(cal, prof, passes, top_k)
     if values is not None:
         res = refill_by_time(dataclasses.replace(res, calibration=cal), values, sizes, prof, cal, top_k)
@@ -215,13 +215,12 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
         return decided(True, "borrowed memory lends the flex slots to cold experts")
     if len(res.devices) > 1:
         return decided(True, "not weighed: a plan of several GPUs")
-    if prof is None or prof.prompts is None:
+    if passes is None:
         return decided(True, "not weighed: the development profile has no prompt sizes (profile again)")
     if not cal.get("global"):
         return decided(True, "not weighed: the calibration has no decode constants")
     E = res.num_experts
     bigger = grow_without_flex(counts, res.hot, limit, top_k, E, sizes)
-    passes = cm.profile_passes(prof, prefill_chunk)
     v = cm.upload_path_value(cal, prof, passes, res.hot, bigger, top_k, MixedPass.from_calibration(cal))
     before = hot_groups(res.hot, top_k, E, sizes, max_flex=res.max_flex)
     ms = {k: round(v[k], 3) + 0.0 for k in ("gain_ms", "gain_upload_ms", "gain_mixed_ms", "cost_ms",

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ostinato.engine.routes import RouteCounts, RouteTally
+from ostinato.planner.cost_model import prefill_passes
 
 log = logging.getLogger("ostinato")
 
@@ -36,15 +37,20 @@ def served_path(residency: str | Path) -> Path:
 
 def _decay(rc: RouteCounts, factor: float) -> RouteCounts:
     scale = lambda m: {l: torch.round(c.double() * factor).to(torch.int64) for l, c in m.items()}  # noqa: E731
+    passes = {n: k * factor for n, k in rc.passes.items()} if rc.passes is not None else None
     return RouteCounts(scale(rc.prefill), scale(rc.decode), {k: round(v * factor) for k, v in rc.tokens.items()},
-                       rc.sessions, rc.max_tokens)
+                       rc.sessions, rc.max_tokens, passes=passes)
+
+
+def _plus(x: dict, y: dict) -> dict:
+    return {k: x.get(k, 0) + y.get(k, 0) for k in sorted(set(x) | set(y))}
 
 
 def _add(a: RouteCounts, b: RouteCounts) -> RouteCounts:
-    plus = lambda x, y: {l: x.get(l, 0) + y.get(l, 0) for l in sorted(set(x) | set(y))}  # noqa: E731
-    return RouteCounts(plus(a.prefill, b.prefill), plus(a.decode, b.decode),
-                       {k: a.tokens.get(k, 0) + b.tokens.get(k, 0) for k in set(a.tokens) | set(b.tokens)},
-                       a.sessions + b.sessions, max(a.max_tokens, b.max_tokens))
+    """a + b; their passes where either counted some (a file from before passes were counted has none)."""
+    passes = None if a.passes is None and b.passes is None else _plus(a.passes or {}, b.passes or {})
+    return RouteCounts(_plus(a.prefill, b.prefill), _plus(a.decode, b.decode), _plus(a.tokens, b.tokens),
+                       a.sessions + b.sessions, max(a.max_tokens, b.max_tokens), passes=passes)
 
 
 class ServedRoutes:
@@ -109,12 +115,12 @@ class ServedRoutes:
         return 0.5 ** (self.served_tokens / self.half_life)
 
 
-def learned_profile(dev: RouteCounts | None, served: ServedRoutes) -> RouteCounts:
+def learned_profile(dev: RouteCounts | None, served: ServedRoutes, chunk: int) -> RouteCounts:
     """The routes to plan from, by phase: the served ones, plus the development profile decayed by
-    the tokens served since (float counts). The served tally keeps no prompt sizes, so the learned
-    profile takes the development sessions' (the agent sessions the plan was made for) as the shape
-    of its prefill passes; planner/pipeline.py plan_upload_path scales their count to the prefill
-    tokens counted here."""
+    the tokens served since (float counts); its prefill passes likewise: the served tally's, as
+    counted, plus the development prompts' (in chunks of `chunk`, the runner's largest pass)
+    decayed alike. A served file from before passes were counted has none: its prefill tokens then
+    weigh nothing in the passes' terms."""
     parts = [(served.counts, 1.0)] if served.counts else []
     if dev is not None:
         parts.append((dev, served.dev_weight()))
@@ -122,8 +128,12 @@ def learned_profile(dev: RouteCounts | None, served: ServedRoutes) -> RouteCount
     phase = lambda name: {l: sum(w * getattr(rc, name)[l].double() for rc, w in parts  # noqa: E731
                                  if l in getattr(rc, name)) for l in layers}
     tokens = {p: round(sum(w * rc.tokens.get(p, 0) for rc, w in parts)) for p in ("prefill", "decode")}
+    passes: dict[int, float] = {}
+    for rc, w in parts:
+        made = rc.passes if rc.passes is not None else prefill_passes(rc.prompts or [], chunk)
+        passes = _plus(passes, {n: w * k for n, k in made.items()})
     return RouteCounts(phase("prefill"), phase("decode"), tokens, sum(rc.sessions for rc, _ in parts),
-                       max((rc.max_tokens for rc, _ in parts), default=0), dev.prompts if dev is not None else None)
+                       max((rc.max_tokens for rc, _ in parts), default=0), passes=passes)
 
 
 def write_atomic(path: Path, text: str) -> None:
