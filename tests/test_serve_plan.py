@@ -237,6 +237,16 @@ def test_served_routes_decay_by_tokens(tmp_path):
     assert learned.decode[0].tolist() == [50.0, 100.0, 0.0, 10.0] and learned.total("all")[0][3] == 10.0
     assert learned.tokens == {"prefill": 0, "decode": 150 + 10} and learned.prompts is None
     assert learned.passes == {30: 0.25, 300: 1.0, 952: 0.25, 2048: 0.25}  # served as counted, dev's decayed
+    # a served file from before passes were counted: the development prompts' passes for its prefill tokens,
+    # and it keeps no passes as it grows (the sum would hold tokens without their passes)
+    old = counts(1, 100)
+    old.tokens["prefill"] = 2 * 3030
+    back.counts = old
+    assert learned_profile(dev, back, 2048).passes == {30: 2.25, 952: 2.25, 2048: 2.25}
+    back.add(first)
+    assert back.counts.passes is None
+    nothing = learned_profile(counts(3, 40), back, 2048)  # and no prompts either: not weighed
+    assert nothing.passes is None
 
 
 def _skew_served_to_cold(res: Residency, path, tokens: int = 5000, half_life: int = 1000) -> list[tuple]:

@@ -199,7 +199,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     cal = calibrate(loaded, auto.calibrate)
     res.calibration = cal
     if dev is not None:  # filled again by time saved, and whether the upload path pays for its flex slots, on
-        # the routes it was planned from (served ones in the development prompts' shapes: served.py learned_profile);
+        # the routes it was planned from (served ones with the passes they came in: served.py learned_profile);
         # the pool is built again for the plan that comes of it
         built = res
         res = plan_upload_path(res, cal, prof, counts, expert_sizes(cfg, dtype, formats), cfg.num_experts_per_tok,

@@ -291,7 +291,7 @@ def plan_from_served(a) -> int:
                                                       f"development profile at weight {served.dev_weight():.4f}"},
                          notes=dict(old.notes))
     # the old plan's decisions go: this plan is filled again by time saved and its upload path decided on the
-    # learned routes, in the development prompts' shapes (served.py learned_profile)
+    # learned routes and passes (served.py learned_profile)
     res.calibration = measured(old.calibration)
     if res.calibration.get("global") and dev is not None:
         res = _decide_upload_path(res, res.calibration, prof, counts, source, dtype, a.prefill_chunk,

@@ -46,9 +46,16 @@ def _plus(x: dict, y: dict) -> dict:
     return {k: x.get(k, 0) + y.get(k, 0) for k in sorted(set(x) | set(y))}
 
 
+def _unknown_passes(rc: RouteCounts) -> bool:
+    """Prefill tokens without their passes: a file from before passes were counted."""
+    return rc.passes is None and rc.tokens.get("prefill", 0) > 0
+
+
 def _add(a: RouteCounts, b: RouteCounts) -> RouteCounts:
-    """a + b; their passes where either counted some (a file from before passes were counted has none)."""
-    passes = None if a.passes is None and b.passes is None else _plus(a.passes or {}, b.passes or {})
+    """a + b; their passes, unless one side has prefill tokens whose passes were not counted (then
+    none: the sum would hold those tokens without their passes)."""
+    unknown = _unknown_passes(a) or _unknown_passes(b)
+    passes = None if unknown else _plus(a.passes or {}, b.passes or {})
     return RouteCounts(_plus(a.prefill, b.prefill), _plus(a.decode, b.decode), _plus(a.tokens, b.tokens),
                        a.sessions + b.sessions, max(a.max_tokens, b.max_tokens), passes=passes)
 
@@ -119,8 +126,8 @@ def learned_profile(dev: RouteCounts | None, served: ServedRoutes, chunk: int) -
     """The routes to plan from, by phase: the served ones, plus the development profile decayed by
     the tokens served since (float counts); its prefill passes likewise: the served tally's, as
     counted, plus the development prompts' (in chunks of `chunk`, the runner's largest pass)
-    decayed alike. A served file from before passes were counted has none: its prefill tokens then
-    weigh nothing in the passes' terms."""
+    decayed alike. A served file from before passes were counted gets the development prompts'
+    passes scaled to its prefill tokens; None where no part has passes or prompts (not weighed)."""
     parts = [(served.counts, 1.0)] if served.counts else []
     if dev is not None:
         parts.append((dev, served.dev_weight()))
@@ -128,10 +135,18 @@ def learned_profile(dev: RouteCounts | None, served: ServedRoutes, chunk: int) -
     phase = lambda name: {l: sum(w * getattr(rc, name)[l].double() for rc, w in parts  # noqa: E731
                                  if l in getattr(rc, name)) for l in layers}
     tokens = {p: round(sum(w * rc.tokens.get(p, 0) for rc, w in parts)) for p in ("prefill", "decode")}
-    passes: dict[int, float] = {}
+    shapes = prefill_passes(dev.prompts, chunk) if dev is not None and dev.prompts else None
+    passes: dict[int, float] | None = None
     for rc, w in parts:
-        made = rc.passes if rc.passes is not None else prefill_passes(rc.prompts or [], chunk)
-        passes = _plus(passes, {n: w * k for n, k in made.items()})
+        if rc.passes is not None:
+            made = rc.passes
+        elif rc.prompts is not None:
+            made = prefill_passes(rc.prompts, chunk)
+        elif shapes:  # counted without its passes: the development prompts' shapes, as many as its tokens make
+            made = {n: k * rc.tokens.get("prefill", 0) / sum(dev.prompts) for n, k in shapes.items()}
+        else:
+            continue
+        passes = _plus(passes or {}, {n: w * k for n, k in made.items()})
     return RouteCounts(phase("prefill"), phase("decode"), tokens, sum(rc.sessions for rc, _ in parts),
                        max((rc.max_tokens for rc, _ in parts), default=0), passes=passes)
 
