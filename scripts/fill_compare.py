@@ -24,10 +24,7 @@ from ostinato.policies.static import per_layer_top
 def judge(cal: dict, prof: RouteCounts, hot: dict[int, list[int]], top_k: int, chunk: int) -> dict:
     layers = sorted(prof.decode)
     step = cm.predict_decode_step(prof.decode, prof.tokens["decode"], hot, cm.layer_costs(cal, layers), top_k)
-    pc = cm.PassCosts.from_calibration(cal)
-    probs = {l: cm.route_probs(prof.prefill[l], prof.tokens["prefill"], top_k) for l in layers}
-    prefill = sum(k * len(layers) * cm.pass_costs(n, probs, hot, pc)[0]
-                  for n, k in cm.profile_passes(prof, chunk).items())
+    prefill = cm.split_prefill_ms(cal, prof, cm.profile_passes(prof, chunk), hot, top_k)
     decode = prof.tokens["decode"] * step.total_ms
     return {"cold_routes_per_token_layer": round(step.cold_routes_per_layer, 4), "moe_ms": round(step.moe_ms, 3),
             "decode_s": round(decode / 1e3, 2), "prefill_s": round(prefill / 1e3, 2),

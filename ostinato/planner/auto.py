@@ -188,8 +188,6 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     profile = {"path": str(dev_path), "sessions": dev.sessions if dev else 0, "tokens": dev.tokens if dev else {},
                "max_tokens": dev.max_tokens if dev else 0, "counts": how}
     res = plan_residency(source, counts, size, profile=profile, notes={"planned_by": "serve"})
-    if dev is not None:
-        res.notes["report"] = {"development": route_report(dev, res.hot, len(cfg.moe_layers))}
     final = dataclasses.replace(place, residency=str(path))
     release(loaded)  # the empty pool goes before the planned one is allocated
     use_policy(loaded, hybrid_factory(final, res)(source, loaded.runner.settings))

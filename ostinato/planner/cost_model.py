@@ -434,6 +434,16 @@ def path_gains(cal: dict, passes: dict[int, int], mixed=None) -> dict:
     return out
 
 
+def split_prefill_ms(cal: dict, prof, passes: dict[int, float], hot: dict[int, list[int]], top_k: int) -> float:
+    """A profile's prefill passes ({tokens: count}, profile_passes) all on the split path under a
+    residency, ms in all over its MoE layers, by the prefill model (cpu_pass constants, the GPU
+    branch's measured curve)."""
+    layers = sorted(prof.prefill)
+    pc = PassCosts.from_calibration(cal)
+    probs = {l: route_probs(prof.prefill[l], prof.tokens["prefill"], top_k) for l in layers}
+    return sum(k * len(layers) * pass_costs(n, probs, hot, pc)[0] for n, k in passes.items())
+
+
 def upload_path_value(cal: dict, prof, passes: dict[int, int], hot: dict[int, list[int]],
                       bigger: dict[int, list[int]], top_k: int, mixed=None) -> dict:
     """What the upload path is worth over a development workload, ms in all, against the plan that
@@ -458,12 +468,8 @@ def upload_path_value(cal: dict, prof, passes: dict[int, int], hot: dict[int, li
             for name, h in (("hot", hot), ("bigger", bigger))}
     decode = prof.tokens["decode"] * (step["hot"].total_ms - step["bigger"].total_ms)
     prefill = 0.0
-    p = cal.get("passes") or {}
-    if p.get("sizes") and cal.get("cpu_pass"):
-        pc = PassCosts.from_calibration(cal)
-        probs = {l: route_probs(prof.prefill[l], prof.tokens["prefill"], top_k) for l in layers}
-        for n, k in passes.items():
-            prefill += k * len(layers) * (pass_costs(n, probs, hot, pc)[0] - pass_costs(n, probs, bigger, pc)[0])
+    if (cal.get("passes") or {}).get("sizes") and cal.get("cpu_pass"):
+        prefill = split_prefill_ms(cal, prof, passes, hot, top_k) - split_prefill_ms(cal, prof, passes, bigger, top_k)
     gain_upload, gain_mixed = with_cold * g["upload_ms"], with_cold * g["mixed_ms"]
     return {"gain_ms": gain_upload + gain_mixed, "gain_upload_ms": gain_upload, "gain_mixed_ms": gain_mixed,
             "cost_ms": decode + prefill, "cost_decode_ms": decode, "cost_prefill_ms": prefill,
