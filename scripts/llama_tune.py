@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.bench import select_sessions  # noqa: E402
-from ostinato.bench.llamacpp import LlamaServer, LlamaSettings, knob_values, smallest_fitting, tune  # noqa: E402
+from ostinato.bench.llamacpp import (LlamaServer, LlamaSettings, Measured, knob_values,  # noqa: E402
+                                     smallest_fitting, tune)
 from ostinato.bench.metrics import summarize  # noqa: E402
 from ostinato.bench.replay import HttpTarget, replay_sessions  # noqa: E402
 from ostinato.bench.report import source_state  # noqa: E402
@@ -80,8 +81,16 @@ def main(argv=None) -> int:
     dev, held = select_sessions(a.sessions, a.max_sessions)
     tune_set = dev[:a.tune_sessions]
     cap_mib = a.cap // 2**20
-    memory: dict[str, int | None] = {}
-    count = [0]
+    # a run cut short by a call's deadline resumes from what it measured (the same file, cap and turns)
+    done = Measured(a.out / "tuning-progress.json",
+                    {"model": a.model, "bytes": Path(a.model).stat().st_size, "cap_mib": cap_mib, "context": a.context,
+                     "max_context": a.max_context, "tune_sessions": [s.id for s in tune_set],
+                     "tune_max_turns": a.tune_max_turns, "max_output": a.max_output})
+    if done.resumed:
+        print(f"resuming: {len(done.data['fits'])} fit tests and {len(done.data['totals'])} settings measured before "
+              f"({done.path})", flush=True)
+    memory: dict[str, int | None] = done.data["gpu_mib"]
+    count = [len(list((a.out / "logs").glob("*.log")))]
 
     def start(s: LlamaSettings) -> LlamaServer:
         count[0] += 1
@@ -96,14 +105,14 @@ def main(argv=None) -> int:
               f"{srv.mib} MiB", flush=True)
         return srv
 
-    def fits(n: int) -> bool:
+    def fits_now(n: int) -> bool:
         srv = start(LlamaSettings(n, threads=a.threads[0]))
         try:
             return srv.ready and srv.mib is not None and srv.mib <= cap_mib
         finally:
             srv.close()
 
-    def measure(s: LlamaSettings) -> float | None:
+    def measure_now(s: LlamaSettings) -> float | None:
         srv = start(s)
         try:
             if not srv.ready or srv.mib is None or srv.mib > cap_mib:
@@ -117,6 +126,12 @@ def main(argv=None) -> int:
         finally:
             srv.close()
 
+    def fits(n: int) -> bool:
+        return done.get("fits", str(n), lambda: fits_now(n))
+
+    def measure(s: LlamaSettings) -> float | None:
+        return done.get("totals", s.label(), lambda: measure_now(s))
+
     t0 = time.perf_counter()
     n_fit = smallest_fitting(fits, layers)
     best, rows = tune(measure, LlamaSettings(n_fit, threads=a.threads[0]), knob_values(n_fit, layers, a.threads))
@@ -126,7 +141,8 @@ def main(argv=None) -> int:
               "model": a.model, "cap_mib": cap_mib, "layers": layers, "smallest_fitting_n_cpu_moe": n_fit,
               "tune_sessions": [s.id for s in tune_set],
               "tune_max_turns": a.tune_max_turns, "rows": rows, "chosen": best.label(),
-              "chosen_settings": dataclasses.asdict(best), "seconds": round(time.perf_counter() - t0, 1)}
+              "chosen_settings": dataclasses.asdict(best), "seconds": round(time.perf_counter() - t0, 1),
+              "resumed": done.resumed}  # seconds: this run's alone where it resumed a cut one
     (a.out / "tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
     print(f"chosen: {best.label()}", flush=True)
 

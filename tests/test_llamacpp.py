@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ostinato.bench.llamacpp import LlamaSettings, knob_values, smallest_fitting, tune
+from ostinato.bench.llamacpp import LlamaSettings, Measured, knob_values, smallest_fitting, tune
 
 
 @pytest.mark.parametrize("need,layers", [(0, 48), (1, 48), (17, 48), (47, 48), (48, 48), (5, 7)])
@@ -68,3 +68,43 @@ def test_server_arguments_and_environment():
     assert "--no-mmap" not in args  # gone from llama.cpp (2026-09): --load-mode none
     d = dataclasses.replace(s, load_mode="auto", op_offload=512)
     assert "--load-mode" not in d.args("m.gguf", 9216, 8090) and d.env() == {"GGML_OP_OFFLOAD_MIN_BATCH": "512"}
+
+
+def test_a_tuning_cut_short_resumes_from_what_it_measured(tmp_path):
+    # the first run is killed (a call's deadline) during its fifth setting; the second measures only the rest
+    path, key = tmp_path / "progress.json", {"model": "m.gguf", "cap_mib": 12288}
+
+    def cost(s):
+        return 10.0 - s.ubatch / 1000 - (s.load_mode == "none")
+
+    class Deadline(Exception):
+        pass
+
+    def run(done, budget):
+        calls = []
+
+        def measure(s):
+            def now():
+                if len(calls) == budget:
+                    raise Deadline
+                calls.append(s)
+                return cost(s)
+            return done.get("totals", s.label(), now)
+
+        fits = lambda n: done.get("fits", str(n), lambda: n >= 5)  # noqa: E731
+        n = smallest_fitting(fits, 48)
+        return tune(measure, LlamaSettings(n), knob_values(n, 48, [16])), calls
+
+    first = Measured(path, key)
+    assert not first.resumed
+    with pytest.raises(Deadline):
+        run(first, 4)
+    second = Measured(path, key)
+    assert second.resumed and len(second.data["totals"]) == 4
+    (got, rows), calls = run(second, 99)
+    whole, _ = run(Measured(tmp_path / "other.json", key), 99)
+    assert got == whole[0] and got.ubatch == 2048 and got.load_mode == "none"
+    assert len(calls) == len(rows) - 4  # nothing measured twice
+    assert {r["label"] for r in rows} >= set(Measured(path, key).data["totals"])
+    # another file, cap or sample starts over: its figures are not mixed in
+    assert not Measured(path, {**key, "cap_mib": 24576}).resumed

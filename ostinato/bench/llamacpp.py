@@ -22,6 +22,7 @@ product. A setting that fails (no start, a failed turn) counts as infinitely slo
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -60,6 +61,29 @@ class LlamaSettings:
         off = "off" if self.op_offload is None else str(self.op_offload)
         return (f"n-cpu-moe {self.n_cpu_moe}, ub {self.ubatch}, load {self.load_mode}, "
                 f"op-offload {off}, {self.threads} threads")
+
+
+class Measured:
+    """What a tuning run has measured, kept in a JSON file after each server start, so that a run cut
+    short (a call's deadline on the GPU machine: the 235B-shaped file takes about a minute a setting)
+    resumes where it stopped. `key` names what the figures were measured on (file, cap, turns); a
+    file with another key is started over, never mixed in."""
+
+    def __init__(self, path: Path, key: dict):
+        self.path, self.key = path, key
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        self.data = old if old.get("key") == key else {"key": key, "fits": {}, "totals": {}, "gpu_mib": {}}
+        self.resumed = bool(self.data["fits"] or self.data["totals"])
+
+    def get(self, table: str, name: str, fn: Callable[[], object]):
+        """The value measured before under this name, else fn()'s, recorded."""
+        if name not in self.data[table]:
+            self.data[table][name] = fn()
+            self.save()
+        return self.data[table][name]
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
 
 
 def smallest_fitting(fits: Callable[[int], bool], layers: int) -> int:
