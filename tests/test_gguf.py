@@ -175,6 +175,38 @@ def test_every_expert_resident_counts_the_files_bytes(tinyk_file):
 
 
 @pytest.mark.gpu
+def test_dense_tensors_decode_on_the_gpu_as_on_the_cpu(tinyk_file, monkeypatch):
+    """A CUDA runner's dense tensors (and its page-locked host embedding) are decoded on the GPU,
+    a few rows at a time: the same values as the CPU's decode, which equals gguf's."""
+    import ostinato.loader.gguf as gguf_loader
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(gguf_loader, "_GPU_DECODE_VALUES", 3 * 256)  # several chunks, one ending short
+    src = GGUFSource(tinyk_file)
+    for name in src.names():
+        if ".experts." in name:
+            continue
+        want = src.load_(name, torch.empty(src.shape(name)))
+        on_gpu = src.load_(name, torch.empty(src.shape(name), device="cuda"))
+        pinned = src.load_(name, torch.empty(src.shape(name), pin_memory=True))
+        assert torch.equal(on_gpu.cpu(), want) and torch.equal(pinned, want), name
+
+
+def test_dense_tensors_decoded_rows_at_a_time_are_the_whole_tensors(tinyk_file, monkeypatch):
+    """The GPU's row-chunked decode, run here on the CPU: the same values as the whole tensor's."""
+    import ostinato.loader.gguf as gguf_loader
+
+    src = GGUFSource(tinyk_file)
+    names = [n for n in src.names() if ".experts." not in n]
+    want = {n: src.load_(n, torch.empty(src.shape(n))) for n in names}
+    monkeypatch.setattr(gguf_loader, "_GPU_DECODE_VALUES", 3 * 256)
+    monkeypatch.setattr(gguf_loader, "_decode_device", lambda out: torch.device("cpu"))
+    for n in names:
+        assert torch.equal(src.load_(n, torch.empty(src.shape(n))), want[n]), n
+
+
+@pytest.mark.gpu
 def test_every_expert_resident_on_the_gpu_keeps_the_blocks(tinyk_file):
     """load_engine with no residency on CUDA: the pool executor with every expert in its file's
     blocks (not the oracle's dequantized copy), the same logits as the oracle to rounding, and
