@@ -10,6 +10,7 @@ is refused; tiny-k has K-quant-sized rows.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -331,6 +332,22 @@ def test_synth_command_writes_the_same_file(tiny_files, tmp_path):
     assert main(["synth", "--preset", "tiny", "--format", "gguf", "--quant", "Q8_0", "--out", str(tmp_path)]) == 0
     _same_file(tmp_path / "tiny-Q8_0.gguf", tiny_files["Q8_0"])
     assert main(["synth", "--preset", "tiny", "--quant", "Q8_0", "--out", str(tmp_path / "hf")]) == 2
+
+
+def test_metadata_is_parsed_once_per_file_and_again_when_it_changes(tiny_files, tmp_path):
+    """A file's source and its tokenizer share one parse of its metadata; a file written again
+    at the same path is read again."""
+    from ostinato.loader.gguf import file_metadata
+
+    path = tmp_path / "m.gguf"
+    _rewrite(tiny_files["Q8_0"], path)
+    src = GGUFSource(path)
+    assert file_metadata(path) is src.metadata
+    assert ChatTokenizer.from_dir(path).vocab_size == ChatTokenizer.from_dir(tiny_files["Q8_0"]).vocab_size
+    _rewrite(tiny_files["Q8_0"], path, meta={"qwen3moe.context_length": 4321})
+    os.utime(path, ns=(0, src.path.stat().st_mtime_ns + 10**9))  # a later write, whatever the clock's grain
+    assert file_metadata(path) is not src.metadata
+    assert GGUFSource(path).config.max_position_embeddings == 4321
 
 
 # ---- refusals

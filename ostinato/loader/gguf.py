@@ -101,6 +101,22 @@ def read_metadata(reader: GGUFReader) -> dict:
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
+_METADATA: dict[tuple, dict] = {}  # file metadata read this process, by (path, size, mtime)
+
+
+def file_metadata(path: str | Path, reader: GGUFReader | None = None) -> dict:
+    """read_metadata of the file at `path` (of `reader`, if given, opened on it), parsed once per
+    process: a file's source and its tokenizer both need it, and a 151936-token vocabulary takes
+    seconds to parse."""
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _METADATA:
+        _METADATA.clear()  # one file at a time: a vocabulary's metadata is tens of MB
+        _METADATA[key] = read_metadata(reader or GGUFReader(path))
+    return _METADATA[key]
+
+
 def f32_value(x: float) -> float:
     """A float32 metadata value as the shortest decimal that reads back as it (1e-06, not
     9.99999997e-07): so a config read from GGUF equals the config.json it was written from."""
@@ -117,7 +133,7 @@ class GGUFSource:
             self.reader = GGUFReader(self.path, "c")
         except (ValueError, OSError) as e:
             raise ConfigError(f"{self.path}: not a readable GGUF file ({e})") from None
-        self.metadata = read_metadata(self.reader)
+        self.metadata = file_metadata(self.path, self.reader)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self._check_file()
         self.config = ModelConfig.from_dict(self._config_dict())

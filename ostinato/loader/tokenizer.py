@@ -34,11 +34,11 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
-from ostinato.loader.gguf import find_gguf, read_metadata
+from ostinato.loader.gguf import file_metadata, find_gguf
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -227,7 +227,7 @@ class ChatTokenizer:
         """The tokenizer and chat template(s) stored in a GGUF file's metadata."""
         path = Path(path)
         try:
-            meta = read_metadata(GGUFReader(path))
+            meta = file_metadata(path)
         except (ValueError, OSError) as e:
             raise TokenizerDirError(f"{path}: not a readable GGUF file ({e})") from None
         tokenizer = _gguf_tokenizer(meta, path)
