@@ -164,7 +164,7 @@ class GGUFSource:
                               f"but the metadata implies {list(out.shape)}")
         data = tensor.data if expert is None else tensor.data[expert]
         where = _decode_device(out)
-        if where is None or tensor.tensor_type.name not in formats.QTYPES:
+        if where is None or not out.is_contiguous() or tensor.tensor_type.name not in formats.QTYPES:
             return out.copy_(_decode(data, tensor.tensor_type, shape[-1]))
         # block formats are decoded on the GPU, rows at a time: the runner's layout leaves the load one
         # host thread, and a 235B-shaped file holds 3.5 G dense values (its load took 166 s, session 18)
