@@ -81,11 +81,14 @@ def main(argv=None) -> int:
     dev, held = select_sessions(a.sessions, a.max_sessions)
     tune_set = dev[:a.tune_sessions]
     cap_mib = a.cap // 2**20
-    # a run cut short by a call's deadline resumes from what it measured (the same file, cap and turns)
+    # a run cut short by a call's deadline resumes from what it measured (the same server, file, cap and turns)
+    st = Path(a.model).stat()
     done = Measured(a.out / "tuning-progress.json",
-                    {"model": a.model, "bytes": Path(a.model).stat().st_size, "cap_mib": cap_mib, "context": a.context,
-                     "max_context": a.max_context, "tune_sessions": [s.id for s in tune_set],
-                     "tune_max_turns": a.tune_max_turns, "max_output": a.max_output})
+                    {"server": str(Path(a.server).resolve()), "model": a.model, "bytes": st.st_size,
+                     "mtime_ns": st.st_mtime_ns, "cap_mib": cap_mib, "context": a.context,
+                     "max_context": a.max_context, "fit_threads": a.threads[0],
+                     "tune_sessions": [s.id for s in tune_set], "tune_max_turns": a.tune_max_turns,
+                     "max_output": a.max_output})
     if done.resumed:
         print(f"resuming: {len(done.data['fits'])} fit tests and {len(done.data['totals'])} settings measured before "
               f"({done.path})", flush=True)
@@ -105,24 +108,24 @@ def main(argv=None) -> int:
               f"{srv.mib} MiB", flush=True)
         return srv
 
-    def fits_now(n: int) -> bool:
+    def fits_now(n: int) -> tuple[bool, bool]:  # (fits, definite: the server started)
         srv = start(LlamaSettings(n, threads=a.threads[0]))
         try:
-            return srv.ready and srv.mib is not None and srv.mib <= cap_mib
+            return srv.ready and srv.mib is not None and srv.mib <= cap_mib, srv.ready
         finally:
             srv.close()
 
-    def measure_now(s: LlamaSettings) -> float | None:
+    def measure_now(s: LlamaSettings) -> tuple[float | None, bool]:  # (total, definite: the server started)
         srv = start(s)
         try:
             if not srv.ready or srv.mib is None or srv.mib > cap_mib:
-                return None
+                return None, srv.ready
             results, summary = replay(srv.url, tune_set, tok, a.tune_max_turns, a.max_output, a.max_context)
             if summary["failed_turns"]:
-                return None
+                return None, True
             total = summary["request_s"]["total"]
             print(f"    total {total:.3f} s over {summary['turns']} development turns", flush=True)
-            return total
+            return total, True
         finally:
             srv.close()
 

@@ -334,20 +334,31 @@ def test_synth_command_writes_the_same_file(tiny_files, tmp_path):
     assert main(["synth", "--preset", "tiny", "--quant", "Q8_0", "--out", str(tmp_path / "hf")]) == 2
 
 
-def test_metadata_is_parsed_once_per_file_and_again_when_it_changes(tiny_files, tmp_path):
+def test_metadata_is_parsed_once_per_file_and_again_when_it_changes(tiny_files, tmp_path, monkeypatch):
     """A file's source and its tokenizer share one parse of its metadata; a file written again
-    at the same path is read again."""
+    at the same path (same size, later mtime) is read again."""
+    import ostinato.loader.gguf as gguf_loader
     from ostinato.loader.gguf import file_metadata
 
     path = tmp_path / "m.gguf"
     _rewrite(tiny_files["Q8_0"], path)
     src = GGUFSource(path)
     assert file_metadata(path) is src.metadata
-    assert ChatTokenizer.from_dir(path).vocab_size == ChatTokenizer.from_dir(tiny_files["Q8_0"]).vocab_size
     _rewrite(tiny_files["Q8_0"], path, meta={"qwen3moe.context_length": 4321})
     os.utime(path, ns=(0, src.path.stat().st_mtime_ns + 10**9))  # a later write, whatever the clock's grain
     assert file_metadata(path) is not src.metadata
-    assert GGUFSource(path).config.max_position_embeddings == 4321
+    again = GGUFSource(path)
+    assert again.config.max_position_embeddings == 4321
+    opened = []
+
+    class Counting(gguf_loader.GGUFReader):
+        def __init__(self, *a, **k):
+            opened.append(a[0])
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(gguf_loader, "GGUFReader", Counting)
+    assert ChatTokenizer.from_dir(path).vocab_size == ChatTokenizer.from_dir(tiny_files["Q8_0"]).vocab_size
+    assert opened == [tiny_files["Q8_0"]]  # the tokenizer of the file already open read no file again
 
 
 # ---- refusals

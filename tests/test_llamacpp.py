@@ -88,10 +88,10 @@ def test_a_tuning_cut_short_resumes_from_what_it_measured(tmp_path):
                 if len(calls) == budget:
                     raise Deadline
                 calls.append(s)
-                return cost(s)
+                return cost(s), True
             return done.get("totals", s.label(), now)
 
-        fits = lambda n: done.get("fits", str(n), lambda: n >= 5)  # noqa: E731
+        fits = lambda n: done.get("fits", str(n), lambda: (n >= 5, True))  # noqa: E731
         n = smallest_fitting(fits, 48)
         return tune(measure, LlamaSettings(n), knob_values(n, 48, [16])), calls
 
@@ -108,3 +108,17 @@ def test_a_tuning_cut_short_resumes_from_what_it_measured(tmp_path):
     assert {r["label"] for r in rows} >= set(Measured(path, key).data["totals"])
     # another file, cap or sample starts over: its figures are not mixed in
     assert not Measured(path, {**key, "cap_mib": 24576}).resumed
+
+
+def test_a_progress_record_a_kill_left_unreadable_or_a_failed_start_is_measured_again(tmp_path):
+    path, key = tmp_path / "progress.json", {"model": "m.gguf"}
+    path.write_text('{"key": {"model": "m.g')  # killed mid-write (before writes went through a rename)
+    done = Measured(path, key)
+    assert not done.resumed
+    assert done.get("fits", "18", lambda: (True, True)) is True
+    assert done.get("totals", "a", lambda: (None, False)) is None  # the server did not start: not recorded
+    again = Measured(path, key)
+    assert again.data["fits"] == {"18": True} and "a" not in again.data["totals"]
+    assert again.get("totals", "a", lambda: (12.5, True)) == 12.5
+    assert Measured(path, key).data["totals"] == {"a": 12.5}
+    assert not list(tmp_path.glob("*.part"))

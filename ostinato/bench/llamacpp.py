@@ -66,24 +66,34 @@ class LlamaSettings:
 class Measured:
     """What a tuning run has measured, kept in a JSON file after each server start, so that a run cut
     short (a call's deadline on the GPU machine: the 235B-shaped file takes about a minute a setting)
-    resumes where it stopped. `key` names what the figures were measured on (file, cap, turns); a
-    file with another key is started over, never mixed in."""
+    resumes where it stopped. `key` names what the figures were measured on (server, file, cap,
+    turns); a file with another key, or one a kill left unreadable, is started over, never mixed in."""
 
     def __init__(self, path: Path, key: dict):
         self.path, self.key = path, key
-        old = json.loads(path.read_text()) if path.is_file() else {}
+        try:
+            old = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            old = {}
         self.data = old if old.get("key") == key else {"key": key, "fits": {}, "totals": {}, "gpu_mib": {}}
         self.resumed = bool(self.data["fits"] or self.data["totals"])
 
-    def get(self, table: str, name: str, fn: Callable[[], object]):
-        """The value measured before under this name, else fn()'s, recorded."""
-        if name not in self.data[table]:
-            self.data[table][name] = fn()
+    def get(self, table: str, name: str, fn: Callable[[], tuple[object, bool]]):
+        """The value measured before under this name, else fn()'s. fn() -> (value, definite): only a
+        definite value is recorded (a server that did not start may have met a port or GPU memory that
+        a killed run left behind: the resumed run measures it again)."""
+        if name in self.data[table]:
+            return self.data[table][name]
+        value, definite = fn()
+        if definite:
+            self.data[table][name] = value
             self.save()
-        return self.data[table][name]
+        return value
 
     def save(self) -> None:
-        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+        part = self.path.with_suffix(".part")
+        part.write_text(json.dumps(self.data, indent=1) + "\n")
+        os.replace(part, self.path)  # a kill mid-write leaves the previous record whole
 
 
 def smallest_fitting(fits: Callable[[int], bool], layers: int) -> int:

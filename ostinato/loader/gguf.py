@@ -166,8 +166,8 @@ class GGUFSource:
         where = _decode_device(out)
         if where is None or not out.is_contiguous() or tensor.tensor_type.name not in formats.QTYPES:
             return out.copy_(_decode(data, tensor.tensor_type, shape[-1]))
-        # block formats are decoded on the GPU, rows at a time: the runner's layout leaves the load one
-        # host thread, and a 235B-shaped file holds 3.5 G dense values (its load took 166 s, session 18)
+        # decoded on the GPU, rows at a time: the runner's layout leaves the load one host thread, and a
+        # 235B-shaped file holds 3.5 G dense values in block formats (its load took 166 s, session 18)
         raw = torch.from_numpy(_row_bytes_view(data)).reshape(-1, row_bytes(tensor.tensor_type.name, shape[-1]))
         rows, step = out.view(-1, shape[-1]), max(1, _GPU_DECODE_VALUES // shape[-1])
         for r in range(0, raw.shape[0], step):
