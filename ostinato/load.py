@@ -24,7 +24,8 @@ from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.engine.session import Engine
 from ostinato.threads import claim_host_thread
 from ostinato.layers.moe.reference import ReferenceExperts
-from ostinato.loader.build import expert_formats
+from ostinato.layers.quant_linear import QuantLinear
+from ostinato.loader.build import dense_formats, expert_formats, weight_formats
 from ostinato.loader.gguf import GGUFSource
 from ostinato.sources import open_source
 from ostinato.loader.tokenizer import ChatTokenizer
@@ -89,7 +90,9 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
     try:
         experts = experts_factory(source, settings) if experts_factory else None
         t_experts = time.perf_counter()
-        runner = ModelRunner(source, settings, experts=experts)
+        # a GPU keeps the dense linear weights in their blocks too; a CPU computes with them dequantized once
+        quantized = dense_formats(source, placement.experts if placement else "native") if on_gpu else None
+        runner = ModelRunner(source, settings, experts=experts, quantized=quantized)
     except torch.OutOfMemoryError:
         raise ConfigError(f"{model}: out of GPU memory while loading; plan a residency that fits "
                           "(`ostinato plan --gpu-memory ...`, then --residency) or give a smaller "
@@ -109,7 +112,7 @@ def all_resident(source, settings: RunnerSettings, experts: str = "native") -> R
     cfg = source.config
     ones = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
     size = size_pool(cfg, ones, settings.torch_dtype(cfg.torch_dtype), hot_fraction=1.0,
-                     kv_tokens=settings.context(cfg), formats=expert_formats(source, experts))
+                     kv_tokens=settings.context(cfg), formats=weight_formats(source, experts))
     return plan_residency(source, ones, size, notes={"planned_by": "every expert resident (no residency given)"})
 
 
@@ -122,7 +125,7 @@ def all_resident_fit(source, settings: RunnerSettings, cap: int, experts: str = 
     try:
         return plan_capacity(cfg, counts, cap, settings.context(cfg), dtype,
                              CapacitySettings(prefill_chunk=settings.prefill_chunk),
-                             formats=expert_formats(source, experts)).max_hot_slots >= \
+                             formats=weight_formats(source, experts)).max_hot_slots >= \
             len(cfg.moe_layers) * cfg.num_experts
     except CapacityError:
         return False
@@ -165,6 +168,15 @@ def _expert_formats(loaded: Loaded) -> str:
     return f"{kind} {', '.join(parts)}"
 
 
+def _dense_weights(runner: ModelRunner) -> dict:
+    """The dense weights on the runner's GPUs in bytes, and how many linear weights stay in which GGUF
+    block format there (layers/quant_linear.py)."""
+    kept = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    nbytes = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.is_cuda)
+    nbytes += sum(m.qweight.numel() for m in kept if m.qweight.is_cuda)
+    return {"bytes": nbytes, "blocks": dict(Counter(m.qtype for m in kept))}
+
+
 def _gpu_share(residency: Residency) -> float | None:
     """The share of routes on the GPU the plan reported (held-out profile, else development)."""
     report = residency.notes.get("report") or {}
@@ -194,10 +206,19 @@ def startup_summary(loaded: Loaded, url: str | None = None) -> dict:
         "gpu_memory": place.gpu_memory if place else None,
         "residency": place.residency if place else None,
         "resident_experts": resident, "experts": total, "gpu_route_share": share,
+        "dense_weights": _dense_weights(runner) if on_gpu else None,
         "kv_tokens": runner.max_context, "threads": runner.threads.describe(),
         "upload_threshold": resolve_np(place, res) if res is not None and res.hot_count < total else None,
         "url": url,
     }
+
+
+def _dense_text(d: dict) -> str:
+    """"  dense weights: 1.84 GB on the GPU, 129 linear weights in their blocks (Q4_K x112, Q6_K x17)"."""
+    kept = sum(d["blocks"].values())
+    blocks = ", ".join(f"{q} x{n}" for q, n in sorted(d["blocks"].items()))
+    return f"  dense weights: {d['bytes'] / 1e9:.2f} GB on the GPU" + \
+        (f", {kept} linear weights in their blocks ({blocks})" if kept else "")
 
 
 def summary_text(s: dict) -> str:
@@ -209,6 +230,7 @@ def summary_text(s: dict) -> str:
              (f"  experts: {s['resident_experts']} of {s['experts']} resident on the GPU{share}"
               if s["resident_experts"] is not None else f"  experts: {s['experts']}, placed by the policy")
              + (f" (residency {s['residency']})" if s["residency"] else ""),
+             *([_dense_text(s["dense_weights"])] if s.get("dense_weights") else []),
              f"  context: {s['kv_tokens']} KV tokens"
              + (f"; Np (upload threshold): {s['upload_threshold']} tokens" if s["upload_threshold"] else ""),
              "  " + s["threads"].replace("\n", "\n  ")]

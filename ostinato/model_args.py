@@ -27,8 +27,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "keeps computing on the CPU (DESIGN.md's borrowed memory); off by default: measured slower "
                    "on the held-out sessions")
     p.add_argument("--experts", choices=["native", "bf16"], default="native", help="native: a GGUF file's routed "
-                   "experts stay in its block formats (Q4_K, Q6_K, ...) on the GPU and in host memory; bf16: "
-                   "dequantized at load (bf16 bytes per expert)")
+                   "experts stay in its block formats (Q4_K, Q6_K, ...) on the GPU and in host memory, and so do its "
+                   "attention projections and head on the GPU; bf16: everything dequantized at load")
 
 
 def runner_settings(a):

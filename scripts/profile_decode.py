@@ -169,11 +169,13 @@ def bytes_per_step(runner, context: int, formats: dict | None = None) -> dict[st
     """What a decode step must read from GPU memory, by part; the routed experts in their block
     formats (formats[layer] = (qt13, qt2), loader.build.expert_formats) or the compute dtype."""
     from ostinato.engine.sizes import expert_sizes
+    from ostinato.layers.quant_linear import quantized_bytes
 
     cfg, model = runner.config, runner.model
     emb = model.model.embed_tokens.weight
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if p.device.type == runner.device.type and p is not emb and ".experts." not in n)
+    dense += quantized_bytes(model)  # the linear weights kept in their GGUF blocks (layers/quant_linear.py)
     tied = cfg.tie_word_embeddings
     kv = KVCache.bytes_needed(cfg, context, runner.dtype)  # the model's own cache layout (per-head K/V, MLA latent)
     sizes = expert_sizes(cfg, runner.dtype, formats)  # one expert's bytes per layer (w13 and w2)

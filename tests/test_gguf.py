@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from ostinato.cli import main
 from ostinato.config import ConfigError
 from ostinato.engine.runner import ModelRunner, RunnerSettings
-from ostinato.loader.build import load_experts, load_quantized_experts
+from ostinato.loader.build import dense_formats, load_experts, load_quantized_experts
 from ostinato.loader.gguf import GGUFSource, gguf_name
 from ostinato.loader.source import CheckpointSource
 from ostinato.sources import open_source
@@ -210,8 +210,8 @@ def test_dense_tensors_decoded_rows_at_a_time_are_the_whole_tensors(tinyk_file, 
 @pytest.mark.gpu
 def test_every_expert_resident_on_the_gpu_keeps_the_blocks(tinyk_file):
     """load_engine with no residency on CUDA: the pool executor with every expert in its file's
-    blocks (not the oracle's dequantized copy), the same logits as the oracle to rounding, and
-    greedy tokens from the decode graph."""
+    blocks (not the oracle's dequantized copy), and from the decode graph the oracle's greedy tokens wherever
+    the oracle's top two logits stand apart."""
     from ostinato.engine.sampling import SamplingParams
     from ostinato.layers.moe.hybrid import HybridExperts
     from ostinato.layers.moe.reference import ReferenceExperts
@@ -226,13 +226,17 @@ def test_every_expert_resident_on_the_gpu_keeps_the_blocks(tinyk_file):
     assert all(g.qtypes is not None for g in hybrid.pools.groups), "the pool holds the file's blocks"
     prompt = loaded.tokenizer.render_ids([{"role": "user", "content": "check order #W2378156"}])
     ids = list(loaded.engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
-    oracle = ModelRunner(GGUFSource(tinyk_file), RunnerSettings(device="cuda", dtype="bf16", max_context=512,
-                                                                cuda_graph=False))
+    src = GGUFSource(tinyk_file)
+    oracle = ModelRunner(src, RunnerSettings(device="cuda", dtype="bf16", max_context=512, cuda_graph=False),
+                         quantized=dense_formats(src))  # attention and head in blocks, as the engine keeps them
     assert isinstance(oracle.experts, ReferenceExperts)
-    want = []
-    for _ in range(4):  # greedy through the oracle, the whole sequence again per token
-        want.append(int(oracle.forward(prompt + want, 0).argmax()))
-    assert ids[:4] == want
+    checked = 0
+    for i in range(len(ids)):  # the oracle's next token on the engine's sequence, the whole sequence again
+        top = oracle.forward(prompt + ids[:i], 0).topk(2)
+        if (top.values[0] - top.values[1]).item() > 0.05 * top.values[0].abs().item():  # else rounding may pick either
+            assert ids[i] == top.indices[0].item(), i
+            checked += 1
+    assert checked >= 3  # 5 of the 8 stand apart on this prompt (bf16 on the CPU)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -503,6 +503,7 @@ def test_quantized_experts_count_the_dequantized_paths_scratch():
     for passes below the threshold, and the pool holds that much less."""
     from ostinato.engine.sizes import expert_sizes
     from ostinato.layers.moe.gpu_quant import DEFAULT_QUANT_TUNING, dequant_scratch_bytes
+    from ostinato.loader.build import WeightFormats
 
     cfg = _tiny_cfg()
     counts = {l: torch.arange(cfg.num_experts, dtype=torch.float32) for l in cfg.moe_layers}
@@ -513,10 +514,10 @@ def test_quantized_experts_count_the_dequantized_paths_scratch():
     want = dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
                                  cfg.num_experts, 2, qb)
     budget = 8 * 2**30
-    quant = plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, big, formats=q8)
+    quant = plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, big, formats=WeightFormats(q8))
     assert quant.activation_parts["dequant_scratch"] == want > 0
     assert plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, big).activation_parts["dequant_scratch"] == 0
-    below = plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, small, formats=q8)
+    below = plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, small, formats=WeightFormats(q8))
     assert below.activation_parts["dequant_scratch"] == 0
 
 

@@ -29,7 +29,7 @@ from ostinato.layers.moe.gpu_quant import QUANT_QTYPES
 from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
 from ostinato.load import load_engine
-from ostinato.loader.build import expert_formats, load_quantized_experts
+from ostinato.loader.build import WeightFormats, expert_formats, load_quantized_experts
 from ostinato.loader.gguf import GGUFSource
 from ostinato.loader.source import CheckpointSource
 from ostinato.planner.capacity import CapacitySettings, plan_capacity
@@ -227,7 +227,7 @@ def test_capacity_counts_quantized_bytes():
     s = CapacitySettings(prefill_chunk=512)
     budget = 16 * 2**30
     bf = plan_capacity(cfg, counts, budget, 4096, torch.bfloat16, s)
-    q = plan_capacity(cfg, counts, budget, 4096, torch.bfloat16, s, formats=fmts)
+    q = plan_capacity(cfg, counts, budget, 4096, torch.bfloat16, s, formats=WeightFormats(fmts))
     assert set(q.groups) == {"Q4_K/Q4_K", "Q4_K/Q6_K"} and all(v["layers"] == 24 for v in q.groups.values())
     assert list(bf.groups) == ["bfloat16"]
     # the same fixed part but the dequantized path's scratch (a 512-token pass is one it serves)
@@ -237,7 +237,7 @@ def test_capacity_counts_quantized_bytes():
     assert 3.0 < q.hot_slots / bf.hot_slots < 3.7, (q.hot_slots, bf.hot_slots)
     assert q.zero_slots == 2 * cfg.num_experts_per_tok and q.to_json()["groups"] == q.groups
     # one more hot expert would not fit: the bisection found the largest
-    more = plan_capacity(cfg, counts, 2**45, 4096, torch.bfloat16, s, slots=q.hot_slots + 1, formats=fmts)
+    more = plan_capacity(cfg, counts, 2**45, 4096, torch.bfloat16, s, slots=q.hot_slots + 1, formats=WeightFormats(fmts))
     assert more.pool_bytes > budget - q.fixed
 
 

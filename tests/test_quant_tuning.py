@@ -330,6 +330,21 @@ def test_written_file_is_what_load_quant_tuning_reads(tuned_dir):
         assert gq.prefill_config(loaded, T, torch.bfloat16) == tuning["prefill"][bucket]
 
 
+def test_each_writer_keeps_the_others_entries(tuned_dir):
+    """The experts' tuner and the dense matvec's (scripts/bench_quant_linear.py) share the file: each
+    rewrites its own keys and meta block and keeps the rest."""
+    tuning = copy.deepcopy(BASE) | {"dense_matvec": {"BLOCK_N": 4, "GROUPS": 4, "num_warps": 2, "num_stages": 2},
+                                    "dense_matvec_max_tokens": 2}
+    bq.write_quant_tuning(tuning, "fake", {"by": "dense"}, keys=["dense_matvec", "dense_matvec_max_tokens"],
+                          meta_key="_meta_dense")
+    tuning["decode_w2"] = {"BLOCK_D": 8, "GROUPS": 2, "num_warps": 2, "num_stages": 1}
+    _, doc = bq.write_quant_tuning(tuning, "fake", {"by": "experts"})
+    assert doc["_meta_dense"] == {"by": "dense"} and doc["_meta"] == {"by": "experts"}
+    loaded = gq.load_quant_tuning("fake")
+    assert loaded["dense_matvec"] == tuning["dense_matvec"] and loaded["dense_matvec_max_tokens"] == 2
+    assert loaded["decode_w2"] == tuning["decode_w2"] and "_meta_dense" not in loaded
+
+
 def test_load_quant_tuning_picks_up_a_file_after_the_cache_is_cleared(tuned_dir):
     assert gq.load_quant_tuning("fake")["decode_w2"] == gq.DEFAULT_QUANT_TUNING["decode_w2"]
     (tuned_dir / "moe_quant_fake.json").write_text(json.dumps(

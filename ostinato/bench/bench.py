@@ -39,14 +39,14 @@ from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions,
 from ostinato.bench.report import environment, finish_result
 from ostinato.config import ConfigError
 from ostinato.engine.gpu_memory import memory_figures
-from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD
+from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD, PlacementSettings
 from ostinato.engine.residency import Residency, measured
 from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sampling import SamplingParams
 from ostinato.engine.sizes import expert_sizes
 from ostinato.load import load_engine
-from ostinato.loader.build import expert_formats
+from ostinato.loader.build import expert_formats, weight_formats
 from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
 from ostinato.planner.capacity import CapacitySettings, hot_groups, pool_groups
 from ostinato.planner.measure.prefill import prompt_ids
@@ -133,14 +133,14 @@ def pool_size(loaded, bs: BenchSettings, counts):
     f = bs.hot_fraction
     if f is None and bs.expert_budget is None and bs.gpu_memory is None:
         f = DEFAULT_HOT_FRACTION
-    formats = expert_formats(loaded.source, bs.experts)
+    formats = weight_formats(loaded.source, bs.experts)
     total = counts.total("all")
     size = size_pool(cfg, total, loaded.runner.dtype, gpu_memory=bs.gpu_memory, hot_fraction=f,
                      expert_budget=bs.expert_budget, kv_tokens=loaded.engine.max_context,
                      capacity=CapacitySettings(prefill_chunk=bs.runner.prefill_chunk,
                                                attention_score_share=bs.attention_scores), formats=formats)
     K, E = cfg.num_experts_per_tok, cfg.num_experts
-    sizes = {l: v for l, v in expert_sizes(cfg, loaded.runner.dtype, formats).items() if l in total}
+    sizes = {l: v for l, v in expert_sizes(cfg, loaded.runner.dtype, formats.experts).items() if l in total}
     groups = pool_groups(total, size.hot, K, E, sizes, size.max_flex)
     if bs.expert_budget is not None:
         nbytes = int(bs.expert_budget)
@@ -270,7 +270,8 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     _say(bs, f"sessions: {len(dev)} development, {len(held)} held-out ({bs.sessions})")
     probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1,
                            cpu_backend=bs.cpu_backend, experts=bs.experts)
-    loaded = load_engine(bs.model, bs.runner, experts_factory=_probe_factory(probe))
+    loaded = load_engine(bs.model, bs.runner, PlacementSettings(experts=bs.experts),  # the formats every policy keeps
+                         experts_factory=_probe_factory(probe))
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] model {bs.model} loaded")
     if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
         counts, held_counts = (RouteCounts.load(p) for p in bs.profiles)

@@ -101,7 +101,8 @@ def _in_process(a):
         engine = "ostinato" if a.residency else "reference"
     else:
         settings = _policy_settings(a)
-        loaded = load_engine(a.model, rs, experts_factory=policy_factory(name, settings))
+        loaded = load_engine(a.model, rs, placement_settings(a),  # its formats; the policy places the experts
+                             experts_factory=policy_factory(name, settings))
         engine = name
     warm_up(loaded)
     return InProcessTarget(loaded), len(loaded.runner.config.moe_layers), engine

@@ -26,6 +26,7 @@ import torch
 
 from ostinato.config import ModelConfig
 from ostinato.engine.sizes import dense_parts, expert_sizes, kv_bytes
+from ostinato.loader.build import WeightFormats
 
 
 def assign_layers(costs: list[int], caps: list[int], first_extra: int = 0, last_extra: int = 0) -> list[list[int]]:
@@ -48,12 +49,12 @@ def assign_layers(costs: list[int], caps: list[int], first_extra: int = 0, last_
 
 
 def assign_devices(cfg: ModelConfig, devices: list[str], kv_tokens: int, dtype: torch.dtype,
-                   caps: list[int] | None = None, formats: dict | None = None) -> dict[str, list[int]]:
+                   caps: list[int] | None = None, formats: WeightFormats = WeightFormats()) -> dict[str, list[int]]:
     """device -> its decoder layers, by the rule above (equal caps when none are given); formats:
-    the experts' block formats per MoE layer (their real bytes), as plan_capacity takes them."""
-    layers, embed, head = dense_parts(cfg, dtype)
+    the block formats the GPUs keep (their real bytes), as plan_capacity takes them."""
+    layers, embed, head = dense_parts(cfg, dtype, formats.dense)
     kv_layer = kv_bytes(cfg, max(kv_tokens, 0), dtype, layers=1)
-    sizes = expert_sizes(cfg, dtype, formats)
+    sizes = expert_sizes(cfg, dtype, formats.experts)
     costs = [w + kv_layer + (cfg.num_experts * sizes[i][1] if i in sizes else 0) for i, w in enumerate(layers)]
     ranges = assign_layers(costs, caps or [1] * len(devices), embed, head)
     return dict(zip(devices, ranges))

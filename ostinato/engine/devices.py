@@ -35,7 +35,7 @@ from ostinato.engine.assign import assign_devices, layer_map
 from ostinato.engine.kv_cache import allocate, layer_views
 from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.reference import ReferenceExperts
-from ostinato.loader.build import host_embedding, load_experts
+from ostinato.loader.build import WeightFormats, host_embedding, load_experts
 from ostinato.models.common import DecodeWindow
 
 
@@ -75,10 +75,12 @@ def in_order(layer_devices: list[str]) -> list[str]:
     return list(dict.fromkeys(layer_devices))
 
 
-def resolve_layer_devices(cfg, names: list[str], residency, kv_tokens: int, dtype: torch.dtype) -> list[str] | None:
+def resolve_layer_devices(cfg, names: list[str], residency, kv_tokens: int, dtype: torch.dtype,
+                          formats: WeightFormats = WeightFormats()) -> list[str] | None:
     """Each decoder layer's device, or None for a one-device run. A residency planned for
     several devices brings its own assignment (the names given, if any, must be its devices);
-    otherwise several names get the balanced assignment of engine/assign.py, equal caps."""
+    otherwise several names get the balanced assignment of engine/assign.py, equal caps, of the
+    weights in the formats the GPUs keep."""
     planned = residency.layer_devices(cfg.num_hidden_layers) if residency is not None else None
     if planned is not None:
         if len(names) > 1 and names != list(residency.devices):
@@ -87,7 +89,7 @@ def resolve_layer_devices(cfg, names: list[str], residency, kv_tokens: int, dtyp
         return planned
     if len(names) < 2:
         return None
-    return layer_map(assign_devices(cfg, names, kv_tokens, dtype), cfg.num_hidden_layers)
+    return layer_map(assign_devices(cfg, names, kv_tokens, dtype, formats=formats), cfg.num_hidden_layers)
 
 
 def place_model(model: nn.Module, layer_devices: list[str]) -> None:
@@ -95,7 +97,7 @@ def place_model(model: nn.Module, layer_devices: list[str]) -> None:
     loader/build.py host_embedding), norm and lm_head to the last."""
     first, last = physical(layer_devices[0]), physical(layer_devices[-1])
     inner = model.model
-    tied = model.lm_head.weight is inner.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is inner.embed_tokens.weight  # a head in blocks is never tied
     if tied and first != last:  # one tensor cannot live on two devices: the head gets a copy
         model.lm_head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(last), requires_grad=False)
     if host_embedding(model.config, first):

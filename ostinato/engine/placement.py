@@ -31,7 +31,7 @@ from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPools, HostExperts, bounded_flex
-from ostinato.loader.build import EXPERT_MODES, expert_formats, load_layer_experts
+from ostinato.loader.build import EXPERT_MODES, expert_formats, load_layer_experts, weight_formats
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,9 @@ class PlacementSettings:
     borrow: bool = False
     borrow_wait_copies: bool = False  # switch borrowed experts in at the boundary their copy starts (tests)
     mixed: bool = True  # split passes upload their most-routed cold experts (needs a calibration: hybrid.py)
-    experts: str = "native"  # "native": a GGUF file's experts stay in its block formats; "bf16": dequantized
+    # "native": a GGUF file's experts (and on a GPU its dense linear weights) stay in its block formats; "bf16":
+    # everything dequantized at load
+    experts: str = "native"
 
     def __post_init__(self):
         if self.experts not in EXPERT_MODES:
@@ -137,7 +139,8 @@ def hybrid_factory(place: PlacementSettings, residency: Residency | None = None)
         cfg = source.config
         dtype = runner_settings.torch_dtype(cfg.torch_dtype)
         kv_tokens = runner_settings.context(cfg)
-        layer_devices = resolve_layer_devices(cfg, runner_settings.device_names(), residency, kv_tokens, dtype)
+        layer_devices = resolve_layer_devices(cfg, runner_settings.device_names(), residency, kv_tokens, dtype,
+                                              weight_formats(source, place.experts))
         threads = runner_settings.thread_layout(layer_devices)
         if layer_devices is not None:  # MoE layers split across devices: a pool on each
             return build_split_hybrid(source, residency, place, layer_devices, dtype, runner_settings.prefill_chunk,

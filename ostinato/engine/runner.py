@@ -24,7 +24,7 @@ from ostinato.engine.routes import RouteTally
 from ostinato.threads import ThreadLayout, claim_host_thread, process_layout
 from ostinato.layers.moe.graph_hybrid import for_graphs
 from ostinato.layers.moe.reference import ReferenceExperts
-from ostinato.loader.build import build_model, load_all_experts
+from ostinato.loader.build import WeightFormats, build_model, load_all_experts
 from ostinato.models.common import DecodeWindow
 
 
@@ -73,14 +73,18 @@ class RunnerSettings:
 
 
 class ModelRunner:
-    def __init__(self, source, settings: RunnerSettings = RunnerSettings(), experts=None):
+    def __init__(self, source, settings: RunnerSettings = RunnerSettings(), experts=None,
+                 quantized: dict[str, str] | None = None):
+        """`quantized`: the dense linear weights kept in their GGUF blocks (loader/build.py dense_formats;
+        layers/quant_linear.py), else every dense weight is dequantized at load."""
         self.settings = settings
         self.config = source.config
         self.device = settings.torch_device()
         self.dtype = settings.torch_dtype(self.config.torch_dtype)
         max_context = settings.context(self.config)
         self.layer_devices = (experts.layer_devices if experts is not None else None) or \
-            split.resolve_layer_devices(self.config, settings.device_names(), None, max_context, self.dtype)
+            split.resolve_layer_devices(self.config, settings.device_names(), None, max_context, self.dtype,
+                                        WeightFormats(dense=quantized or {}))  # the oracle's experts: float
         self.threads = settings.thread_layout(self.layer_devices)
         self._step_done = None  # a blocking event, where the host thread shares a poller's core
         self._sides: dict[torch.device, torch.cuda.Stream] = {}  # side_stream's
@@ -92,11 +96,11 @@ class ModelRunner:
             if self.threads.host_shares_poller:
                 self._step_done = torch.cuda.Event(blocking=True)
         if self.layer_devices is not None:
-            self._init_split(source, experts, max_context)
+            self._init_split(source, experts, max_context, quantized)
             return
         self.experts = experts if experts is not None else ReferenceExperts(
             load_all_experts(source, device=self.device, dtype=self.dtype))
-        self.model = build_model(source, self.device, self.dtype)
+        self.model = build_model(source, self.device, self.dtype, quantized)
         self.model.fuse_projections()  # where it runs: nothing moves it after this
         self._plug(self.experts)
         self.kv = KVCache(self.config, max_context, self.device, self.dtype)
@@ -105,14 +109,14 @@ class ModelRunner:
         if settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()
 
-    def _init_split(self, source, experts, max_context: int) -> None:
+    def _init_split(self, source, experts, max_context: int, quantized: dict[str, str] | None) -> None:
         """Layers across devices: built in host memory, then each part moved to its device (so
         no device ever holds more than its share); decode graphs per device as for one."""
         self.segments = split.segments(self.layer_devices)  # one contiguous range per device
         self.device = split.physical(self.layer_devices[0])
         self.experts = experts if experts is not None else split.split_reference(source, self.layer_devices,
                                                                                  self.dtype)
-        self.model = build_model(source, "cpu", self.dtype)
+        self.model = build_model(source, "cpu", self.dtype, quantized)
         split.place_model(self.model, self.layer_devices)
         self.model.fuse_projections()
         self._plug(self.experts)

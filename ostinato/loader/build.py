@@ -9,12 +9,15 @@ as the quantized kernels read them; `load_experts` dequantizes them for the bf16
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.layers.moe.gpu_quant import QUANT_QTYPES  # the block formats both branches compute
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
+from ostinato.layers.quant_linear import keep_quantized_
 from ostinato.models.common import MoECausalLM
 from ostinato.models.registry import cast_, new_model
 from ostinato.quant.formats import row_bytes
@@ -28,12 +31,14 @@ def host_embedding(cfg: ModelConfig, device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and not cfg.tie_word_embeddings
 
 
-def build_model(source, device: torch.device | str, dtype: torch.dtype | None = None) -> MoECausalLM:
+def build_model(source, device: torch.device | str, dtype: torch.dtype | None = None,
+                quantized: dict[str, str] | None = None) -> MoECausalLM:
     """The config's family (models/registry.py) in `dtype` (its fp32_params in fp32) on `device`,
-    the embedding in pinned host memory where host_embedding says so."""
+    the embedding in pinned host memory where host_embedding says so, and the linear weights named
+    in `quantized` (dense_formats) in their blocks (layers/quant_linear.py QuantLinear)."""
     cfg: ModelConfig = source.config
     dtype = dtype or cfg.torch_dtype
-    model = cast_(new_model(cfg), dtype)
+    model = keep_quantized_(cast_(new_model(cfg), dtype), quantized or {})
     embed = model.model.embed_tokens
     if host_embedding(cfg, device):  # materialised apart: never on the device, not even for a moment
         model.model.embed_tokens = None
@@ -51,7 +56,42 @@ def build_model(source, device: torch.device | str, dtype: torch.dtype | None = 
             raise ConfigError(f"the checkpoint lacks tensor {name!r} that config.json implies")
         with torch.no_grad():
             source.load_(name, p.data)
+    for name in quantized or {}:
+        source.load_quantized_(name, model.get_submodule(name.removesuffix(".weight")).qweight)
     return model.eval().requires_grad_(False)
+
+
+def dense_formats(source, mode: str = "native") -> dict[str, str]:
+    """The dense linear weights a GPU keeps in their GGUF blocks: parameter name -> qtype, for every
+    nn.Linear of the model whose weight the source stores in a format the kernels read
+    (QUANT_QTYPES), but a head tied to the embedding (the table stays one float tensor). {} for a
+    checkpoint, a float file and mode "bf16" (everything dequantized at load)."""
+    if mode not in EXPERT_MODES:
+        raise ConfigError(f"experts {mode!r}: give one of {', '.join(EXPERT_MODES)}")
+    qtype_of = getattr(source, "dense_qtype", None)
+    if qtype_of is None or mode != "native":
+        return {}
+    cfg = source.config
+    out = {}
+    for name, m in new_model(cfg).named_modules():
+        if isinstance(m, nn.Linear) and not (name == "lm_head" and cfg.tie_word_embeddings):
+            qt = qtype_of(f"{name}.weight")
+            if qt in QUANT_QTYPES:
+                out[f"{name}.weight"] = qt
+    return out
+
+
+class WeightFormats(NamedTuple):
+    """What a GPU keeps of a file's weights in their block formats (weight_formats): each MoE layer's
+    experts (qt13, qt2), None where float; the dense linear weights, parameter name -> qtype."""
+
+    experts: dict[int, tuple[str, str] | None] = {}
+    dense: dict[str, str] = {}  # WeightFormats(): everything in the compute dtype
+
+
+def weight_formats(source, mode: str = "native") -> WeightFormats:
+    """expert_formats and dense_formats together: what the capacity test counts in real bytes."""
+    return WeightFormats(expert_formats(source, mode), dense_formats(source, mode))
 
 
 def alloc_biases(cfg: ModelConfig, device, pin: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -121,7 +161,7 @@ def load_quantized_experts(source, layer: int, device="cpu", pin: bool = False) 
     return w
 
 
-EXPERT_MODES = ("native", "bf16")  # experts in their file's block formats, or dequantized at load
+EXPERT_MODES = ("native", "bf16")  # weights in their file's block formats on the GPU, or dequantized at load
 
 
 def expert_formats(source, mode: str = "native") -> dict[int, tuple[str, str] | None]:

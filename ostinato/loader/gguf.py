@@ -5,7 +5,9 @@ model builds from a GGUF file as it does from a checkpoint directory: the dense 
 (attention, norms, router, embeddings) are dequantized to the caller's dtype as they load.
 The routed experts come two ways: `load_experts_` dequantizes them (the bf16 path, so the
 reference model runs on any file this module accepts), and `load_quantized_experts_` copies
-their blocks untouched, as the quantized kernels read them (ostinato/quant/formats.py).
+their blocks untouched, as the quantized kernels read them (ostinato/quant/formats.py); a
+dense tensor's blocks come untouched too (`load_quantized_`) where a GPU keeps them
+(layers/quant_linear.py).
 
 GGUF lists a tensor's dimensions innermost first, and its bytes are those of the row-major
 PyTorch tensor of the reversed shape: `blk.N.attn_q.weight` of ggml shape [D, H*Hd] is
@@ -175,6 +177,18 @@ class GGUFSource:
             rows[r:r + step].copy_(formats.dequantize(part, tensor.tensor_type.name, shape[-1]))
         return out
 
+    def dense_qtype(self, name: str) -> str:
+        """The GGUF type of dense tensor `name` ("Q4_K", "F32", ...)."""
+        return self._dense_tensor(name).tensor_type.name
+
+    def load_quantized_(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Dense tensor `name`'s blocks as they are in the file, into uint8 out [rows, bytes of a row]."""
+        raw = torch.from_numpy(_row_bytes_view(self._dense_tensor(name).data))
+        raw = raw.reshape(-1, raw.shape[-1])
+        if tuple(raw.shape) != tuple(out.shape):
+            raise ConfigError(f"{self.path}: tensor {name!r} holds uint8 {list(raw.shape)}, expected {list(out.shape)}")
+        return out.copy_(raw)
+
     def load_experts_(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """All experts of a layer, dequantized, into w13 [E, 2F, D] and w2 [E, D, F]."""
         F = w2.shape[-1]
@@ -202,6 +216,11 @@ class GGUFSource:
                 raise ConfigError(f"{self.path}: {expert_tensor_name(layer, proj)} holds uint8 {list(raw.shape)}, "
                                   f"expected {list(out.shape)}")
             out.copy_(raw)
+
+    def _dense_tensor(self, name: str):
+        if name not in self._dense:
+            raise ConfigError(f"{self.path}: the GGUF file has no dense tensor {name!r}")
+        return self.tensors[self._dense[name]]
 
     def _locate(self, name: str):
         """HF name -> (GGUF tensor, expert index or None)."""

@@ -23,6 +23,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ostinato.config import ModelConfig
 from ostinato.kernels.triton import fused_dense
 from ostinato.layers.moe.types import TopKOutput
+from ostinato.layers.quant_linear import QuantLinear, quant_linear
 
 KVShapes = dict[str, tuple[int, ...]]  # one layer's cache tensors: name -> per-token shape
 
@@ -126,21 +127,39 @@ class FusedProjections:
     layer in the decode step). Their weights (and biases) are concatenated into one tensor and the
     modules' parameters re-pointed at its row ranges, so the checkpoint's names, the state dict and
     every byte count still see three parameters, and no second copy exists. Made after the model's
-    last move (the runner's placement): a later .to() would move the views apart from it."""
+    last move (the runner's placement): a later .to() would move the views apart from it. Weights
+    kept in GGUF blocks (QuantLinear) concatenate the same way, rows being whole blocks, where all
+    share one format (`of` says whether the linears can fuse)."""
 
-    def __init__(self, *linears: nn.Linear):
-        self.weight = torch.cat([m.weight for m in linears])
+    def __init__(self, *linears: nn.Module):
+        quant = isinstance(linears[0], QuantLinear)
+        self.qtype, self.n = (linears[0].qtype, linears[0].in_features) if quant else (None, None)
+        name = "qweight" if quant else "weight"
+        self.weight = torch.cat([getattr(m, name) for m in linears])
         has_bias = linears[0].bias is not None
         self.bias = torch.cat([m.bias for m in linears]) if has_bias else None
-        self.sizes, at = [m.weight.shape[0] for m in linears], 0
+        self.sizes, at = [getattr(m, name).shape[0] for m in linears], 0
         for m, n in zip(linears, self.sizes):
-            m.weight = nn.Parameter(self.weight[at:at + n], requires_grad=False)
+            if quant:
+                m.qweight = self.weight[at:at + n]  # a buffer: re-pointed as the weights are
+            else:
+                m.weight = nn.Parameter(self.weight[at:at + n], requires_grad=False)
             if has_bias:
                 m.bias = nn.Parameter(self.bias[at:at + n], requires_grad=False)
             at += n
 
+    @classmethod
+    def of(cls, *linears: nn.Module) -> "FusedProjections | None":
+        """The linears fused, or None where they cannot be: float and block weights mixed, blocks in
+        different formats (a Q4_K_M file stores some layers' v in Q6_K, q and k in Q4_K), biases on
+        some only."""
+        kinds = {(type(m), getattr(m, "qtype", None), m.bias is not None) for m in linears}
+        return cls(*linears) if len(kinds) == 1 else None
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, D] -> each linear's output [T, N_i] (column ranges of one product)."""
+        if self.qtype is not None:
+            return quant_linear(x, self.weight, self.qtype, self.n, self.bias).split(self.sizes, dim=-1)
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 

@@ -69,7 +69,7 @@ class SinkAttention(nn.Module):
         self.qkv: FusedProjections | None = None  # fuse_qkv
 
     def fuse_qkv(self) -> None:
-        self.qkv = FusedProjections(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = FusedProjections.of(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
         T = x.shape[0]

@@ -59,7 +59,7 @@ class Attention(nn.Module):
         return torch.cat((apply_rotary(x[..., :self.rd], cos, sin), x[..., self.rd:]), dim=-1)
 
     def fuse_qkv(self) -> None:
-        self.qkv = FusedProjections(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = FusedProjections.of(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, kv: LayerKV, start: int, window=None) -> torch.Tensor:
         T = x.shape[0]

@@ -121,13 +121,13 @@ def load_cold(model: str, source, settings, place, path: Path):
     and flex slots) under the cap, every expert in host memory; the plan it runs is written to
     `path`. Profiling runs on it, so that it never needs every expert on the GPU."""
     from ostinato.load import load_engine
-    from ostinato.loader.build import expert_formats
+    from ostinato.loader.build import weight_formats
     from ostinato.planner.pipeline import plan_residency, size_pool
 
     cfg = source.config
     zeros = {l: torch.zeros(cfg.num_experts) for l in cfg.moe_layers}
     size = size_pool(cfg, zeros, settings.torch_dtype(cfg.torch_dtype), gpu_memory=place.gpu_memory, hot_fraction=0.0,
-                     kv_tokens=settings.context(cfg), formats=expert_formats(source, place.experts))
+                     kv_tokens=settings.context(cfg), formats=weight_formats(source, place.experts))
     plan_residency(source, zeros, size, notes={"planned_by": "the profile's engine: no expert resident"}).save(path)
     return load_engine(model, settings, dataclasses.replace(place, residency=str(path)), announce=False)
 
@@ -136,7 +136,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     from ostinato.sessions.read import load_sessions
     from ostinato.engine.placement import apply_calibration, hybrid_factory
     from ostinato.engine.routes import RouteCounts
-    from ostinato.loader.build import expert_formats
+    from ostinato.loader.build import weight_formats
     from ostinato.planner.calibrate import calibrate, model_checks
     from ostinato.engine.sizes import expert_sizes
     from ostinato.planner.pipeline import (fill_text, plan_residency, plan_upload_path, route_report, size_pool,
@@ -148,7 +148,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
     cfg = source.config
     dtype = settings.torch_dtype(cfg.torch_dtype)
     kv, cap = settings.context(cfg), place.gpu_memory
-    formats = expert_formats(source, place.experts)
+    formats = weight_formats(source, place.experts)
     path, times = folder / "residency.json", {}
     clock = time.perf_counter()
 
@@ -200,7 +200,7 @@ def _make_plan(model, source, settings, place, auto: AutoPlan, folder: Path, pro
         # the routes it was planned from (served ones with the passes they came in: served.py learned_profile);
         # the pool is built again for the plan that comes of it
         built = res
-        res = plan_upload_path(res, cal, prof, counts, expert_sizes(cfg, dtype, formats), cfg.num_experts_per_tok,
+        res = plan_upload_path(res, cal, prof, counts, expert_sizes(cfg, dtype, formats.experts), cfg.num_experts_per_tok,
                                settings.prefill_chunk, borrow=place.borrow)
         log.info("fill %s; upload path %s", fill_text(res.calibration.get("fill")),
                  upload_path_text(res.calibration["upload_path"]))

@@ -3,7 +3,8 @@
     hot slots = (budget - dense - kv - activations - margin) / expert_bytes - K - flex
 
 * dense: every non-expert tensor of the model in the compute dtype (attention, norms,
-  routers, embeddings, head, dense MLPs), counted on a meta-device build of the model;
+  routers, embeddings, head, dense MLPs), counted on a meta-device build of the model, but
+  the linear weights a GPU keeps in their GGUF blocks (layers/quant_linear.py) in those;
 * kv: the KV cache of the longest development request (the engine preallocates it);
 * activations: a conservative bound on the live buffers of the largest forward pass
   (see `activation_bytes`; T tokens of a pass attending to N cached tokens);
@@ -61,7 +62,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.engine.sizes import dense_parts, dense_weight_bytes, expert_bytes, expert_sizes, itemsize, kv_bytes
+from ostinato.engine.sizes import (dense_dequant_bytes, dense_parts, dense_weight_bytes, expert_bytes, expert_sizes,
+                                   itemsize, kv_bytes)
+from ostinato.loader.build import WeightFormats
 from ostinato.models.common import fused_attention_available
 from ostinato.models.registry import attention_shape
 from ostinato.planner.fill import fill, fill_more
@@ -285,7 +288,8 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
                                           per route gate/up (fp32), per-route outputs (fp32),
                                           sorted route ids; the fp32 layer sum and its cast
       dequant    given                    quantized experts: a large pass's dequantized chunk
-                                          (layers/moe/gpu_quant.py dequant_scratch_bytes)
+                                          (layers/moe/gpu_quant.py dequant_scratch_bytes), or a
+                                          block-format dense weight's (sizes.dense_dequant_bytes)
       shared     3 T S F b                S shared experts' gate, up and product
       dense mlp  3 T I b                  only if the model has dense MLP layers
       logits     V (b + 4)                the last token's logits, then fp32
@@ -317,16 +321,19 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
     return parts
 
 
-def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: dict | None, sizes: dict) -> int:
-    """The dequantized path's scratch where quantized experts meet a pass it serves (the default
-    tuning's threshold: a device's tuned one is not known to the plan)."""
+def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: WeightFormats, sizes: dict) -> int:
+    """The dequantized paths' scratch in a T-token pass (the default tuning's thresholds: a device's
+    tuned ones are not known to the plan): the experts' where quantized experts meet a pass that
+    path serves, or a block-format dense weight's (sizes.dense_dequant_bytes) above the matvec,
+    whichever is larger (one layer's attention and its experts never hold theirs at once)."""
     from ostinato.layers.moe.gpu_quant import DEFAULT_QUANT_TUNING, dequant_scratch_bytes
 
-    quantized = [l for l in sizes if (formats or {}).get(l) is not None]
+    quantized = [l for l in sizes if formats.experts.get(l) is not None]
+    dense = dense_dequant_bytes(cfg, dtype, formats.dense) if T > DEFAULT_QUANT_TUNING["dense_matvec_max_tokens"] else 0
     if not quantized or T < (DEFAULT_QUANT_TUNING["dequant_min_tokens"] or float("inf")):
-        return 0
-    return dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                                 cfg.num_experts, itemsize(dtype), max(sizes[l][1] for l in quantized))
+        return dense
+    return max(dense, dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                                            cfg.num_experts, itemsize(dtype), max(sizes[l][1] for l in quantized)))
 
 
 def flex_slots(counts: dict[int, torch.Tensor], slots: int, num_experts: int, max_flex: int | None = None) -> int:
@@ -358,25 +365,26 @@ _gib = fmt_bytes
 def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
                   dtype: torch.dtype, settings: CapacitySettings = CapacitySettings(),
                   slots: int | None = None, *, layers: list[int] | None = None, first: bool = True,
-                  last: bool = True, label: str = "", formats: dict | None = None) -> Capacity:
+                  last: bool = True, label: str = "", formats: WeightFormats = WeightFormats()) -> Capacity:
     """The capacity test. `slots`: a pool size chosen elsewhere (a hot fraction), checked to fit.
     With `layers`, the test of one device that holds those layers (the embedding if `first`,
-    the head if `last`); the activation bound of the largest pass is kept whole. `formats`: each
-    MoE layer's expert block formats (loader.build.expert_formats; default: the compute dtype)."""
+    the head if `last`); the activation bound of the largest pass is kept whole. `formats`: the
+    block formats the GPU keeps, each MoE layer's experts' and the dense linear weights'
+    (loader.build.weight_formats; default: everything in the compute dtype)."""
     if kv_tokens < 1:
         raise CapacityError("the KV cache needs at least one token: give --max-context or a profile "
                             "with max_tokens (profile again with this version of ostinato)")
     T = min(settings.prefill_chunk, kv_tokens)
     if layers is None:
-        moe, dense, kv = cfg.moe_layers, dense_weight_bytes(cfg, dtype), kv_bytes(cfg, kv_tokens, dtype)
+        moe, dense, kv = cfg.moe_layers, dense_weight_bytes(cfg, dtype, formats.dense), kv_bytes(cfg, kv_tokens, dtype)
     else:
-        per_layer, embed, head = dense_parts(cfg, dtype)
+        per_layer, embed, head = dense_parts(cfg, dtype, formats.dense)
         moe = [l for l in layers if cfg.is_moe_layer(l)]
         dense = sum(per_layer[l] for l in layers) + (embed if first else 0) + (head if last else 0)
         kv = kv_bytes(cfg, kv_tokens, dtype, len(layers))
     counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in moe}
     who = f"{label}: " if label else ""
-    sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats).items() if l in counts}
+    sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats.experts).items() if l in counts}
     act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share,
                            _dequant_scratch(cfg, T, dtype, formats, sizes))
     margin = int(settings.margin_bytes + settings.margin_fraction * budget)
@@ -410,7 +418,7 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
 def device_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int, kv_tokens: int,
                     dtype: torch.dtype, layers: list[int], first: bool, last: bool,
                     settings: CapacitySettings = CapacitySettings(), slots: int | None = None,
-                    name: str = "device", formats: dict | None = None) -> Capacity:
+                    name: str = "device", formats: WeightFormats = WeightFormats()) -> Capacity:
     """The capacity test of one device holding `layers` (plan_capacity restricted to them), for a
     model split over the GPUs of one host (engine/assign.py gives each its layers)."""
     return plan_capacity(cfg, counts, budget, kv_tokens, dtype, settings, slots, layers=layers, first=first,

@@ -140,9 +140,9 @@ def _route_report(name: str, prof, hot: dict[int, list[int]], num_layers: int, t
     return r
 
 
-def _pool_size(a, cfg, counts, prof, device, formats=None):
+def _pool_size(a, cfg, counts, prof, device, formats):
     """The pool of a one-device plan (planner/pipeline.py), with the capacity test printed;
-    formats: the experts' block formats per MoE layer (loader.build.expert_formats)."""
+    formats: the block formats the GPU keeps (loader.build.weight_formats)."""
     from ostinato.config import parse_bytes
     from ostinato.engine.runner import RunnerSettings
     from ostinato.planner.capacity import fmt_bytes
@@ -195,7 +195,7 @@ def _verify(a, res, cap, device) -> None:
 def cmd_plan(a) -> int:
     from ostinato.engine.residency import Residency, model_fingerprint
     from ostinato.engine.routes import RouteCounts
-    from ostinato.loader.build import expert_formats
+    from ostinato.loader.build import weight_formats
     from ostinato.sources import open_source
     from ostinato.planner.pipeline import plan_residency
 
@@ -209,7 +209,7 @@ def cmd_plan(a) -> int:
     device = names[0] if names else None
     source = open_source(a.model)
     cfg = source.config
-    formats = expert_formats(source, getattr(a, "experts", "native"))  # what the engine will keep
+    formats = weight_formats(source, getattr(a, "experts", "native"))  # what the engine will keep
     L, E, K = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     prof, prof_path = _plan_profile(a, source)
     counts = prof.total("all") if prof else {l: torch.zeros(E) for l in cfg.moe_layers}
@@ -253,7 +253,7 @@ def plan_from_served(a) -> int:
     from ostinato.engine.residency import Residency, measured
     from ostinato.engine.routes import RouteCounts
     from ostinato.engine.runner import RunnerSettings
-    from ostinato.loader.build import expert_formats
+    from ostinato.loader.build import weight_formats
     from ostinato.sources import open_source
     from ostinato.planner.capacity import CapacitySettings
     from ostinato.planner.pipeline import plan_residency, route_report, size_pool
@@ -276,7 +276,7 @@ def plan_from_served(a) -> int:
     cap = parse_bytes(a.gpu_memory) if a.gpu_memory else old.gpu_memory
     kv = a.max_context or old.capacity.get("kv_tokens") or served.counts.max_tokens
     total = len(cfg.moe_layers) * cfg.num_experts
-    formats = expert_formats(source, getattr(a, "experts", "native"))
+    formats = weight_formats(source, getattr(a, "experts", "native"))
     # the flex bound: --max-flex, else by the share of the new pool; a plan sized by a share of experts has
     # no pool's bytes to take a share of, and keeps the old plan's bound
     flex = CapacitySettings(max_flex=a.max_flex, flex_share=a.flex_share)
@@ -314,7 +314,7 @@ def plan_from_served(a) -> int:
     return 0
 
 
-def _plan_split(a, cfg, counts, prof, names: list[str], formats=None):
+def _plan_split(a, cfg, counts, prof, names: list[str], formats):
     """Several GPUs: contiguous layer ranges balanced by memory (engine/assign.py), a capacity
     test per device with --gpu-memory as each device's cap, then each device's slots filled
     from its own layers. -> (hot, devices, budget per device, capacity, max_flex: the smallest
@@ -491,7 +491,8 @@ def add_planner_commands(sub) -> None:
     p.add_argument("--cpu-threads", type=int, help="CPU expert threads for the verification run")
     p.add_argument("--no-verify", action="store_true", help="skip running the longest request under the cap")
     p.add_argument("--experts", choices=["native", "bf16"], default="native", help="plan for a GGUF file's experts "
-                   "in their block formats (native, what serve keeps by default) or dequantized to bf16")
+                   "(and attention and head) in their block formats (native, what serve keeps by default) or "
+                   "dequantized to bf16")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_plan)
 

@@ -21,9 +21,10 @@ of the pool's bytes: the expert budget, or what the cap leaves); a hot fraction 
 no pool's bytes to take a share of, and is bounded only by an explicit `max_flex`. The bound
 goes into the plan (Residency.max_flex), so that the engine allocates what the test counted.
 
-Pure functions of the config, the counts and the settings. `formats` (each MoE layer's GGUF
-block formats, loader.build.expert_formats) makes every byte count a quantized expert's real
-size, one pool per format (planner/capacity.py); without it experts cost the compute dtype's.
+Pure functions of the config, the counts and the settings. `formats` (the GGUF block formats the
+GPU keeps: each MoE layer's experts' and the dense linear weights', loader.build.weight_formats)
+makes every byte count a quantized weight's real size, one pool per expert format
+(planner/capacity.py); without it everything costs the compute dtype's.
 
 Legend: L MoE layers, E experts per layer, K top-k.
 """
@@ -38,6 +39,7 @@ from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.residency import Residency, measured, model_fingerprint
 from ostinato.engine.sizes import expert_bytes, expert_sizes
 from ostinato.layers.moe.hybrid import MixedPass
+from ostinato.loader.build import WeightFormats
 from ostinato.planner import cost_model as cm
 from ostinato.planner.capacity import (Capacity, CapacitySettings, flex_bound, grow_without_flex, hot_groups,
                                        max_hot_bytes, plan_capacity, pool_groups)
@@ -65,14 +67,14 @@ class PoolSize:
 def size_pool(cfg: ModelConfig, counts: dict[int, torch.Tensor], dtype: torch.dtype, *,
               gpu_memory: int | None = None, hot_fraction: float | None = None, expert_budget: int | None = None,
               kv_tokens: int = 0, capacity: CapacitySettings = CapacitySettings(),
-              formats: dict | None = None) -> PoolSize:
+              formats: WeightFormats = WeightFormats()) -> PoolSize:
     """The pool for `counts` (development routes per MoE layer, [E] each) under one of the
     three sizings (module docstring); ConfigError when none is given or the pool cannot hold
     the K zero slots and the flex slots. expert_bytes: one expert (the mean over the layers
     where formats differ), the unit of pool_slots."""
     K, E = cfg.num_experts_per_tok, cfg.num_experts
     total = len(cfg.moe_layers) * E
-    sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats).items() if l in counts}
+    sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats.experts).items() if l in counts}
     eb = round(sum(b for _, b in sizes.values()) / len(sizes)) if sizes else expert_bytes(cfg, dtype)
     slots_of = lambda s, m: sum(g["hot"] + g["zero"] + g["flex"]  # noqa: E731
                                 for g in pool_groups(counts, s, K, E, sizes, m).values())

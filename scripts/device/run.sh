@@ -40,6 +40,7 @@
 #              prefill attention in SDPA's fused kernels alone (and whether they take MLA's head dims),
 #              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
+#   micro_dense [K][L] attention and head kept in GGUF blocks: the matvec tuned, against bf16 (scripts/bench_quant_linear.py)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
 #              kernels first, QGPU=0 leaves them out, QPF=1,4,8 sweeps the CPU kernels' prefetch distance)
 #   serve_cached [M] a plan served from its file (SERVE_PLAN, default serve_plan's) and replayed, then in-process
@@ -138,7 +139,15 @@ phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on 
 phase_tests_quant() {  # the native CPU kernels first (this CPU's AVX-512/AMX paths), then the Triton ones
   run 200 "$R/k_tests.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_cpu_quant.py \
     tests/test_gguf.py
-  run 150 "$R/k_tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_moe_quant_triton.py
+  run 150 "$R/k_tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_moe_quant_triton.py \
+    tests/test_quant_linear.py
+}
+phase_micro_dense() {  # [K][L] attention and head kept in blocks: the matvec tuned (written into the tuned file, copied
+  # to $R), against bf16 GEMM and dequantize + GEMM by tokens (scripts/bench_quant_linear.py); not beside phase
+  # gguf's writer
+  if kill -0 "$(cat /tmp/gguf.pid 2>/dev/null)" 2>/dev/null; then gguf_wait; fi
+  run 300 "$R/k_dense.txt" python3 scripts/bench_quant_linear.py --tune
+  cp ostinato/kernels/tuned/moe_quant_*.json "$R"/ 2>/dev/null
 }
 phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf's writer: it would share the machine)
   gguf_wait

@@ -46,6 +46,11 @@ DEFAULT_QUANT_TUNING: dict = {
     # time, for the bf16 kernels (slot_experts_dequant_triton): on the H200 one layer call of Q4_K_M's pairs took
     # 1.16x less time that way at T = 256 and 1.9x less at 512 (results/2026-12-02-h200-s11, --dequant-prefill)
     "dequant_min_tokens": 512,
+    # dense weights kept in blocks (layers/quant_linear.py): passes of at most this many tokens run the matvec,
+    # larger ones dequantize the weight and run the GEMM. Not measured yet: the matvec reads the weight once per
+    # token (0.56 bytes a value in Q4_K), a dequantized GEMM writes and reads 2 bytes a value in bf16 besides
+    "dense_matvec_max_tokens": 4,
+    "dense_matvec": {"BLOCK_N": 1, "GROUPS": 8, "num_warps": 1, "num_stages": 3},
     "decode_w13": {"BLOCK_F": 8, "GROUPS": 4, "num_warps": 4, "num_stages": 2},
     "decode_w2": {"BLOCK_D": 4, "GROUPS": 4, "num_warps": 4, "num_stages": 1},
     "prefill": {
@@ -230,6 +235,11 @@ def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, z
 @functools.cache
 def _quant_tuning_for(device_type: str, index: int | None) -> dict:
     return load_quant_tuning(ge.device_tag(torch.device(device_type, index)))
+
+
+def quant_tuning(device: torch.device) -> dict:
+    """The quantized kernels' tuning for `device` (load_quant_tuning of its tag), loaded once."""
+    return _quant_tuning_for(device.type, device.index)
 
 
 def clear_quant_tuning_cache() -> None:
