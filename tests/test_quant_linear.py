@@ -9,6 +9,8 @@ Legend: T tokens, N output features, n input features.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,6 +143,19 @@ def test_kept_blocks_compute_what_dequantized_weights_compute(tinyk_file):
     ids = list(range(300, 324))
     assert torch.equal(kept.forward(ids, 0, all_logits=True), plain.forward(ids, 0, all_logits=True))
     assert torch.equal(kept.forward([5], 24), plain.forward([5], 24))
+
+
+def test_layers_split_over_devices_keep_their_blocks(tinyk_file):
+    """A model split over devices (here "cpu:0,cpu:1", engine/devices.py) is built with its blocks and
+    moved layer by layer: the same logits as on one device, each layer's QuantLinear where its layer runs."""
+    settings = RunnerSettings(device="cpu", dtype="fp32", max_context=64, cuda_graph=False)
+    src = GGUFSource(tinyk_file)
+    one = ModelRunner(src, settings, quantized=dense_formats(src))
+    two = ModelRunner(src, dataclasses.replace(settings, devices="cpu:0,cpu:1"), quantized=dense_formats(src))
+    assert two.layer_devices is not None and isinstance(two.model.lm_head, ql.QuantLinear)
+    ids = list(range(300, 324))
+    a, b = one.forward(ids, 0, all_logits=True), two.forward(ids, 0, all_logits=True)
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
 def test_capacity_counts_the_blocks(tinyk_file):
