@@ -511,8 +511,7 @@ def test_quantized_experts_count_the_dequantized_paths_scratch():
     big, small = CapacitySettings(prefill_chunk=2048), CapacitySettings(prefill_chunk=256)
     assert small.prefill_chunk < DEFAULT_QUANT_TUNING["dequant_min_tokens"] <= big.prefill_chunk
     qb = expert_sizes(cfg, torch.bfloat16, q8)[cfg.moe_layers[0]][1]
-    want = dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                                 cfg.num_experts, 2, qb)
+    want = dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, 2, qb)
     budget = 8 * 2**30
     quant = plan_capacity(cfg, counts, budget, 2048, torch.bfloat16, big, formats=WeightFormats(q8))
     assert quant.activation_parts["dequant_scratch"] == want > 0

@@ -332,8 +332,8 @@ def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: Weig
     dense = dense_dequant_bytes(cfg, dtype, formats.dense) if T > DEFAULT_QUANT_TUNING["dense_matvec_max_tokens"] else 0
     if not quantized or T < (DEFAULT_QUANT_TUNING["dequant_min_tokens"] or float("inf")):
         return dense
-    return max(dense, dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                                            cfg.num_experts, itemsize(dtype), max(sizes[l][1] for l in quantized)))
+    return max(dense, dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                            itemsize(dtype), max(sizes[l][1] for l in quantized)))
 
 
 def flex_slots(counts: dict[int, torch.Tensor], slots: int, num_experts: int, max_flex: int | None = None) -> int:

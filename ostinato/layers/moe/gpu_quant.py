@@ -64,12 +64,12 @@ DEFAULT_QUANT_TUNING: dict = {
 DEQUANT_CHUNK = 16  # experts dequantized at once by a large pass: the scratch the capacity test counts
 
 
-def dequant_scratch_bytes(D: int, F: int, top_k: int, num_experts: int, itemsize: int, quant_bytes: int) -> int:
+def dequant_scratch_bytes(D: int, F: int, num_experts: int, itemsize: int, quant_bytes: int) -> int:
     """The dequantized path's buffers beside a pass's other expert buffers: a chunk (DEQUANT_CHUNK, or
-    a layer's experts if fewer) and the K zero slots in the activation dtype, the chunk's quantized
+    a layer's experts if fewer) and one zero slot in the activation dtype, the chunk's quantized
     rows gathered; its fp32 sum [T, D] aside (counted with the pass's outputs)."""
     chunk = min(DEQUANT_CHUNK, num_experts)
-    return (chunk + top_k) * 3 * D * F * itemsize + chunk * quant_bytes
+    return (chunk + 1) * 3 * D * F * itemsize + chunk * quant_bytes
 
 
 def quant_tuned_path(tag: str):
@@ -192,8 +192,9 @@ def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zer
 def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out, *, qtypes, epi,
                                 chunk: int = DEQUANT_CHUNK):
     """A large pass: the distinct hot slots it routes to (one host sync), `chunk` at a time,
-    dequantized into a scratch pool in x's dtype whose last K slots are zero; the chunk's routes
-    keep their slots' place there and every other route reads a zero slot; the bf16 kernels
+    dequantized into a scratch pool in x's dtype whose last slot is a zero slot; the chunk's routes
+    keep their slots' place there and every other route reads the zero slot (one for all K: the
+    kernels skip a zero slot's bytes, so K of them would be K experts' memory never read); the bf16 kernels
     (gpu_experts.slot_experts_triton) compute each chunk into fp32, summed over the chunks, then
     rounded into `out`. The same values as the quantized prefill kernels (weights rounded to x's
     dtype for the dot, h rounded, fp32 accumulation) in another order of summation."""
@@ -209,14 +210,14 @@ def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, z
         return out.zero_()
     rank = torch.where(is_hot, torch.searchsorted(hot, flat), -1).view(T, K)  # each route's slot among them
     of_chunk, place = rank.div(chunk, rounding_mode="floor"), (rank % chunk).to(torch.int32)
-    s13 = torch.empty(chunk + K, 2 * F, D, dtype=x.dtype, device=x.device)
-    s2 = torch.empty(chunk + K, D, F, dtype=x.dtype, device=x.device)
-    sb13 = None if epi.b13 is None else torch.empty(chunk + K, 2 * F, dtype=torch.float32, device=x.device)
-    sb2 = None if epi.b2 is None else torch.empty(chunk + K, D, dtype=torch.float32, device=x.device)
+    s13 = torch.empty(chunk + 1, 2 * F, D, dtype=x.dtype, device=x.device)
+    s2 = torch.empty(chunk + 1, D, F, dtype=x.dtype, device=x.device)
+    sb13 = None if epi.b13 is None else torch.empty(chunk + 1, 2 * F, dtype=torch.float32, device=x.device)
+    sb2 = None if epi.b2 is None else torch.empty(chunk + 1, D, dtype=torch.float32, device=x.device)
     for t in (s13, s2, sb13, sb2):
         if t is not None:
-            t[chunk:].zero_()  # the zero slots
-    zero_of_k = torch.arange(chunk, chunk + K, dtype=torch.int32, device=x.device)
+            t[chunk:].zero_()  # the zero slot (harmless even if read)
+    zero = torch.full((1, K), chunk, dtype=torch.int32, device=x.device)
     total = None
     for j, lo in enumerate(range(0, n_hot, chunk)):
         part = hot[lo:lo + chunk]
@@ -225,8 +226,8 @@ def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, z
         dequantize_rows(w2_pool[part].reshape(n * D, -1), qtypes[1], F, out=s2[:n].view(n * D, F))
         if sb13 is not None:
             sb13[:n], sb2[:n] = epi.b13[part], epi.b2[part]
-        chunk_slots = torch.where(of_chunk == j, place, zero_of_k[None, :])  # [T, K]: its place, else a zero slot
-        y = ge.slot_experts_triton(x, chunk_slots, weights, s13, s2, chunk, chunk + K, out_dtype=torch.float32,
+        chunk_slots = torch.where(of_chunk == j, place, zero)  # [T, K]: its place, else the zero slot
+        y = ge.slot_experts_triton(x, chunk_slots, weights, s13, s2, chunk, chunk + 1, out_dtype=torch.float32,
                                    max_distinct=n, b13_pool=sb13, b2_pool=sb2, act=epi.act)
         total = y if total is None else total.add_(y)
     return out.copy_(total)
