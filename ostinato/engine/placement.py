@@ -31,7 +31,7 @@ from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPools, HostExperts, bounded_flex
-from ostinato.loader.build import EXPERT_MODES, expert_formats, load_layer_experts, weight_formats
+from ostinato.loader.build import check_mode, expert_formats, load_layer_experts, weight_formats
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,7 @@ class PlacementSettings:
     experts: str = "native"
 
     def __post_init__(self):
-        if self.experts not in EXPERT_MODES:
-            raise ConfigError(f"experts {self.experts!r}: give one of {', '.join(EXPERT_MODES)}")
+        check_mode(self.experts)
 
 
 def expert_math(cfg) -> dict:

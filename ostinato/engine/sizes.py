@@ -79,6 +79,6 @@ def dense_parts(cfg: ModelConfig, dtype: torch.dtype,
     model = keep_quantized_(new_model(cfg), quantized or {})
     size = lambda m: param_bytes(model, dtype, m.named_parameters()) + quantized_bytes(m)  # noqa: E731
     layers = [size(layer) for layer in model.model.layers]
-    head = size(model.model.norm) + (size(model.lm_head) if "lm_head.weight" in (quantized or {}) else
+    head = size(model.model.norm) + (size(model.lm_head) if isinstance(model.lm_head, QuantLinear) else
                                      model.lm_head.weight.numel() * itemsize(dtype))  # a copy of its own when tied
     return layers, 0 if host_embedding(cfg, "cuda") else size(model.model.embed_tokens), head

@@ -66,8 +66,7 @@ def dense_formats(source, mode: str = "native") -> dict[str, str]:
     nn.Linear of the model whose weight the source stores in a format the kernels read
     (QUANT_QTYPES), but a head tied to the embedding (the table stays one float tensor). {} for a
     checkpoint, a float file and mode "bf16" (everything dequantized at load)."""
-    if mode not in EXPERT_MODES:
-        raise ConfigError(f"experts {mode!r}: give one of {', '.join(EXPERT_MODES)}")
+    check_mode(mode)
     qtype_of = getattr(source, "dense_qtype", None)
     if qtype_of is None or mode != "native":
         return {}
@@ -164,13 +163,18 @@ def load_quantized_experts(source, layer: int, device="cpu", pin: bool = False) 
 EXPERT_MODES = ("native", "bf16")  # weights in their file's block formats on the GPU, or dequantized at load
 
 
+def check_mode(mode: str) -> None:
+    """ConfigError unless `mode` is one of EXPERT_MODES."""
+    if mode not in EXPERT_MODES:
+        raise ConfigError(f"experts {mode!r}: give one of {', '.join(EXPERT_MODES)}")
+
+
 def expert_formats(source, mode: str = "native") -> dict[int, tuple[str, str] | None]:
     """Each MoE layer's (qt13, qt2) where its experts stay in their GGUF block formats, else None
     (float weights: a checkpoint, a float GGUF tensor, or mode "bf16", which dequantizes at load).
     A layer whose gate/up or down is a float type while the other is blocks is dequantized whole:
     the expert kernels read one kind per layer."""
-    if mode not in EXPERT_MODES:
-        raise ConfigError(f"experts {mode!r}: give one of {', '.join(EXPERT_MODES)}")
+    check_mode(mode)
     qtypes_of = getattr(source, "expert_qtypes", None)
     out: dict[int, tuple[str, str] | None] = {}
     for layer in source.config.moe_layers:
