@@ -91,6 +91,11 @@ att() { [[ -f $R/attention_scores.txt ]] && echo "--attention-scores $(cat "$R/a
 # fresh FILE: written on this machine since its results were restored from .carry/res (a calibration restored
 # from an earlier session measured older code: the fused dense kernels halved the step it models)
 fresh() { [[ -f $1 && ( ! -f $R/.restored || $1 -nt $R/.restored ) ]]; }
+# kernel tunings measured on this machine since the restore (phase micro_dense, QTUNE=1) replace the checkout's:
+# a later call's tree is a fresh copy of the working tree
+for f in "$R"/moe_*.json; do
+  fresh "$f" && cp "$f" ostinato/kernels/tuned/ && echo "== tuned kernels: $f (measured by an earlier call)" >> "$OUT/log.txt"
+done
 # run LIMIT FILE CMD...: at most LIMIT seconds (less if the deadline is nearer), output to FILE and the log
 run() {
   local limit=$1 file=$2; shift 2
@@ -137,8 +142,9 @@ phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on 
 # [K] the quantized-expert kernels: the Triton ones compiled on CUDA (their interpreted runs are CI's), the
 # native CPU ones on this machine's AVX-512/AMX, the GGUF loader
 phase_tests_quant() {  # the native CPU kernels first (this CPU's AVX-512/AMX paths), then the Triton ones
-  run 200 "$R/k_tests.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_cpu_quant.py \
-    tests/test_gguf.py
+  # (KTESTS=gpu: the Triton ones alone, e.g. beside phase gguf's writer, which the CPU ones would slow)
+  [[ ${KTESTS:-all} == gpu ]] || run 200 "$R/k_tests.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 \
+    tests/test_cpu_quant.py tests/test_gguf.py
   run 150 "$R/k_tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_moe_quant_triton.py \
     tests/test_quant_linear.py
 }
