@@ -9,6 +9,7 @@ Legend: T tokens, E experts, K top-k, D hidden, F expert FFN size.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,8 +68,12 @@ def _configured(experts: GptOssExperts, cfg) -> GptOssExperts:
 
 def _load_hf(path, dtype):
     """transformers' model of the checkpoint, its experts as configured and in dtype (5.17 dequantizes
-    MXFP4 experts to bf16 whatever dtype asks; the values are exact in either)."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    MXFP4 experts to bf16 whatever dtype asks; the values are exact in either). MXFP4 experts are
+    dequantized at load: where triton is installed, 5.25 would otherwise fetch its MXFP4 kernels from
+    the Hugging Face hub, which a machine without a network cannot reach."""
+    quantized = "quantization_config" in json.loads((Path(path) / "config.json").read_text())
+    extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if quantized else {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).eval()
     for m in hf.modules():
         if isinstance(m, GptOssExperts):
             _configured(m, hf.config).to(dtype)

@@ -281,7 +281,11 @@ def test_mixed_pass_only_where_the_calibration_measured_a_gain():
     assert MixedPass.from_calibration(cal).min_tokens == 512  # a sum over the sizes would have said never
     cal["passes"]["mixed_ms"] = [3.5, 9.0]
     assert MixedPass.from_calibration(cal).min_tokens == 64
-    cal["passes"]["mixed_ms"] = [3.5, 14.0]  # not faster at the largest size: never
+    assert MixedPass.from_calibration(cal).max_tokens is None  # faster at the largest size: no upper bound
+    cal["passes"]["mixed_ms"] = [3.5, 14.0]  # faster at 64 only: up to 64
+    m = MixedPass.from_calibration(cal)
+    assert (m.min_tokens, m.max_tokens) == (64, 64) and m.applies(64) and not m.applies(65)
+    cal["passes"]["mixed_ms"] = [5.5, 14.0]  # faster at no size: never
     assert MixedPass.from_calibration(cal) is None
     # session 15's calibration on the H200 machine (results/2026-12-02-h200-s15/): it loses below 384 tokens
     cal["passes"] = {"sizes": [64, 128, 256, 384, 512, 768, 1024, 2048],
@@ -308,8 +312,31 @@ def test_a_paired_calibration_needs_the_uploads_to_win_on_every_layer():
     assert MixedPass.from_calibration(cal).min_tokens == 256  # faster on the mean at 64, but one layer lost
     cal["passes"]["split_paired_ms"] = [4.5, 5.6, 9.0, 13.2]  # the paired split beats it at 256: from 1024
     assert MixedPass.from_calibration(cal).min_tokens == 1024
-    cal["passes"]["mixed_wins"] = [4, 4, 4, 3]
+    cal["passes"]["mixed_wins"] = [4, 4, 4, 3]  # one layer lost at the largest: 1024 alone
+    m = MixedPass.from_calibration(cal)
+    assert (m.min_tokens, m.max_tokens) == (1024, 1024)
+    cal["passes"]["mixed_wins"] = [3, 4, 3, 3]
     assert MixedPass.from_calibration(cal) is None
+
+
+def test_a_quantized_calibration_uploads_in_part_over_the_sizes_it_won():
+    """Session 18's calibration of the Q4_K_M 235B shape on the H200 machine (results/2026-12-04-h200-s21/
+    bench_235b_8k/residency.json): the split with uploads won on every layer timed from 64 to 512
+    tokens, by 1.7x over the upload path at 256, and lost from 768 up. A tool turn (261 new tokens,
+    median) takes it; a 2048-token chunk takes the upload path (Np 256)."""
+    cal = {"cpu_pass": {"alpha_ms": 0.434, "beta_expert_ms": 0.0433, "beta_route_ms": 0.0342}, "upload_gbps": 53.25,
+           "expert_bytes": 11_427_840,
+           "passes": {"sizes": [64, 128, 256, 384, 512, 768, 1024, 2048],
+                      "split_ms": [11.15, 17.48, 30.73, 47.76, 62.22, 100.70, 129.13, 230.50],
+                      "upload_ms": [19.72, 23.09, 25.71, 29.19, 27.96, 28.43, 29.47, 29.96],
+                      "mixed_ms": [7.93, 11.23, 14.77, 17.77, 26.55, 28.43, 31.88, 35.84],
+                      "split_paired_ms": [9.84, 18.76, 30.34, 45.21, 61.87, 90.16, 126.72, 228.53],
+                      "mixed_wins": [4] * 8, "paired_layers": 4}}
+    m = MixedPass.from_calibration(cal)
+    assert (m.min_tokens, m.max_tokens) == (64, 512) and m.window() == "64-512"
+    assert [choose_path(T, True, 256, m) for T in (32, 64, 261, 512, 513, 2048)] == \
+        ["split", "split", "split", "split", "upload", "upload"]
+    assert choose_path(261, True, 256, None) == "upload"  # the rule before: every tool turn uploaded
 
 
 def test_measure_mixed_times_both_paths_in_alternating_pairs():

@@ -511,9 +511,10 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
     if name in OSTINATO_STEPS:
         hybrid = backend.unwrapped  # a HybridExperts (the decode graph's wrapper hands its passes to it)
         entry["upload_threshold"] = hybrid.upload_threshold
-        entry["split_uploads"] = hybrid.mixed is not None  # Np unused from its min_tokens (layers/moe/hybrid.py)
+        entry["split_uploads"] = hybrid.mixed is not None  # Np unused where it applies (layers/moe/hybrid.py)
         if hybrid.mixed is not None:
             entry["split_uploads_from"] = hybrid.mixed.min_tokens
+            entry["split_uploads_to"] = hybrid.mixed.max_tokens
         entry["borrowing"] = hybrid.borrow is not None
     if cpu is not None:  # the host's read bandwidth with the policy's own pool, just before and after its replay:
         # it drifts by 15-20% between runs of a shared VM, as much as policies differ by (report.py warns

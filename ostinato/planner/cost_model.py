@@ -46,7 +46,7 @@ all routes, measured at a few n and interpolated linearly. Np is the one-switch 
 
 The upload path's worth (`upload_path_value`): over the development sessions, what the paths that
 use its flex slots save on their passes (`path_gains`, the measured curves: the upload path from Np,
-the split with uploads from its min_tokens), against what those slots would save as hot experts
+the split with uploads over the sizes it pays at), against what those slots would save as hot experts
 (the decode and prefill models above, with and without those experts). The planner keeps the path
 only where the first is larger (planner/pipeline.py plan_upload_path).
 
@@ -474,6 +474,7 @@ def upload_path_value(cal: dict, prof, passes: dict[int, int], hot: dict[int, li
     return {"gain_ms": gain_upload + gain_mixed, "gain_upload_ms": gain_upload, "gain_mixed_ms": gain_mixed,
             "cost_ms": decode + prefill, "cost_decode_ms": decode, "cost_prefill_ms": prefill,
             "np": cal.get("upload_threshold"), "mixed_from": mixed.min_tokens if mixed is not None else None,
+            "mixed_to": mixed.max_tokens if mixed is not None else None,
             "passes": _count(sum(passes.values())), "passes_at_np": _count(g["passes_at_np"]),
             "passes_mixed": _count(g["passes_mixed"]),
             "largest_pass": max(passes, default=0), "decode_tokens": prof.tokens["decode"],

@@ -178,7 +178,7 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     CPU save more than the flex slots do. Decided on the development sessions (`prof`, a RouteCounts
     with their prompt sizes; `counts`: the routes the plan was filled from) by
     cost_model.upload_path_value: the gain of the two paths that use the flex slots, each on the
-    passes it takes (the upload path from Np; the split with uploads from the smallest size the
+    passes it takes (the upload path from Np; the split with uploads over the sizes the
     calibration measured it to pay at, MixedPass.from_calibration), against the cost of the hot
     experts the slots displace:
 
@@ -227,7 +227,7 @@ def plan_upload_path(residency: Residency, cal: dict, prof, counts: dict[int, to
     before = hot_groups(res.hot, top_k, E, sizes, max_flex=res.max_flex)
     ms = {k: round(v[k], 3) + 0.0 for k in ("gain_ms", "gain_upload_ms", "gain_mixed_ms", "cost_ms",
                                              "cost_decode_ms", "cost_prefill_ms")}  # + 0.0: no -0.0
-    numbers = {**ms, **{k: v[k] for k in ("np", "mixed_from", "passes", "passes_at_np", "passes_mixed",
+    numbers = {**ms, **{k: v[k] for k in ("np", "mixed_from", "mixed_to", "passes", "passes_at_np", "passes_mixed",
                                           "largest_pass", "decode_tokens")},
                "flex_slots": sum(g["flex"] for g in before.values()), "hot_with_flex": res.hot_count,
                "hot_without_flex": sum(map(len, bigger.values())),
@@ -268,8 +268,9 @@ def upload_path_text(up: dict | None) -> str:
         return f"kept ({up['why']})"
     mixed = "split with uploads never measured a gain"
     if up["mixed_from"] is not None:
-        mixed = (f"split with uploads {up['gain_mixed_ms']:.1f} ms on {up['passes_mixed']} passes from "
-                 f"{up['mixed_from']} tokens")
+        sizes = (f"of {up['mixed_from']}-{up['mixed_to']} tokens" if up.get("mixed_to") is not None
+                 else f"from {up['mixed_from']} tokens")
+        mixed = f"split with uploads {up['gain_mixed_ms']:.1f} ms on {up['passes_mixed']} passes {sizes}"
     nums = (f"gain {up['gain_ms']:.1f} ms (upload path {up['gain_upload_ms']:.1f} ms on {up['passes_at_np']} passes "
             f"at or above Np {up['np']}, {mixed}; {up['passes']} passes in all), cost {up['cost_ms']:.1f} ms over the "
             f"development sessions: {up['flex_slots']} flex slots against "

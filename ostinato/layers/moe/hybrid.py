@@ -12,21 +12,24 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
   then runs as a split pass with uploads whose count is fixed, the most-routed cold experts
   that fit (`stage_most`), the rest on the CPU (split_path, `staged`; counted as
   `overflow_passes`).
-* split with uploads (T >= `mixed.min_tokens`, with `mixed` set from a calibration; Np then
-  plays no part for those passes): the split path, but the most-routed cold experts of the
-  pass cross PCIe into flex slots while the CPU computes the rest, so the two links work at
-  once. `MixedPass.choose` takes the count that minimises max(upload, CPU) by the calibrated
-  costs: none is the split path, all of them the upload path's transfers (its GPU sum in two
-  launches, not one). DESIGN.md's split path sends nothing over PCIe; on the H200 machine a
-  512-token pass took 16.7 ms per layer split and 12.9 ms uploaded, where either link alone
-  is idle half the time. It is used only from the smallest measured pass size from which the
-  calibration timed it faster than both plain paths at every larger size
-  (MixedPass.from_calibration): in session 15's calibration it lost below 384 tokens
-  (4.96 against 4.90 ms split at 64), and a sum over the sizes had let it run there: the
-  replay's prefills of fewer than 128 new tokens took 18% longer (median) than under
-  KTransformers' rules on the same residency, which differ from Ostinato's there only in
-  these uploads (results/2026-12-02-h200-s15/). Decode never uploads (an upload exposes its
-  whole transfer).
+* split with uploads (`mixed.min_tokens` <= T <= `mixed.max_tokens`, with `mixed` set from a
+  calibration; Np then plays no part for those passes): the split path, but the most-routed
+  cold experts of the pass cross PCIe into flex slots while the CPU computes the rest, so the
+  two links work at once. `MixedPass.choose` takes the count that minimises max(upload, CPU) by
+  the calibrated costs: none is the split path, all of them the upload path's transfers (its
+  GPU sum in two launches, not one). DESIGN.md's split path sends nothing over PCIe; on the
+  H200 machine a 512-token pass took 16.7 ms per layer split and 12.9 ms uploaded, where either
+  link alone is idle half the time. It is used only over the sizes at which the calibration
+  timed it faster than both plain paths (MixedPass.from_calibration):
+  - in session 15's calibration (bf16) it lost below 384 tokens (4.96 against 4.90 ms split at
+    64), and a sum over the sizes had let it run there: the replay's prefills of fewer than 128
+    new tokens took 18% longer (median) than under KTransformers' rules on the same residency,
+    which differ from Ostinato's there only in these uploads (results/2026-12-02-h200-s15/);
+  - in session 18's calibration of the Q4_K_M 235B shape it won from 64 to 512 tokens (14.8
+    against 25.7 ms uploaded at 256) and lost from 768 up (35.8 against 30.0 at 2048), where a
+    quantized cold route costs the CPU 34 µs: a rule that wanted it faster at the largest size
+    left every tool turn on the upload path (results/2026-12-04-h200-s21/).
+  Decode never uploads (an upload exposes its whole transfer).
 
 A cache is the same executor with an `Admission` (policies/caches.py): a residency that
 changes at run time. The passes it admits bring their routing to the host, the admission
@@ -76,24 +79,26 @@ def to_host(topk: TopKOutput, x: torch.Tensor, x_host: torch.Tensor, on_cuda: bo
 class MixedPass:
     """Calibrated costs (ms) that split a pass's cold experts between PCIe and the CPU:
     an upload costs `upload_ms` per expert; the CPU branch alpha + beta_expert per distinct
-    expert + beta_route per route (the calibration's cpu_pass fit). Passes of fewer than
-    `min_tokens` tokens take the plain paths (a decode step never uploads)."""
+    expert + beta_route per route (the calibration's cpu_pass fit). It applies to passes of
+    `min_tokens` to `max_tokens` tokens (None: no upper bound); the others take the plain paths
+    (a decode step never uploads)."""
     upload_ms: float
     alpha_ms: float
     beta_expert_ms: float
     beta_route_ms: float
     min_tokens: int = 2
+    max_tokens: int | None = None
 
     @classmethod
     def from_calibration(cls, cal: dict, measured: bool = True) -> "MixedPass | None":
         """The costs of a calibration; None without them. measured: only where the calibration
-        timed the split path with uploads (passes.mixed_ms) faster than both plain paths, from
-        the smallest measured size at which it is faster at that and every larger size
-        (min_tokens); None if it is not faster at the largest. Where the calibration timed it in
-        pairs with the split path (planner/measure/prefill.py measure_mixed), faster means faster
-        than the paired split on every layer timed: a single layer's loss says the gain is within
-        the machine's noise. Unmeasured (the calibration's own timing of it): every pass of more
-        than one token."""
+        timed the split path with uploads (passes.mixed_ms) faster than both plain paths, over the
+        run of consecutive measured sizes at which it is faster that ends at the largest such size
+        (min_tokens to max_tokens; no upper bound where that is the largest size measured); None
+        where it is faster at none. Where the calibration timed it in pairs with the split path
+        (planner/measure/prefill.py measure_mixed), faster means faster than the paired split on
+        every layer timed: a single layer's loss says the gain is within the machine's noise.
+        Unmeasured (the calibration's own timing of it): every pass of more than one token."""
         cp, gbps, nbytes = cal.get("cpu_pass") or {}, cal.get("upload_gbps"), cal.get("expert_bytes")
         if not (gbps and nbytes and cp.get("beta_route_ms")):
             return None
@@ -108,15 +113,21 @@ class MixedPass:
         wins = p.get("mixed_wins") or [None] * len(order)
         pays = [p["mixed_ms"][i] < min(split[i], p["upload_ms"][i])
                 and (wins[i] is None or wins[i] >= p.get("paired_layers", 0)) for i in order]
-        if not pays[-1]:
+        if not any(pays):
             return None
-        i = len(pays) - 1
+        j = max(i for i, won in enumerate(pays) if won)
+        i = j
         while i > 0 and pays[i - 1]:
             i -= 1
-        return cls(*costs, min_tokens=max(2, p["sizes"][order[i]]))
+        top = None if j == len(pays) - 1 else p["sizes"][order[j]]
+        return cls(*costs, min_tokens=max(2, p["sizes"][order[i]]), max_tokens=top)
 
     def applies(self, T: int) -> bool:
-        return T >= self.min_tokens
+        return T >= self.min_tokens and (self.max_tokens is None or T <= self.max_tokens)
+
+    def window(self) -> str:
+        """The pass sizes it applies to, as a report says them."""
+        return f"{self.min_tokens}-{self.max_tokens}" if self.max_tokens is not None else f"from {self.min_tokens}"
 
     def _ms(self, uploads: int, cpu_experts: int, cpu_routes: int) -> float:
         if not cpu_experts:
