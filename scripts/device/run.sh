@@ -365,7 +365,12 @@ gguf_wait() {  # until phase gguf's file is there (1: its writer ended without i
     sleep 3
   done
   [[ -f $g ]] || { say "gguf: no file $g (phase gguf; $R/k_synth_gguf.txt)"; return 1; }
-  [[ -n ${GGUF_SAID:-} ]] || { say "gguf: $g ($(du -h "$g" | cut -f1)); $(tail -1 "$R/k_synth_gguf.txt" 2>/dev/null)"; GGUF_SAID=1; }
+  [[ -n ${GGUF_SAID:-} ]] && return 0
+  say "gguf: $g ($(du -h "$g" | cut -f1)); $(tail -1 "$R/k_synth_gguf.txt" 2>/dev/null)"; GGUF_SAID=1
+  # the freshly written file's dirty pages go to disk before anything is timed: in sessions 21 and 22 the first
+  # replay after a write slowed by up to 2 s on the same few turns (235B and 30B files alike) while the kernel
+  # wrote them back; a later replay on the same machine ran those turns at their size's pace
+  local t=$SECONDS; sync; say "gguf: dirty pages written back (sync: $((SECONDS - t)) s)"
 }
 llama_kit() {  # the llama.cpp kit unpacked to /tmp/llama/kit (from .carry/llama-kit: ../shared/llama's kit)
   [[ -x /tmp/llama/kit/llama-server ]] || bash .carry/llama-kit/unpack.sh /tmp/llama >> "$LOG" 2>&1 \
