@@ -13,6 +13,10 @@ Writes OUT/tuning.json (every setting measured, its GPU memory and total; the ch
 OUT/replay.json (the held-out replay, the JSON line of `ostinato replay`, with the chosen
 settings: `ostinato report BENCH --engine llama.cpp=OUT/replay.json` adds it as a row), and
 each server's log under OUT/logs/. Needs a GPU and the llama.cpp kit (../shared/llama).
+
+--settings TUNING.json replays the held-out sessions with the settings an earlier run chose on the same
+file recipe and cap (its `chosen_settings`), without tuning: llama.cpp measured on the same machine and
+day as the Ostinato run it is compared with, where the tuning itself does not fit again.
 """
 from __future__ import annotations
 
@@ -47,6 +51,18 @@ def replay(url: str, sessions, tok, max_turns, max_output, max_context) -> tuple
     return results, summarize(results, None)
 
 
+def chosen(path: Path, cap_mib: int) -> LlamaSettings:
+    """The settings an earlier tuning chose (its tuning.json), for a replay under the same cap."""
+    try:
+        t = json.loads(path.read_text())
+        settings = LlamaSettings(**t["chosen_settings"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--settings {path}: not a tuning.json of scripts/llama_tune.py ({type(e).__name__}: {e})")
+    if t.get("cap_mib") != cap_mib:
+        raise SystemExit(f"--settings {path}: tuned under {t.get('cap_mib')} MiB, this replay's cap is {cap_mib} MiB")
+    return settings
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True, help="llama-server")
@@ -69,6 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8090)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--settings", type=Path,
+                    help="tuning.json of an earlier run (same file recipe and cap): replay with its choice, no tuning")
     a = ap.parse_args(argv)
 
     a.max_context = a.max_context or a.context
@@ -135,31 +153,38 @@ def main(argv=None) -> int:
     def measure(s: LlamaSettings) -> float | None:
         return done.get("totals", s.label(), lambda: measure_now(s))
 
-    t0 = time.perf_counter()
-    n_fit = smallest_fitting(fits, layers)
-    best, rows = tune(measure, LlamaSettings(n_fit, threads=a.threads[0]), knob_values(n_fit, layers, a.threads))
-    for r in rows:
-        r["gpu_mib"] = memory.get(r["label"])
-    tuning = {"kind": "llama.tune", **source_state(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "model": a.model, "cap_mib": cap_mib, "layers": layers, "smallest_fitting_n_cpu_moe": n_fit,
-              "tune_sessions": [s.id for s in tune_set],
-              "tune_max_turns": a.tune_max_turns, "rows": rows, "chosen": best.label(),
-              "chosen_settings": dataclasses.asdict(best), "seconds": round(time.perf_counter() - t0, 1),
-              "resumed": done.resumed}  # seconds: this run's alone where it resumed a cut one
-    (a.out / "tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
-    print(f"chosen: {best.label()}", flush=True)
+    if a.settings is not None:
+        best = chosen(a.settings, cap_mib)
+        print(f"settings of {a.settings}: {best.label()} (not tuned here)", flush=True)
+    else:
+        t0 = time.perf_counter()
+        n_fit = smallest_fitting(fits, layers)
+        best, rows = tune(measure, LlamaSettings(n_fit, threads=a.threads[0]), knob_values(n_fit, layers, a.threads))
+        for r in rows:
+            r["gpu_mib"] = memory.get(r["label"])
+        tuning = {"kind": "llama.tune", **source_state(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "model": a.model, "cap_mib": cap_mib, "layers": layers, "smallest_fitting_n_cpu_moe": n_fit,
+                  "tune_sessions": [s.id for s in tune_set],
+                  "tune_max_turns": a.tune_max_turns, "rows": rows, "chosen": best.label(),
+                  "chosen_settings": dataclasses.asdict(best), "seconds": round(time.perf_counter() - t0, 1),
+                  "resumed": done.resumed}  # seconds: this run's alone where it resumed a cut one
+        (a.out / "tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
+        print(f"chosen: {best.label()}", flush=True)
 
     srv = start(best)
     try:
         if not srv.ready:
             raise SystemExit("llama-server did not start with the chosen settings")
+        if srv.mib is None or srv.mib > cap_mib:
+            raise SystemExit(f"llama-server holds {srv.mib} MiB with {best.label()}: not under the cap of {cap_mib} MiB")
         results, summary = replay(srv.url, held, tok, a.max_turns, a.max_output, a.max_context)
         mib = process_gpu_mib(srv.proc.pid)
     finally:
         srv.close()
     out = {"kind": "ostinato.replay", "engine": "llama.cpp", **source_state(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sessions": a.sessions, "split": "held-out",
-           "settings": best.label(), "context": a.context, "max_context": a.max_context,
+           "settings": best.label(), "settings_from": str(a.settings) if a.settings else "tuned here",
+           "context": a.context, "max_context": a.max_context,
            "gpu_mib_after_replay": mib, "cap_mib": cap_mib, "summary": summary,
            "turns": [r.to_json() for r in results]}
     (a.out / "replay.json").write_text(json.dumps(out) + "\n")

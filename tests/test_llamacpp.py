@@ -3,6 +3,7 @@ for the smallest --n-cpu-moe that fits, and the knob-by-knob walk."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -122,3 +123,20 @@ def test_a_progress_record_a_kill_left_unreadable_or_a_failed_start_is_measured_
     assert again.get("totals", "a", lambda: (12.5, True)) == 12.5
     assert Measured(path, key).data["totals"] == {"a": 12.5}
     assert not list(tmp_path.glob("*.part"))
+
+
+def test_a_replay_takes_an_earlier_tunings_choice_under_the_same_cap(tmp_path):
+    """scripts/llama_tune.py --settings: the choice of session 18's tuning on the 235B shape, refused
+    under another cap or from a file that is not a tuning."""
+    from scripts.llama_tune import chosen
+
+    s18 = {"cap_mib": 24576, "chosen_settings": {"n_cpu_moe": 18, "ubatch": 2048, "load_mode": "none",
+                                                  "op_offload": 32, "threads": 16}}
+    f = tmp_path / "tuning.json"
+    f.write_text(json.dumps(s18))
+    assert chosen(f, 24576) == LlamaSettings(18, ubatch=2048, load_mode="none", op_offload=32, threads=16)
+    with pytest.raises(SystemExit, match="tuned under 24576 MiB"):
+        chosen(f, 12288)
+    f.write_text(json.dumps({"cap_mib": 24576}))
+    with pytest.raises(SystemExit, match="not a tuning.json"):
+        chosen(f, 24576)
