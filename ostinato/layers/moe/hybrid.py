@@ -25,10 +25,11 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
     64), and a sum over the sizes had let it run there: the replay's prefills of fewer than 128
     new tokens took 18% longer (median) than under KTransformers' rules on the same residency,
     which differ from Ostinato's there only in these uploads (results/2026-12-02-h200-s15/);
-  - in session 18's calibration of the Q4_K_M 235B shape it won from 64 to 512 tokens (14.8
-    against 25.7 ms uploaded at 256) and lost from 768 up (35.8 against 30.0 at 2048), where a
-    quantized cold route costs the CPU 34 µs: a rule that wanted it faster at the largest size
-    left every tool turn on the upload path (results/2026-12-04-h200-s21/).
+  - in session 18's calibration of the Q4_K_M 235B shape it won from 64 to 768 tokens (14.8
+    against 25.7 ms uploaded at 256; by 0.003 ms at 768) and lost from 1024 up (35.8 against
+    30.0 at 2048), where a quantized cold route costs the CPU 34 µs: a rule that wanted it
+    faster at the largest size left every tool turn on the upload path; over 64-768 tokens the
+    median TTFT after tool outputs went from 715 to 410 ms (results/2026-12-04-h200-s22/).
   Decode never uploads (an upload exposes its whole transfer).
 
 A cache is the same executor with an `Admission` (policies/caches.py): a residency that
