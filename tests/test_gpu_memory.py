@@ -66,3 +66,37 @@ def test_cap_holds_the_process_as_nvidia_smi_counts_it():
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()
         assert total > cap
+
+
+def test_no_allocator_counters_off_cuda():
+    from ostinato.engine.gpu_memory import allocator_counters
+
+    assert allocator_counters(["cpu", "cpu:1"]) == {}
+
+
+@pytest.mark.gpu
+def test_allocator_counters_count_the_mallocs_and_the_retries_under_a_cap():
+    """A replayed turn carries the allocator's cudaMalloc calls and retries (runner.placement_stats):
+    an allocation the cached blocks cannot serve is a cudaMalloc; one that meets the cap with blocks
+    cached frees them and retries."""
+    from ostinato.engine.gpu_memory import allocator_counters, outside_allocator_bytes
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda", 0)
+    torch.cuda.empty_cache()
+    before = allocator_counters([dev])
+    cap = 4 * 2**30
+    free_for_torch = cap - outside_allocator_bytes(dev) - torch.cuda.memory_reserved(dev)
+    apply_memory_cap(dev, cap)
+    try:
+        a = torch.empty(int(free_for_torch * 0.5), dtype=torch.uint8, device=dev)
+        del a  # cached, not freed
+        b = torch.empty(int(free_for_torch * 0.7), dtype=torch.uint8, device=dev)  # fits once a's block goes
+        del b
+        after = allocator_counters([dev, "cpu"])
+        assert after["cuda_mallocs"] - before["cuda_mallocs"] >= 2
+        assert after["cuda_malloc_retries"] - before["cuda_malloc_retries"] >= 1
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()

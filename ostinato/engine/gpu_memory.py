@@ -102,3 +102,21 @@ def memory_figures(device: torch.device) -> dict | None:
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     return {"process_mib": process_gpu_mib(uuid=uuid),
             "allocator_peak_mib": round(torch.cuda.max_memory_reserved(device) / MiB)}
+
+
+# torch's allocator counters that say a pass paid for memory: cudaMalloc calls, and retries (every cached
+# block freed, the streams synchronised, the cudaMalloc tried again: what a pass meets near the cap)
+ALLOCATOR_COUNTERS = {"num_device_alloc": "cuda_mallocs", "num_alloc_retries": "cuda_malloc_retries"}
+
+
+def allocator_counters(devices) -> dict[str, int]:
+    """Cumulative allocator counters (ALLOCATOR_COUNTERS) summed over the CUDA devices among
+    `devices`; empty where there is none."""
+    out: dict[str, int] = {}
+    for dev in {torch.device(d) for d in devices}:
+        if dev.type != "cuda":
+            continue
+        stats = torch.cuda.memory_stats(dev)
+        for key, name in ALLOCATOR_COUNTERS.items():
+            out[name] = out.get(name, 0) + int(stats.get(key, 0))
+    return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.engine import devices as split
+from ostinato.engine.gpu_memory import allocator_counters
 from ostinato.engine.graph import DecodeGraphs, window_sizes
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.routes import RouteTally
@@ -247,5 +248,9 @@ class ModelRunner:
 
     def placement_stats(self) -> dict[str, float]:
         """Cumulative counters of the experts placement (routes, cold routes, CPU experts, bytes
-        uploaded, pool hits), for /metrics and reports; empty for the all-on-one-device backend."""
-        return dict(self.experts.stats()) if self.experts is not None else {}
+        uploaded, pool hits) and, on CUDA, of the allocator (gpu_memory.allocator_counters: a pass
+        that met the cap retries its cudaMalloc after freeing every cached block), for /metrics and
+        reports; empty for the all-on-one-device backend."""
+        if self.experts is None:
+            return {}
+        return {**self.experts.stats(), **allocator_counters(s.name for s in self.segments)}
