@@ -38,7 +38,7 @@ import torch
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.residency import Residency, measured, model_fingerprint
 from ostinato.engine.sizes import expert_bytes, expert_sizes
-from ostinato.layers.moe.hybrid import MixedPass
+from ostinato.layers.moe.hybrid import MixedPass, window_text
 from ostinato.loader.build import WeightFormats
 from ostinato.planner import cost_model as cm
 from ostinato.planner.capacity import (Capacity, CapacitySettings, flex_bound, grow_without_flex, hot_groups,
@@ -268,9 +268,9 @@ def upload_path_text(up: dict | None) -> str:
         return f"kept ({up['why']})"
     mixed = "split with uploads never measured a gain"
     if up["mixed_from"] is not None:
-        sizes = (f"of {up['mixed_from']}-{up['mixed_to']} tokens" if up.get("mixed_to") is not None
-                 else f"from {up['mixed_from']} tokens")
-        mixed = f"split with uploads {up['gain_mixed_ms']:.1f} ms on {up['passes_mixed']} passes {sizes}"
+        sizes = window_text(up["mixed_from"], up.get("mixed_to"))
+        mixed = (f"split with uploads {up['gain_mixed_ms']:.1f} ms on {up['passes_mixed']} passes "
+                 f"{'of ' if up.get('mixed_to') is not None else ''}{sizes} tokens")
     nums = (f"gain {up['gain_ms']:.1f} ms (upload path {up['gain_upload_ms']:.1f} ms on {up['passes_at_np']} passes "
             f"at or above Np {up['np']}, {mixed}; {up['passes']} passes in all), cost {up['cost_ms']:.1f} ms over the "
             f"development sessions: {up['flex_slots']} flex slots against "

@@ -142,7 +142,7 @@ class MixedPass:
 
     def window(self) -> str:
         """The pass sizes it applies to, as a report says them."""
-        return f"{self.min_tokens}-{self.max_tokens}" if self.max_tokens is not None else f"from {self.min_tokens}"
+        return window_text(self.min_tokens, self.max_tokens)
 
     def _ms(self, uploads: int, cpu_experts: int, cpu_routes: int) -> float:
         if not cpu_experts:
@@ -164,6 +164,11 @@ class MixedPass:
             if t < best:
                 best, best_k = t, k
         return best_k
+
+
+def window_text(lo: int, hi: int | None) -> str:
+    """Pass sizes lo to hi (None: no upper bound), as a report says them."""
+    return f"{lo}-{hi}" if hi is not None else f"from {lo}"
 
 
 def stage_most(routes: list[int], limit: int) -> int:
