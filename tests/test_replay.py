@@ -89,6 +89,20 @@ def test_in_process_turns_on_a_fake_clock():
     assert "FAILED" in format_turn(too_long) and "TTFT" in format_turn(second)
 
 
+def test_turns_that_met_a_compile_say_so():
+    """A turn whose passes compiled a triton kernel says so in its line and the summary's totals."""
+    quiet = TurnResult("s", 0, "tool", prompt_tokens=300, output_tokens=4, ttft_s=0.3, tpot_s=0.01, request_s=0.33,
+                       cached_tokens=0, placement={"prefill": {"routes": 2400}, "decode": {"routes": 24}})
+    slow = TurnResult("s", 1, "tool", prompt_tokens=600, output_tokens=4, ttft_s=2.3, tpot_s=0.01, request_s=2.33,
+                      cached_tokens=300, placement={"prefill": {"routes": 2400, "triton_compiles": 3,
+                                                                "triton_compile_s": 1.9}})
+    assert "compiles" not in format_turn(quiet)
+    assert "triton compiles 3 (1.90 s)" in format_turn(slow)
+    placement = summarize([quiet, slow], moe_layers=2)["placement"]
+    assert placement["prefill"]["triton_compiles"] == 3 and placement["prefill"]["triton_compile_s"] == 1.9
+    assert "triton_compiles" not in placement["decode"]
+
+
 class FakeTokenizer:
     """10 ids per message, from 1000 up: never an encoded output's (its characters' codes), which
     str's per-process hash once made them one time in a thousand; outputs of len(content) // 4 tokens."""

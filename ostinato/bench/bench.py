@@ -45,6 +45,7 @@ from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sampling import SamplingParams
 from ostinato.engine.sizes import expert_sizes
+from ostinato.kernels.triton import compiles as triton_compiles
 from ostinato.load import load_engine
 from ostinato.loader.build import expert_formats, weight_formats
 from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
@@ -532,9 +533,13 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         entry["host_read_gbps"] = {"before": read_before["gbps"], "after": read_after["gbps"],
                                    "probe": read_after["probe"]}
         del buf
-    segments = segment_costs(before, loaded.runner.placement_stats())
+    after = loaded.runner.placement_stats()
+    segments = segment_costs(before, after)
     if segments:
         entry["graph_segments"] = segments
+    compiled = int(after.get("triton_compiles", 0) - before.get("triton_compiles", 0))
+    if compiled:  # which kernels, with their specialisations: a turn that met one paid for it
+        entry["triton_compiled"] = [list(c) for c in triton_compiles.recent[-compiled:]]
     t2 = time.perf_counter()
     sweep = run_sweep(InProcessTarget(loaded), sweep_plan)
     entry["wall_s"] = {"replay": round(t1 - t0, 1), "sweep": round(time.perf_counter() - t2, 1)}
@@ -553,6 +558,9 @@ def combine_rounds(entries: list[dict], moe_layers: int, np_) -> tuple[dict, lis
     sweep = [r for e in entries for r in e["_sweep"]]
     out = {k: v for k, v in entries[-1].items() if k not in ("_results", "_sweep")}
     out.update({k: v for k, v in entries[0].items() if k in ("tuning", "offload_threshold")})
+    compiled = [c for e in entries for c in e.get("triton_compiled", [])]
+    if compiled:
+        out["triton_compiled"] = compiled
     for key in ("wall_s", "build_parts_s"):
         if all(key in e for e in entries):
             out[key] = {k: round(sum(e[key][k] for e in entries), 1) for k in entries[0][key]}

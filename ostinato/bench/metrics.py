@@ -124,6 +124,9 @@ def placement_summary(results: list[TurnResult], moe_layers: int | None) -> dict
             "bytes_uploaded_per_token": round(tot.get("bytes_uploaded", 0) / tokens, 1) if tokens else None,
             "pool_hit_rate": round(1 - tot.get("cold_routes", 0) / routes, 4) if routes else None,
         }
+        for k in ("triton_compiles", "triton_compile_s", "cuda_malloc_retries"):  # what slows a turn from outside
+            if tot.get(k):
+                out[phase][k] = round(tot[k], 3)
     return out
 
 

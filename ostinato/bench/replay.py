@@ -394,4 +394,7 @@ def format_turn(r: TurnResult) -> str:
     up = sum(p.get("bytes_uploaded", 0) for p in r.placement.values())
     if up:
         line += f"  up {up / 2**20:.1f} MiB"
+    jit = sum(p.get("triton_compiles", 0) for p in r.placement.values())
+    if jit:
+        line += f"  triton compiles {jit:g} ({sum(p.get('triton_compile_s', 0) for p in r.placement.values()):.2f} s)"
     return line

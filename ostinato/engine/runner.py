@@ -22,6 +22,7 @@ from ostinato.engine.gpu_memory import allocator_counters
 from ostinato.engine.graph import DecodeGraphs, window_sizes
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.routes import RouteTally
+from ostinato.kernels.triton import compiles as triton_compiles
 from ostinato.threads import ThreadLayout, claim_host_thread, process_layout
 from ostinato.layers.moe.graph_hybrid import for_graphs
 from ostinato.layers.moe.reference import ReferenceExperts
@@ -94,6 +95,7 @@ class ModelRunner:
                                  self.config.num_experts_per_tok) if settings.count_routes else None
         if self.device.type == "cuda":
             claim_host_thread(self.threads)
+            triton_compiles.install()
             if self.threads.host_shares_poller:
                 self._step_done = torch.cuda.Event(blocking=True)
         if self.layer_devices is not None:
@@ -249,8 +251,10 @@ class ModelRunner:
     def placement_stats(self) -> dict[str, float]:
         """Cumulative counters of the experts placement (routes, cold routes, CPU experts, bytes
         uploaded, pool hits) and, on CUDA, of the allocator (gpu_memory.allocator_counters: a pass
-        that met the cap retries its cudaMalloc after freeing every cached block), for /metrics and
+        that met the cap retries its cudaMalloc after freeing every cached block) and of triton's
+        compiles (kernels/triton: a new specialisation of a kernel's arguments), for /metrics and
         reports; empty for the all-on-one-device backend."""
         if self.experts is None:
             return {}
-        return {**self.experts.stats(), **allocator_counters(s.name for s in self.segments)}
+        return {**self.experts.stats(), **allocator_counters(s.name for s in self.segments),
+                **triton_compiles.counters()}

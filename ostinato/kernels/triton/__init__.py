@@ -11,3 +11,56 @@ def fused_dense() -> bool:
     expressions then, to measure before against after in one process or to rule a kernel out.
     Read when a pass runs (a captured graph keeps its choice)."""
     return os.environ.get("OSTINATO_FUSED_DENSE", "1") != "0"
+
+
+class _CompileCounter:
+    """Triton compiles in this process (a kernel launched with a specialisation not yet in its
+    in-memory cache: compiled, or loaded from the on-disk cache), through triton's JIT hooks.
+
+    Why count them: triton compiles a kernel again for each new specialisation of its arguments
+    (an integer divisible by 16 or equal to 1, a pointer aligned to 16 bytes), which can first
+    occur on any pass; a compile costs a second or more, loading a cached one milliseconds. A
+    replay turn that meets one is slow for a reason that is not the engine's."""
+
+    def __init__(self):
+        self.count = 0
+        self.seconds = 0.0
+        self.recent: list[tuple[str, float]] = []  # (kernel with its specialisation, seconds), last 64
+        self._started = 0.0
+        self._installed = False
+
+    def install(self) -> bool:
+        """Chain our hooks in front of any already set; False where triton is not importable."""
+        if self._installed:
+            return True
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        import time
+
+        before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+
+        def start(*args, **kwargs):
+            self._started = time.perf_counter()
+            return before(*args, **kwargs) if before else None  # True would skip the compile
+
+        def done(*args, **kwargs):
+            took = time.perf_counter() - self._started
+            self.count += 1
+            self.seconds += took
+            self.recent = (self.recent + [(str(kwargs.get("repr", "?")), round(took, 3))])[-64:]
+            return after(*args, **kwargs) if after else None
+
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = start, done
+        self._installed = True
+        return True
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative {triton_compiles, triton_compile_s}; empty until installed."""
+        if not self._installed:
+            return {}
+        return {"triton_compiles": self.count, "triton_compile_s": round(self.seconds, 4)}
+
+
+compiles = _CompileCounter()

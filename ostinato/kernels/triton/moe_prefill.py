@@ -34,7 +34,7 @@ import triton.language as tl
 from ostinato.kernels.triton.expert_act import activate
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _align_count_kernel(slots_ptr, hist_ptr, zero_lo, zero_hi, R,
                         NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
     # hist[c, s] = hot routes of chunk c on slot s. Integer atomics: exact, order-free.
@@ -49,7 +49,7 @@ def _align_count_kernel(slots_ptr, hist_ptr, zero_lo, zero_hi, R,
     tl.atomic_add(row + s, tl.full([CHUNK], 1, tl.int32), mask=hot, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _align_scan_kernel(hist_ptr, starts_ptr, num_padded_ptr, num_chunks,
                        NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
     # One program: hist rows become exclusive prefixes over chunks (ROWS rows a step, to
@@ -69,7 +69,7 @@ def _align_scan_kernel(hist_ptr, starts_ptr, num_padded_ptr, num_chunks,
     tl.store(num_padded_ptr, tl.sum(padded, 0).to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "size"])
 def _align_scatter_kernel(slots_ptr, hist_ptr, starts_ptr, sorted_routes_ptr, block_slots_ptr,
                           zero_lo, zero_hi, R, size, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr,
                           SUB: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -123,7 +123,7 @@ def align_forward(slots, zero_lo, zero_hi, num_slots, block_m, size, cfg):
     return sorted_routes, block_slots, num_padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_padded_ptr, b13_ptr,
                 R, K, D, F, stride_xt, stride_we, stride_wf, stride_wd, ALPHA, LIMIT,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -168,7 +168,7 @@ def _w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_p
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, block_slots_ptr,
                num_padded_ptr, b2_ptr, R, D, F, stride_we, stride_wd, stride_wf,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -172,7 +172,7 @@ def _lanes(row, gg, i, mask, QT: tl.constexpr):
     return lo, hi, e_lo, e_hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(q_ptr, out_ptr, M, n, stride_q, stride_o,
                     QT: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None, None]
@@ -317,7 +317,7 @@ def _b_tiles(rows, gg, i, mask, QT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N:
     return b_lo, b_hi, tl.reshape(e_lo, (GROUPS * LANES,)), tl.reshape(e_hi, (GROUPS * LANES,))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _prefill_w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_padded_ptr, b13_ptr,
                         R, K, D, F, stride_xt, stride_ws, stride_wr, ALPHA, LIMIT,
                         QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -368,7 +368,7 @@ def _prefill_w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_pt
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n < F)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _prefill_w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, block_slots_ptr,
                        num_padded_ptr, b2_ptr, R, D, F, stride_ws, stride_wr,
                        QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -69,7 +69,7 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm_topk_prob: bool,
     return ids, weights
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _lookup_slots_kernel(table_ptr, ids_ptr, out_ptr, zero_lo, N, K, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
