@@ -300,22 +300,6 @@ def test_mixed_pass_only_where_the_calibration_measured_a_gain():
     assert MixedPass.from_calibration(cal).min_tokens == 384
 
 
-def test_the_cpu_reads_its_experts_beside_the_uploads():
-    """In a split pass with uploads the CPU's experts and the copies are read from the same host
-    memory: an expert costs the CPU at least its bytes over the host's read rate less the uploads'
-    (session 18's 235B calibration: the fit's 0.043 ms would read 11.4 MB at 265 GB/s)."""
-    cal = {"cpu_pass": {"alpha_ms": 0.434, "beta_expert_ms": 0.0433, "beta_route_ms": 0.0342}, "upload_gbps": 53.25,
-           "expert_bytes": 11_427_840}
-    assert MixedPass.from_calibration(cal, measured=False).beta_expert_ms == 0.0433  # no read probe: the fit
-    m = MixedPass.from_calibration({**cal, "host_read_gbps": 145.68}, measured=False)
-    assert m.beta_expert_ms == pytest.approx(11_427_840 / (145.68 - 53.25) / 1e6)  # 0.124 ms
-    fit = replace(m, beta_expert_ms=0.0433)
-    routes = [30, 20, 12, 9, 7, 6] + [3] * 30 + [1] * 30  # most first
-    assert m.choose(routes, 100) > fit.choose(routes, 100)  # dearer CPU reads: more of them uploaded
-    slow = {**cal, "cpu_pass": {**cal["cpu_pass"], "beta_expert_ms": 0.5}, "host_read_gbps": 145.68}
-    assert MixedPass.from_calibration(slow, measured=False).beta_expert_ms == 0.5  # a floor, not a price
-
-
 def test_a_paired_calibration_needs_the_uploads_to_win_on_every_layer():
     """Session 16's two calibrations of one plan on the H200 machine, minutes apart, timed the split
     path at 64 tokens at 4.42 and 3.70 ms: a drift as large as what uploads save on short passes.

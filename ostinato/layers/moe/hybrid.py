@@ -80,10 +80,9 @@ def to_host(topk: TopKOutput, x: torch.Tensor, x_host: torch.Tensor, on_cuda: bo
 class MixedPass:
     """Calibrated costs (ms) that split a pass's cold experts between PCIe and the CPU:
     an upload costs `upload_ms` per expert; the CPU branch alpha + beta_expert per distinct
-    expert + beta_route per route (the calibration's cpu_pass fit, with beta_expert at least the
-    time to read an expert from host memory beside the uploads: from_calibration). It applies to
-    passes of `min_tokens` to `max_tokens` tokens (None: no upper bound); the others take the
-    plain paths (a decode step never uploads)."""
+    expert + beta_route per route (the calibration's cpu_pass fit). It applies to passes of
+    `min_tokens` to `max_tokens` tokens (None: no upper bound); the others take the plain paths
+    (a decode step never uploads)."""
     upload_ms: float
     alpha_ms: float
     beta_expert_ms: float
@@ -100,24 +99,11 @@ class MixedPass:
         where it is faster at none. Where the calibration timed it in pairs with the split path
         (planner/measure/prefill.py measure_mixed), faster means faster than the paired split on
         every layer timed: a single layer's loss says the gain is within the machine's noise.
-        Unmeasured (the calibration's own timing of it): every pass of more than one token.
-
-        beta_expert is at least an expert's bytes over what the host's memory reads (the
-        calibration's host_read_gbps probe) less what the uploads read (upload_gbps): here the CPU
-        reads its experts while the copies read theirs from the same memory. The split path's fit
-        knows no such floor. On the 235B Q4_K_M shape it put beta_expert at 0.043 ms, a read of
-        11.4 MB at 265 GB/s against a probe of 146. With that price the 253-token tool turns gave
-        the CPU 41 experts a layer and PCIe 28 (5.9 ms of copies). Those turns took 12.3 ms a
-        layer, so with 1-1.5 ms of attention and dense weights (an estimate) about 11 ms of MoE.
-        The fit prices the CPU's share at 6.3 ms; with the floor of 0.124 ms it is 9.6 ms, closer
-        to what was measured (results/2026-12-04-h200-s22/). Not yet timed on the GPU."""
+        Unmeasured (the calibration's own timing of it): every pass of more than one token."""
         cp, gbps, nbytes = cal.get("cpu_pass") or {}, cal.get("upload_gbps"), cal.get("expert_bytes")
         if not (gbps and nbytes and cp.get("beta_route_ms")):
             return None
-        beta_expert, read = cp["beta_expert_ms"], cal.get("host_read_gbps")
-        if read and read > gbps:
-            beta_expert = max(beta_expert, nbytes / ((read - gbps) * 1e9) * 1e3)
-        costs = (nbytes / (gbps * 1e9) * 1e3, cp["alpha_ms"], beta_expert, cp["beta_route_ms"])
+        costs = (nbytes / (gbps * 1e9) * 1e3, cp["alpha_ms"], cp["beta_expert_ms"], cp["beta_route_ms"])
         if not measured:
             return cls(*costs)
         p = cal.get("passes") or {}
