@@ -237,3 +237,27 @@ def summary_text(s: dict) -> str:
     if s["url"]:
         lines.append(f"  serving on {s['url']}")
     return "\n".join(lines)
+
+
+def warm_up(loaded, sizes: tuple[int, ...] = (64, 512)) -> None:
+    """Passes of these sizes, of one size in each bucket of the device's prefill tile configs (bf16
+    and quantized experts: gpu_experts.bucket_sizes) and of the runner's largest chunk, each with
+    two decode steps, so that lazy initialisation and kernel compilation (per shape bucket and
+    path) are not in a measured turn: a short warm-up left them to the first policy's first long
+    turn (results/2026-12-01-h200-s5/README.md, "Static baselines as graphs")."""
+    from ostinato.engine.sampling import SamplingParams
+    from ostinato.planner.measure.prefill import prompt_ids
+
+    runner = loaded.runner
+    largest = min(runner.settings.prefill_chunk, runner.max_context - 4)
+    if runner.device.type == "cuda":
+        from ostinato.layers.moe.gpu_experts import bucket_sizes, device_tag, load_tuning
+        from ostinato.layers.moe.gpu_quant import load_quant_tuning
+
+        tag = device_tag(runner.device)
+        sizes = (*sizes, *bucket_sizes(load_tuning(tag)), *bucket_sizes(load_quant_tuning(tag)))
+    for n in sorted({min(s, largest) for s in sizes} | {largest}):
+        prompt = prompt_ids(loaded.tokenizer, "embedded:2", n)
+        for _ in loaded.engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0)):
+            pass
+        loaded.engine.reset()

@@ -307,3 +307,20 @@ def test_cuda_bitwise_deterministic(path, T):
     runs = [slot_experts_triton(x, slots, weights, w13, w2, ZERO_LO, ZERO_HI, max_distinct=E,
                                 tuning=forced(path)) for _ in range(5)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.parametrize("table", ["moe_h200.json", "moe_quant_h200.json", None])
+def test_bucket_sizes_reach_every_prefill_config(table):
+    """A warm-up of bucket_sizes' passes meets each tile config once (load.warm_up): the committed
+    tuned tables, and the defaults."""
+    import json
+
+    from ostinato.layers.moe.gpu_experts import DEFAULT_TUNING, TUNED_DIR, bucket_sizes, prefill_config
+
+    tuning = json.loads((TUNED_DIR / table).read_text()) if table else DEFAULT_TUNING
+    sizes = bucket_sizes(tuning)
+    configs = [prefill_config(tuning, n) for n in sizes]
+    assert len(sizes) == len(tuning["prefill"])
+    assert all(configs[i] is not configs[j] for i in range(len(sizes)) for j in range(i))
+    assert {id(c) for c in configs} == {id(c) for c in tuning["prefill"].values()}
+    assert bucket_sizes({"prefill": {"1000000": {}}}) == [1]

@@ -43,14 +43,12 @@ from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD, PlacementSetting
 from ostinato.engine.residency import Residency, measured
 from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
-from ostinato.engine.sampling import SamplingParams
 from ostinato.engine.sizes import expert_sizes
 from ostinato.kernels.triton import compiles as triton_compiles
-from ostinato.load import load_engine
+from ostinato.load import load_engine, warm_up
 from ostinato.loader.build import expert_formats, weight_formats
 from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
 from ostinato.planner.capacity import CapacitySettings, hot_groups, pool_groups
-from ostinato.planner.measure.prefill import prompt_ids
 from ostinato.planner.measure.transfers import host_read_gbps, read_buffer
 from ostinato.planner.pipeline import fill_text, plan_residency, plan_upload_path, size_pool, upload_path_text
 from ostinato.planner.profile import session_stream
@@ -187,20 +185,6 @@ def calibrate_np(loaded, bs: BenchSettings, base: PolicySettings, counts) -> dic
     except Exception as e:  # noqa: BLE001 - the prediction is a report line, not a requirement
         checks = {"error": f"{type(e).__name__}: {e}"}
     return {"value": int(np_), "how": "calibrated", "calibration": cal, "predicted": checks}
-
-
-def warm_up(loaded, sizes: tuple[int, ...] = (64, 512)) -> None:
-    """Passes of these sizes and of the runner's largest chunk, each with two decode steps, so
-    that lazy initialisation and kernel compilation (per shape bucket and path) are not in the
-    first measured turn: a short warm-up left them to the first policy's first long turn
-    (results/2026-12-01-h200-s5/README.md, "Static baselines as graphs")."""
-    runner = loaded.runner
-    largest = min(runner.settings.prefill_chunk, runner.max_context - 4)
-    for n in sorted({min(s, largest) for s in sizes} | {largest}):
-        prompt = prompt_ids(loaded.tokenizer, "embedded:2", n)
-        for _ in loaded.engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0)):
-            pass
-        loaded.engine.reset()
 
 
 def sweep_requests(tok, dev, bs: BenchSettings, max_context: int) -> list[tuple[TurnRequest, list[TurnRequest]]]:

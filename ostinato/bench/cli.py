@@ -89,7 +89,7 @@ def cmd_replay(a) -> int:
 
 
 def _in_process(a):
-    from ostinato.bench.bench import warm_up
+    from ostinato.load import warm_up
     from ostinato.bench.replay import InProcessTarget
     from ostinato.load import load_engine
     from ostinato.policies.factory import policy_factory

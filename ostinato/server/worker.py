@@ -153,7 +153,14 @@ class EngineWorker:
 
     @staticmethod
     def _warm(loaded) -> None:
-        """One short generation, so the first request's TTFT is not lazy initialisation."""
+        """On CUDA, load.warm_up's passes: one of each prefill tile config, so that no request's
+        TTFT pays for a kernel compile; elsewhere one short generation, so the first request's
+        TTFT is not lazy initialisation."""
+        if loaded.runner.device.type == "cuda":
+            from ostinato.load import warm_up
+
+            warm_up(loaded)
+            return
         prompt = loaded.tokenizer.encode("Hello, world")
         for _ in loaded.engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0)):
             pass
