@@ -101,6 +101,13 @@ def test_turns_that_met_a_compile_say_so():
     placement = summarize([quiet, slow], moe_layers=2)["placement"]
     assert placement["prefill"]["triton_compiles"] == 3 and placement["prefill"]["triton_compile_s"] == 1.9
     assert "triton_compiles" not in placement["decode"]
+    from ostinato.bench.report import compile_lines
+
+    lines = compile_lines({"policies": {"ostinato": {"summary": summarize([quiet, slow], moe_layers=2)},
+                                        "layers": {"summary": summarize([quiet], moe_layers=2)}}})
+    assert [line for line in lines if line.startswith("| ostinato")] == ["| ostinato | 3 | 1.900 |"]
+    assert not any(line.startswith("| layers") for line in lines)
+    assert compile_lines({"policies": {"layers": {"summary": summarize([quiet], moe_layers=2)}}}) == []
 
 
 class FakeTokenizer:

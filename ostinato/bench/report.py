@@ -342,7 +342,7 @@ def markdown(result: dict, plots: list[str]) -> str:
     lines.append("| " + " | ".join(TABLE_COLUMNS) + " |")
     lines.append("|" + "---|" * len(TABLE_COLUMNS))
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += host_read_lines(result) + round_lines(result)
+    lines += host_read_lines(result) + round_lines(result) + compile_lines(result)
     lines += ["", "## Settings and tuning", ""]
     rounds = max((e.get("rounds", 1) for e in result["policies"].values()), default=1)
     if rounds > 1:
@@ -458,6 +458,22 @@ def host_read_lines(result: dict) -> list[str]:
         lines.append(f"| {name} | {r['probe']} | {r['before']:.1f} | {r['after']:.1f} | "
                      f"{_f(_ratio(r['after'] - r['before'], r['before']), '{:+.1%}')} |")
     return lines
+
+
+def compile_lines(result: dict) -> list[str]:
+    """The policies whose held-out replay compiled triton kernels (runner.placement_stats
+    triton_compiles): the turns that met a compile paid for it, a cost of the warm-up, not of the
+    policy."""
+    rows = []
+    for name, e in result["policies"].items():
+        p = (e.get("summary") or {}).get("placement", {}).get("all", {})
+        if p.get("triton_compiles"):
+            rows.append(f"| {name} | {p['triton_compiles']:g} | {p.get('triton_compile_s', 0):.3f} |")
+    if not rows:
+        return []
+    return ["", "Triton compiled kernels during these replays (the turns that met a compile include it; each "
+            "turn's placement in results.json says which):", "", "| policy | compiles | seconds |",
+            "|---|---|---|"] + rows
 
 
 def drift_warnings(comp: dict) -> list[str]:
