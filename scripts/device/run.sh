@@ -32,7 +32,7 @@
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
 #   profile_prefill [K][Q] prefill passes (PREFILL_SIZES, default 64 256 1024 tokens after a 4096-token context) on
-#              the GGUF file under $QCAP on bench_gguf's plan (after it), kernel by kernel with the uploads apart
+#              the GGUF file under $QCAP on bench_gguf's plan ($QBENCH_OUT, after it), kernel by kernel with the uploads apart
 #              (scripts/profile_decode.py --prefill)
 #   llama_bench [Q] llama-bench -ngl 99 (decode at depth 0 and 2048) on the Q4_K_M file and on a bf16 GGUF of
 #              LB_LAYERS (24) layers, and Ostinato's decode step on that bf16 file
@@ -431,7 +431,7 @@ phase_profile() {  # [Q] where a decode step's GPU time goes (PROFILES, default 
 phase_profile_prefill() {  # [K][Q] where a tool turn's TTFT goes: prefill passes of PREFILL_SIZES new tokens after
   # a 4096-token context, on the GGUF file under $QCAP with the plan phase bench_gguf made on this machine (an
   # earlier session's plan was sized by an older capacity test)
-  local g plan=$R/bench_q4/residency.json; g=$(gguf_file)
+  local g plan=$R/${QBENCH_OUT:-bench_q4}/residency.json; g=$(gguf_file)
   gguf_wait || return 1
   fresh "$plan" || { say "profile_prefill: no plan of this session's bench_gguf ($plan)"; return 1; }
   run 300 "$R/q_prefill.txt" python3 scripts/profile_decode.py --model "$g" --residency "$plan" \
