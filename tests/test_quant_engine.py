@@ -260,3 +260,30 @@ def test_graph_replay_with_quantized_pools_bitwise(tinyk_q4km, tmp_path):
     replay_vs_eager(graphed, sync, steps=64)
     assert graphed.runner.placement_stats()["graph_cold_routes"] > 0
     graphed.runner.experts.close()
+
+
+@pytest.mark.gpu
+def test_warm_up_leaves_no_compile_to_the_turns(tinyk_q4km, tmp_path):
+    """CUDA: after load.warm_up, passes of any size (each prefill tile-config bucket, odd and even,
+    a few tokens to a long one) compile no triton kernel: a compile in a measured turn costs it up
+    to seconds (results/2026-12-04-h200-s23)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from ostinato.engine.sampling import SamplingParams
+    from ostinato.kernels.triton import compiles
+    from ostinato.load import warm_up
+
+    _residency(GGUFSource(tinyk_q4km), 0.5).save(tmp_path / "half.json")
+    place = PlacementSettings(residency=str(tmp_path / "half.json"))
+    loaded = load_engine(str(tinyk_q4km), RunnerSettings(device="cuda", dtype="bf16", max_context=2048), place)
+    warm_up(loaded)
+    torch.cuda.synchronize()
+    before, g = compiles.count, torch.Generator().manual_seed(0)
+    for n in (3, 17, 31, 50, 81, 200, 283, 333, 492, 700, 1100, 1500):
+        prompt = torch.randint(5, 200, (n,), generator=g).tolist()
+        for _ in loaded.engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0)):
+            pass
+        loaded.engine.reset()
+    torch.cuda.synchronize()
+    assert compiles.count == before, compiles.recent[-(compiles.count - before):]
+

@@ -88,7 +88,9 @@ def lookup_slots(table: torch.Tensor, ids: torch.Tensor, zero_lo: int) -> torch.
     out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     n = ids.numel()
     if n:
-        block = min(1024, triton.next_power_of_2(n))
+        # two block sizes, whatever n: a decode step's and a prefill pass's (each block size is a compile
+        # of its own, and a size first met in a measured turn is paid for there; load.warm_up)
+        block = 256 if n <= 256 else 1024
         _lookup_slots_kernel[(triton.cdiv(n, block),)](table, ids, out, zero_lo, n, ids.shape[-1], BLOCK=block,
                                                        num_warps=1 if block <= 256 else 4)
     return out
