@@ -554,6 +554,9 @@ class HybridExperts(MoEBackend):
             return self.split_path(layer, x, topk, staged=True)
         if not n:
             return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=x.dtype)
+        # counted now, while the stream is idle after the sync above: a host read after the GEMMs
+        # below would hold the host until they end
+        self.counters["cold_routes"] += int((slot < 0).sum())
         dst = torch.tensor(staging(pool, n))
         stream = self.copy_stream
         if stream is not None:  # the copies start once the flex slots' earlier readers are done
@@ -569,7 +572,6 @@ class HybridExperts(MoEBackend):
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         out = out + pool.forward(x, slot, topk.weights, out_dtype=torch.float32)
-        self.counters["cold_routes"] += int((table[topk.ids] < 0).sum())
         self.counters["uploaded_experts"] += n
         self.counters["bytes_uploaded"] += nbytes
         return out.to(x.dtype)
