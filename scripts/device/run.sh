@@ -139,7 +139,7 @@ phase_tests() {  # decode graphs bitwise equal to the synchronous path; the embe
 phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
     tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py tests/test_decode_attention.py \
-    tests/test_triton_compiles.py tests/test_gpu_memory.py tests/test_quant_engine.py tests/test_upload_path.py
+    tests/test_triton_compiles.py tests/test_gpu_memory.py tests/test_quant_engine.py
 }
 # [K] the quantized-expert kernels: the Triton ones compiled on CUDA (their interpreted runs are CI's), the
 # native CPU ones on this machine's AVX-512/AMX, the GGUF loader
