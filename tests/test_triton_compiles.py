@@ -29,8 +29,19 @@ def test_hooks_count_time_and_chain(monkeypatch):
         assert not knobs.runtime.jit_cache_hook(repr=name)  # a true answer would skip the compile
         knobs.runtime.jit_post_compile_hook(repr=name)
     assert c.counters()["triton_compiles"] == 2 and c.counters()["triton_compile_s"] >= 0
-    assert [r for r, _ in c.recent] == ["a", "b"]
+    assert [r for r, _ in c.recent] == ["a", "b"]  # triton's repr where the hook gives no kernel
     assert seen == [("before", "a"), ("after", "a"), ("before", "b"), ("after", "b")]
+
+
+def test_label_names_the_constexprs():
+    from types import SimpleNamespace
+
+    from ostinato.kernels.triton import _label
+
+    fn = SimpleNamespace(name="_w13_kernel", jit_function=SimpleNamespace(arg_names=["x_ptr", "R", "BLOCK_M"]))
+    hook = {"repr": "r", "fn": fn, "compile": {"constants": {(2,): 64}, "num_warps": 4, "num_stages": 3}}
+    assert _label(hook) == "_w13_kernel(BLOCK_M=64, num_warps=4, num_stages=3)"
+    assert _label({"repr": "r", "fn": fn}) == "r"
 
 
 @pytest.mark.gpu

@@ -49,7 +49,7 @@ class _CompileCounter:
             took = time.perf_counter() - self._started
             self.count += 1
             self.seconds += took
-            self.recent = (self.recent + [(str(kwargs.get("repr", "?")), round(took, 3))])[-64:]
+            self.recent = (self.recent + [(_label(kwargs), round(took, 3))])[-64:]
             return after(*args, **kwargs) if after else None
 
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = start, done
@@ -61,6 +61,20 @@ class _CompileCounter:
         if not self._installed:
             return {}
         return {"triton_compiles": self.count, "triton_compile_s": round(self.seconds, 4)}
+
+
+def _label(hook_kwargs: dict) -> str:
+    """A compile's kernel with its constexpr arguments and launch options, as triton's hook gives
+    them (fn: the kernel, compile: constants by argument path, num_warps, num_stages); triton's own
+    repr where they are not there (another triton version)."""
+    try:
+        fn, c = hook_kwargs["fn"], hook_kwargs["compile"]
+        names = fn.jit_function.arg_names
+        args = [f"{names[path[0]]}={value}" for path, value in c["constants"].items() if len(path) == 1]
+        args += [f"num_warps={c['num_warps']}", f"num_stages={c['num_stages']}"]
+        return f"{fn.name}({', '.join(args)})"
+    except (KeyError, AttributeError, IndexError, TypeError):
+        return str(hook_kwargs.get("repr", "?"))
 
 
 compiles = _CompileCounter()
