@@ -89,9 +89,8 @@ def cmd_replay(a) -> int:
 
 
 def _in_process(a):
-    from ostinato.load import warm_up
     from ostinato.bench.replay import InProcessTarget
-    from ostinato.load import load_engine
+    from ostinato.load import load_engine, warm_up
     from ostinato.policies.factory import policy_factory
 
     rs = runner_settings(a)

@@ -567,8 +567,7 @@ class HybridExperts(MoEBackend):
         out = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)
         flex[cold_ids.to(self.device)] = dst.to(self.device, torch.int32)
-        slot = flex[topk.ids]
-        slot = torch.where(slot >= 0, slot, pool.zero_of_position[: slot.shape[1]])
+        slot = pool.slots_in(flex, topk.ids)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         out = out + pool.forward(x, slot, topk.weights, out_dtype=torch.float32)

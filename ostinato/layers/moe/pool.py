@@ -182,11 +182,16 @@ class ExpertPool:
     def slots_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] -> slots [T, K] int32: hot experts' slots, cold ones the zero slot of
         their top-k position. No host sync: capturable. On CUDA in one launch (kernels/triton/route.py)."""
+        return self.slots_in(self.table[layer], ids)
+
+    def slots_in(self, row: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """slots_for through another index row [E] int32 (a slot, or < 0 for the zero slot): the
+        upload path's row of the experts it copied into flex slots."""
         if ids.is_cuda and fused_dense():
             from ostinato.kernels.triton.route import lookup_slots
 
-            return lookup_slots(self.table[layer], ids, self.zero_lo)
-        slot = self.table[layer][ids]
+            return lookup_slots(row, ids, self.zero_lo)
+        slot = row[ids]
         return torch.where(slot >= 0, slot, self.zero_of_position[: ids.shape[1]])
 
 
