@@ -252,7 +252,7 @@ phase_bench() {
         $(field "$R/bench/results.json" "d['np']['value']") ]]; then f=$BENCH_CAL; say "bench: Np of $f (--merge)"; fi
   # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
   # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
-  if [[ ${BENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
+  if [[ ${QBENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
   elif ! fresh "$f"; then f=""; fi
   [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
     && cal="--calibration $f"
@@ -279,7 +279,7 @@ phase_regimes() {  # [J] the same bench under each routing regime; the calibrati
   [[ $M == *\?* ]] && sep="&"
   # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
   # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
-  if [[ ${BENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
+  if [[ ${QBENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
   elif ! fresh "$f"; then f=""; fi
   [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
     && cal="--calibration $f"
@@ -390,7 +390,7 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
   # the calibration and Np of this bench's first call (a --merge adds to it); the first call calibrates
   # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
   # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
-  if [[ ${BENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
+  if [[ ${QBENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
   elif ! fresh "$f"; then f=""; fi
   [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
     && cal="--calibration $f"
