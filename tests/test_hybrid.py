@@ -11,7 +11,7 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.layers.moe.cpu_experts import CpuExperts
-from ostinato.layers.moe.hybrid import LAST_PART, HybridExperts, MixedPass, choose_path, part_sizes
+from ostinato.layers.moe.hybrid import HybridExperts, MixedPass, choose_path
 from ostinato.layers.moe.pool import ExpertPool, HostExperts, gather_rows
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
@@ -161,16 +161,6 @@ def test_no_flex_slot_runs_the_upload_path_as_the_split_path():
     assert torch.allclose(hybrid(0, x, topk), moe_forward(x, topk, weights[0]), rtol=1e-4, atol=1e-5)
     s = hybrid.stats()
     assert s.get("uploaded_experts", 0) == 0 and s["overflow_passes"] == 1 and s["cpu_experts"] == 8
-
-
-def test_uploads_run_in_halving_parts():
-    """An upload's experts are copied and multiplied in parts that halve down to LAST_PART: every
-    expert in exactly one part, no part larger than the one before, the last one small."""
-    assert part_sizes(35) == [18, 9, 4, 4] and part_sizes(4) == [4] and part_sizes(0) == []
-    for n in range(1, 300):
-        sizes = part_sizes(n)
-        assert sum(sizes) == n and all(a >= b for a, b in zip(sizes, sizes[1:])) and 0 < sizes[-1] <= LAST_PART
-        assert len(sizes) <= max(1, n).bit_length()
 
 
 def test_mixed_pass_choice_balances_the_two_links():

@@ -184,21 +184,6 @@ def cpu_routes(cid: np.ndarray, cold: np.ndarray, weights: torch.Tensor) -> tupl
             weights[torch.from_numpy(cold)])
 
 
-LAST_PART = 4  # experts: an upload's last part, whose GEMM alone waits for the last copy
-
-
-def part_sizes(n: int) -> list[int]:
-    """The parts an upload of n experts is copied and multiplied in: halves of what is left
-    until at most LAST_PART remain (35 -> 18, 9, 4, 4). A part's GEMM keeps pace with the next
-    part's copies (half as many experts) while an expert's copy takes at least twice its GEMM (the
-    235B shape in Q4_K_M: about 0.2 ms against 0.06 ms), and a few parts cost a few launches."""
-    sizes = []
-    while n > LAST_PART:
-        sizes.append((n + 1) // 2)
-        n -= sizes[-1]
-    return sizes + [n] if n else sizes
-
-
 def staging(pool: ExpertPool, n: int) -> range:
     """The slots a pass stages n uploaded experts in: the top of the pool's flex region, so that a
     cache (which keeps its entries at the bottom of it) and the upload path never meet."""
@@ -445,7 +430,7 @@ class HybridExperts(MoEBackend):
         mixed = not staged and self.mixed is not None and self.mixed.applies(T)
         if (staged or mixed) and cold.any():
             choose = stage_most if staged else self.mixed.choose
-            uploaded, cold = self._upload_some(layer, x, topk, ids_h, cold, choose)
+            uploaded, cold = self._upload_some(layer, x, topk, ids_h, cold, done, choose)
             if mixed and uploaded is not None:
                 self.counters["mixed_passes"] += 1
         out_h = self.submit_cold(layer, x_h, cid, cold, w_h)
@@ -512,11 +497,13 @@ class HybridExperts(MoEBackend):
 
         return run
 
-    def _upload_some(self, layer, x, topk, ids_h, cold, choose: Callable[[list[int], int], int]):
+    def _upload_some(self, layer, x, topk, ids_h, cold, ready, choose: Callable[[list[int], int], int]):
         """Split with uploads: the most-routed cold experts (as many as `choose` says of the flex
-        slots: MixedPass.choose, or stage_most) go into flex slots (upload_parts), while the caller
-        hands the rest to the CPU. cold [T, K] numpy. -> (upload_parts' callable or None, cold
-        routes left)."""
+        slots: MixedPass.choose, or stage_most) go into flex slots on the copy stream, after
+        `ready` (recorded behind every earlier reader of the flex slots), while the caller hands
+        the rest to the CPU. cold [T, K] numpy. -> (a callable or None, cold routes left): the
+        callable makes the current stream wait for the copies and returns the uploaded experts'
+        partial sum [T, D] fp32 (the caller launches its other GPU work first)."""
         pool = self.pools.of(layer)
         experts, routes = torch.unique(ids_h[torch.from_numpy(cold)], return_counts=True)
         order = torch.argsort(routes, descending=True, stable=True)
@@ -524,71 +511,66 @@ class HybridExperts(MoEBackend):
         if k == 0:
             return None, cold
         up = experts[order[:k]]
-        return self.upload_parts(layer, x, topk, ids_h, up), cold & ~np.isin(ids_h.numpy(), up.numpy())
-
-    def upload_parts(self, layer: int, x: torch.Tensor, topk: TopKOutput, ids_h: torch.Tensor,
-                     up: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Copy the experts `up` (host ids, most-routed first) into the top flex slots on the copy
-        stream, after every earlier reader of those slots, in parts (part_sizes: halves, then a
-        few experts), an event after each part. -> a callable that makes the current stream wait
-        for each part's copies in turn and launches that part's GEMM, returning their sum [T, D]
-        fp32. The caller launches its other GPU work (the pool's experts) first, so only the last
-        part's GEMM waits on the last copy (session 23's profile of the 235B shape: the uploaded
-        experts' GEMM, about 2 ms a layer, had run after all 7.7 ms of copies). The routes' slots
-        are built on the host: nothing here may wait for the GPU, or a CPU branch handed its routes
-        after this call would start only after the copies (measured so: no overlap at all)."""
-        pool = self.pools.of(layer)
-        dst = staging(pool, len(up))
+        dst = staging(pool, k)
+        # the uploaded routes' slots, built on the host: nothing here may wait for the GPU, or
+        # the CPU branch would start only after the copies (measured so: no overlap at all)
+        lookup = torch.full((pool.table.shape[1],), -1, dtype=torch.int32)
+        lookup[up] = torch.tensor(dst, dtype=torch.int32)
+        slot = lookup[ids_h]
+        zero = torch.arange(pool.zero_lo, pool.zero_hi, dtype=torch.int32)[: ids_h.shape[1]]
+        slots = torch.where(slot >= 0, slot, zero)
+        if self.on_cuda:
+            slots = slots.pin_memory().to(self.device, non_blocking=True)
         stream = self.copy_stream if self.on_cuda else None
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        zero = torch.arange(pool.zero_lo, pool.zero_hi, dtype=torch.int32)[: ids_h.shape[1]]
-        parts, lo = [], 0
-        for size in part_sizes(len(up)):
-            lookup = torch.full((pool.table.shape[1],), -1, dtype=torch.int32)
-            lookup[up[lo:lo + size]] = torch.tensor(dst[lo:lo + size], dtype=torch.int32)
-            slot = lookup[ids_h]
-            slots = torch.where(slot >= 0, slot, zero)
-            if self.on_cuda:
-                slots = slots.pin_memory().to(self.device, non_blocking=True)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self.counters["bytes_uploaded"] += sum(pool.upload(d, self.host, layer, int(e))
-                                                       for d, e in zip(dst[lo:lo + size], up[lo:lo + size]))
-                landed = stream.record_event() if stream is not None else None
-            parts.append((slots, landed))
-            lo += size
-        self.counters["uploaded_experts"] += len(up)
+            stream.wait_event(ready)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            nbytes = sum(pool.upload(d, self.host, layer, int(e)) for d, e in zip(dst, up))
+        self.counters["uploaded_experts"] += k
+        self.counters["bytes_uploaded"] += nbytes
 
-        def gemms() -> torch.Tensor:
-            total = None
-            for slots, landed in parts:
-                if landed is not None:
-                    torch.cuda.current_stream(self.device).wait_event(landed)
-                y = pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
-                total = y if total is None else total + y
-            return total
+        def part() -> torch.Tensor:
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+            return pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
 
-        return gemms
+        return part, cold & ~np.isin(ids_h.numpy(), up.numpy())
 
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once
-        into a flex slot, all on the GPU (upload_parts, most-routed first), beside the pool's
-        experts. With more of them than the pool has flex slots (a bounded flex region), the split
-        path with the most-routed of the pass's cold experts uploaded into every flex slot and the
-        rest on the CPU (split_path, staged)."""
+        into a flex slot, all on the GPU. With more of them than the pool has flex slots (a
+        bounded flex region), the split path with the most-routed of the pass's cold experts
+        uploaded into every flex slot and the rest on the CPU (split_path, staged)."""
         pool = self.pools.of(layer)
-        ids_h = topk.ids.cpu()  # one sync: the routing on the host
-        cold_routes = ids_h[self._table[layer][ids_h.numpy()] < 0]
-        routes = torch.bincount(cold_routes.flatten(), minlength=pool.table.shape[1])
-        cold_ids = self.cold_experts(layer) if self.upload_all else routes.nonzero().flatten()
+        table = pool.table[layer]
+        slot = table[topk.ids]
+        if self.upload_all:
+            cold_ids = self.cold_experts(layer)
+        else:
+            cold_ids = torch.unique(topk.ids[slot < 0]).cpu()
         n = cold_ids.numel()
         if n > pool.num_slots - pool.flex_lo:
             self.counters["overflow_passes"] += 1
             return self.split_path(layer, x, topk, staged=True)
         if not n:
             return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=x.dtype)
-        self.counters["cold_routes"] += cold_routes.numel()
-        up = cold_ids[torch.argsort(routes[cold_ids], descending=True, stable=True)]
-        uploaded = self.upload_parts(layer, x, topk, ids_h, up)
+        # counted now, while the stream is idle after the sync above: a host read after the GEMMs
+        # below would hold the host until they end
+        self.counters["cold_routes"] += int((slot < 0).sum())
+        dst = torch.tensor(staging(pool, n))
+        stream = self.copy_stream
+        if stream is not None:  # the copies start once the flex slots' earlier readers are done
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            nbytes = sum(pool.upload(int(s), self.host, layer, int(e)) for s, e in zip(dst, cold_ids))
+        # the pool's experts meanwhile, then the uploaded ones once their copies land (split_path)
         out = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
-        return (out + uploaded()).to(x.dtype)
+        flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)
+        flex[cold_ids.to(self.device)] = dst.to(self.device, torch.int32)
+        slot = pool.slots_in(flex, topk.ids)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        out = out + pool.forward(x, slot, topk.weights, out_dtype=torch.float32)
+        self.counters["uploaded_experts"] += n
+        self.counters["bytes_uploaded"] += nbytes
+        return out.to(x.dtype)
