@@ -28,6 +28,9 @@
 #              in the background: the phases after it that need the file wait for it
 #   greedy     [K] greedy tokens of Ostinato and llama.cpp on that file (scripts/greedy_vs_llama.py)
 #   bench_gguf [K] `ostinato bench` on that file under $QCAP (default 12GiB; QBENCH_ARGS: policies, sizes, --merge)
+#   ab_gguf    a change measured before and after on one machine: Ostinato's replay on that file from this tree (A),
+#              from another commit's `git archive` (B: AB_TGZ, default .carry/ab.tgz, of commit AB_COMMIT) and
+#              from this tree again, in turn, on one calibration (AB_CAL, default bench_gguf's), into $R/ab/{a1,b,a2}
 #   llama_tune [L] llama.cpp tuned on development sessions under $QCAP (else $CAP) on that file, then the
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
@@ -402,6 +405,29 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
   run 560 "$R/k_bench.txt" $O bench --model "$g" --gpu-memory "${QCAP:-12GiB}" ${THREADS:+--cpu-threads $THREADS} \
     --sessions "$S" ${kv:+--max-context $kv} $prof $cal \
     --no-progress $(att) --out "$R/${QBENCH_OUT:-bench_q4}" ${QBENCH_ARGS:-}
+}
+phase_ab_gguf() {  # A, B, A on one calibration: drift between the replays shows as A's two results apart
+  local cal=${AB_CAL:-$R/${QBENCH_OUT:-bench_q4}/residency.json} tgz=${AB_TGZ:-.carry/ab.tgz} b=/tmp/ab_tree
+  [[ -f $cal && -f $tgz && -n ${AB_COMMIT:-} ]] || { say "ab_gguf: needs AB_COMMIT, $tgz and a calibration ($cal)"; return 1; }
+  rm -rf "$b" && mkdir -p "$b" && tar xzf "$tgz" -C "$b" && ln -sfn "$PWD/.carry" "$b/.carry"
+  local v args="--policies ostinato --calibration $cal"
+  for v in a1 b a2; do
+    if [[ $v == b ]]; then
+      (cd "$b" && OSTINATO_COMMIT=$AB_COMMIT QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args" \
+        BUDGET_S=$((DEADLINE - SECONDS)) OUT=/tmp/ab_out R=$R bash scripts/device/run.sh bench_gguf)
+      cat /tmp/ab_out/log.txt >> "$LOG"; rm -rf /tmp/ab_out
+    else QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args" phase_bench_gguf; fi
+  done
+  python3 - "$R/ab" <<'PY' | tee -a "$LOG"
+import json, os, sys
+for v in ("a1", "b", "a2"):
+    f = os.path.join(sys.argv[1], v, "results.json")
+    if not os.path.exists(f):
+        print(f"{v}: no result"); continue
+    d = json.load(open(f)); r = d["policies"]["ostinato"]; s = r["summary"]
+    print(f"{v} {d['commit']}: TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
+          f"TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s, host read {r.get('host_read_gbps')}")
+PY
 }
 phase_llama_tune() {
   local g; g=$(gguf_file)
