@@ -3,15 +3,19 @@ plain-PyTorch reference MoE, on every path; and a whole model under a residency.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import replace
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from ostinato.config import ConfigError
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.layers.moe.cpu_experts import CpuExperts
-from ostinato.layers.moe.hybrid import HybridExperts, MixedPass, choose_path
+from ostinato.layers.moe.hybrid import HybridExperts, MixedPass, choose_path, stage_most, upload_plan
 from ostinato.layers.moe.pool import ExpertPool, HostExperts, gather_rows
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
@@ -176,6 +180,32 @@ def test_mixed_pass_choice_balances_the_two_links():
     for routes in ([5, 3, 3, 2, 1], [9, 1], [2, 2, 2]):  # choose = the minimum of cost_ms
         k = m.choose(routes, limit=10)
         assert m.cost_ms(routes, k) == min(m.cost_ms(routes, j) for j in range(len(routes) + 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), max_size=70), st.integers(0, 80),
+       st.tuples(*[st.floats(0.0, 1.0, allow_nan=False)] * 4))
+def test_mixed_pass_choice_is_the_first_least_cost(routes, limit, costs):
+    """choose: the smallest count of the least cost_ms over 0..min(n, limit), as a loop over every
+    count finds it."""
+    routes = sorted(routes, reverse=True)
+    m = MixedPass(*costs)
+    k = m.choose(np.array(routes, dtype=np.int64), limit)
+    cost = [m.cost_ms(routes, j) for j in range(min(len(routes), limit) + 1)]
+    assert k == cost.index(min(cost))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 8), st.integers(0, 2**32 - 1), st.integers(0, 20))
+def test_upload_plan_takes_the_most_routed_cold_experts_first(tokens, k, seed, limit):
+    rng = np.random.default_rng(seed)
+    num_experts = 16
+    ids = np.stack([rng.choice(num_experts, k, replace=False) for _ in range(tokens)])
+    cold = np.isin(ids, rng.choice(num_experts, 9, replace=False))
+    up = upload_plan(ids, cold, num_experts, stage_most, limit)
+    counts = Counter(ids[cold].tolist())
+    expected = sorted(counts, key=lambda e: (-counts[e], e))[:limit]
+    assert up.tolist() == expected
 
 
 def test_zero_slots_and_table():

@@ -140,16 +140,14 @@ class MixedPass:
         """Upload the first k experts (routes: cold routes per expert, most first), CPU the rest."""
         return self._ms(k, len(routes) - k, sum(routes[k:]))
 
-    def choose(self, routes: list[int], limit: int) -> int:
-        """How many of the most-routed cold experts to upload (at most limit flex slots)."""
-        n, rest = len(routes), sum(routes)
-        best, best_k = self._ms(0, n, rest), 0
-        for k in range(1, min(n, limit) + 1):
-            rest -= routes[k - 1]
-            t = self._ms(k, n - k, rest)
-            if t < best:
-                best, best_k = t, k
-        return best_k
+    def choose(self, routes: np.ndarray, limit: int) -> int:
+        """How many of the most-routed cold experts to upload (at most limit flex slots; routes:
+        cold routes per expert, most first): the count of least cost_ms, the smallest on a tie."""
+        n, m = len(routes), min(len(routes), limit)
+        k = np.arange(m + 1)
+        left = int(np.sum(routes)) - np.concatenate(([0], np.cumsum(routes[:m])))  # CPU routes
+        cpu = self.alpha_ms + self.beta_expert_ms * (n - k) + self.beta_route_ms * left
+        return int(np.argmin(np.where(k < n, np.maximum(k * self.upload_ms, cpu), k * self.upload_ms)))
 
 
 def window_text(lo: int, hi: int | None) -> str:
@@ -157,7 +155,7 @@ def window_text(lo: int, hi: int | None) -> str:
     return f"{lo}-{hi}" if hi is not None else f"from {lo}"
 
 
-def stage_most(routes: list[int], limit: int) -> int:
+def stage_most(routes: np.ndarray, limit: int) -> int:
     """The upload path's count where a pass's distinct cold experts outnumber the `limit` flex slots
     (routes: cold routes per expert, most first): as many of the most-routed as the slots hold."""
     return min(len(routes), limit)
@@ -181,7 +179,21 @@ def cpu_routes(cid: np.ndarray, cold: np.ndarray, weights: torch.Tensor) -> tupl
     numpy: a cache's decode step does this once per MoE layer between two graph segments, where
     torch's per-op overhead on [K]-sized tensors would be most of the cost."""
     return (torch.from_numpy(cold.nonzero()[0].astype(np.int32)), torch.from_numpy(cid[cold]),
-            weights[torch.from_numpy(cold)])
+            torch.from_numpy(weights.numpy()[cold]))
+
+
+def upload_plan(ids: np.ndarray, cold: np.ndarray, num_experts: int, choose: Callable[[np.ndarray, int], int],
+                limit: int) -> np.ndarray:
+    """The cold experts a split pass uploads (ids, cold [T, K] on the host): the most-routed
+    first (a tie: the lower id), as many as `choose` says given their cold routes, most first,
+    and the `limit` flex slots (MixedPass.choose, or stage_most). numpy: this runs on the host
+    between a layer's routing and its branches, while the GPU waits; the host's whole part of a
+    split pass with uploads took 777 µs a layer with torch's ops and 398 µs with numpy's at 256
+    tokens, 1554 and 467 µs at 1024, on the 2-core development host (scripts/bench_split_host.py)."""
+    counts = np.bincount(ids[cold], minlength=num_experts)
+    experts = np.flatnonzero(counts)
+    order = experts[np.argsort(-counts[experts], kind="stable")]
+    return order[:choose(counts[order], limit)]
 
 
 def staging(pool: ExpertPool, n: int) -> range:
@@ -475,7 +487,7 @@ class HybridExperts(MoEBackend):
         if not cold.any():
             return None
         tok, eids, wts = cpu_routes(cid, cold, w_h)
-        self.counters["cpu_experts"] += len(np.unique(cid[cold]))
+        self.counters["cpu_experts"] += int(np.count_nonzero(np.bincount(cid[cold])))
         out_h = self.out_host[:x_h.shape[0]]
         self.cpu.submit(layer, x_h, tok, eids, wts, out_h)
         return out_h
@@ -497,7 +509,7 @@ class HybridExperts(MoEBackend):
 
         return run
 
-    def _upload_some(self, layer, x, topk, ids_h, cold, ready, choose: Callable[[list[int], int], int]):
+    def _upload_some(self, layer, x, topk, ids_h, cold, ready, choose: Callable[[np.ndarray, int], int]):
         """Split with uploads: the most-routed cold experts (as many as `choose` says of the flex
         slots: MixedPass.choose, or stage_most) go into flex slots on the copy stream, after
         `ready` (recorded behind every earlier reader of the flex slots), while the caller hands
@@ -505,20 +517,19 @@ class HybridExperts(MoEBackend):
         callable makes the current stream wait for the copies and returns the uploaded experts'
         partial sum [T, D] fp32 (the caller launches its other GPU work first)."""
         pool = self.pools.of(layer)
-        experts, routes = torch.unique(ids_h[torch.from_numpy(cold)], return_counts=True)
-        order = torch.argsort(routes, descending=True, stable=True)
-        k = choose(routes[order].tolist(), pool.num_slots - pool.flex_lo)
+        ids = ids_h.numpy()
+        up = upload_plan(ids, cold, pool.table.shape[1], choose, pool.num_slots - pool.flex_lo)
+        k = len(up)
         if k == 0:
             return None, cold
-        up = experts[order[:k]]
         dst = staging(pool, k)
         # the uploaded routes' slots, built on the host: nothing here may wait for the GPU, or
         # the CPU branch would start only after the copies (measured so: no overlap at all)
-        lookup = torch.full((pool.table.shape[1],), -1, dtype=torch.int32)
-        lookup[up] = torch.tensor(dst, dtype=torch.int32)
-        slot = lookup[ids_h]
-        zero = torch.arange(pool.zero_lo, pool.zero_hi, dtype=torch.int32)[: ids_h.shape[1]]
-        slots = torch.where(slot >= 0, slot, zero)
+        lookup = np.full(pool.table.shape[1], -1, dtype=np.int32)
+        lookup[up] = dst
+        slot = lookup[ids]
+        zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[: ids.shape[1]]
+        slots = torch.from_numpy(np.where(slot >= 0, slot, zero))
         if self.on_cuda:
             slots = slots.pin_memory().to(self.device, non_blocking=True)
         stream = self.copy_stream if self.on_cuda else None
@@ -534,7 +545,7 @@ class HybridExperts(MoEBackend):
                 torch.cuda.current_stream(self.device).wait_stream(stream)
             return pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
 
-        return part, cold & ~np.isin(ids_h.numpy(), up.numpy())
+        return part, cold & (slot < 0)
 
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once

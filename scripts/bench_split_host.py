@@ -1,0 +1,66 @@
+"""The host's share of a split pass with uploads, per MoE layer: the work between the routing
+reaching the host and the branches' launches, while the GPU waits (HybridExperts._upload_some's
+plan and slots, cpu_routes, the CPU experts' count). No GPU is needed: it times the module's own
+host functions on a routing shaped like Qwen3-30B-A3B's (128 experts, top-8, half of them cold).
+
+    python scripts/bench_split_host.py [--tokens 64 256 1024] [--experts 128] [--top-k 8]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from ostinato.layers.moe.hybrid import MixedPass, cpu_routes, upload_plan
+
+# session 24's calibration of the 30B Q4_K_M file on the H200 machine: upload ms per expert and
+# the CPU pass's fit (alpha, per expert, per route)
+COSTS = MixedPass(upload_ms=0.056, alpha_ms=0.334, beta_expert_ms=0.0113, beta_route_ms=0.00895)
+
+
+def host_part(ids: np.ndarray, weights: torch.Tensor, compact: np.ndarray, num_experts: int, flex: int,
+              zero: np.ndarray) -> int:
+    """What split_path and _upload_some do on the host for one layer; -> the experts uploaded."""
+    cid = compact[ids]
+    cold = cid >= 0
+    up = upload_plan(ids, cold, num_experts, COSTS.choose, flex)
+    lookup = np.full(num_experts, -1, dtype=np.int32)
+    lookup[up] = np.arange(len(up), dtype=np.int32)
+    slot = lookup[ids]
+    torch.from_numpy(np.where(slot >= 0, slot, zero))
+    cold &= slot < 0
+    cpu_routes(cid, cold, weights)
+    np.count_nonzero(np.bincount(cid[cold]))
+    return len(up)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--flex", type=int, default=160, help="flex slots of the layer's pool")
+    p.add_argument("--repeats", type=int, default=500)
+    a = p.parse_args()
+    rng = np.random.default_rng(0)
+    compact = np.full(a.experts, -1, dtype=np.int64)  # every other expert cold
+    compact[::2] = np.arange(len(compact[::2]))
+    zero = np.arange(a.top_k, dtype=np.int32)
+    for t in a.tokens:
+        # skewed routing: a Zipf-like preference over the experts, K distinct per token
+        pref = 1.0 / np.arange(1, a.experts + 1) ** 0.8
+        ids = np.stack([rng.choice(a.experts, a.top_k, replace=False, p=pref / pref.sum()) for _ in range(t)])
+        weights = torch.rand(t, a.top_k)
+        for _ in range(20):
+            k = host_part(ids, weights, compact, a.experts, a.flex, zero)
+        t0 = time.perf_counter()
+        for _ in range(a.repeats):
+            host_part(ids, weights, compact, a.experts, a.flex, zero)
+        us = (time.perf_counter() - t0) / a.repeats * 1e6
+        print(f"{t:5d} tokens: {us:7.1f} us per layer on the host ({k} experts uploaded)")
+
+
+if __name__ == "__main__":
+    main()
