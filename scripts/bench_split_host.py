@@ -1,6 +1,6 @@
 """The host's share of a split pass with uploads, per MoE layer: the work between the routing
-reaching the host and the branches' launches, while the GPU waits (HybridExperts._upload_some's
-plan and slots, cpu_routes, the CPU experts' count). No GPU is needed: it times the module's own
+reaching the host and the branches' launches, while the GPU waits (split_path's upload_plan,
+flex_slots, cpu_routes and the CPU experts' count). No GPU is needed: it times the module's own
 host functions on a routing shaped like Qwen3-30B-A3B's (128 experts, top-8, half of them cold).
 
     python scripts/bench_split_host.py [--tokens 64 256 1024] [--experts 128] [--top-k 8]
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from ostinato.layers.moe.hybrid import MixedPass, cpu_routes, upload_plan
+from ostinato.layers.moe.hybrid import MixedPass, cpu_routes, flex_slots, upload_plan
 
 # session 24's calibration of the 30B Q4_K_M file on the H200 machine: upload ms per expert and
 # the CPU pass's fit (alpha, per expert, per route)
@@ -22,15 +22,11 @@ COSTS = MixedPass(upload_ms=0.056, alpha_ms=0.334, beta_expert_ms=0.0113, beta_r
 
 def host_part(ids: np.ndarray, weights: torch.Tensor, compact: np.ndarray, num_experts: int, flex: int,
               zero: np.ndarray) -> int:
-    """What split_path and _upload_some do on the host for one layer; -> the experts uploaded."""
+    """What split_path does on the host for one layer before its branches launch; -> the experts uploaded."""
     cid = compact[ids]
     cold = cid >= 0
     up = upload_plan(ids, cold, num_experts, COSTS.choose, flex)
-    lookup = np.full(num_experts, -1, dtype=np.int32)
-    lookup[up] = np.arange(len(up), dtype=np.int32)
-    slot = lookup[ids]
-    torch.from_numpy(np.where(slot >= 0, slot, zero))
-    cold &= slot < 0
+    _, cold = flex_slots(ids, cold, up, range(flex - len(up), flex), zero)
     cpu_routes(cid, cold, weights)
     np.count_nonzero(np.bincount(cid[cold]))
     return len(up)

@@ -196,6 +196,18 @@ def upload_plan(ids: np.ndarray, cold: np.ndarray, num_experts: int, choose: Cal
     return order[:choose(counts[order], limit)]
 
 
+def flex_slots(ids: np.ndarray, cold: np.ndarray, up: np.ndarray, dst, zero: np.ndarray):
+    """The slots of a split pass whose experts `up` go into the flex slots `dst` (ids, cold [T, K]
+    on the host; zero: the zero slot of each top-k position), built on the host: nothing here may
+    wait for the GPU, or the CPU branch would start only after the copies (measured so: no overlap
+    at all). -> (slots [T, K] int32: an uploaded expert's flex slot, else the zero slot; the cold
+    routes left to the CPU)."""
+    lookup = np.full(int(ids.max()) + 1, -1, dtype=np.int32)  # over every expert id the pass routes to
+    lookup[up] = dst
+    slot = lookup[ids]
+    return torch.from_numpy(np.where(slot >= 0, slot, zero)), cold & (slot < 0)
+
+
 def staging(pool: ExpertPool, n: int) -> range:
     """The slots a pass stages n uploaded experts in: the top of the pool's flex region, so that a
     cache (which keeps its entries at the bottom of it) and the upload path never meet."""
@@ -426,11 +438,12 @@ class HybridExperts(MoEBackend):
         cache admits the pass first: its copies and the table switch come before the GPU branch.
         Uploads part of the cold experts where `mixed` applies (MixedPass.choose says how many), or
         `staged`: an upload-path pass with more distinct cold experts than flex slots, whose
-        most-routed fill the slots (stage_most). Then the order is: the copies on the copy stream,
-        the CPU branch, the GPU branch over the pool's experts, and only then the wait for the
-        copies and the GEMM of the uploaded experts: the pool's experts never wait for copies they
-        do not read (session 23's profile of the 235B shape: 7.7 ms of copies and 4.4 ms of expert
-        kernels a layer, which had run one after the other)."""
+        most-routed fill the slots (stage_most). Then the order is: the CPU branch (its routes
+        are known once the uploads are chosen), the copies on the copy stream (issuing them takes
+        the host two copy launches an expert), the GPU branch over the pool's experts, and only
+        then the wait for the copies and the GEMM of the uploaded experts: the pool's experts never
+        wait for copies they do not read (session 23's profile of the 235B shape: 7.7 ms of copies
+        and 4.4 ms of expert kernels a layer, which had run one after the other)."""
         T = x.shape[0]
         if T == 1 and self.borrow is not None:
             self.borrow.observe(layer, topk.ids)
@@ -438,15 +451,18 @@ class HybridExperts(MoEBackend):
         if done is not None:
             done.synchronize()  # routing and activations are on the host
         cid, cold = self.route_cold(layer, ids_h)
-        uploaded = None
+        pool = self.pools.of(layer)
+        up, slots = None, None
         mixed = not staged and self.mixed is not None and self.mixed.applies(T)
         if (staged or mixed) and cold.any():
             choose = stage_most if staged else self.mixed.choose
-            uploaded, cold = self._upload_some(layer, x, topk, ids_h, cold, done, choose)
-            if mixed and uploaded is not None:
-                self.counters["mixed_passes"] += 1
-        out_h = self.submit_cold(layer, x_h, cid, cold, w_h)
-        pool = self.pools.of(layer)
+            up = upload_plan(ids_h.numpy(), cold, pool.table.shape[1], choose, pool.num_slots - pool.flex_lo)
+            if len(up):
+                self.counters["mixed_passes"] += int(mixed)
+                zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[:topk.ids.shape[1]]
+                slots, cold = flex_slots(ids_h.numpy(), cold, up, staging(pool, len(up)), zero)
+        out_h = self.submit_cold(layer, x_h, cid, cold, w_h)  # the CPU starts before the copies are issued
+        uploaded = self._upload(layer, x, topk, up, slots, done) if slots is not None else None
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         if uploaded is not None:
             gpu = gpu + uploaded()
@@ -509,35 +525,20 @@ class HybridExperts(MoEBackend):
 
         return run
 
-    def _upload_some(self, layer, x, topk, ids_h, cold, ready, choose: Callable[[np.ndarray, int], int]):
-        """Split with uploads: the most-routed cold experts (as many as `choose` says of the flex
-        slots: MixedPass.choose, or stage_most) go into flex slots on the copy stream, after
-        `ready` (recorded behind every earlier reader of the flex slots), while the caller hands
-        the rest to the CPU. cold [T, K] numpy. -> (a callable or None, cold routes left): the
-        callable makes the current stream wait for the copies and returns the uploaded experts'
-        partial sum [T, D] fp32 (the caller launches its other GPU work first)."""
+    def _upload(self, layer, x, topk, up: np.ndarray, slots: torch.Tensor, ready) -> Callable[[], torch.Tensor]:
+        """Copy the experts `up` into the top flex slots on the copy stream, after `ready` (recorded
+        behind every earlier reader of the flex slots). -> a callable that makes the current stream
+        wait for the copies and returns the uploaded experts' partial sum [T, D] fp32 over `slots`
+        (flex_slots; the caller launches its other GPU work first)."""
         pool = self.pools.of(layer)
-        ids = ids_h.numpy()
-        up = upload_plan(ids, cold, pool.table.shape[1], choose, pool.num_slots - pool.flex_lo)
-        k = len(up)
-        if k == 0:
-            return None, cold
-        dst = staging(pool, k)
-        # the uploaded routes' slots, built on the host: nothing here may wait for the GPU, or
-        # the CPU branch would start only after the copies (measured so: no overlap at all)
-        lookup = np.full(pool.table.shape[1], -1, dtype=np.int32)
-        lookup[up] = dst
-        slot = lookup[ids]
-        zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[: ids.shape[1]]
-        slots = torch.from_numpy(np.where(slot >= 0, slot, zero))
         if self.on_cuda:
             slots = slots.pin_memory().to(self.device, non_blocking=True)
         stream = self.copy_stream if self.on_cuda else None
         if stream is not None:
             stream.wait_event(ready)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            nbytes = sum(pool.upload(d, self.host, layer, int(e)) for d, e in zip(dst, up))
-        self.counters["uploaded_experts"] += k
+            nbytes = sum(pool.upload(d, self.host, layer, int(e)) for d, e in zip(staging(pool, len(up)), up))
+        self.counters["uploaded_experts"] += len(up)
         self.counters["bytes_uploaded"] += nbytes
 
         def part() -> torch.Tensor:
@@ -545,7 +546,7 @@ class HybridExperts(MoEBackend):
                 torch.cuda.current_stream(self.device).wait_stream(stream)
             return pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
 
-        return part, cold & (slot < 0)
+        return part
 
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once
