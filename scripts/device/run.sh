@@ -24,7 +24,8 @@
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 #   threads    [H] decode steps and replayed TPOT under several thread layouts (scripts/thread_sweep.py)
-#   gguf       [K] the GGUF file of $M's preset, $LQUANT (default Q4_K_M), written by `ostinato synth` (or $LGGUF)
+#   gguf       [K] the GGUF file of $M's preset, $LQUANT (default Q4_K_M), written by `ostinato synth` (or $LGGUF;
+#              another model's file is removed first: two do not fit the disk)
 #              in the background: the phases after it that need the file wait for it
 #   greedy     [K] greedy tokens of Ostinato and llama.cpp on that file (scripts/greedy_vs_llama.py)
 #   bench_gguf [K] `ostinato bench` on that file under $QCAP (default 12GiB; QBENCH_ARGS: policies, sizes, --merge)
@@ -356,6 +357,10 @@ phase_gguf() {  # written in the background (a session of its own, so it outlive
   if kill -0 "$(cat /tmp/gguf.pid 2>/dev/null)" 2>/dev/null; then say "gguf: $g is being written"; return; fi
   [[ -n ${LGGUF:-} ]] && { say "gguf: no file $LGGUF"; return 1; }
   [[ $M == synth:* ]] || { say "gguf: $M is not a synthetic model: give its file as LGGUF"; return 1; }
+  local d; for d in /tmp/gguf/*/; do  # one model's file at a time: the 30B file (18 GB) and the 235B shape's
+    # (46 GB) do not fit the 64 GiB disk together
+    [[ -d $d && ${d%/} != "$(dirname "$g")" ]] && rm -rf "$d" && say "gguf: removed $d to make room"
+  done
   mkdir -p "$(dirname "$g")"; rm -rf /tmp/gguf.part
   say "gguf: writing $g in the background ($(synth_args)); disk: $(df -h --output=avail /tmp | tail -1)"
   setsid bash -c "t0=\$SECONDS; $O synth $(synth_args) --format gguf --quant ${LQUANT:-Q4_K_M} --out /tmp/gguf.part \
