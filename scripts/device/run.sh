@@ -24,9 +24,9 @@
 #   multi      [G] the 40% plan split over $DEVICES (cuda:0,cuda:1) under $CAP_PER_GPU each, checked
 #   multi_replay [G] a plan under $CAP_PER_GPU per GPU, replayed on the held-out sessions (REPLAY_ARGS)
 #   threads    [H] decode steps and replayed TPOT under several thread layouts (scripts/thread_sweep.py)
-#   gguf       [K] the GGUF file of $M's preset, $LQUANT (default Q4_K_M), written by `ostinato synth` (or $LGGUF;
-#              another model's file is removed first: two do not fit the disk)
-#              in the background: the phases after it that need the file wait for it
+#   gguf       [K] the GGUF file of $M's preset, $LQUANT (default Q4_K_M), written by `ostinato synth` (or $LGGUF)
+#              in the background: the phases after it that need the file wait for it; another model's file
+#              is removed first (the 30B and 235B files do not fit the disk together)
 #   greedy     [K] greedy tokens of Ostinato and llama.cpp on that file (scripts/greedy_vs_llama.py)
 #   bench_gguf [K] `ostinato bench` on that file under $QCAP (default 12GiB; QBENCH_ARGS: policies, sizes, --merge)
 #   ab_gguf    a change measured before and after on one machine: Ostinato's replay on that file from this tree (A),
