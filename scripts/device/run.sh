@@ -101,6 +101,20 @@ fresh() { [[ -f $1 && ( ! -f $R/.restored || $1 -nt $R/.restored ) ]]; }
 for f in "$R"/moe_*.json; do
   fresh "$f" && cp "$f" ostinato/kernels/tuned/ && echo "== tuned kernels: $f (measured by an earlier call)" >> "$OUT/log.txt"
 done
+# usable_calibration FILE ARGS: FILE if a bench may replay with its calibration: measured on this machine since
+# the restore, or restored from .carry/res where ARGS add to an earlier run (--merge on a machine other than the
+# first run's needs that run's calibration, or the plan would differ: in session 16 a fresh calibration dropped
+# the upload path and --merge refused the run after 180 s); else nothing
+usable_calibration() {
+  if [[ $2 == *--merge* ]] && ! fresh "$1" && [[ -f $1 ]]; then say "bench: --merge takes $1 (restored)" >&2
+  elif ! fresh "$1"; then return; fi
+  echo "$1"
+}
+# calibration_arg FILE: --calibration FILE where FILE holds the cost model's constants and Np
+calibration_arg() {
+  [[ -n $1 && -n $(field "$1" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
+    && echo "--calibration $1"
+}
 # run LIMIT FILE CMD...: at most LIMIT seconds (less if the deadline is nearer), output to FILE and the log
 run() {
   local limit=$1 file=$2; shift 2
@@ -254,12 +268,7 @@ phase_bench() {
   # calibrates. --merge needs the Np of the run it adds to: a calibration with another Np gives way to BENCH_CAL
   if [[ ${BENCH_ARGS:-} == *--merge* && -n ${BENCH_CAL:-} && $(field "$f" "d['calibration'].get('upload_threshold')") != \
         $(field "$R/bench/results.json" "d['np']['value']") ]]; then f=$BENCH_CAL; say "bench: Np of $f (--merge)"; fi
-  # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
-  # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
-  if [[ ${QBENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
-  elif ! fresh "$f"; then f=""; fi
-  [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
-    && cal="--calibration $f"
+  f=$(usable_calibration "$f" "${BENCH_ARGS:-}"); cal=$(calibration_arg "$f")
   local kv  # the KV cache the capacity plan holds (the longest development request)
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   run 560 "$R/e_bench.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} --sessions "$S" \
@@ -281,12 +290,7 @@ phase_regimes() {  # [J] the same bench under each routing regime; the calibrati
     --thresholds 512 1024 2048 --max-context 8292}
   [[ $M == synth:* ]] || { say "regimes: $M is not a synthetic model: it has no routing regimes"; return 1; }
   [[ $M == *\?* ]] && sep="&"
-  # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
-  # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
-  if [[ ${QBENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
-  elif ! fresh "$f"; then f=""; fi
-  [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
-    && cal="--calibration $f"
+  f=$(usable_calibration "$f" "${BENCH_ARGS:-}"); cal=$(calibration_arg "$f")
   kv=$(field "$f" "d['capacity'].get('kv_tokens')")
   for r in ${REGIMES:-flat layered layered-persistent}; do
     d=$R/regimes/$r; todo=$pols; merge=""
@@ -396,12 +400,7 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
   local g f=$R/${QBENCH_OUT:-bench_q4}/residency.json cal="" kv; g=$(gguf_file)
   gguf_wait || return 1
   # the calibration and Np of this bench's first call (a --merge adds to it); the first call calibrates
-  # --merge on a machine other than the first run's: that run's calibration (restored), or the plan would differ
-  # (session 16: a fresh calibration dropped the upload path and --merge refused the run after 180 s)
-  if [[ ${QBENCH_ARGS:-} == *--merge* ]] && ! fresh "$f" && [[ -f $f ]]; then say "bench: --merge takes $f (restored)"
-  elif ! fresh "$f"; then f=""; fi
-  [[ -n $f && -n $(field "$f" "d['calibration'].get('layers') and d['calibration'].get('upload_threshold')") ]] \
-    && cal="--calibration $f"
+  f=$(usable_calibration "$f" "${QBENCH_ARGS:-}"); cal=$(calibration_arg "$f")
   kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
   # the route counts of the bf16 model of the same weights (phase skew, $QPROFILED): the quantized model's
   # own routing is what the replay measures (pool hit rates, cold routes); another model profiles itself
