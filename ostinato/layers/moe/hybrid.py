@@ -459,10 +459,11 @@ class HybridExperts(MoEBackend):
             up = upload_plan(ids_h.numpy(), cold, pool.table.shape[1], choose, pool.num_slots - pool.flex_lo)
             if len(up):
                 self.counters["mixed_passes"] += int(mixed)
+                dst = staging(pool, len(up))
                 zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[:topk.ids.shape[1]]
-                slots, cold = flex_slots(ids_h.numpy(), cold, up, staging(pool, len(up)), zero)
+                slots, cold = flex_slots(ids_h.numpy(), cold, up, dst, zero)
         out_h = self.submit_cold(layer, x_h, cid, cold, w_h)  # the CPU starts before the copies are issued
-        uploaded = self._upload(layer, x, topk, up, slots, done) if slots is not None else None
+        uploaded = self._upload(layer, x, topk, up, dst, slots, done) if slots is not None else None
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         if uploaded is not None:
             gpu = gpu + uploaded()
@@ -525,8 +526,9 @@ class HybridExperts(MoEBackend):
 
         return run
 
-    def _upload(self, layer, x, topk, up: np.ndarray, slots: torch.Tensor, ready) -> Callable[[], torch.Tensor]:
-        """Copy the experts `up` into the top flex slots on the copy stream, after `ready` (recorded
+    def _upload(self, layer, x, topk, up: np.ndarray, dst: range, slots: torch.Tensor,
+                ready) -> Callable[[], torch.Tensor]:
+        """Copy the experts `up` into the flex slots `dst` on the copy stream, after `ready` (recorded
         behind every earlier reader of the flex slots). -> a callable that makes the current stream
         wait for the copies and returns the uploaded experts' partial sum [T, D] fp32 over `slots`
         (flex_slots; the caller launches its other GPU work first)."""
@@ -537,7 +539,7 @@ class HybridExperts(MoEBackend):
         if stream is not None:
             stream.wait_event(ready)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            nbytes = sum(pool.upload(d, self.host, layer, int(e)) for d, e in zip(staging(pool, len(up)), up))
+            nbytes = sum(pool.upload(d, self.host, layer, int(e)) for d, e in zip(dst, up))
         self.counters["uploaded_experts"] += len(up)
         self.counters["bytes_uploaded"] += nbytes
 
