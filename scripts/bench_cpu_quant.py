@@ -15,7 +15,9 @@ call took twice as long (2-core host).
   decode   one token, r = topk routes (and r = 1), experts cycled through a layer larger
            than the last-level cache so that every call reads from memory; GB/s of weight
            bytes = r * expert bytes / median time;
-  prefill  T tokens with top-k routing (compute-bound; for reference);
+  prefill  T tokens with top-k routing (compute-bound), about T * topk / E routes an expert; with
+           --amx-quant N,..., also with experts of at least N routes on the AMX tiles (their rows
+           decoded to bf16 once a call: ColdArgs.amx_quant_min_tokens), against the row kernels;
   accuracy native vs quant_reference (same activation quantization, only summation order
            differs), and vs unquantized activations (the int8 activations' own error).
 
@@ -23,6 +25,7 @@ Prints a table, and last one JSON line.
 
   python scripts/bench_cpu_quant.py                       # every format, 5 rounds
   python scripts/bench_cpu_quant.py --formats Q4_K,Q4_K/Q6_K --rounds 9
+  python scripts/bench_cpu_quant.py --formats Q4_K/Q6_K --rounds 1 --prefill 16,64,128,256,512 --amx-quant 1
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=40, help="decode calls per round")
     p.add_argument("--probe-mib", type=int, default=1024, help="bytes the read probe sums per call")
     p.add_argument("--prefill", default="32,128", help="prefill token counts ('' for none)")
+    p.add_argument("--amx-quant", default="", help="prefill again with these amx_quant_min_tokens (comma-separated; "
+                   "needs AMX); 0, the row kernels alone, always runs")
     p.add_argument("--spin-us", type=int, default=2000)
     p.add_argument("--no-prefetch", action="store_true", help="turn the kernels' software prefetch off")
     p.add_argument("--prefetch-kib", default="1", help="how far ahead of each row stream the kernels prefetch "
@@ -168,7 +173,8 @@ def bench_format(ce: CpuExperts, w: QuantExpertWeights, probe: torch.Tensor, arg
             "gbps_median": statistics.median(x["gbps"] for x in rounds)}
 
 
-def bench_prefill(ce: CpuExperts, w: QuantExpertWeights, T: int, args, gen) -> dict:
+def bench_prefill(ce: CpuExperts, w: QuantExpertWeights, T: int, amx_min: int, args, gen) -> dict:
+    ce._args[0].amx_quant_min_tokens = amx_min
     x = torch.randn(T, w.hidden, generator=gen).bfloat16()
     tok, ids, wts = topk_routes(T, w.num_experts, args.topk, 0.0, gen)
     out = torch.empty(T, w.hidden)
@@ -180,7 +186,9 @@ def bench_prefill(ce: CpuExperts, w: QuantExpertWeights, T: int, args, gen) -> d
             times.append(time.perf_counter() - t0)
     ms = statistics.median(times) * 1e3
     experts = int(torch.unique(ids).numel())
-    return {"T": T, "routes": int(tok.numel()), "experts": experts, "ms": ms,
+    ce._args[0].amx_quant_min_tokens = 0
+    return {"T": T, "amx_quant_min_tokens": amx_min, "amx_experts": ce.last_stats()["amx_experts"],
+            "routes": int(tok.numel()), "experts": experts, "ms": ms,
             "gbps": experts * w.expert_bytes / (ms / 1e3) / 1e9,
             "tflops": 6 * w.hidden * w.ffn * tok.numel() / (ms / 1e3) / 1e12}
 
@@ -231,7 +239,8 @@ def main() -> None:
             ce._args[0].prefetch_bytes = kib << 10
             results[spec if len(distances) == 1 else f"{spec}@{kib}KiB"] = bench_format(ce, w, probe, args, gen)
         ce._args[0].prefetch_bytes = distances[0] << 10
-        pre[spec] = [bench_prefill(ce, w, int(T), args, gen) for T in args.prefill.split(",") if T]
+        amx = [0] + [int(n) for n in args.amx_quant.split(",") if n]
+        pre[spec] = [bench_prefill(ce, w, int(T), n, args, gen) for T in args.prefill.split(",") if T for n in amx]
         acc[spec] = accuracy(ce, w, args, gen)
         ce.close()
         del w, ce
@@ -249,8 +258,10 @@ def main() -> None:
         print("\nprefill (top-k routing, every route cold)")
         for spec, rows in pre.items():
             for p in rows:
+                path = f"AMX from {p['amx_quant_min_tokens']} routes ({p['amx_experts']} experts)" \
+                    if p["amx_quant_min_tokens"] else "row kernels"
                 print(f"{spec:>11} T={p['T']:>4} {p['routes']:>5} routes {p['experts']:>4} experts {p['ms']:>8.1f} ms "
-                      f"{p['gbps']:>6.1f} GB/s {p['tflops']:>6.3f} TFLOP/s")
+                      f"{p['gbps']:>6.1f} GB/s {p['tflops']:>6.3f} TFLOP/s  {path}")
     print("\naccuracy (relative error of the layer output)")
     for spec, a in acc.items():
         print(f"{spec:>11} vs quant_reference {a['vs_quant_reference']:.1e}, "

@@ -157,10 +157,13 @@ def q8(v: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv).clamp(-127, 127) * d).reshape(v.shape)
 
 
-def oracle(w: QuantExpertWeights, x, tok, ids, wts, quantize_acts=True):
-    """(out [T, D], the smallest gate value)."""
+def oracle(w: QuantExpertWeights, x, tok, ids, wts, quantize_acts=True, bf16_weights=False):
+    """(out [T, D], the smallest gate value). bf16_weights: the dequantized weights rounded to
+    bf16 (as the AMX path decodes them), activations then unquantized."""
     D, F = w.hidden, w.ffn
     w13, w2 = gguf_rows(w.qt13, w.w13, D), gguf_rows(w.qt2, w.w2, F)
+    if bf16_weights:
+        w13, w2, quantize_acts = w13.bfloat16().float(), w2.bfloat16().float(), False
     act = q8 if quantize_acts else (lambda v: v)
     xq = act(x.float())
     out = torch.zeros(x.shape[0], D)
@@ -360,3 +363,94 @@ def test_fallback_without_vnni(monkeypatch):
     assert experts.backend == "torch" and experts.fallback_reason == "no VNNI here"
     with pytest.raises(RuntimeError, match="no VNNI here"):
         CpuExperts([w], backend="native")
+
+
+# ---- the AMX path for quantized experts (rows decoded to bf16, dequant.h) ----------------
+
+FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4"]
+
+
+@pytest.fixture(scope="module")
+def extension():
+    ext = build.load_cpu_extension()
+    if ext is None:
+        pytest.skip(f"native CPU extension unavailable: {build.load_error()}")
+    return ext
+
+
+@pytest.mark.parametrize("qt", FORMATS)
+def test_dequant_rows_bf16_is_gguf_rounded(extension, qt):
+    """The AMX path's decoding (built for the binding without an ISA target, so it runs on any
+    host) is gguf's dequantize rounded to the nearest bf16, bit for bit, also for subnormal fp16
+    scales and the smallest and large MXFP4 exponents."""
+    n, rows = 512, 24
+    g = torch.Generator().manual_seed(30)
+    b = random_rows(qt, rows, n, g, exact=False, positive=False).view(rows, n // formats.block_size(qt), -1)
+    sub = torch.tensor([1, 0], dtype=torch.uint8)  # fp16 2^-24, the smallest subnormal
+    if qt == "Q8_0":
+        b[0, :, 0:2] = sub
+    elif qt in ("Q4_K", "Q5_K"):
+        b[0, :, 0:2] = sub
+        b[1, :, 2:4] = torch.tensor([0xFF, 0x03], dtype=torch.uint8)  # the largest subnormal
+    elif qt == "Q6_K":
+        b[0, :, 208:210] = sub
+    else:
+        b[0, :, 0] = torch.tensor([0, 1, 2, 3] * 4, dtype=torch.uint8)
+        b[1, :, 0] = 200
+    b = b.reshape(rows, -1).contiguous()
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    extension.dequant_rows_bf16(ce_mod.QTYPE_CODES[qt], b.data_ptr(), rows, n, out.data_ptr())
+    assert torch.equal(out, gguf_rows(qt, b, n).bfloat16())
+
+
+@pytest.fixture(scope="module")
+def amx(native):
+    if not native.cpu_features()["amx"]:
+        pytest.skip("this CPU lacks AMX")
+    return native
+
+
+@pytest.mark.parametrize("T", [7, 64, 512])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_amx_quant_matches_oracle(amx, name, T):
+    """Experts with at least 2 routes on the tiles (at T = 7 some have fewer and take the row
+    kernels in the same call): against dequantize, bf16 weights, bf16 h, fp32 sums."""
+    w = make_layer(name, exact=False, seed=31)
+    x = make_x(T, w.hidden, exact=False, seed=32)
+    tok, ids, wts = make_routes(T, seed=33)
+    experts = CpuExperts([w], num_threads=2, backend="native", spin_us=100, amx_quant_min_tokens=2)
+    for mode in (2, 1):  # scatter (the merged phase), direct
+        experts._args[0].down_mode = mode
+        out = experts.forward(0, x, tok, ids, wts)
+        stats = experts.last_stats()
+        assert stats["amx_experts"] > 0 and stats["isa"] == "amx"
+        assert rel_err(out, oracle(w, x, tok, ids, wts, bf16_weights=True)[0]) < RANDOM_TOL
+    experts.close()
+
+
+def test_amx_quant_off_by_default(native):
+    """amx_quant_min_tokens 0: every route on the row kernels, whatever the CPU."""
+    w = make_layer("Q4_K/Q6_K", exact=False, seed=34)
+    x = make_x(64, w.hidden, exact=False, seed=35)
+    tok, ids, wts = make_routes(64, seed=36)
+    experts = CpuExperts([w], num_threads=2, backend="native", spin_us=100)
+    experts.forward(0, x, tok, ids, wts)
+    assert experts.last_stats()["amx_experts"] == 0 and experts.last_stats()["isa"] == "avx512_vnni"
+    experts.close()
+
+
+def test_amx_quant_switch(monkeypatch):
+    """OSTINATO_AMX_QUANT sets the engine's default (0: off); a value that is not a whole number
+    of routes is refused with its name."""
+    monkeypatch.delenv("OSTINATO_AMX_QUANT", raising=False)
+    assert ce_mod.default_amx_quant_min_tokens() == 0
+    monkeypatch.setenv("OSTINATO_AMX_QUANT", "8")
+    assert ce_mod.default_amx_quant_min_tokens() == 8
+    for bad in ("-1", "four", "2.5"):
+        monkeypatch.setenv("OSTINATO_AMX_QUANT", bad)
+        with pytest.raises(ConfigError, match="OSTINATO_AMX_QUANT"):
+            ce_mod.default_amx_quant_min_tokens()
+    from ostinato.bench.report import _cpu_note  # a bench report names the switch when it was on
+
+    assert _cpu_note({"device": "cuda", "amx_quant_min_tokens": 0}) == []
+    assert "at least 8 routes" in _cpu_note({"device": "cuda", "amx_quant_min_tokens": 8})[0]

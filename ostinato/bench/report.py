@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ostinato.bench.metrics import paired_intervals, slope, wins
+from ostinato.layers.moe.cpu_experts import default_amx_quant_min_tokens
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.pipeline import fill_text
 
@@ -66,7 +67,8 @@ def environment(loaded, bs) -> dict:
     return {**source_state(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware(),
             "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(
                 "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory,
-            "threads": loaded.runner.threads.as_dict(), **routing_knobs(loaded.source)}
+            "threads": loaded.runner.threads.as_dict(), "amx_quant_min_tokens": default_amx_quant_min_tokens(),
+            **routing_knobs(loaded.source)}
 
 
 def routing_knobs(source) -> dict:
@@ -503,10 +505,13 @@ def routing_note(skew: dict) -> str:
 
 
 def _cpu_note(result: dict) -> list[str]:
+    amx = result.get("amx_quant_min_tokens")
+    lines = [f"- CPU experts: quantized experts with at least {amx} routes of a pass on the AMX tiles, their rows "
+             "decoded to bf16 (OSTINATO_AMX_QUANT)"] if amx else []
     if not str(result["device"]).startswith("cpu"):
-        return []
-    return ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical and "
-            "the timings show the mechanics of each policy, not the speed of the design"]
+        return lines
+    return lines + ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical "
+                    "and the timings show the mechanics of each policy, not the speed of the design"]
 
 
 def _np_text(np_: dict) -> str:

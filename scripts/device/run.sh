@@ -30,8 +30,9 @@
 #   greedy     [K] greedy tokens of Ostinato and llama.cpp on that file (scripts/greedy_vs_llama.py)
 #   bench_gguf [K] `ostinato bench` on that file under $QCAP (default 12GiB; QBENCH_ARGS: policies, sizes, --merge)
 #   ab_gguf    a change measured before and after on one machine: Ostinato's replay on that file from this tree (A),
-#              from another commit's `git archive` (B: AB_TGZ, default .carry/ab.tgz, of commit AB_COMMIT) and
-#              from this tree again, in turn, on one calibration (AB_CAL, default bench_gguf's), into $R/ab/{a1,b,a2}
+#              from another commit's `git archive` (B: AB_TGZ, default .carry/ab.tgz, of commit AB_COMMIT), or
+#              from this tree with AB_ENV's settings (B: e.g. AB_ENV="OSTINATO_AMX_QUANT=4"), and from this tree
+#              again, in turn, on one calibration (AB_CAL, default bench_gguf's), into $R/ab/{a1,b,a2}
 #   llama_tune [L] llama.cpp tuned on development sessions under $QCAP (else $CAP) on that file, then the
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
@@ -46,6 +47,9 @@
 #              the cap as nvidia-smi counts it, every expert resident in the pool, the quant tuner
 #   tests_quant [K] the quantized kernels' tests (GPU and CPU; gguf from .carry/wheels)
 #   micro_dense [K][L] attention and head kept in GGUF blocks: the matvec tuned, against bf16 (scripts/bench_quant_linear.py)
+#   amx_quant  [K][L] quantized experts on the AMX tiles (rows decoded to bf16, ColdArgs::amx_quant_min_tokens): the
+#              CPU kernels' oracle tests, then prefill against the row kernels at the 30B and 235B shapes
+#              (scripts/bench_cpu_quant.py --amx-quant)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
 #              kernels first, QGPU=0 leaves them out, QPF=1,4,8 sweeps the CPU kernels' prefetch distance)
 #   serve_cached [M] a plan served from its file (SERVE_PLAN, default serve_plan's) and replayed, then in-process
@@ -186,6 +190,13 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
     run 240 "$R/k_bench_cpu_pf${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K \
       --prefill "" --rounds 3 --prefetch-kib "$QPF" $hp
   else run 120 "$R/k_bench_cpu${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py $hp; fi
+}
+phase_amx_quant() {  # the break-even of ColdArgs::amx_quant_min_tokens, by routes an expert (T * 8 / 128)
+  run 240 "$R/amx_quant_tests.txt" python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant.py
+  run 150 "$R/amx_quant_30b.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K/Q6_K,Q4_K --rounds 1 --iters 10 \
+    --prefill 16,64,128,256,512,1024 --amx-quant 1,4
+  run 200 "$R/amx_quant_235b.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K/Q6_K --hidden 4096 --ffn 1536 \
+    --rounds 1 --iters 10 --prefill 16,64,256,512 --amx-quant 1,4
 }
 phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route tally, the new model families, the
   # cap as nvidia-smi counts it, every expert resident through the pool executor, the fused dense kernels
@@ -412,11 +423,18 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
 }
 phase_ab_gguf() {  # A, B, A on one calibration: drift between the replays shows as A's two results apart
   local cal=${AB_CAL:-$R/${QBENCH_OUT:-bench_q4}/residency.json} tgz=${AB_TGZ:-.carry/ab.tgz} b=/tmp/ab_tree
-  [[ -f $cal && -f $tgz && -n ${AB_COMMIT:-} ]] || { say "ab_gguf: needs AB_COMMIT, $tgz and a calibration ($cal)"; return 1; }
-  rm -rf "$b" && mkdir -p "$b" && tar xzf "$tgz" -C "$b" && ln -sfn "$PWD/.carry" "$b/.carry"
+  [[ -f $cal ]] || { say "ab_gguf: needs a calibration ($cal)"; return 1; }
+  if [[ -z ${AB_ENV:-} ]]; then
+    [[ -f $tgz && -n ${AB_COMMIT:-} ]] || { say "ab_gguf: needs AB_ENV, or AB_COMMIT and $tgz"; return 1; }
+    rm -rf "$b" && mkdir -p "$b" && tar xzf "$tgz" -C "$b" && ln -sfn "$PWD/.carry" "$b/.carry"
+  fi
   local v args="--policies ostinato --calibration $cal"
+  rm -rf "$R/ab"  # an earlier call's A/B/A is in its res.tgz
   for v in a1 b a2; do
-    if [[ $v == b ]]; then
+    if [[ $v == b && -n ${AB_ENV:-} ]]; then
+      say "ab_gguf: B is this tree with $AB_ENV"
+      (export $AB_ENV; QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args" phase_bench_gguf)
+    elif [[ $v == b ]]; then
       (cd "$b" && OSTINATO_COMMIT=$AB_COMMIT QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args" \
         BUDGET_S=$((DEADLINE - SECONDS)) OUT=/tmp/ab_out R=$R bash scripts/device/run.sh bench_gguf)
       cat /tmp/ab_out/log.txt >> "$LOG"; rm -rf /tmp/ab_out
@@ -429,7 +447,7 @@ for v in ("a1", "b", "a2"):
     if not os.path.exists(f):
         print(f"{v}: no result"); continue
     d = json.load(open(f)); r = d["policies"]["ostinato"]; s = r["summary"]
-    print(f"{v} {d['commit']}: TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
+    print(f"{v} {d['commit']} (OSTINATO_AMX_QUANT {d.get('amx_quant_min_tokens', 0)}): TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
           f"TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s, host read {r.get('host_read_gbps')}")
 PY
 }

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 
+#include "dequant.h"  // built here without an ISA target: the tests' dequant_rows_bf16, on any host
 #include "experts.h"
 #include "graph_worker.h"
 
@@ -133,6 +134,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("v"), py::arg("n"), py::arg("q"), py::arg("d"),
       "fp32 v[n] -> int8 q[n], fp32 d[n / 32] (the quantized experts' activations)");
 
+  m.def(
+      "dequant_rows_bf16",
+      [](int qt, uintptr_t w, int64_t rows, int64_t n, uintptr_t out) {
+        const QType q = QType(qt);
+        if (qtype_block_values(q) == 0) throw std::invalid_argument("dequant_rows_bf16: not a block format");
+        if (n % qtype_block_values(q)) throw std::invalid_argument("dequant_rows_bf16: n is not whole blocks");
+        const int64_t rb = qtype_row_bytes(q, n);
+        for (int64_t r = 0; r < rows; ++r)
+          dequant_row_bf16(q, reinterpret_cast<const uint8_t*>(w) + r * rb, n, reinterpret_cast<uint16_t*>(out) + r * n);
+      },
+      py::arg("qt"), py::arg("w"), py::arg("rows"), py::arg("n"), py::arg("out"),
+      "uint8 w[rows, row bytes] of format qt -> bf16 out[rows, n], as the AMX path decodes quantized experts");
+
   py::class_<ColdArgs> args(m, "ColdArgs");
   args.def(py::init<>());
   def_ptr(args, "w13", &ColdArgs::w13);
@@ -166,6 +180,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("R", &ColdArgs::R)
       .def_readwrite("out_stride", &ColdArgs::out_stride)
       .def_readwrite("amx_min_tokens", &ColdArgs::amx_min_tokens)
+      .def_readwrite("amx_quant_min_tokens", &ColdArgs::amx_quant_min_tokens)
       .def_readwrite("act_alpha", &ColdArgs::act_alpha)
       .def_readwrite("act_limit", &ColdArgs::act_limit)
       .def_readwrite("down_mode", &ColdArgs::down_mode)
@@ -201,7 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("last_stats", [](const ColdExperts& self) {
         ColdStats s = self.last_stats();
         py::dict d;
-        d["isa"] = s.quant ? "avx512_vnni" : isa_str(s.isa);
+        d["isa"] = s.quant && !s.amx_experts ? "avx512_vnni" : isa_str(s.isa);
         d["quant"] = s.quant;
         d["experts"] = s.experts;
         d["amx_experts"] = s.amx_experts;

@@ -227,8 +227,11 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   for (int64_t r = 0; r < a.R; ++r) p.order[counts[a.expert_ids[r]]++] = int32_t(r);
   const int32_t S = int32_t(p.exp_id.size());
 
-  // AMX for experts with enough routes; packed buffers laid out slot after slot.
-  const bool amx_ok = p.isa == Isa::kAmx && bf16_w && bf16_x && !p.quant && a.D % 32 == 0 && a.F % 32 == 0;
+  // AMX for experts with enough routes; packed buffers laid out slot after slot. Quantized
+  // experts go to the tiles as bf16 rows decoded per task (kernels_amx.cpp), where allowed.
+  const int64_t amx_min = p.quant ? a.amx_quant_min_tokens : a.amx_min_tokens;
+  const bool amx_ok = p.isa == Isa::kAmx && (p.quant ? amx_min > 0 : bf16_w) && bf16_x && a.D % 32 == 0 &&
+                      a.F % 32 == 0;
   p.amx.assign(size_t(S), 0);
   p.xpack_off.assign(size_t(S), 0);
   p.hpack_off.assign(size_t(S), 0);
@@ -236,7 +239,7 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   bool any_vec = false;
   for (int32_t s = 0; s < S; ++s) {
     const int64_t n = p.start[s + 1] - p.start[s];
-    p.amx[s] = amx_ok && n >= std::max<int64_t>(1, a.amx_min_tokens);
+    p.amx[s] = amx_ok && n >= std::max<int64_t>(1, amx_min);
     if (!p.amx[s]) {
       any_vec = true;
       continue;
@@ -273,7 +276,8 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
       for (int64_t b = 0; b < (p.start[s + 1] - p.start[s] + 15) / 16; ++b)
         p.t0.push_back({1, s, b, 0});
 
-  p.prepare_inline = p.quant && a.T <= kQuantInlineTokens;  // then submit() runs the x tasks
+  // then submit() runs the x tasks (all of them quantizing x: no slot packs x for AMX)
+  p.prepare_inline = p.quant && a.T <= kQuantInlineTokens && amx_slots == 0;
 
   // Phase 1: (slot, f block) tasks, the busiest experts first so the tail is short.
   slots_by_size.resize(size_t(S));
@@ -297,9 +301,9 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
     }
   };
   p.t1.clear();
-  int64_t left = S * a.F;
+  int64_t left = (S - amx_slots) * a.F;
   for (int32_t s : slots_by_size) {
-    if (p.quant) {
+    if (p.quant && !p.amx[s]) {
       guided(p.t1, s, a.F, left, kUpRowsQuantMin, kUpRowsQuantMax);
       continue;
     }
@@ -322,9 +326,9 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
     counts.assign(p.tok_start.begin(), p.tok_start.end());
     p.tok_pos.resize(size_t(a.R));
     for (int64_t q = 0; q < a.R; ++q) p.tok_pos[counts[p.route_token(q)]++] = int32_t(q);
-    left = S * a.D;
+    left = (S - amx_slots) * a.D;
     for (int32_t s : slots_by_size) {
-      if (p.quant) {
+      if (p.quant && !p.amx[s]) {
         guided(p.t2, s, a.D, left, kDownRowsQuantMin, kDownRowsQuantMax);
         continue;
       }
@@ -387,9 +391,7 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
             vec_down(p, t.kind_or_slot, t.lo, t.hi);
           break;
         }
-        const uint16_t* w2 = static_cast<const uint16_t*>(a.w2) + int64_t(p.exp_id[t.kind_or_slot]) * a.D * a.F;
-        for (int64_t d = t.lo; d < t.hi; d += kDownRows)
-          amx_down(p, t.kind_or_slot, d, d + kDownRows < t.hi ? w2 + (d + kDownRows) * a.F : nullptr);
+        amx_down_rows(p, t.kind_or_slot, t.lo, t.hi);
         break;
       }
       const int64_t d0 = i * kDownRows, d1 = std::min(a.D, d0 + kDownRows);
@@ -405,7 +407,7 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
           continue;
         }
         const uint16_t* next = nullptr;  // the next AMX slot's rows, prefetched meanwhile
-        if (s + 1 < S && p.amx[s + 1])
+        if (s + 1 < S && p.amx[s + 1] && !p.quant)
           next = static_cast<const uint16_t*>(a.w2) + (int64_t(p.exp_id[s + 1]) * a.D + d0) * a.F;
         amx_down(p, s, d0, next);
       }
@@ -418,14 +420,20 @@ void ColdExperts::Impl::task(int phase, int64_t i) {
       const int64_t n1 = int64_t(p.t1.size());
       if (i < n1) {
         const Plan::Task& t = p.t1[i];
-        quant_gate_up(p, t.kind_or_slot, t.lo, t.hi);
+        if (t.i)
+          amx_gate_up(p, t.kind_or_slot, t.lo);
+        else
+          quant_gate_up(p, t.kind_or_slot, t.lo, t.hi);
         if (ups_done.fetch_add(1, std::memory_order_relaxed) == n1 - 1) up_end_ns = PhasedJob::now_ns();
         break;
       }
       const Plan::Task& t = p.t2[i - n1];
       const int32_t* left = &p.chunks_left[t.kind_or_slot];
       spin_until([&] { return __atomic_load_n(left, __ATOMIC_ACQUIRE) == 0; });
-      quant_down(p, t.kind_or_slot, t.lo, t.hi);
+      if (t.i)
+        amx_down_rows(p, t.kind_or_slot, t.lo, t.hi);
+      else
+        quant_down(p, t.kind_or_slot, t.lo, t.hi);
     }
   }
 }

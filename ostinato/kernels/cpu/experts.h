@@ -92,6 +92,11 @@ struct ColdArgs {
   // the fewest routes of one expert that send that expert to the AMX tiles.
   Isa isa = Isa::kAuto;
   int64_t amx_min_tokens = 4;
+  // Quantized experts on the AMX tiles: their rows decoded to bf16 once per call (dequant.h),
+  // for experts with at least this many routes; 0 (the default): never, the row kernels take
+  // every route. The rows' decoding costs the time of several routes, so the break-even is
+  // measured (scripts/bench_cpu_quant.py --amx-quant) before a caller turns it on.
+  int64_t amx_quant_min_tokens = 0;
   // Down projection: 0 picks by size, 1 "direct", 2 "scatter" (kernels.h); same bits.
   int32_t down_mode = 0;
   // Software prefetch of the weight rows computed next (a tuning switch; same results), and, for

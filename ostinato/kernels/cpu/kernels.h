@@ -171,11 +171,13 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);  // quanti
 void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // direct or scatter
 double read_sum(const void* data, int64_t bytes);  // the bandwidth probe's task (AVX-512)
 
-// AMX path, kernels_amx.cpp (requires D % 32 == 0, F % 32 == 0, bf16 weights and x).
+// AMX path, kernels_amx.cpp (requires D % 32 == 0, F % 32 == 0, bf16 x, and bf16 or
+// quantized weights).
 void amx_pack_x(const Plan& p, int32_t s, int64_t block);
-void amx_gate_up(const Plan& p, int32_t s, int64_t f0);
+void amx_gate_up(const Plan& p, int32_t s, int64_t f0);  // quantized: marks its chunk of h done
 // 16 rows from d0, direct or scatter; next_rows (or null): the 16 w2 rows computed next,
 // prefetched into L2 meanwhile.
 void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows);
+void amx_down_rows(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // scatter: rows [d0, d1), 16 at a time
 
 }  // namespace ostinato

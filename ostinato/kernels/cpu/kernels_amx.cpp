@@ -13,17 +13,27 @@
 //
 // Weight rows are separate 4 KiB pages for the hardware prefetcher, so the first pass
 // over a tile row block prefetches its lines kPrefetchSteps K steps ahead.
+//
+// Quantized experts (Plan::quant, ColdArgs::amx_quant_min_tokens): a task first decodes its
+// rows (32 of gate and of up, or 16 of the down projection) into a bf16 scratch of its thread
+// (dequant.h), which then serves every token block from cache; the rest is the bf16 path. Their
+// h is bf16 here, where the row kernels quantize it per 32 values: both round what the
+// dequantize-then-bf16 reference computes. A gate/up task completes one 32-chunk of h and says
+// so (Plan::chunks_left), since the merged phase starts a slot's down tasks on that count.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include <vector>
+
 #include "kernels.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 
+#include "dequant.h"
 #include "vecmath.h"
 
 namespace ostinato {
@@ -69,6 +79,18 @@ inline __m512i pair_rows(__m256i even, __m256i odd) {
 
 inline int32_t num_blocks(const Plan& p, int32_t s) { return (p.start[s + 1] - p.start[s] + 15) / 16; }
 
+// n quantized rows of rb bytes from `rows`, each of k values of format qt -> out[n, k] bf16.
+void decode_rows(QType qt, const uint8_t* rows, int64_t rb, int64_t n, int64_t k, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) dequant_row_bf16(qt, rows + i * rb, k, out + i * k);
+}
+
+// This thread's scratch of at least n values (decoded rows, reused task after task).
+uint16_t* scratch(int64_t n) {
+  thread_local std::vector<uint16_t> buf;
+  if (buf.size() < size_t(n)) buf.resize(size_t(n));
+  return buf.data();
+}
+
 }  // namespace
 
 void amx_pack_x(const Plan& p, int32_t s, int64_t b) {
@@ -92,7 +114,21 @@ void amx_pack_x(const Plan& p, int32_t s, int64_t b) {
 void amx_gate_up(const Plan& p, int32_t s, int64_t f0) {
   const ColdArgs& a = p.a;
   const int64_t D = a.D, F = a.F, KB = D / 32, KBF = F / 32;
-  const uint16_t* w13 = static_cast<const uint16_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * F * D;
+  // rows f0 .. f0 + 31 of gate (g) and of up (u), D apart
+  const uint16_t *g, *u;
+  if (p.quant) {
+    const uint8_t* q13 = static_cast<const uint8_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * F * p.rb13;
+    uint16_t* buf = scratch(64 * D);
+    decode_rows(a.qt13, q13 + f0 * p.rb13, p.rb13, 32, D, buf);
+    decode_rows(a.qt13, q13 + (F + f0) * p.rb13, p.rb13, 32, D, buf + 32 * D);
+    g = buf;
+    u = buf + 32 * D;
+  } else {
+    const uint16_t* w13 = static_cast<const uint16_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * F * D;
+    g = w13 + f0 * D;
+    u = w13 + (F + f0) * D;
+  }
+  const bool prefetch = a.prefetch && !p.quant;  // decoded rows are in cache already
   const uint16_t* xp = p.xpack + p.xpack_off[s];
   const int32_t nb = num_blocks(p, s);
   const float* bg = a.b13 ? a.b13 + int64_t(p.exp_id[s]) * 2 * F : nullptr;  // gate biases, then up
@@ -104,14 +140,14 @@ void amx_gate_up(const Plan& p, int32_t s, int64_t f0) {
     const uint16_t* xb1 = xb0 + KB * kTile;
     for (int half = 0; half < 2; ++half) {
       const int64_t r0 = f0 + 16 * half;
-      const uint16_t* ag = w13 + r0 * D;
-      const uint16_t* au = w13 + (F + r0) * D;
+      const uint16_t* ag = g + 16 * half * D;
+      const uint16_t* au = u + 16 * half * D;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t kb = 0; kb < KB; ++kb) {
-        if (a.prefetch && b == 0) {  // later token blocks find the rows in cache
+        if (prefetch && b == 0) {  // later token blocks find the rows in cache
           if (kb + kPrefetchSteps < KB) {
             prefetch_tile_rows(ag, D, kb + kPrefetchSteps);
             prefetch_tile_rows(au, D, kb + kPrefetchSteps);
@@ -158,12 +194,23 @@ void amx_gate_up(const Plan& p, int32_t s, int64_t f0) {
       }
     }
   }
+  if (p.quant) __atomic_sub_fetch(&p.chunks_left[s], 1, __ATOMIC_RELEASE);  // chunk f0 / 32 of h is whole
 }
 
 void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
   const ColdArgs& a = p.a;
   const int64_t D = a.D, F = a.F, KBF = F / 32;
-  const uint16_t* w2 = static_cast<const uint16_t*>(a.w2) + (int64_t(p.exp_id[s]) * D + d0) * F;
+  const uint16_t* w2;  // rows d0 .. d0 + 15, F apart
+  if (p.quant) {
+    uint16_t* buf = scratch(16 * F);
+    decode_rows(a.qt2, static_cast<const uint8_t*>(a.w2) + (int64_t(p.exp_id[s]) * D + d0) * p.rb2, p.rb2, 16, F,
+                buf);
+    w2 = buf;
+    next_rows = nullptr;
+  } else {
+    w2 = static_cast<const uint16_t*>(a.w2) + (int64_t(p.exp_id[s]) * D + d0) * F;
+  }
+  const bool prefetch = a.prefetch && !p.quant;
   const uint16_t* hhi = p.hhi + p.hpack_off[s];
   const int32_t nb = num_blocks(p, s);
   const float* b2 = a.b2 ? a.b2 + int64_t(p.exp_id[s]) * D + d0 : nullptr;  // y = w2 . h + b2
@@ -175,7 +222,7 @@ void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t kb = 0; kb < KBF; ++kb) {
-      if (a.prefetch && b == 0) {
+      if (prefetch && b == 0) {
         if (kb + kPrefetchSteps < KBF) prefetch_tile_rows(w2, F, kb + kPrefetchSteps);
         if (next_rows) prefetch_tile_rows<_MM_HINT_T1>(next_rows, F, kb);
       }
@@ -208,6 +255,13 @@ void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
       }
     }
   }
+}
+
+void amx_down_rows(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
+  const ColdArgs& a = p.a;
+  const uint16_t* w2 = p.quant ? nullptr : static_cast<const uint16_t*>(a.w2) + int64_t(p.exp_id[s]) * a.D * a.F;
+  for (int64_t d = d0; d < d1; d += kDownRows)
+    amx_down(p, s, d, w2 && d + kDownRows < d1 ? w2 + (d + kDownRows) * a.F : nullptr);
 }
 
 }  // namespace ostinato

@@ -36,6 +36,7 @@ keeps bf16 activations, so the two branches of a layer agree to that order, not 
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -158,6 +159,8 @@ class CpuExperts:
     spin before sleeping (microseconds). amx_min_tokens: fewest routes of one expert that
     send it to the AMX tiles (4 was the fastest of 4, 8, 16 for 128-token prefills on the
     16-core GPU host; scripts/bench_cpu_experts.py --amx-min-tokens measures it).
+    amx_quant_min_tokens: the same for quantized experts, whose rows the AMX path decodes to
+    bf16 first (default: amx_quant_min_tokens(), 0 = never, until its break-even is measured).
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class CpuExperts:
         isa: str = "auto",
         spin_us: int = 2000,
         amx_min_tokens: int = 4,
+        amx_quant_min_tokens: int | None = None,
     ):
         items = layers.items() if isinstance(layers, Mapping) else enumerate(layers)
         self.layers = {int(i): _checked(i, _as_weights(i, w)) for i, w in items}
@@ -195,7 +199,10 @@ class CpuExperts:
         if self.backend == "native":
             ext = _extension()
             self._native = ext.ColdExperts(list(self.cpus), int(spin_us))
-            self._args = {i: _layer_args(ext, w, isa, amx_min_tokens) for i, w in self.layers.items()}
+            if amx_quant_min_tokens is None:
+                amx_quant_min_tokens = default_amx_quant_min_tokens()
+            self._args = {i: _layer_args(ext, w, isa, amx_min_tokens, amx_quant_min_tokens)
+                          for i, w in self.layers.items()}
         else:  # torch's intra-op pool on num_threads in its worker (a CUDA runner keeps its own threads at one)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts",
                                                 initializer=torch.set_num_threads, initargs=(self.num_threads,))
@@ -442,13 +449,28 @@ def _native_unavailable(isa: str) -> str | None:
     return None
 
 
+def default_amx_quant_min_tokens() -> int:
+    """The fewest routes of a quantized expert that send it to the AMX tiles, rows decoded to bf16
+    (ColdArgs::amx_quant_min_tokens): OSTINATO_AMX_QUANT, default 0 (never: every route on the row
+    kernels). A switch to measure the path in the engine, before and after in one process;
+    scripts/bench_cpu_quant.py --amx-quant measures its break-even alone."""
+    v = os.environ.get("OSTINATO_AMX_QUANT", "0")
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ConfigError(f"OSTINATO_AMX_QUANT must be a whole number of routes (0: off), not {v!r}")
+    return n
+
+
 def _quant_unavailable() -> str | None:
     if not _extension().cpu_features()["avx512_vnni"]:
         return "this CPU lacks AVX512_VNNI, which the quantized experts' kernels use"
     return None
 
 
-def _layer_args(ext, w, isa: str, amx_min_tokens: int):
+def _layer_args(ext, w, isa: str, amx_min_tokens: int, amx_quant_min_tokens: int):
     a = ext.ColdArgs()
     a.w13, a.w2 = w.w13.data_ptr(), w.w2.data_ptr()
     if isinstance(w, QuantExpertWeights):
@@ -456,7 +478,7 @@ def _layer_args(ext, w, isa: str, amx_min_tokens: int):
     else:
         a.w_dtype = _DTYPES[w.w13.dtype]
     a.E, a.D, a.F = _dims(w)
-    a.isa, a.amx_min_tokens = ISAS[isa], amx_min_tokens
+    a.isa, a.amx_min_tokens, a.amx_quant_min_tokens = ISAS[isa], amx_min_tokens, amx_quant_min_tokens
     a.act, a.act_alpha, a.act_limit = w.act.code, w.act.alpha, w.act.limit
     if w.b13 is not None:  # fp32 and contiguous (_fp32_biases), kept alive by the layer's weights
         a.b13, a.b2 = w.b13.data_ptr(), w.b2.data_ptr()
