@@ -378,11 +378,14 @@ def extension():
     return ext
 
 
+@pytest.mark.parametrize("avx512", [False, True], ids=["portable", "avx512"])
 @pytest.mark.parametrize("qt", FORMATS)
-def test_dequant_rows_bf16_is_gguf_rounded(extension, qt):
-    """The AMX path's decoding (built for the binding without an ISA target, so it runs on any
-    host) is gguf's dequantize rounded to the nearest bf16, bit for bit, also for subnormal fp16
-    scales and the smallest and large MXFP4 exponents."""
+def test_dequant_rows_bf16_is_gguf_rounded(extension, qt, avx512):
+    """The AMX path's decoding is gguf's dequantize rounded to the nearest bf16, bit for bit,
+    also for subnormal fp16 scales and the smallest and large MXFP4 exponents: dequant.h built
+    without an ISA target (any host), and the AMX path's own build (Q4_K and Q5_K by table)."""
+    if avx512 and not extension.cpu_features()["avx512"]:
+        pytest.skip("this CPU lacks AVX-512")
     n, rows = 512, 24
     g = torch.Generator().manual_seed(30)
     b = random_rows(qt, rows, n, g, exact=False, positive=False).view(rows, n // formats.block_size(qt), -1)
@@ -399,7 +402,7 @@ def test_dequant_rows_bf16_is_gguf_rounded(extension, qt):
         b[1, :, 0] = 200
     b = b.reshape(rows, -1).contiguous()
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    extension.dequant_rows_bf16(ce_mod.QTYPE_CODES[qt], b.data_ptr(), rows, n, out.data_ptr())
+    extension.dequant_rows_bf16(ce_mod.QTYPE_CODES[qt], b.data_ptr(), rows, n, out.data_ptr(), avx512)
     assert torch.equal(out, gguf_rows(qt, b, n).bfloat16())
 
 

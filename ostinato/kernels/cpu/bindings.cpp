@@ -10,6 +10,7 @@
 #include "dequant.h"  // built here without an ISA target: the tests' dequant_rows_bf16, on any host
 #include "experts.h"
 #include "graph_worker.h"
+#include "kernels.h"
 
 namespace py = pybind11;
 using namespace ostinato;
@@ -136,16 +137,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def(
       "dequant_rows_bf16",
-      [](int qt, uintptr_t w, int64_t rows, int64_t n, uintptr_t out) {
+      [](int qt, uintptr_t w, int64_t rows, int64_t n, uintptr_t out, bool avx512) {
         const QType q = QType(qt);
         if (qtype_block_values(q) == 0) throw std::invalid_argument("dequant_rows_bf16: not a block format");
         if (n % qtype_block_values(q)) throw std::invalid_argument("dequant_rows_bf16: n is not whole blocks");
+        const auto* src = reinterpret_cast<const uint8_t*>(w);
+        auto* dst = reinterpret_cast<uint16_t*>(out);
+        if (avx512) {  // the build the AMX path runs
+          if (!cpu_features().avx512) throw std::runtime_error("dequant_rows_bf16: this CPU lacks AVX-512");
+          return dequant_rows_bf16_avx512(q, src, rows, n, dst);
+        }
         const int64_t rb = qtype_row_bytes(q, n);
-        for (int64_t r = 0; r < rows; ++r)
-          dequant_row_bf16(q, reinterpret_cast<const uint8_t*>(w) + r * rb, n, reinterpret_cast<uint16_t*>(out) + r * n);
+        for (int64_t r = 0; r < rows; ++r) dequant_row_bf16(q, src + r * rb, n, dst + r * n);
       },
-      py::arg("qt"), py::arg("w"), py::arg("rows"), py::arg("n"), py::arg("out"),
-      "uint8 w[rows, row bytes] of format qt -> bf16 out[rows, n], as the AMX path decodes quantized experts");
+      py::arg("qt"), py::arg("w"), py::arg("rows"), py::arg("n"), py::arg("out"), py::arg("avx512") = false,
+      "uint8 w[rows, row bytes] of format qt -> bf16 out[rows, n], as the AMX path decodes quantized experts "
+      "(avx512: its own build; else dequant.h built portably)");
 
   py::class_<ColdArgs> args(m, "ColdArgs");
   args.def(py::init<>());

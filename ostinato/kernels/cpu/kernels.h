@@ -179,5 +179,8 @@ void amx_gate_up(const Plan& p, int32_t s, int64_t f0);  // quantized: marks its
 // prefetched into L2 meanwhile.
 void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows);
 void amx_down_rows(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // scatter: rows [d0, d1), 16 at a time
+// The AMX path's decoding of quantized rows (dequant.h, with Q4_K and Q5_K by table), for the
+// tests: uint8 w[rows, row bytes] -> bf16 out[rows, n]. Requires AVX-512BW.
+void dequant_rows_bf16_avx512(QType qt, const uint8_t* w, int64_t rows, int64_t n, uint16_t* out);
 
 }  // namespace ostinato

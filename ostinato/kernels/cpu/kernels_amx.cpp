@@ -79,9 +79,70 @@ inline __m512i pair_rows(__m256i even, __m256i odd) {
 
 inline int32_t num_blocks(const Plan& p, int32_t s) { return (p.start[s + 1] - p.start[s] + 15) / 16; }
 
+// Q4_K and Q5_K by table (most of a Q4_K_M file's expert weights): a 32-block has one scale and
+// one min, so its 16 (Q5_K: 32) possible values d * sc * q - dmin * m are computed once, rounded
+// as dq_bf16 rounds, and its 32 values looked up by their nibbles with one VPERMW. Products and
+// differences are separate roundings, as in dequant.h (no fused multiply-add), so the two agree
+// bit for bit (tests/test_cpu_quant.py: test_dequant_rows_bf16_is_gguf_rounded, both builds).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+inline __m512i round_bf16_words(__m512 v) {  // 16 lanes: bf16 bits in the low half of each
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+}
+
+// Words q -> bf16(d * q - m) for q < 16 (kTwo: q < 32).
+template <bool kTwo>
+inline __m512i value_table(float d, float m) {
+  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  const __m256i lo = _mm512_cvtepi32_epi16(round_bf16_words(_mm512_sub_ps(_mm512_mul_ps(dv, q), mv)));
+  if constexpr (!kTwo) return _mm512_castsi256_si512(lo);
+  const __m512 q16 = _mm512_add_ps(q, _mm512_set1_ps(16.0f));
+  const __m256i hi = _mm512_cvtepi32_epi16(round_bf16_words(_mm512_sub_ps(_mm512_mul_ps(dv, q16), mv)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+template <bool kQ5>
+void k4_row_table(const uint8_t* w, int64_t n, uint16_t* y) {
+  const int64_t bb = kQ5 ? 176 : 144;
+  const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  for (int64_t i = 0; i < n / 256; ++i, w += bb, y += 256) {
+    const float d = dq_half(w), dmin = dq_half(w + 2);
+    const uint8_t* sc = w + 4;
+    const uint8_t* qs = w + (kQ5 ? 48 : 16);
+    const __m256i qh = kQ5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)) : _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      float s0, m0, s1, m1;
+      dq_scale_min(2 * g, sc, s0, m0);
+      dq_scale_min(2 * g + 1, sc, s1, m1);
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g));
+      __m256i lo = _mm256_and_si256(q, nib), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
+      if constexpr (kQ5) {  // the fifth bits: bit 2g of qh[l] for the low nibbles, 2g + 1 for the high
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4));
+      }
+      const __m512i t0 = value_table<kQ5>(d * s0, dmin * m0), t1 = value_table<kQ5>(d * s1, dmin * m1);
+      _mm512_storeu_si512(y + 64 * g, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), t0));
+      _mm512_storeu_si512(y + 64 * g + 32, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(hi), t1));
+    }
+  }
+}
+
+#pragma GCC pop_options
+
 // n quantized rows of rb bytes from `rows`, each of k values of format qt -> out[n, k] bf16.
 void decode_rows(QType qt, const uint8_t* rows, int64_t rb, int64_t n, int64_t k, uint16_t* out) {
-  for (int64_t i = 0; i < n; ++i) dequant_row_bf16(qt, rows + i * rb, k, out + i * k);
+  for (int64_t i = 0; i < n; ++i) {
+    if (qt == QType::kQ4_K)
+      k4_row_table<false>(rows + i * rb, k, out + i * k);
+    else if (qt == QType::kQ5_K)
+      k4_row_table<true>(rows + i * rb, k, out + i * k);
+    else
+      dequant_row_bf16(qt, rows + i * rb, k, out + i * k);
+  }
 }
 
 // This thread's scratch of at least n values (decoded rows, reused task after task).
@@ -255,6 +316,10 @@ void amx_down(const Plan& p, int32_t s, int64_t d0, const uint16_t* next_rows) {
       }
     }
   }
+}
+
+void dequant_rows_bf16_avx512(QType qt, const uint8_t* w, int64_t rows, int64_t n, uint16_t* out) {
+  decode_rows(qt, w, qtype_row_bytes(qt, n), rows, n, out);
 }
 
 void amx_down_rows(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
