@@ -17,7 +17,8 @@ call took twice as long (2-core host).
            bytes = r * expert bytes / median time;
   prefill  T tokens with top-k routing (compute-bound), about T * topk / E routes an expert; with
            --amx-quant N,..., also with experts of at least N routes on the AMX tiles (their rows
-           decoded to bf16 once a call: ColdArgs.amx_quant_min_tokens), against the row kernels;
+           decoded to bf16 once a call: ColdArgs.amx_quant_min_tokens), against the row kernels,
+           and the rate of that decoding on one core (G values a second, the AVX-512 build);
   accuracy native vs quant_reference (same activation quantization, only summation order
            differs), and vs unquantized activations (the int8 activations' own error).
 
@@ -48,7 +49,8 @@ from bench_cpu_experts import hardware, l3_bytes, meminfo_bytes, topk_routes
 
 from ostinato.bench.report import source_state
 from ostinato.threads import claim_host_thread, process_layout
-from ostinato.layers.moe.cpu_experts import CpuExperts, quant_reference, torch_reference
+from ostinato.kernels.cpu.build import load_cpu_extension
+from ostinato.layers.moe.cpu_experts import QTYPE_CODES, CpuExperts, quant_reference, torch_reference
 from ostinato.layers.moe.types import QuantExpertWeights
 from ostinato.quant import formats
 
@@ -193,6 +195,26 @@ def bench_prefill(ce: CpuExperts, w: QuantExpertWeights, T: int, amx_min: int, a
             "tflops": 6 * w.hidden * w.ffn * tok.numel() / (ms / 1e3) / 1e12}
 
 
+def decode_rate(w: QuantExpertWeights) -> dict:
+    """G values a second that the AMX path's decoding (rows to bf16) reaches on this thread, over
+    8 experts' rows (from cache after the first pass: the decoding's own speed); without AVX-512,
+    dequant.h's portable build."""
+    ext = load_cpu_extension()
+    avx512 = ext.cpu_features()["avx512"]
+    rates = {"build": "avx512" if avx512 else "portable"}
+    for name, qt, rows, n in (("w13", w.qt13, w.w13[:8], w.hidden), ("w2", w.qt2, w.w2[:8], w.ffn)):
+        src = rows.reshape(-1, rows.shape[-1]).contiguous()
+        out = torch.empty(src.shape[0], n, dtype=torch.bfloat16)
+        times = []
+        for it in range(4):
+            t0 = time.perf_counter()
+            ext.dequant_rows_bf16(QTYPE_CODES[qt], src.data_ptr(), src.shape[0], n, out.data_ptr(), avx512)
+            if it:
+                times.append(time.perf_counter() - t0)
+        rates[name] = {"qtype": qt, "gvalues_s": out.numel() / statistics.median(times) / 1e9}
+    return rates
+
+
 def accuracy(ce: CpuExperts, w: QuantExpertWeights, args, gen) -> dict:
     """On the first 16 experts (dequantizing the whole layer would take long)."""
     E = min(16, w.num_experts)
@@ -219,7 +241,7 @@ def main() -> None:
     probe = torch.ones(probe_mib << 18, dtype=torch.float32)  # MiB -> fp32 elements
     if args.huge_pages:
         probe = huge_page_copy(probe)
-    results, pre, acc = {}, {}, {}
+    results, pre, acc, dec = {}, {}, {}, {}
     ce = None
     for spec in args.formats.split(","):
         qt13, _, qt2 = spec.partition("/")
@@ -242,6 +264,8 @@ def main() -> None:
         amx = [0] + [int(n) for n in args.amx_quant.split(",") if n]
         pre[spec] = [bench_prefill(ce, w, int(T), n, args, gen) for T in args.prefill.split(",") if T for n in amx]
         acc[spec] = accuracy(ce, w, args, gen)
+        if args.amx_quant:
+            dec[spec] = decode_rate(w)
         ce.close()
         del w, ce
 
@@ -262,6 +286,9 @@ def main() -> None:
                     if p["amx_quant_min_tokens"] else "row kernels"
                 print(f"{spec:>11} T={p['T']:>4} {p['routes']:>5} routes {p['experts']:>4} experts {p['ms']:>8.1f} ms "
                       f"{p['gbps']:>6.1f} GB/s {p['tflops']:>6.3f} TFLOP/s  {path}")
+    for spec, r in dec.items():
+        print(f"{spec:>11} decoding to bf16 (one core, {r['build']} build): " +
+              ", ".join(f"{k} {v['qtype']} {v['gvalues_s']:.2f} G values/s" for k, v in r.items() if k != "build"))
     print("\naccuracy (relative error of the layer output)")
     for spec, a in acc.items():
         print(f"{spec:>11} vs quant_reference {a['vs_quant_reference']:.1e}, "
@@ -275,7 +302,7 @@ def main() -> None:
                    "rounds": args.rounds, "iters": args.iters, "probe_mib": probe_mib,
                    "prefetch": not args.no_prefetch, "prefetch_kib": args.prefetch_kib, "torch": torch.__version__,
                    "huge_pages": args.huge_pages, "thp": huge_pages_state()},
-        "decode": results, "prefill": pre, "accuracy": acc,
+        "decode": results, "prefill": pre, "accuracy": acc, "amx_decoding": dec,
         "of_probe_min_median": min((r["of_probe_median"] for r in results.values()), default=math.nan),
         "of_probe_r1_min_median": min((r["of_probe_r1_median"] for r in results.values()), default=math.nan),
     }))
