@@ -24,9 +24,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
-
-#include <vector>
+#include <new>
 
 #include "kernels.h"
 
@@ -145,11 +145,24 @@ void decode_rows(QType qt, const uint8_t* rows, int64_t rb, int64_t n, int64_t k
   }
 }
 
-// This thread's scratch of at least n values (decoded rows, reused task after task).
+// This thread's scratch of at least n values (decoded rows, reused task after task). Plain
+// malloc, no std::vector: a template instantiated in this file is compiled for AVX-512, and the
+// linker may hand its copy to callers in files built for any x86-64 CPU.
+struct Scratch {
+  uint16_t* p = nullptr;
+  int64_t cap = 0;
+  ~Scratch() { std::free(p); }
+};
+
 uint16_t* scratch(int64_t n) {
-  thread_local std::vector<uint16_t> buf;
-  if (buf.size() < size_t(n)) buf.resize(size_t(n));
-  return buf.data();
+  thread_local Scratch s;
+  if (s.cap < n) {
+    std::free(s.p);
+    s.p = static_cast<uint16_t*>(std::malloc(size_t(n) * sizeof(uint16_t)));
+    s.cap = s.p ? n : 0;
+    if (s.p == nullptr) throw std::bad_alloc();
+  }
+  return s.p;
 }
 
 }  // namespace
