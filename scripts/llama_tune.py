@@ -48,7 +48,7 @@ def replay(url: str, sessions, tok, max_turns, max_output, max_context) -> tuple
         results = replay_sessions(target, sessions, tokenizer=tok, max_turns=max_turns, max_output=max_output)
     finally:
         target.close()
-    return results, summarize(results, None)
+    return results, {**summarize(results, None), "outputs_held": target.held}
 
 
 def chosen(path: Path, cap_mib: int) -> LlamaSettings:

@@ -17,7 +17,7 @@ import pytest
 from ostinato.bench.metrics import (TurnResult, client_timing, percentile, session_totals, slope, summarize,
                                     sweep_summary, wins)
 from ostinato.bench.replay import (FORCED_OUTPUT_FIELD, HttpTarget, InProcessTarget, TurnRequest, format_turn,
-                                   replay_sessions)
+                                   replay_sessions, session_requests)
 from ostinato.sessions.turns import Session, Turn
 from ostinato.config import ConfigError
 from ostinato.engine.session import common_prefix
@@ -222,6 +222,54 @@ def test_http_target_on_a_fake_clock():
     text = HttpTarget("http://llama.test", clock=clock, transport=_mock_server(clock, "x", seen), first_token="text")
     assert text.run(TurnRequest("s", 0, "first", messages=[{"role": "user", "content": "q"}], output=out,
                                 forced_ids=[1] * 5)).ttft_s == pytest.approx(0.28)
+
+
+def test_an_unforced_engine_is_made_to_hold_the_recorded_answer_between_turns():
+    """llama.cpp generates its own tokens where Ostinato forces the recorded ones, so its cache
+    would lack the recorded answer that the next prompt resends (session 26: 56 more tokens
+    prefilled a turn). Between two turns of a session, and only then, the replay sends the
+    prompt and the answer's ids untimed; Ostinato's server is never sent one; a failed hold is
+    counted and the replay goes on."""
+    clock = FakeClock()
+    paths, fail = [], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "owned_by": "llamacpp"}]})
+        body = json.loads(request.content)
+        paths.append((request.url.path, body))
+        if request.url.path == "/v1/completions":
+            return httpx.Response(500 if fail else 200, json={"choices": [{"text": "x"}]})
+        chunks = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]},
+                  {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 2}}]
+        return httpx.Response(200, content=b"".join(_sse(chunks)), headers={"content-type": "text/event-stream"})
+
+    tok = FakeTokenizer()
+    target = HttpTarget("http://llama.test", clock=clock, transport=httpx.MockTransport(handler), tokenizer=tok)
+    results = replay_sessions(target, [_session("a"), _session("b", kinds=("first",))], tokenizer=tok)
+    assert len(results) == 4 and not any(r.error for r in results)
+    reqs = session_requests(_session("a"), tok)
+    holds = [b for p, b in paths if p == "/v1/completions"]
+    # after turns 0 and 1 of session a; not after its last turn, nor in the one-turn session b
+    assert [p for p, _ in paths] == ["/v1/chat/completions", "/v1/completions"] * 2 + ["/v1/chat/completions"] * 2
+    assert [h["prompt"] for h in holds] == [reqs[i].prompt_ids + reqs[i].forced_ids for i in (0, 1)]
+    assert all(h["max_tokens"] == 1 for h in holds)
+    assert target.held == {"turns": 2, "tokens": len(reqs[0].forced_ids) + len(reqs[1].forced_ids), "failed": 0}
+    fail.append(True)
+    assert len(replay_sessions(target, [_session("c")], tokenizer=tok)) == 3 and target.held["failed"] == 2
+
+    ours = HttpTarget("http://ostinato.test", clock=clock, transport=_mock_server(clock, "ostinato", []))
+    replay_sessions(ours, [_session("d")], tokenizer=tok)
+    assert ours.held["turns"] == 0
+    off = HttpTarget("http://llama.test", clock=clock, transport=httpx.MockTransport(handler), tokenizer=tok,
+                     hold_outputs=False)
+    paths.clear()
+    replay_sessions(off, [_session("e")], tokenizer=tok)
+    assert "/v1/completions" not in [p for p, _ in paths]
+    from ostinato.bench.report import _held_text
+
+    assert "prefilled the recorded answer again" in _held_text(None)
+    assert "2 turns" in _held_text({"turns": 2, "tokens": 7, "failed": 0})
 
 
 def test_messages_route_times_the_first_token_at_message_start():

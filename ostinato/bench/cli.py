@@ -70,7 +70,8 @@ def cmd_replay(a) -> int:
 
             tokenizer = ChatTokenizer.from_dir(open_source(a.tokenizer).tokenizer_dir)
         target = HttpTarget(a.endpoint, kind=a.endpoint_kind, tokenizer=tokenizer, api_key=a.api_key,
-                            model=a.served_model, first_token=a.first_token, api=a.api)
+                            model=a.served_model, first_token=a.first_token, api=a.api,
+                            hold_outputs=not a.no_hold_outputs)
         engine = target.name
     else:
         target, layers, engine = _in_process(a)
@@ -79,6 +80,8 @@ def cmd_replay(a) -> int:
     results = replay_sessions(target, sessions, tokenizer=tokenizer, max_turns=a.max_turns, max_output=a.max_output,
                               on_turn=lambda r: print(format_turn(r), flush=True), cut=cut)
     summary = summarize(results, layers)
+    if getattr(target, "held", None) is not None and target.kind != "ostinato":
+        summary["outputs_held"] = target.held  # HttpTarget.hold_output: the report says what it did
     _print_summary(summary)
     if cut:
         print(f"{len(cut)} sessions cut at a turn that does not fit the context")
@@ -220,6 +223,10 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--served-model", help="model name to send (default: the server's first model)")
     p.add_argument("--tokenizer", help="the model whose tokenizer measures recorded lengths over HTTP (a checkpoint "
                    "directory, a GGUF file or synth:PRESET)")
+    p.add_argument("--no-hold-outputs", action="store_true",
+                   help="another engine (no forced outputs): leave its cache with its own answers between turns, so "
+                   "that each turn prefills the recorded answer again (default: an untimed request makes it hold "
+                   "the recorded answer, as Ostinato's cache does; needs --tokenizer)")
     p.add_argument("--first-token", default="chunk", choices=["chunk", "text"],
                    help="what marks the first token over HTTP (default: the first streamed chunk)")
     p.add_argument("--policy", choices=POLICIES,

@@ -126,9 +126,9 @@ class HttpTarget:
 
     def __init__(self, url: str, *, clock: Callable[[], float] = time.perf_counter, kind: str = "auto",
                  tokenizer=None, api_key: str | None = None, model: str | None = None, timeout: float = 900.0,
-                 first_token: str = "chunk", transport=None, api: str = "openai"):
+                 first_token: str = "chunk", transport=None, api: str = "openai", hold_outputs: bool = True):
         """api: 'openai' (chat completions) or 'anthropic' (/v1/messages; our server, forced ids from
-        `tokenizer`, so both routes replay the same tokens)."""
+        `tokenizer`, so both routes replay the same tokens). hold_outputs: see hold_output."""
         import httpx
 
         if api not in ("openai", "anthropic"):
@@ -142,6 +142,8 @@ class HttpTarget:
         self.clock, self.tokenizer, self.first_token = clock, tokenizer, first_token
         self.url = url
         self.kind, self.model = kind, model
+        self.hold_outputs = hold_outputs
+        self.held = {"turns": 0, "tokens": 0, "failed": 0}  # hold_output's requests
         self.max_context = None
         if kind == "auto" or model is None:
             self._detect()
@@ -224,6 +226,32 @@ class HttpTarget:
         if after:
             res.placement = {"all": placement_delta(before, after)}
         return res
+
+    def hold_output(self, req: TurnRequest) -> None:
+        """Between a turn and the next one of its session, untimed: the engine's cache made to hold
+        the turn's prompt and recorded answer, as Ostinato's holds them after its forced decode.
+
+        Why: an engine that takes no forced output (kind 'openai', e.g. llama.cpp) generated its own
+        tokens in the answer's place, so its cache holds the prompt but not the recorded answer that
+        the next prompt resends, and it would prefill that answer again in the next turn's TTFT. On
+        session 26's replays llama.cpp prefilled 56 tokens more a turn than Ostinato (median) on the
+        same prompts. So this sends the prompt and the answer's ids (/v1/completions, one token
+        generated; the engine's prefix cache reuses the prompt). Its time counts in no turn, which
+        favours that engine: Ostinato decodes those tokens inside its timed turns. Needs ids (a
+        tokenizer); a failure is counted and the replay goes on."""
+        if self.kind == "ostinato" or not self.hold_outputs or req.prompt_ids is None or not req.forced_ids:
+            return
+        body = {"model": self.model, "prompt": req.prompt_ids + req.forced_ids, "max_tokens": 1,
+                "temperature": 0.0}
+        import httpx
+
+        try:
+            self.client.post("/v1/completions", json=body).raise_for_status()
+        except httpx.HTTPError:  # the next turn still runs (prefilling the answer again); the count says so
+            self.held["failed"] += 1
+            return
+        self.held["turns"] += 1
+        self.held["tokens"] += len(req.forced_ids)
 
     def _events(self, path: str, body: dict, res: TurnResult):
         """(arrival time, JSON text) of each `data:` line of a streamed POST; an HTTP or connection
@@ -361,8 +389,10 @@ def replay_sessions(target, sessions: Iterable, *, tokenizer=None, max_turns: in
     before the first turn that does not fit the target's context (noted in `cut`)."""
     results = []
     limit = getattr(target, "max_context", None)
+    hold = getattr(target, "hold_output", None)  # HttpTarget: an unforced engine's cache made to hold the answer
     for session in sessions:
-        for req in session_requests(session, tokenizer, max_output)[:max_turns]:
+        reqs = session_requests(session, tokenizer, max_output)[:max_turns]
+        for i, req in enumerate(reqs):
             if limit and req.prompt_ids is not None and len(req.prompt_ids) + len(req.forced_ids) > limit:
                 if cut is not None:
                     cut.append((req.session, req.turn))
@@ -373,6 +403,8 @@ def replay_sessions(target, sessions: Iterable, *, tokenizer=None, max_turns: in
                 on_turn(r)
             if r.error:
                 break
+            if hold is not None and i + 1 < len(reqs):
+                hold(req)
     return results
 
 

@@ -235,6 +235,16 @@ def add_external(result: dict, name: str, replay: dict, source: str) -> None:
                                                            "commit": replay.get("commit"), "date": replay.get("date")}}
 
 
+def _held_text(held: dict | None) -> str:
+    """What the replay did about the recorded answers the engine did not generate (HttpTarget.hold_output)."""
+    if not held:
+        return ("its cache held its own answers, not the recorded ones, so each next turn prefilled the recorded "
+                "answer again: up to --max-output tokens a turn more than Ostinato's, inside its TTFT")
+    failed = f", {held['failed']} failed" if held.get("failed") else ""
+    return (f"its cache made to hold each recorded answer between turns, untimed ({held['turns']} turns, "
+            f"{held['tokens']} tokens{failed})")
+
+
 def entry_slope(entry: dict, np_: int | None = None):
     """A policy's length-sweep TTFT slope (ms per new token) below np_, from its sweep points
     (a baseline merged from a run with another Np gets the slope below this run's), or the
@@ -378,7 +388,8 @@ def markdown(result: dict, plots: list[str]) -> str:
             mib = f"; {x['gpu_mib']} MiB by nvidia-smi after the replay" if x.get("gpu_mib") is not None else ""
             when = f" at `{x['commit'][:7]}` ({x.get('date')})" if x.get("commit") else " (its replay names no commit)"
             lines.append(f"- {name}: another engine, replayed over HTTP on the same turns ({x['engine']}; "
-                         f"`{x['file']}`{when}{mib}): max_tokens = the recorded length, end of sequence ignored")
+                         f"`{x['file']}`{when}{mib}): max_tokens = the recorded length, end of sequence ignored; "
+                         + _held_text(e["summary"].get("outputs_held")))
     lines += ["", "## Length sweep", "", "Median TTFT (ms) after a fixed development prefix, by new prompt tokens.", ""]
     sizes = sorted({p["size"] for e in result["policies"].values() for p in (e.get("sweep") or {}).get("points", [])})
     if sizes:
