@@ -535,20 +535,35 @@ class HybridExperts(MoEBackend):
         pool = self.pools.of(layer)
         if self.on_cuda:
             slots = slots.pin_memory().to(self.device, non_blocking=True)
-        stream = self.copy_stream if self.on_cuda else None
-        if stream is not None:
-            stream.wait_event(ready)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            nbytes = sum(pool.upload(d, self.host, layer, int(e)) for d, e in zip(dst, up))
-        self.counters["uploaded_experts"] += len(up)
-        self.counters["bytes_uploaded"] += nbytes
+        self._copy_in(layer, dst, up, ready)
 
         def part() -> torch.Tensor:
-            if stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._copies_landed()
             return pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
 
         return part
+
+    def _copy_in(self, layer: int, dst, experts, ready=None) -> None:
+        """Issue the copies of `experts` (host ids) into the flex slots `dst` on the copy stream, once
+        `ready` has passed (an event recorded behind the flex slots' earlier readers; None: all the
+        current stream's work so far), and count them. The GEMM that reads them waits first
+        (_copies_landed)."""
+        pool = self.pools.of(layer)
+        stream = self.copy_stream
+        if stream is not None:
+            if ready is None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            else:
+                stream.wait_event(ready)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            nbytes = sum(pool.upload(int(d), self.host, layer, int(e)) for d, e in zip(dst, experts))
+        self.counters["uploaded_experts"] += len(experts)
+        self.counters["bytes_uploaded"] += nbytes
+
+    def _copies_landed(self) -> None:
+        """The current stream waits for the copies issued so far (_copy_in)."""
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once
@@ -572,19 +587,12 @@ class HybridExperts(MoEBackend):
         # below would hold the host until they end
         self.counters["cold_routes"] += int((slot < 0).sum())
         dst = torch.tensor(staging(pool, n))
-        stream = self.copy_stream
-        if stream is not None:  # the copies start once the flex slots' earlier readers are done
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            nbytes = sum(pool.upload(int(s), self.host, layer, int(e)) for s, e in zip(dst, cold_ids))
+        self._copy_in(layer, dst, cold_ids)  # once the flex slots' earlier readers are done
         # the pool's experts meanwhile, then the uploaded ones once their copies land (split_path)
         out = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)
         flex[cold_ids.to(self.device)] = dst.to(self.device, torch.int32)
         slot = pool.slots_in(flex, topk.ids)
-        if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._copies_landed()
         out = out + pool.forward(x, slot, topk.weights, out_dtype=torch.float32)
-        self.counters["uploaded_experts"] += n
-        self.counters["bytes_uploaded"] += nbytes
         return out.to(x.dtype)
