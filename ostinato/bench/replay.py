@@ -119,7 +119,9 @@ class InProcessTarget:
 
 class HttpTarget:
     """An OpenAI-compatible endpoint. kind: 'ostinato' (forced outputs, /metrics placement),
-    'openai' (max_tokens + ignore_eos), or 'auto' (ours if /v1/models says owned_by ostinato).
+    'openai' (max_tokens + ignore_eos; the prompt as our tokenizer's ids on /v1/completions when the
+    replay has a tokenizer, else as chat messages), or 'auto' (ours if /v1/models says owned_by
+    ostinato).
     first_token: 'chunk' (the first streamed chunk: our server opens the stream with the first
     token) or 'text' (the first chunk that carries text, for servers that send a role chunk
     before prefilling)."""
@@ -180,7 +182,10 @@ class HttpTarget:
     def body(self, req: TurnRequest) -> tuple[str, dict]:
         body: dict = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
                       "temperature": 0.0}
-        if req.messages is not None:
+        # an unforced engine is sent our ids where we have them: the tokens Ostinato prefills, and the prefix
+        # that hold_output extends. Rendered by llama.cpp's own template instead, tau2's tool lists differed
+        # from ours within the first 2000 tokens, so each hold displaced the session's cache (session 27).
+        if req.messages is not None and (self.kind == "ostinato" or req.prompt_ids is None):
             path = "/v1/chat/completions"
             body["messages"] = req.messages
             if req.tools:
