@@ -287,3 +287,39 @@ def test_warm_up_leaves_no_compile_to_the_turns(tinyk_q4km, tmp_path):
     torch.cuda.synchronize()
     assert compiles.count == before, compiles.recent[-(compiles.count - before):]
 
+
+
+def test_layers_loaded_on_worker_threads_fill_the_same_pools(tinyk_q4km, tmp_path, monkeypatch):
+    """A GPU run loads with torch at one thread on the host's core (claim_host_thread), so its layers
+    are copied on the workers' threads (threads.on_workers): the pools and host copies are the same
+    bytes as a load in the calling thread, and each layer was loaded once, off the calling thread."""
+    import threading
+
+    from ostinato.engine import experts as experts_mod
+
+    _residency(GGUFSource(tinyk_q4km), 0.5).save(tmp_path / "r.json")
+    serial = _engine(tinyk_q4km, tmp_path / "r.json", "native").runner.experts
+    seen = []
+    load = experts_mod.load_layer_experts
+
+    def spy(source, layer, *args):
+        seen.append((layer, threading.current_thread() is threading.main_thread()))
+        return load(source, layer, *args)
+
+    monkeypatch.setattr(experts_mod, "load_layer_experts", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        settings = RunnerSettings(device="cpu", dtype="fp32", max_context=128, prefill_chunk=64, cpu_threads=4)
+        place = PlacementSettings(residency=str(tmp_path / "r.json"), experts="native")
+        threaded = load_engine(str(tinyk_q4km), settings, place).runner.experts
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(seen) == [(0, False), (1, False)]
+    for a, b in zip(serial.pools.groups, threaded.pools.groups):  # hot and zero slots (flex ones: not yet filled)
+        n = a.flex_lo
+        assert torch.equal(a.w13[:n], b.w13[:n]) and torch.equal(a.w2[:n], b.w2[:n])
+        assert torch.equal(a.table_host, b.table_host)
+    for layer in (0, 1):
+        a, b = serial.host.layers[layer], threaded.host.layers[layer]
+        assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)

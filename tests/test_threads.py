@@ -1,5 +1,6 @@
 """The thread layout (ostinato/threads.py) on faked topologies: every poller and the host thread on
 a physical core of its own, the workers on the rest, on any core count."""
+import os
 import threading
 
 import pytest
@@ -186,3 +187,51 @@ def test_calibrate_refuses_a_starved_graph_poller():
         check_handshake(tight, {"alpha_ms": 0.004}, lay)  # 12x the host-driven alpha
     check_handshake(dict(tight, graph_fit={"alpha_ms": 0.024, "beta_ms": 0.077}), glob, lay)  # the good layout
     check_handshake({"forced_steps": {}}, glob, lay)  # host-driven: no graph fit to judge
+
+
+def test_on_workers_runs_each_item_once_on_the_workers_cpus():
+    """A load's layers on threads pinned to the workers' CPUs (torch at one thread in the caller, as a
+    GPU run's host thread); in the caller where torch runs several threads or there is one job; the
+    first error raised, and items not yet started dropped."""
+    import time
+
+    from ostinato.threads import ThreadLayout, WorkerGroup, on_workers
+
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    lay = ThreadLayout(host=cpus[:1], pollers=(), groups=(WorkerGroup(cpus, (0,), -1),))
+    main = threading.get_ident()
+    seen, lock = [], threading.Lock()
+
+    def record(i):
+        with lock:
+            seen.append((i, threading.get_ident() != main, tuple(sorted(os.sched_getaffinity(0)))))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        on_workers(record, list(range(10)), lay, jobs=3)
+        assert sorted(i for i, _, _ in seen) == list(range(10))
+        assert all(off and aff == cpus for _, off, aff in seen) == (len(cpus) > 1)
+        seen.clear()
+        on_workers(record, list(range(4)), lay, jobs=1)
+        assert [(i, off) for i, off, _ in seen] == [(i, False) for i in range(4)]
+        seen.clear()
+        on_workers(record, list(range(4)), None)
+        assert [(i, off) for i, off, _ in seen] == [(i, False) for i in range(4)]
+
+        def fail(i):
+            if i == 0:
+                raise ValueError("layer 0")
+            time.sleep(0.05)
+            record(i)
+
+        seen.clear()
+        with pytest.raises(ValueError, match="layer 0"):
+            on_workers(fail, list(range(50)), ThreadLayout(cpus[:1], (), (WorkerGroup(cpus * 2, (0,), -1),)), jobs=2)
+        assert len(seen) < 49  # the queued items were dropped
+    finally:
+        torch.set_num_threads(before)
+    if torch.get_num_threads() > 1:  # torch's own threads copy in parallel: no pool of ours
+        seen.clear()
+        on_workers(record, [0, 1], lay, jobs=2)
+        assert [off for _, off, _ in seen] == [False, False]

@@ -26,8 +26,8 @@ from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts
 from ostinato.layers.moe.pool import ExpertPools, HostExperts, Qtypes, expert_nbytes, group_flex, group_layers
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
-from ostinato.loader.build import expert_formats, load_layer_experts
-from ostinato.threads import ThreadLayout
+from ostinato.loader.build import expert_formats, load_jobs, load_layer_experts
+from ostinato.threads import ThreadLayout, on_workers
 
 
 @dataclass
@@ -48,6 +48,7 @@ class ModelExperts:
     formats: dict[int, Qtypes] = field(default_factory=dict)  # layer -> (qt13, qt2) of GGUF blocks; absent: float
     act: ExpertAct = SILU  # the experts' activation
     bias: bool = False  # the experts have biases (gpt-oss), kept in fp32 beside each slot
+    load_jobs: int = 1  # layers loaded at once (loader/build.load_jobs)
 
     def expert_size(self, layer: int) -> int:
         """Bytes of one expert (gate, up, down, its biases) of `layer` as its pool holds it."""
@@ -79,7 +80,7 @@ class ModelExperts:
                    cfg.hidden_size, cfg.moe_intermediate_size, device, dtype,
                    lambda layer: load_layer_experts(source, layer, formats[layer], device, dtype),
                    max_tokens, threads, {l: qt for l, qt in formats.items() if qt is not None},
-                   cfg.expert_act, cfg.expert_bias)
+                   cfg.expert_act, cfg.expert_bias, load_jobs(source, device))
 
     @classmethod
     def from_source(cls, source, runner_settings, graphs: bool = True, experts: str = "native") -> "ModelExperts":
@@ -116,12 +117,14 @@ def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dic
     host_sets = {l: sorted(v) for l, v in on_host.items() if v}
     host = HostExperts(host_sets, spec.num_experts, shape13, shape2, spec.dtype, spec.formats, act=spec.act,
                        bias=spec.bias)
-    for layer in spec.moe_layers:
+
+    def fill(layer: int) -> None:
         w = spec.load(layer)
         pools.fill_layer(layer, w)
         if layer in host_sets:
             host.fill_layer(layer, w)
-        del w
+
+    on_workers(fill, spec.moe_layers, spec.threads, spec.load_jobs)
     cpus = spec.threads.workers if spec.threads is not None else None
     cpu = CpuExperts(host.layers, backend=cpu_backend, cpus=cpus) if host.layers else None
     return pools, host, cpu

@@ -26,12 +26,12 @@ from ostinato.engine.devices import SplitExperts, device_scope, gpus_in_order, i
 from ostinato.engine.experts import ModelExperts, hybrid_from_parts
 from ostinato.engine.gpu_memory import apply_memory_cap
 from ostinato.engine.residency import Residency
-from ostinato.threads import ThreadLayout
+from ostinato.threads import ThreadLayout, on_workers
 from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
 from ostinato.layers.moe.pool import ExpertPools, HostExperts, bounded_flex
-from ostinato.loader.build import check_mode, expert_formats, load_layer_experts, weight_formats
+from ostinato.loader.build import check_mode, expert_formats, load_jobs, load_layer_experts, weight_formats
 
 
 @dataclass(frozen=True)
@@ -178,12 +178,14 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
             raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
                               "--gpu-memory or --hot-fraction") from None
     host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats, **expert_math(cfg))
-    for layer in cfg.moe_layers:
+
+    def fill(layer: int) -> None:
         pool = pools[layer_devices[layer]]
         experts = load_layer_experts(source, layer, formats[layer], pool.device, dtype)
         pool.fill_layer(layer, experts)
         host.fill_layer(layer, experts)
-        del experts  # before the next layer's load: one layer's experts on the device at a time
+
+    on_workers(fill, cfg.moe_layers, threads, load_jobs(source, physical(layer_devices[cfg.moe_layers[0]])))
     gpu_of = {n: i for i, n in enumerate(gpus_in_order(layer_devices))}
     group = {name: threads.group_of(gpu_of.get(name, 0)) for name in pools}
     cpus = {}

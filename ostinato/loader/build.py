@@ -21,6 +21,7 @@ from ostinato.layers.quant_linear import keep_quantized_
 from ostinato.models.common import MoECausalLM
 from ostinato.models.registry import cast_, new_model
 from ostinato.quant.formats import row_bytes
+from ostinato.threads import LOAD_JOBS
 
 
 def host_embedding(cfg: ModelConfig, device: torch.device | str) -> bool:
@@ -137,6 +138,13 @@ def load_experts_staged(source, layer: int, device, dtype=None) -> ExpertWeights
         except torch.OutOfMemoryError:
             pass
     return load_experts(source, layer, device="cpu", dtype=dtype)
+
+
+def load_jobs(source, device) -> int:
+    """Layers a load may copy at once (threads.on_workers): LOAD_JOBS from a file, one where the
+    source makes its experts on `device` (load_experts_staged stages a whole layer there: memory
+    the capacity test does not hold, once per layer in flight)."""
+    return 1 if getattr(source, "generate_on", None) == torch.device(device).type else LOAD_JOBS
 
 
 def load_all_experts(source, device="cpu", dtype=None, pin: bool = False) -> dict[int, ExpertWeights]:
