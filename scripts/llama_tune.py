@@ -4,8 +4,9 @@ held-out sessions with the chosen settings ([L]; ostinato/bench/llamacpp.py has 
     python scripts/llama_tune.py --server /tmp/llama/kit/llama-server --model M.gguf \
         --cap 32GiB --sessions .carry/agent --out /tmp/res/llama
 
---model is the GGUF file llama.cpp serves; the replay measures recorded lengths with the
-file's own tokenizer (or --tokenizer DIR). The same sample flags as `ostinato bench`:
+--model is the GGUF file llama.cpp serves; the replay renders each turn with the file's own
+tokenizer and chat template (or --tokenizer DIR) and sends its ids, the tokens Ostinato prefills,
+with the recorded answer held between turns (ostinato/bench/replay.py HttpTarget). The same sample flags as `ostinato bench`:
 --max-sessions, --max-turns, --max-output for the held-out replay; --tune-sessions and
 --tune-max-turns for the development turns each setting is timed on.
 
