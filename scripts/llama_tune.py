@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.bench import select_sessions  # noqa: E402
-from ostinato.bench.llamacpp import (LlamaServer, LlamaSettings, Measured, knob_values,  # noqa: E402
+from ostinato.bench.llamacpp import (LOAD_MODES, LlamaServer, LlamaSettings, Measured, knob_values,  # noqa: E402
                                      smallest_fitting, tune)
 from ostinato.bench.metrics import summarize  # noqa: E402
 from ostinato.bench.replay import HttpTarget, replay_sessions  # noqa: E402
@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8090)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--flavor", choices=list(LOAD_MODES), default="llama.cpp",
+                    help="the server's family: llama.cpp, or the ik_llama.cpp fork (its own flags: ostinato/bench/llamacpp.py)")
     ap.add_argument("--settings", type=Path,
                     help="tuning.json of an earlier run (same file recipe and cap): replay with its choice, no tuning")
     a = ap.parse_args(argv)
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
         log = a.out / "logs" / f"{count[0]:02d}.log"
         srv = LlamaServer(a.server, s, a.model, context=a.context, port=a.port, gpu=a.gpu, log=log,
                           start_timeout=a.start_timeout)
-        refused = [line for line in log.read_text(errors="replace").splitlines() if "invalid argument" in line]
+        refused = [line for line in log.read_text(errors="replace").splitlines()
+                   if "invalid argument" in line or "unknown argument" in line]  # llama.cpp's words, ik's
         if refused:  # this build does not know a flag: a defect of the tuner, not a slow setting
             raise SystemExit(f"llama-server refused {s.label()}: {refused[0]} ({log})")
         memory[s.label()] = srv.mib
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
         return srv
 
     def fits_now(n: int) -> tuple[bool, bool]:  # (fits, definite: the server started)
-        srv = start(LlamaSettings(n, threads=a.threads[0]))
+        srv = start(LlamaSettings(n, threads=a.threads[0], flavor=a.flavor))
         try:
             return srv.ready and srv.mib is not None and srv.mib <= cap_mib, srv.ready
         finally:
@@ -156,11 +159,14 @@ def main(argv=None) -> int:
 
     if a.settings is not None:
         best = chosen(a.settings, cap_mib)
+        if best.flavor != a.flavor:
+            raise SystemExit(f"--settings {a.settings}: settings of {best.flavor}, this run serves {a.flavor}")
         print(f"settings of {a.settings}: {best.label()} (not tuned here)", flush=True)
     else:
         t0 = time.perf_counter()
         n_fit = smallest_fitting(fits, layers)
-        best, rows = tune(measure, LlamaSettings(n_fit, threads=a.threads[0]), knob_values(n_fit, layers, a.threads))
+        best, rows = tune(measure, LlamaSettings(n_fit, threads=a.threads[0], flavor=a.flavor),
+                          knob_values(n_fit, layers, a.threads, a.flavor))
         for r in rows:
             r["gpu_mib"] = memory.get(r["label"])
         tuning = {"kind": "llama.tune", **source_state(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -182,7 +188,7 @@ def main(argv=None) -> int:
         mib = process_gpu_mib(srv.proc.pid)
     finally:
         srv.close()
-    out = {"kind": "ostinato.replay", "engine": "llama.cpp", **source_state(),
+    out = {"kind": "ostinato.replay", "engine": a.flavor, **source_state(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sessions": a.sessions, "split": "held-out",
            "settings": best.label(), "settings_from": str(a.settings) if a.settings else "tuned here",
            "context": a.context, "max_context": a.max_context,

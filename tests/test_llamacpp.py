@@ -71,6 +71,26 @@ def test_server_arguments_and_environment():
     assert "--load-mode" not in d.args("m.gguf", 9216, 8090) and d.env() == {"GGML_OP_OFFLOAD_MIN_BATCH": "512"}
 
 
+def test_ik_llama_cpp_takes_the_same_knobs_through_its_own_flags():
+    """ik_llama.cpp (its common/common.cpp): mmap by default, --no-mmap, -rtr; its op-offload
+    threshold as a CUDA parameter, and offload off through its offload policy; no --no-webui,
+    --load-mode or environment. Its load modes are tuned in place of llama.cpp's."""
+    ik = LlamaSettings(18, 2048, "rtr", 128, 16, flavor="ik_llama.cpp")
+    args = ik.args("m.gguf", 9216, 8090)
+    assert "-rtr" in args and args[args.index("-cuda") + 1] == "offload-batch-size=128" and ik.env() == {}
+    assert not {"--no-webui", "--load-mode", "--no-op-offload", "--no-mmap"} & set(args)
+    assert args[args.index("--n-cpu-moe") + 1] == "18" and args[args.index("-ub") + 1] == "2048"
+    off = dataclasses.replace(ik, load_mode="none", op_offload=None).args("m.gguf", 9216, 8090)
+    assert "--no-mmap" in off and off[off.index("-op") + 1] == "-1,0" and "-cuda" not in off and "-rtr" not in off
+    assert "ik_llama.cpp" in ik.label() and "ik" not in LlamaSettings(18).label()
+    assert dict(knob_values(4, 48, [16], "ik_llama.cpp"))["load_mode"] == ["auto", "none", "rtr"]
+    assert dict(knob_values(4, 48, [16]))["load_mode"] == ["auto", "mmap", "none"]
+    with pytest.raises(ValueError, match="load mode 'rtr'"):
+        LlamaSettings(4, load_mode="rtr")
+    with pytest.raises(ValueError, match="flavor"):
+        LlamaSettings(4, flavor="vllm")
+
+
 def test_a_tuning_cut_short_resumes_from_what_it_measured(tmp_path):
     # the first run is killed (a call's deadline) during its fifth setting; the second measures only the rest
     path, key = tmp_path / "progress.json", {"model": "m.gguf", "cap_mib": 12288}

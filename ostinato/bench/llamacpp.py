@@ -15,6 +15,13 @@ The knobs (BENCHMARK.md, the kit's README):
   `--no-op-offload` (host experts never go to the GPU);
 * CPU threads (`-t`, `-tb`): every core, or the worker count of our thread layout ([H]).
 
+The same knobs tune ik_llama.cpp (`flavor`), the fork with its own MoE and CPU kernels
+(scripts/device/ik_llama/README.md), through its own flags: its load modes are mmap (its default),
+`--no-mmap`, and `-rtr` (the host tensors repacked at load into its interleaved types, no mmap);
+its op-offload threshold is `-cuda offload-batch-size=N`, and `-op -1,0` turns offload off. What
+its README recommends for MoE models is its default already: flash attention, the fused MoE, and
+the offload of only the experts a pass routes to.
+
 `tune` walks the knobs in that order, keeping the best value of each (lowest total request
 time on the development turns) before the next: 2 + 3 + 3 + 4 + 2 settings, not their
 product. A setting that fails (no start, a failed turn) counts as infinitely slow.
@@ -34,20 +41,35 @@ from pathlib import Path
 from ostinato.engine.gpu_memory import process_gpu_mib
 
 
+LOAD_MODES = {"llama.cpp": ("auto", "mmap", "none"), "ik_llama.cpp": ("auto", "none", "rtr")}  # by flavor
+_IK_LOAD = {"auto": [], "none": ["--no-mmap"], "rtr": ["-rtr"]}
+
+
 @dataclass(frozen=True)
 class LlamaSettings:
     n_cpu_moe: int
     ubatch: int = 512
-    load_mode: str = "auto"  # --load-mode: auto (llama.cpp's default), mmap, none (a buffered read)
-    op_offload: int | None = 32  # GGML_OP_OFFLOAD_MIN_BATCH; None: --no-op-offload
+    load_mode: str = "auto"  # LOAD_MODES: llama.cpp's --load-mode (none: a buffered read); ik's flags above
+    op_offload: int | None = 32  # the batch from which host experts go to the GPU; None: never
     threads: int = 16
+    flavor: str = "llama.cpp"  # or "ik_llama.cpp"
+
+    def __post_init__(self):
+        if self.flavor not in LOAD_MODES:
+            raise ValueError(f"flavor {self.flavor!r}: give one of {', '.join(LOAD_MODES)}")
+        if self.load_mode not in LOAD_MODES[self.flavor]:
+            raise ValueError(f"load mode {self.load_mode!r}: {self.flavor} has {', '.join(LOAD_MODES[self.flavor])}")
 
     def args(self, model: str, context: int, port: int) -> list[str]:
         """llama-server's arguments: every layer on the GPU but the first n_cpu_moe layers'
         experts, one slot, the given context."""
         a = ["-m", model, "-ngl", "999", "--n-cpu-moe", str(self.n_cpu_moe), "-c", str(context), "-np", "1",
              "-ub", str(self.ubatch), "-b", str(self.ubatch), "-t", str(self.threads), "-tb", str(self.threads),
-             "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+             "--host", "127.0.0.1", "--port", str(port)]
+        if self.flavor == "ik_llama.cpp":
+            off = ["-op", "-1,0"] if self.op_offload is None else ["-cuda", f"offload-batch-size={self.op_offload}"]
+            return a + _IK_LOAD[self.load_mode] + off
+        a.append("--no-webui")
         if self.load_mode != "auto":
             a += ["--load-mode", self.load_mode]
         if self.op_offload is None:
@@ -55,11 +77,14 @@ class LlamaSettings:
         return a
 
     def env(self) -> dict[str, str]:
-        return {} if self.op_offload is None else {"GGML_OP_OFFLOAD_MIN_BATCH": str(self.op_offload)}
+        if self.flavor != "llama.cpp" or self.op_offload is None:
+            return {}
+        return {"GGML_OP_OFFLOAD_MIN_BATCH": str(self.op_offload)}
 
     def label(self) -> str:
         off = "off" if self.op_offload is None else str(self.op_offload)
-        return (f"n-cpu-moe {self.n_cpu_moe}, ub {self.ubatch}, load {self.load_mode}, "
+        return (("ik_llama.cpp: " if self.flavor != "llama.cpp" else "") +
+                f"n-cpu-moe {self.n_cpu_moe}, ub {self.ubatch}, load {self.load_mode}, "
                 f"op-offload {off}, {self.threads} threads")
 
 
@@ -112,11 +137,11 @@ def smallest_fitting(fits: Callable[[int], bool], layers: int) -> int:
     return lo
 
 
-def knob_values(n_fit: int, layers: int, threads: Sequence[int]) -> list[tuple[str, list]]:
+def knob_values(n_fit: int, layers: int, threads: Sequence[int], flavor: str = "llama.cpp") -> list[tuple[str, list]]:
     return [
         ("n_cpu_moe", sorted({n_fit, min(layers, n_fit + 1)})),
         ("ubatch", [128, 512, 2048]),
-        ("load_mode", ["auto", "mmap", "none"]),
+        ("load_mode", list(LOAD_MODES[flavor])),
         ("op_offload", [32, 128, 512, None]),
         ("threads", list(dict.fromkeys(threads))),
     ]

@@ -35,6 +35,8 @@
 #              again, in turn, on one calibration (AB_CAL, default bench_gguf's), into $R/ab/{a1,b,a2}
 #   llama_tune [L] llama.cpp tuned on development sessions under $QCAP (else $CAP) on that file, then the
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
+#   ik_tune    [L] ik_llama.cpp as llama_tune tunes and replays llama.cpp (--flavor ik_llama.cpp; $R/ik_tune,
+#              IK_TUNE_ARGS), from the kit scripts/device/ik_llama/build-on-gpu.sh packs (carry .ik-kit/ik-kit.tar.xz)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
 #   profile_prefill [K][Q] prefill passes (PREFILL_SIZES, default 64 256 1024 tokens after a 4096-token context) on
@@ -459,6 +461,16 @@ phase_llama_tune() {
   run 560 "$R/l_tune.txt" python3 scripts/llama_tune.py --server /tmp/llama/kit/llama-server --model "$g" \
     --cap "${QCAP:-$CAP}" --sessions "$S" ${kv:+--max-context $kv} --threads 16 14 --out "$R/llama_tune" \
     ${LLAMA_TUNE_ARGS:-}
+}
+phase_ik_tune() {
+  local g kv; g=$(gguf_file)
+  gguf_wait || return 1
+  [[ -x /tmp/ik/ik-kit-dir/llama-server ]] || IK_KIT=${IK_KIT:-$PWD/.ik-kit/ik-kit.tar.xz} \
+    bash scripts/device/ik_llama/unpack.sh /tmp/ik >> "$LOG" 2>&1 || { say "no ik_llama.cpp kit (.ik-kit)"; return 1; }
+  kv=$(field "$R/res-cap.json" "d['capacity'].get('kv_tokens')")
+  run 560 "$R/ik_tune.txt" python3 scripts/llama_tune.py --server /tmp/ik/ik-kit-dir/llama-server \
+    --flavor ik_llama.cpp --model "$g" --cap "${QCAP:-$CAP}" --sessions "$S" ${kv:+--max-context $kv} \
+    --threads 16 14 --out "$R/ik_tune" ${IK_TUNE_ARGS:-}
 }
 phase_profile() {  # [Q] where a decode step's GPU time goes (PROFILES, default all of): all resident with the
   # dense part's torch expressions (unfused: OSTINATO_FUSED_DENSE=0) and with its fused kernels (all), the
