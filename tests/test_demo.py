@@ -16,6 +16,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     result = json.loads(printed[-1])
     assert result["kind"] == "ostinato.bench" and result["model"] == "synth:tiny"
+    assert 0 < result["load_s"] < result["elapsed_s"]  # the model's load, timed apart
     assert set(result["policies"]) == set(POLICIES)
     for name, entry in result["policies"].items():
         assert "summary" in entry, (name, entry.get("skipped"))

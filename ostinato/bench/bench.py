@@ -243,6 +243,7 @@ class Prepared:
     skew: dict
     np_info: dict
     base: PolicySettings  # the settings every policy is built with
+    load_s: float = 0.0  # the model's load, every expert on the host (most of it: the experts' copies)
 
 
 def prepare(bs: BenchSettings, t_start: float) -> Prepared:
@@ -255,8 +256,10 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
     _say(bs, f"sessions: {len(dev)} development, {len(held)} held-out ({bs.sessions})")
     probe = PolicySettings(gpu_memory=bs.gpu_memory, offload_threshold=1,
                            cpu_backend=bs.cpu_backend, experts=bs.experts)
+    t_load = time.perf_counter()
     loaded = load_engine(bs.model, bs.runner, PlacementSettings(experts=bs.experts),  # the formats every policy keeps
                          experts_factory=_probe_factory(probe))
+    load_s = round(time.perf_counter() - t_load, 2)
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] model {bs.model} loaded")
     if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
         counts, held_counts = (RouteCounts.load(p) for p in bs.profiles)
@@ -294,7 +297,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
              f"{bs.out / 'residency.json'}; fill {fill_text(residency.calibration.get('fill'))}; "
              f"Np = {np_info['value']} ({np_info['how']})")
     return Prepared(loaded, dev, held, budget, skew, np_info,
-                    base.with_(residency=residency, upload_threshold=np_info["value"]))
+                    base.with_(residency=residency, upload_threshold=np_info["value"]), load_s)
 
 
 def decide_upload_path(loaded, bs: BenchSettings, residency: Residency, counts, budget: dict, np_info: dict):
@@ -354,7 +357,7 @@ def run_bench(bs: BenchSettings) -> dict:
         _say(bs, "no development session's first turn fits the context: offload thresholds stay untuned")
     sweep_plan = sweep_requests(loaded.tokenizer, p.dev, bs, loaded.engine.max_context)
     base = {
-        "kind": "ostinato.bench", **environment(loaded, bs), "budget": p.budget,
+        "kind": "ostinato.bench", **environment(loaded, bs), "load_s": p.load_s, "budget": p.budget,
         "split": {"sessions": bs.sessions, "development": len(p.dev), "held_out": len(p.held),
                   "max_turns": bs.max_turns, "max_output": bs.max_output,
                   "profiles": list(bs.profiles) if bs.profiles else None},
