@@ -248,11 +248,16 @@ def claim_host_thread(layout: ThreadLayout | None) -> None:
         torch.set_num_threads(1)
         _host.single = True
     if layout is not None and layout.host:
-        try:
-            os.sched_setaffinity(0, layout.host)  # pid 0: the calling thread
-        except OSError:
-            pass
+        _pin(layout.host)
     _host.layout = layout
+
+
+def _pin(cpus: Sequence[int]) -> None:
+    """The calling thread onto `cpus` (pid 0: this thread), where the process may use them."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        pass
 
 
 LOAD_JOBS = 4  # layers a model's load copies at once (each holds one layer's experts in host memory)
@@ -263,11 +268,11 @@ def on_workers(fn, items: Sequence, layout: ThreadLayout | None, jobs: int = LOA
     CPUs: for a model's load. A GPU run's host thread runs torch at one thread on one core
     (claim_host_thread), so every copy of a load (the file's pages into host memory, the pool's and
     the page-locked host copies) ran on that core (session 27: 140.7 s for the experts of a 46 GB
-    file, 0.33 GB/s). The workers' CPUs are idle while a model loads. New threads take torch's thread count
-    from the process (one, once the host thread is claimed). Where the caller's torch runs several
-    threads (a CPU run), its copies are parallel already, and fn runs in the calling thread, as it
-    does where jobs is 1 or there is no layout. The first error is raised; items not yet started
-    are dropped."""
+    file, 0.33 GB/s). The workers' CPUs are idle while a model loads. New threads take torch's
+    thread count from the process (one, once the host thread is claimed). Where the caller's torch
+    runs several threads (a CPU run), its copies are parallel already, and fn runs in the calling
+    thread, as it does where jobs is 1 or there is no layout. The first error is raised; items not
+    yet started are dropped."""
     cpus = layout.workers if layout is not None else ()
     jobs = min(jobs, len(cpus), len(items))
     if jobs <= 1 or torch.get_num_threads() > 1:
@@ -276,13 +281,7 @@ def on_workers(fn, items: Sequence, layout: ThreadLayout | None, jobs: int = LOA
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    def pin() -> None:
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError:
-            pass
-
-    pool = ThreadPoolExecutor(jobs, thread_name_prefix="ostinato-load", initializer=pin)
+    pool = ThreadPoolExecutor(jobs, thread_name_prefix="ostinato-load", initializer=_pin, initargs=(cpus,))
     try:
         for _ in pool.map(fn, items):
             pass

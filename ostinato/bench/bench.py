@@ -243,7 +243,7 @@ class Prepared:
     skew: dict
     np_info: dict
     base: PolicySettings  # the settings every policy is built with
-    load_s: float = 0.0  # the model's load, every expert on the host (most of it: the experts' copies)
+    load_s: float  # the model's load, every expert on the host (most of it: the experts' copies)
 
 
 def prepare(bs: BenchSettings, t_start: float) -> Prepared:
