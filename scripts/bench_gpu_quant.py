@@ -184,12 +184,12 @@ def eager_us(forward, layers, T, inputs, reps=10):
 
 
 def run_dequant_prefill(qtypes, layers):
-    """Prefill at T = 256, 512 and 2048, the quantized kernels against the engine's dequantized path
+    """Prefill at T = 64, 128, 256, 512 and 2048, the quantized kernels against the engine's dequantized path
     (gpu_quant.slot_experts_dequant_triton: the pass's slots dequantized in chunks for the bf16
     kernels), both eager, us per layer call; and the tuning's threshold between them."""
     pool = make_pool(qtypes, layers)
     out = {}
-    for T in (256, PREFILL_T, 2048):
+    for T in (64, 128, 256, PREFILL_T, 2048):
         inputs = bench_inputs(layers, T)
         quant = quant_forward(pool, qtypes, forced_tuning("prefill"))
         deq = quant_forward(pool, qtypes, forced_tuning("dequant"))

@@ -8,7 +8,7 @@ Alignment (align_forward, or gpu_experts.align_routes in torch ops): hot routes 
 stably by slot, each slot's group padded to a multiple of BLOCK_M: sorted_routes[P]
 (route id t*K+k, R for padding), block_slots[B], num_padded[1]. Shapes depend on T, K
 and the pool size only, so the grid is fixed; programs past num_padded (device-side) or
-on a block without a slot return at once.
+on a block outside the call's slot window (all slots, or a chunk's: expert_gemms) return at once.
 - _align_count_kernel, grid (R/CHUNK): per-chunk slot histograms hist[R/CHUNK, NB].
 - _align_scan_kernel, one program: prefixes over chunks and over slots.
 - _align_scatter_kernel, grid (R/SUB): each route's padded position and block slots.
@@ -123,9 +123,9 @@ def align_forward(slots, zero_lo, zero_hi, num_slots, block_m, size, cfg):
     return sorted_routes, block_slots, num_padded
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R", "slot_lo", "slot_hi"])
 def _w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_padded_ptr, b13_ptr,
-                R, K, D, F, stride_xt, stride_we, stride_wf, stride_wd, ALPHA, LIMIT,
+                R, K, D, F, slot_lo, slot_hi, stride_xt, stride_we, stride_wf, stride_wd, ALPHA, LIMIT,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -133,8 +133,9 @@ def _w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_p
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     s = tl.load(block_slots_ptr + pid_m)
-    if s < 0:
+    if (s < slot_lo) | (s >= slot_hi):  # another window's block (a chunked call)
         return
+    s -= slot_lo
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     routes = tl.load(sorted_routes_ptr + offs_m)
     valid = routes < R
@@ -168,9 +169,9 @@ def _w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_ptr, num_p
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R", "slot_lo", "slot_hi"])
 def _w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, block_slots_ptr,
-               num_padded_ptr, b2_ptr, R, D, F, stride_we, stride_wd, stride_wf,
+               num_padded_ptr, b2_ptr, R, D, F, slot_lo, slot_hi, stride_we, stride_wd, stride_wf,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -178,8 +179,9 @@ def _w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, block_slots
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     s = tl.load(block_slots_ptr + pid_m)
-    if s < 0:
+    if (s < slot_lo) | (s >= slot_hi):  # another window's block (a chunked call)
         return
+    s -= slot_lo
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     routes = tl.load(sorted_routes_ptr + offs_m)
     valid = routes < R
@@ -221,30 +223,45 @@ def _combine_kernel(y_ptr, slots_ptr, out_ptr, zero_lo, zero_hi, K, D, stride_ot
              mask=mask_d)
 
 
-def prefill_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out, aligned, cfg,
-                    cfg_combine, epi):
-    """x[T, D], slots[T, K] int32, weights[T, K] f32 (contiguous), aligned routes -> out[T, D];
-    epi: the activation and optional bias pools (gpu_experts.Epilogue)."""
-    T, K = slots.shape
-    R = T * K
+def expert_gemms(x, w13_pool, w2_pool, weights, aligned, h, y, cfg, epi, window=None):
+    """The two grouped GEMMs of aligned routes: h[R, F] = act(x w13^T) and y[R, D] = weights * (h w2^T),
+    in place, route by route. window (lo, hi): only the blocks of slots lo..hi-1, whose experts sit at
+    lo..hi-1 - lo of the pools (a chunk of a larger set: gpu_quant's dequantized path); None: all."""
+    R, F = h.shape
+    K = R // x.shape[0]
     D = x.shape[1]
-    F = w2_pool.shape[2]
     sorted_routes, block_slots, num_padded = aligned
     num_blocks = block_slots.shape[0]
+    lo, hi = window or (0, w13_pool.shape[0])
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 tests: no tf32 rounding
     tiles = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                  PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     e = epi.kernel_args(x)
-    h = torch.empty(R, F, dtype=w13_pool.dtype, device=x.device)  # [R, F]
-    y = torch.empty(R, D, dtype=torch.float32, device=x.device)  # [R, D]
     grid = (num_blocks, triton.cdiv(F, cfg["BLOCK_N"]))
-    _w13_kernel[grid](x, w13_pool, h, sorted_routes, block_slots, num_padded, e["b13_ptr"], R, K, D, F,
+    _w13_kernel[grid](x, w13_pool, h, sorted_routes, block_slots, num_padded, e["b13_ptr"], R, K, D, F, lo, hi,
                       x.stride(0), w13_pool.stride(0), w13_pool.stride(1), w13_pool.stride(2),
                       e["ALPHA"], e["LIMIT"], HAS_BIAS=e["HAS_BIAS"], ACT=e["ACT"], **tiles)
     grid = (num_blocks, triton.cdiv(D, cfg["BLOCK_N"]))
-    _w2_kernel[grid](h, w2_pool, y, weights, sorted_routes, block_slots, num_padded, e["b2_ptr"], R, D, F,
+    _w2_kernel[grid](h, w2_pool, y, weights, sorted_routes, block_slots, num_padded, e["b2_ptr"], R, D, F, lo, hi,
                      w2_pool.stride(0), w2_pool.stride(1), w2_pool.stride(2), HAS_BIAS=e["HAS_BIAS"], **tiles)
+
+
+def combine_forward(y, slots, out, zero_lo, zero_hi, cfg_combine):
+    """out[t] = the sum of y[t*K + k] over t's hot routes, k = 0..K-1 (_combine_kernel)."""
+    T, K = slots.shape
+    D = y.shape[1]
     grid = (T, triton.cdiv(D, cfg_combine["BLOCK_D"]))
     _combine_kernel[grid](y, slots, out, zero_lo, zero_hi, K, D, out.stride(0),
                           BLOCK_D=cfg_combine["BLOCK_D"], num_warps=cfg_combine["num_warps"])
     return out
+
+
+def prefill_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out, aligned, cfg,
+                    cfg_combine, epi):
+    """x[T, D], slots[T, K] int32, weights[T, K] f32 (contiguous), aligned routes -> out[T, D];
+    epi: the activation and optional bias pools (gpu_experts.Epilogue)."""
+    R = slots.numel()
+    h = torch.empty(R, w2_pool.shape[2], dtype=w13_pool.dtype, device=x.device)  # [R, F]
+    y = torch.empty(R, x.shape[1], dtype=torch.float32, device=x.device)  # [R, D]
+    expert_gemms(x, w13_pool, w2_pool, weights, aligned, h, y, cfg, epi)
+    return combine_forward(y, slots, out, zero_lo, zero_hi, cfg_combine)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ostinato.kernels.triton.expert_act import activate
-from ostinato.kernels.triton.moe_prefill import _combine_kernel
+from ostinato.kernels.triton.moe_prefill import combine_forward
 
 LANES = tl.constexpr(16)  # lanes per group; its 32 values share their scales in every format
 
@@ -437,7 +437,4 @@ def prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_
     _prefill_w2_kernel[grid](h, w2_pool, y, weights, sorted_routes, block_slots, num_padded, e["b2_ptr"], R, D,
                              F, w2_pool.stride(0), w2_pool.stride(1), QT=qtypes[1], HAS_BIAS=e["HAS_BIAS"],
                              **tiles)
-    grid = (T, triton.cdiv(D, cfg_combine["BLOCK_D"]))
-    _combine_kernel[grid](y, slots, out, zero_lo, zero_hi, K, D, out.stride(0),
-                          BLOCK_D=cfg_combine["BLOCK_D"], num_warps=cfg_combine["num_warps"])
-    return out
+    return combine_forward(y, slots, out, zero_lo, zero_hi, cfg_combine)

@@ -66,10 +66,9 @@ DEQUANT_CHUNK = 16  # experts dequantized at once by a large pass: the scratch t
 
 def dequant_scratch_bytes(D: int, F: int, num_experts: int, itemsize: int, quant_bytes: int) -> int:
     """The dequantized path's buffers beside a pass's other expert buffers: a chunk (DEQUANT_CHUNK, or
-    a layer's experts if fewer) and one zero slot in the activation dtype, the chunk's quantized
-    rows gathered; its fp32 sum [T, D] aside (counted with the pass's outputs)."""
+    a layer's experts if fewer) in the activation dtype, and the chunk's quantized rows gathered."""
     chunk = min(DEQUANT_CHUNK, num_experts)
-    return (chunk + 1) * 3 * D * F * itemsize + chunk * quant_bytes
+    return chunk * 3 * D * F * itemsize + chunk * quant_bytes
 
 
 def quant_tuned_path(tag: str):
@@ -191,13 +190,14 @@ def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zer
 
 def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out, *, qtypes, epi,
                                 chunk: int = DEQUANT_CHUNK):
-    """A large pass: the distinct hot slots it routes to (one host sync), `chunk` at a time,
-    dequantized into a scratch pool in x's dtype whose last slot is a zero slot; the chunk's routes
-    keep their slots' place there and every other route reads the zero slot (one for all K: the
-    kernels skip a zero slot's bytes, so K of them would be K experts' memory never read); the bf16 kernels
-    (gpu_experts.slot_experts_triton) compute each chunk into fp32, summed over the chunks, then
-    rounded into `out`. The same values as the quantized prefill kernels (weights rounded to x's
-    dtype for the dot, h rounded, fp32 accumulation) in another order of summation."""
+    """A large pass: the distinct hot slots it routes to (one host sync), renumbered 0..n-1 in slot
+    order and its routes aligned once on those numbers; then `chunk` experts at a time are dequantized
+    into a scratch pool in x's dtype, and the bf16 grouped GEMMs (moe_prefill.expert_gemms) run on the
+    blocks of that chunk's experts alone, writing their routes' rows of h and y; one combine at the end.
+    So a chunk costs its dequantization and two launches, and every route is computed once. The same
+    values as the quantized prefill kernels (weights rounded to x's dtype for the dot, h rounded, fp32
+    accumulation, the fixed sum over k) up to the dot's order within a tile."""
+    from ostinato.kernels.triton.moe_prefill import combine_forward, expert_gemms
     from ostinato.kernels.triton.moe_quant import dequantize_rows
 
     T, K = slots.shape
@@ -208,29 +208,29 @@ def slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, z
     n_hot = int(hot.numel())
     if n_hot == 0:
         return out.zero_()
-    rank = torch.where(is_hot, torch.searchsorted(hot, flat), -1).view(T, K)  # each route's slot among them
-    of_chunk, place = rank.div(chunk, rounding_mode="floor"), (rank % chunk).to(torch.int32)
-    s13 = torch.empty(chunk + 1, 2 * F, D, dtype=x.dtype, device=x.device)
-    s2 = torch.empty(chunk + 1, D, F, dtype=x.dtype, device=x.device)
-    sb13 = None if epi.b13 is None else torch.empty(chunk + 1, 2 * F, dtype=torch.float32, device=x.device)
-    sb2 = None if epi.b2 is None else torch.empty(chunk + 1, D, dtype=torch.float32, device=x.device)
-    for t in (s13, s2, sb13, sb2):
-        if t is not None:
-            t[chunk:].zero_()  # the zero slot (harmless even if read)
-    zero = torch.full((1, K), chunk, dtype=torch.int32, device=x.device)
-    total = None
-    for j, lo in enumerate(range(0, n_hot, chunk)):
+    # each route's number among them; a cold route gets n_hot, the zero range [n_hot, bins)
+    bins = max(w13_pool.shape[0], n_hot + 1)  # the pool's size: the alignment's bins as the plain path's
+    rank = torch.where(is_hot, torch.searchsorted(hot, flat), n_hot).to(torch.int32).view(T, K)
+    tuning = ge.load_tuning(ge.device_tag(x.device))  # the bf16 kernels'
+    cfg = ge.prefill_config(tuning, T, x.dtype)
+    aligned = ge.aligned_routes(rank, n_hot, bins, bins, cfg["BLOCK_M"], tuning, n_hot)
+    chunk = min(chunk, n_hot)
+    s13 = torch.empty(chunk, 2 * F, D, dtype=x.dtype, device=x.device)
+    s2 = torch.empty(chunk, D, F, dtype=x.dtype, device=x.device)
+    sb13 = None if epi.b13 is None else torch.empty(chunk, 2 * F, dtype=torch.float32, device=x.device)
+    sb2 = None if epi.b2 is None else torch.empty(chunk, D, dtype=torch.float32, device=x.device)
+    chunk_epi = ge.Epilogue.of(sb13, sb2, epi.act)
+    h = torch.empty(T * K, F, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * K, D, dtype=torch.float32, device=x.device)
+    for lo in range(0, n_hot, chunk):
         part = hot[lo:lo + chunk]
-        n = part.numel()  # a short last chunk's other scratch slots hold stale experts, never read
+        n = part.numel()
         dequantize_rows(w13_pool[part].reshape(n * 2 * F, -1), qtypes[0], D, out=s13[:n].view(n * 2 * F, D))
         dequantize_rows(w2_pool[part].reshape(n * D, -1), qtypes[1], F, out=s2[:n].view(n * D, F))
         if sb13 is not None:
             sb13[:n], sb2[:n] = epi.b13[part], epi.b2[part]
-        chunk_slots = torch.where(of_chunk == j, place, zero)  # [T, K]: its place, else the zero slot
-        y = ge.slot_experts_triton(x, chunk_slots, weights, s13, s2, chunk, chunk + 1, out_dtype=torch.float32,
-                                   max_distinct=n, b13_pool=sb13, b2_pool=sb2, act=epi.act)
-        total = y if total is None else total.add_(y)
-    return out.copy_(total)
+        expert_gemms(x, s13, s2, weights, aligned, h, y, cfg, chunk_epi, window=(lo, lo + n))
+    return combine_forward(y, rank, out, n_hot, bins, tuning["combine"])
 
 
 @functools.cache

@@ -13,7 +13,9 @@ IK_SRC=${IK_SRC:-.ik-kit/ik-src.tar.xz}
 nproc; which cmake nvcc ninja gcc; cmake --version | head -1; nvcc --version | tail -1
 common=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
-  -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON -DGGML_CCACHE=OFF -DGGML_NCCL=OFF -DGGML_CUDA_FA_ALL_QUANTS=OFF
+  -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON
+  # its GGML_AVX512 adds only -mavx512f -mavx512bw, and iqk's AVX-512 paths (flash attention's tanh) need DQ and VL
+  '-DCMAKE_C_FLAGS=-mavx512dq -mavx512vl -mavx512cd' '-DCMAKE_CXX_FLAGS=-mavx512dq -mavx512vl -mavx512cd' -DGGML_CCACHE=OFF -DGGML_NCCL=OFF -DGGML_CUDA_FA_ALL_QUANTS=OFF
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
   -DLLAMA_BUILD_COMMIT=pypi-ik-llama-cpp-python-0.1.5
   # CMake < ~3.26 does not know nvcc's C++20 flag (ik_llama.cpp compiles CUDA as C++20): tell it
