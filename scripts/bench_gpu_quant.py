@@ -11,10 +11,11 @@ in L2 from the one before.
   (w13 + w2) / time, against a measured device copy bandwidth.
 - prefill, T=512, uniform routing, all routes hot: graph time, TFLOP/s = 2 T K 3 D F / time.
 - the same for the bf16 kernels (gpu_experts) on a bf16 pool, as the baseline.
-- prefill the other way, at T = 256, 512 and 2048 (--dequant-prefill): the engine's dequantized
+- prefill the other way, at T = 64, 128, 256, 512 and 2048 (--dequant-prefill): the engine's dequantized
   path (gpu_quant.slot_experts_dequant_triton: the pass's slots dequantized to bf16 in chunks,
   then the bf16 kernels) against the quantized kernels, both eager (the path syncs once a call):
-  where the tuning's dequant_min_tokens should lie.
+  where the tuning's dequant_min_tokens should lie; with --tune, that threshold is written to the
+  tuned file too (dequant_threshold).
 - a correctness check per qtype: relative error against slot_experts_quant_torch.
 - --tune (before the benchmark, which then runs with its result): sweeps decode_w13, then
   decode_w2 (the other held at its current value), then the prefill tile config of each token
@@ -204,6 +205,21 @@ def run_dequant_prefill(qtypes, layers):
     return {"qtypes": list(qtypes), "chunk": gq.DEQUANT_CHUNK,
             "dequant_min_tokens": gq.load_quant_tuning(ge.device_tag(torch.device("cuda")))["dequant_min_tokens"],
             "prefill": out}
+
+
+def dequant_threshold(deq: list[dict]) -> int | None:
+    """Where the dequantized path should start (the tuning's dequant_min_tokens): the fewest tokens
+    from which it is faster at every larger measured size too, the us of the formats (run_dequant_prefill's
+    results) summed; None where it is not faster at the largest size."""
+    if not deq:
+        return None
+    sizes = sorted(set.intersection(*(set(r["prefill"]) for r in deq)))
+    threshold = None
+    for T in reversed(sizes):
+        if sum(r["prefill"][T]["dequant_bf16_us"] for r in deq) >= sum(r["prefill"][T]["quant_us"] for r in deq):
+            break
+        threshold = T
+    return threshold
 
 
 def forced_tuning(path):
@@ -705,6 +721,16 @@ def main():
             for T, v in r["prefill"].items():
                 print(f"  {'/'.join(r['qtypes']):10s} T={T:4d} {v['quant_us']:8.1f} -> {v['dequant_bf16_us']:8.1f} "
                       f"({v['speedup']:.2f}x; outputs apart by {v['rel_diff']:.1e})")
+    if tuned is not None and deq:  # the threshold between the two paths, measured: into the tuned file
+        threshold = dequant_threshold(deq)
+        path, _ = write_quant_tuning({"dequant_min_tokens": threshold}, ge.device_tag(torch.device("cuda")),
+                                     {"by": "scripts/bench_gpu_quant.py --tune --dequant-prefill",
+                                      "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                      "rule": "the fewest tokens from which the dequantized path is faster at "
+                                              "every larger measured size too"},
+                                     keys=("dequant_min_tokens",), meta_key="_meta_dequant")
+        tuned["dequant_min_tokens"] = threshold
+        print(f"\ndequant_min_tokens -> {threshold} ({path})")
     if tuned is not None:
         print("\n" + "\n".join(tuned["before_after"]))
     result = {"bench": "gpu_quant", **source_state(), "device": torch.cuda.get_device_name(),

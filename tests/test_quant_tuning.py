@@ -356,6 +356,46 @@ def test_load_quant_tuning_picks_up_a_file_after_the_cache_is_cleared(tuned_dir)
     assert gq.default_quant_tuning("fake")["decode_w2"] == gq.DEFAULT_QUANT_TUNING["decode_w2"]
 
 
+def test_the_dequantized_path_starts_where_it_wins_at_every_larger_size():
+    def rows(*pairs):  # (quant_us, dequant_us) per T of 64, 128, 256, 512 for two formats alike
+        return [{"prefill": {T: {"quant_us": q, "dequant_bf16_us": d} for T, (q, d) in zip((64, 128, 256, 512), pairs)}}
+                for _ in range(2)]
+
+    assert bq.dequant_threshold(rows((10, 12), (20, 18), (40, 30), (80, 50))) == 128
+    assert bq.dequant_threshold(rows((10, 9), (20, 21), (40, 30), (80, 50))) == 256  # a loss at 128: one switch
+    assert bq.dequant_threshold(rows((10, 9), (20, 18), (40, 30), (80, 90))) is None  # slower at the largest
+    assert bq.dequant_threshold(rows((10, 9), (20, 18), (40, 30), (80, 50))) == 64
+    assert bq.dequant_threshold([]) is None
+    # the two formats summed: one's small loss under the other's gain
+    mixed = rows((10, 12), (20, 18), (40, 30), (80, 50))
+    mixed[1]["prefill"][64] = {"quant_us": 10, "dequant_bf16_us": 7}
+    assert bq.dequant_threshold(mixed) == 64
+
+
+def test_a_tuned_dequant_threshold_reaches_the_capacity_test(tuned_dir):
+    """A plan does not know its device's tuning: its capacity test counts the dequantized path's scratch
+    from the smallest threshold of any tuning, the default's (512) or a tuned file's."""
+    assert gq.fewest_dequant_tokens() == gq.DEFAULT_QUANT_TUNING["dequant_min_tokens"]
+    bq.write_quant_tuning({"dequant_min_tokens": 128}, "fake", {"by": "test"}, keys=("dequant_min_tokens",),
+                          meta_key="_meta_dequant")
+    assert gq.load_quant_tuning("fake")["dequant_min_tokens"] == 128
+    assert gq.fewest_dequant_tokens() == 128
+    bq.write_quant_tuning({"dequant_min_tokens": None}, "other", {"by": "test"}, keys=("dequant_min_tokens",),
+                          meta_key="_meta_dequant")  # a device where the path never pays: no bound from it
+    assert gq.fewest_dequant_tokens() == 128
+    from ostinato.config import ModelConfig
+    from ostinato.engine.sizes import expert_sizes
+    from ostinato.loader.build import WeightFormats
+    from ostinato.planner.capacity import _dequant_scratch
+    from ostinato.synth.presets import preset_config
+
+    cfg = ModelConfig.from_dict(preset_config("tiny"))
+    q8 = WeightFormats({l: ("Q8_0", "Q8_0") for l in cfg.moe_layers})  # blocks of 32: the tiny rows hold them
+    sizes = expert_sizes(cfg, torch.bfloat16, q8.experts)
+    assert _dequant_scratch(cfg, 256, torch.bfloat16, q8, sizes) > 0  # counted from 128 now
+    assert _dequant_scratch(cfg, 64, torch.bfloat16, q8, sizes) == 0
+
+
 # --- on CUDA ------------------------------------------------------------------------------
 
 @pytest.mark.gpu

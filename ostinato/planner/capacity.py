@@ -322,15 +322,15 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
 
 
 def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: WeightFormats, sizes: dict) -> int:
-    """The dequantized paths' scratch in a T-token pass (the default tuning's thresholds: a device's
-    tuned ones are not known to the plan): the experts' where quantized experts meet a pass that
-    path serves, or a block-format dense weight's (sizes.dense_dequant_bytes) above the matvec,
-    whichever is larger (one layer's attention and its experts never hold theirs at once)."""
-    from ostinato.layers.moe.gpu_quant import DEFAULT_QUANT_TUNING, dequant_scratch_bytes
+    """The dequantized paths' scratch in a T-token pass: the experts' where quantized experts meet a
+    pass that path may serve (from the smallest threshold of any tuning: a device's own is not known
+    to the plan), or a block-format dense weight's (sizes.dense_dequant_bytes) above the matvec (the
+    default's), whichever is larger (one layer's attention and its experts never hold theirs at once)."""
+    from ostinato.layers.moe.gpu_quant import DEFAULT_QUANT_TUNING, dequant_scratch_bytes, fewest_dequant_tokens
 
     quantized = [l for l in sizes if formats.experts.get(l) is not None]
     dense = dense_dequant_bytes(cfg, dtype, formats.dense) if T > DEFAULT_QUANT_TUNING["dense_matvec_max_tokens"] else 0
-    if not quantized or T < (DEFAULT_QUANT_TUNING["dequant_min_tokens"] or float("inf")):
+    if not quantized or T < fewest_dequant_tokens():
         return dense
     return max(dense, dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                             itemsize(dtype), max(sizes[l][1] for l in quantized)))

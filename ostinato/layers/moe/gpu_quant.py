@@ -83,6 +83,17 @@ def default_quant_tuning(tag: str) -> dict:
     return tuning
 
 
+def fewest_dequant_tokens() -> float:
+    """The smallest pass that any tuning takes the dequantized path at: the default's threshold and
+    every tuned file's (kernels/tuned/moe_quant_*.json; `scripts/bench_gpu_quant.py --tune
+    --dequant-prefill` sets it by measurement); inf where none does. A plan does not know its
+    device's tuning, so the capacity test counts the path's scratch from here."""
+    values = [DEFAULT_QUANT_TUNING["dequant_min_tokens"]]
+    for path in sorted(ge.TUNED_DIR.glob("moe_quant_*.json")):
+        values.append(json.loads(path.read_text()).get("dequant_min_tokens", values[0]))
+    return min((v for v in values if v), default=float("inf"))
+
+
 @functools.cache
 def load_quant_tuning(tag: str) -> dict:
     """Defaults plus gpu_experts' align and combine, overridden by moe_quant_<tag>.json."""
