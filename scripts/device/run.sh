@@ -53,7 +53,8 @@
 #              CPU kernels' oracle tests, then prefill against the row kernels at the 30B and 235B shapes
 #              (scripts/bench_cpu_quant.py --amx-quant)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
-#              kernels first, QGPU=0 leaves them out, QPF=1,4,8 sweeps the CPU kernels' prefetch distance)
+#              kernels first and sets dequant_min_tokens by measurement, QGPU=0 or QCPU=0 leaves one side out,
+#              QPF=1,4,8 sweeps the CPU kernels' prefetch distance)
 #   serve_cached [M] a plan served from its file (SERVE_PLAN, default serve_plan's) and replayed, then in-process
 #   serve_plan [M][N] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health
 #              polled) and the held-out replay through chat completions; a second start from the cache and the
@@ -191,7 +192,7 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
   if [[ -n ${QPF:-} ]]; then  # QPF=4,8,16,32: the CPU kernels' prefetch distance swept (KiB) instead
     run 240 "$R/k_bench_cpu_pf${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K \
       --prefill "" --rounds 3 --prefetch-kib "$QPF" $hp
-  else run 120 "$R/k_bench_cpu${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py $hp; fi
+  elif [[ ${QCPU:-1} == 1 ]]; then run 120 "$R/k_bench_cpu${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py $hp; fi
 }
 phase_amx_quant() {  # the break-even of ColdArgs::amx_quant_min_tokens, by routes an expert (T * 8 / 128)
   run 240 "$R/amx_quant_tests.txt" python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant.py
