@@ -89,6 +89,9 @@ if ! python3 -c "import gguf, fastapi, uvicorn, pydantic, openai, anthropic" 2>/
   else echo "note: the carried wheels did not install ($OUT/pip.txt): the CLI or the server may not start" >&2; fi
 fi
 if [[ -d .carry/res && ! -f $R/.restored ]]; then cp -rn .carry/res/. "$R"/; touch "$R/.restored"; fi
+# KEEP_TUNED=1: the kernel tunings an earlier call's phase wrote into $R (micro_quant with QTUNE=1, micro_dense) replace
+# the tree's, so that a later call on the same warm machine runs with them (the tree is copied afresh each call)
+if [[ ${KEEP_TUNED:-0} == 1 ]] && ls "$R"/moe_quant_*.json >/dev/null 2>&1; then cp "$R"/moe_quant_*.json ostinato/kernels/tuned/; fi
 O="python3 -m ostinato.cli"
 M=${MODEL:-synth:qwen3-30b-a3b}; CAP=${CAP:-32GiB}; CAP_PER_GPU=${CAP_PER_GPU:-16GiB}; DEVICES=${DEVICES:-cuda:0,cuda:1}
 THREADS=${THREADS:-}  # CPU expert workers; empty: the engine's thread layout (ostinato/threads.py) chooses
