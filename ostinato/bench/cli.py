@@ -80,7 +80,7 @@ def cmd_replay(a) -> int:
     results = replay_sessions(target, sessions, tokenizer=tokenizer, max_turns=a.max_turns, max_output=a.max_output,
                               on_turn=lambda r: print(format_turn(r), flush=True), cut=cut)
     summary = summarize(results, layers)
-    if getattr(target, "held", None) is not None and target.kind != "ostinato":
+    if getattr(target, "held", None) is not None and not target.forced:
         summary["outputs_held"] = target.held  # HttpTarget.hold_output: the report says what it did
     _print_summary(summary)
     if cut:

@@ -149,10 +149,16 @@ class HttpTarget:
         self.max_context = None
         if kind == "auto" or model is None:
             self._detect()
-        if api == "anthropic" and self.kind != "ostinato":
+        if api == "anthropic" and not self.forced:
             raise ConfigError(f"{url}: a replay through /v1/messages forces the recorded outputs, which only "
                               "Ostinato's server takes")
         self.name = f"{self.kind}@{url}"
+
+    @property
+    def forced(self) -> bool:
+        """The engine takes the recorded outputs (Ostinato's server); any other generates its own, with
+        max_tokens and ignore_eos, and holds the recorded answer between turns (hold_output)."""
+        return self.kind == "ostinato"
 
     def _detect(self) -> None:
         r = self.client.get("/v1/models")
@@ -169,7 +175,7 @@ class HttpTarget:
 
     def placement(self) -> dict[str, float]:
         """Our server's placement counters (the ostinato_placement_* gauges of /metrics)."""
-        if self.kind != "ostinato":
+        if not self.forced:
             return {}
         r = self.client.get("/metrics")
         if r.status_code != 200:
@@ -185,7 +191,7 @@ class HttpTarget:
         # an unforced engine is sent our ids where we have them: the tokens Ostinato prefills, and the prefix
         # that hold_output extends. Rendered by llama.cpp's own template instead, tau2's tool lists differed
         # from ours within the first 2000 tokens, so each hold displaced the session's cache (session 27).
-        if req.messages is not None and (self.kind == "ostinato" or req.prompt_ids is None):
+        if req.messages is not None and (self.forced or req.prompt_ids is None):
             path = "/v1/chat/completions"
             body["messages"] = req.messages
             if req.tools:
@@ -193,7 +199,7 @@ class HttpTarget:
         else:
             path = "/v1/completions"
             body["prompt"] = req.prompt_ids
-        if self.kind == "ostinato":
+        if self.forced:
             if req.output is not None and req.messages is not None:
                 keep = ("content", "tool_calls", "reasoning_content")
                 body[FORCED_OUTPUT_FIELD] = {"role": "assistant",
@@ -244,7 +250,7 @@ class HttpTarget:
         generated; the engine's prefix cache reuses the prompt). Its time counts in no turn, which
         favours that engine: Ostinato decodes those tokens inside its timed turns. Needs ids (a
         tokenizer); a failure is counted and the replay goes on."""
-        if self.kind == "ostinato" or not self.hold_outputs or req.prompt_ids is None or not req.forced_ids:
+        if self.forced or not self.hold_outputs or req.prompt_ids is None or not req.forced_ids:
             return
         body = {"model": self.model, "prompt": req.prompt_ids + req.forced_ids, "max_tokens": 1,
                 "temperature": 0.0}
