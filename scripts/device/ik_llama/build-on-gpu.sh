@@ -10,6 +10,13 @@ W=${W:-/tmp/ikb}; mkdir -p $W; S=$W/ik_llama.cpp; B=$W/b; OUT=${OUT:-$W/out}; mk
 TARGETS=${TARGETS:-llama-server llama-bench llama-sweep-bench llama-quantize}
 IK_SRC=${IK_SRC:-.ik-kit/ik-src.tar.xz}
 [[ -d $S ]] || tar xJf "$IK_SRC" -C $W || { echo "no ik_llama.cpp source at $IK_SRC"; exit 1; }
+# the sdist lacks common/cmake/build-info-gen-cpp.cmake, the script of the rule that writes common/build-info.cpp
+G=$S/common/cmake/build-info-gen-cpp.cmake
+if [[ ! -f $G ]]; then
+  mkdir -p "$(dirname "$G")"
+  printf '%s\n' 'include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/build-info.cmake)  # BUILD_NUMBER, _COMMIT, _COMPILER, _TARGET' \
+    'configure_file(${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp.in ${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp)' > "$G"
+fi
 nproc; which cmake nvcc ninja gcc; cmake --version | head -1; nvcc --version | tail -1
 common=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
