@@ -46,9 +46,12 @@ if [[ ! -f $B/build.ninja ]]; then
           grep -oE "^[[:space:]]*#[[:space:]]*define[[:space:]]+cu[A-Za-z0-9_]+[[:space:]]+cu[A-Za-z0-9_]+" $H | awk '{print $NF}'; } | sort -u \
           | awk '{print "int " $1 "(void){return 999;}"}' > $W/stubs/stub.c
         gcc -shared -fPIC -o $W/stubs/libcuda.so -Wl,-soname,libcuda.so.1 $W/stubs/stub.c; D=$W/stubs/libcuda.so
+        ln -sf libcuda.so $W/stubs/libcuda.so.1  # the name libggml.so asks for, when the programs link
       fi
       extra+=(-DCUDA_cuda_driver_LIBRARY=$D)
     fi
+    # the programs link against libggml.so, whose cuBLAS and driver the linker must find too
+    extra+=("-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$CB/lib -Wl,-rpath-link,$(dirname ${D:-/usr/local/cuda/lib64/stubs/libcuda.so})")
     rm -rf $B; cmake -S $S -B $B "${common[@]}" "${extra[@]}" >> $OUT/configure.log 2>&1 \
       || { tail -30 $OUT/configure.log; exit 1; }
   fi
