@@ -52,6 +52,7 @@ from ostinato.bench.report import source_state
 from ostinato.layers.moe import gpu_experts as ge
 from ostinato.layers.moe import gpu_quant as gq
 from ostinato.quant import formats
+from ostinato.planner.cost_model import one_switch
 from scripts.bench_gpu_experts import copy_bandwidth, replay_times
 
 D, F, K, E = 2048, 768, 8, 128
@@ -208,18 +209,15 @@ def run_dequant_prefill(qtypes, layers):
 
 
 def dequant_threshold(deq: list[dict]) -> int | None:
-    """Where the dequantized path should start (the tuning's dequant_min_tokens): the fewest tokens
-    from which it is faster at every larger measured size too, the us of the formats (run_dequant_prefill's
-    results) summed; None where it is not faster at the largest size."""
+    """Where the dequantized path should start (the tuning's dequant_min_tokens): the planner's
+    one-switch rule (cost_model.one_switch, as for Np) on the us of the formats (run_dequant_prefill's
+    results) summed: the fewest tokens from which it is faster at every larger measured size; None
+    where it is not faster at the largest size."""
     if not deq:
         return None
     sizes = sorted(set.intersection(*(set(r["prefill"]) for r in deq)))
-    threshold = None
-    for T in reversed(sizes):
-        if sum(r["prefill"][T]["dequant_bf16_us"] for r in deq) >= sum(r["prefill"][T]["quant_us"] for r in deq):
-            break
-        threshold = T
-    return threshold
+    total = lambda key: [sum(r["prefill"][T][key] for r in deq) for T in sizes]  # noqa: E731
+    return one_switch(sizes, total("quant_us"), total("dequant_bf16_us"))[0]
 
 
 def forced_tuning(path):

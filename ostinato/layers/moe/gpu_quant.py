@@ -83,11 +83,13 @@ def default_quant_tuning(tag: str) -> dict:
     return tuning
 
 
+@functools.cache
 def fewest_dequant_tokens() -> float:
     """The smallest pass that any tuning takes the dequantized path at: the default's threshold and
     every tuned file's (kernels/tuned/moe_quant_*.json; `scripts/bench_gpu_quant.py --tune
     --dequant-prefill` sets it by measurement); inf where none does. A plan does not know its
-    device's tuning, so the capacity test counts the path's scratch from here."""
+    device's tuning, so the capacity test counts the path's scratch from here. Read once
+    (clear_quant_tuning_cache forgets it)."""
     values = [DEFAULT_QUANT_TUNING["dequant_min_tokens"]]
     for path in sorted(ge.TUNED_DIR.glob("moe_quant_*.json")):
         values.append(json.loads(path.read_text()).get("dequant_min_tokens", values[0]))
@@ -258,6 +260,7 @@ def clear_quant_tuning_cache() -> None:
     """Forget the loaded tunings (after a tuned file is written or its folder changes)."""
     load_quant_tuning.cache_clear()
     _quant_tuning_for.cache_clear()
+    fewest_dequant_tokens.cache_clear()
 
 
 def slot_experts_quant_forward(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None,
