@@ -22,8 +22,11 @@ that follow the context in the same sessions, run at the context's end as the en
 (the placement's split, upload and mixed paths by the pass's size), timed `--steps` times by the
 host's clock around the synchronized pass, and profiled `--profile-steps` times. Uploads are the
 class `upload` (host-to-device copies), apart from the other copies; the kernels of every stream
-are summed, so with uploads beside compute the kernel time can exceed the pass's wall time.
-Each size writes OUT/prefill_N.json and OUT/prefill_N.md.
+are summed, so with uploads beside compute the kernel time can exceed the pass's wall time. The
+profiled passes also say where their wall time went (`timeline`, pass_timeline): the host's time
+inside the MoE backend (waiting for the CPU branch, synchronising for the routing) and outside it,
+its launches, and each stream's busy time; a pass whose host is busy while the GPU idles is bound by
+its launches, which graphs would remove ([Q]). Each size writes OUT/prefill_N.json and OUT/prefill_N.md.
 
 Writes OUT/profile.json and OUT/profile.md; one JSON summary line on stdout. On a machine
 without CUDA it runs on the CPU (the kernels are then aten ops; a smoke run, not a figure).
@@ -35,6 +38,7 @@ import json
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -128,8 +132,8 @@ def device_time_us(evt) -> float:
     return 0.0
 
 
-def kernel_table(fn, steps: int, on_cuda: bool) -> list[dict]:
-    """Profile `steps` calls of fn -> one row per kernel (launches and us per step, class)."""
+def profiled(fn, steps: int, on_cuda: bool):
+    """torch.profiler over `steps` calls of fn (the kernels too on CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
@@ -138,6 +142,15 @@ def kernel_table(fn, steps: int, on_cuda: bool) -> list[dict]:
             fn()
         if on_cuda:
             torch.cuda.synchronize()
+    return prof
+
+
+def kernel_table(fn, steps: int, on_cuda: bool) -> list[dict]:
+    """Profile `steps` calls of fn -> one row per kernel (launches and us per step, class)."""
+    return kernel_rows(profiled(fn, steps, on_cuda), steps, on_cuda)
+
+
+def kernel_rows(prof, steps: int, on_cuda: bool) -> list[dict]:
     rows = defaultdict(lambda: {"launches": 0, "us": 0.0})
     for e in prof.key_averages():
         if on_cuda:
@@ -154,6 +167,105 @@ def kernel_table(fn, steps: int, on_cuda: bool) -> list[dict]:
     out = [{"kernel": k, "class": kernel_class(k), "launches_per_step": v["launches"] / steps,
             "us_per_step": v["us"] / steps} for k, v in rows.items()]
     return sorted(out, key=lambda r: -r["us_per_step"])
+
+
+# host ranges the prefill profile marks (record_function): a pass with its closing sync, each MoE
+# layer's call into the experts backend, and the backend's wait for its CPU branch
+PASS, MOE, CPU_WAIT = "ostinato.pass", "ostinato.moe", "ostinato.cpu_wait"
+SYNCS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def union_ms(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """The length (ms) of the union of spans (us), clipped to [lo, hi]."""
+    total, end = 0.0, lo
+    for a, b in sorted(spans):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total / 1e3
+
+
+def pass_timeline(events: list[dict]) -> dict:
+    """Where each marked pass's wall time went, from a chrome trace's complete events (ph "X"):
+    the host's time inside the MoE backend (of it: waiting for the CPU branch, and synchronising
+    with the GPU) and outside it (attention, the dense layers, the routing: launches and Python),
+    the host's launches and copies issued, and each stream's busy time. Means over the passes;
+    `per_moe_layer` divides them by the MoE calls of a pass. A host that is neither waiting nor
+    kept by the GPU while the GPU idles is the pass's bottleneck."""
+    ev = [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+    def span(e):
+        return float(e["ts"]), float(e["ts"]) + float(e["dur"])
+
+    def marked(name, inside):
+        return [span(e) for e in inside if e.get("cat") == "user_annotation" and e.get("name") == name]
+
+    rows = []
+    for lo, hi in marked(PASS, ev):
+        inside = [e for e in ev if lo <= float(e["ts"]) < hi]
+        moe = marked(MOE, inside)
+        runtime = [e for e in inside if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+        syncs = [e for e in runtime if e.get("name") in SYNCS]
+        launches = [e for e in runtime if "LaunchKernel" in e.get("name", "")]
+        copies = [e for e in runtime if e.get("name", "").startswith(("cudaMemcpy", "cuMemcpy"))]
+        streams = defaultdict(list)
+        for e in inside:
+            if e.get("cat") in DEVICE_CATS:
+                streams[str(e.get("args", {}).get("stream", "?"))].append(span(e))
+        ms = lambda es: sum(float(e["dur"]) for e in es) / 1e3  # noqa: E731
+        in_moe = lambda e: any(a <= float(e["ts"]) < b for a, b in moe)  # noqa: E731
+        wall, host_moe = (hi - lo) / 1e3, sum(b - a for a, b in moe) / 1e3
+        rows.append({
+            "wall_ms": wall, "moe_calls": len(moe), "host_in_moe_ms": host_moe,
+            "host_outside_moe_ms": wall - host_moe,
+            "cpu_wait_ms": sum(b - a for a, b in marked(CPU_WAIT, inside)) / 1e3,
+            "sync_in_moe_ms": ms([e for e in syncs if in_moe(e)]),
+            "sync_outside_moe_ms": ms([e for e in syncs if not in_moe(e)]),
+            "launches": len(launches), "launch_host_ms": ms(launches),
+            "copies_issued": len(copies), "copy_host_ms": ms(copies),
+            "gpu_busy_ms": {s: union_ms(v, lo, hi) for s, v in sorted(streams.items())},
+            "gpu_busy_any_ms": union_ms([x for v in streams.values() for x in v], lo, hi)})
+    if not rows:
+        return {}
+    out = {k: statistics.fmean(r[k] for r in rows) for k in rows[0] if k != "gpu_busy_ms"}
+    out["gpu_busy_ms"] = {s: statistics.fmean(r["gpu_busy_ms"].get(s, 0.0) for r in rows)
+                          for s in sorted({s for r in rows for s in r["gpu_busy_ms"]})}
+    out["gpu_idle_ms"] = out["wall_ms"] - out["gpu_busy_any_ms"]
+    out["host_active_ms"] = out["wall_ms"] - out["cpu_wait_ms"] - out["sync_in_moe_ms"] - out["sync_outside_moe_ms"]
+    out["passes"] = len(rows)
+    n = out["moe_calls"]
+    out["per_moe_layer"] = {k: v / n for k, v in out.items() if k.endswith("_ms") and isinstance(v, float)} if n else {}
+    return out
+
+
+def marked_backend(runner):
+    """A backend that marks each MoE call (MOE) and the CPU branch's wait inside it (CPU_WAIT) for
+    the profiler, around the runner's own -> (backend, undo)."""
+    from torch.profiler import record_function
+
+    inner = runner.experts
+    hybrid = getattr(inner, "unwrapped", inner)
+    cpu = getattr(hybrid, "cpu", None)
+    if cpu is not None and hasattr(cpu, "wait"):
+        wait = cpu.wait
+
+        def marked_wait(*args, **kw):
+            with record_function(CPU_WAIT):
+                return wait(*args, **kw)
+
+        cpu.wait = marked_wait
+
+    def backend(layer, x, topk):
+        with record_function(MOE):
+            return inner(layer, x, topk)
+
+    def undo():
+        if cpu is not None and "wait" in vars(cpu):
+            del cpu.wait
+
+    return backend, undo
 
 
 def by_class(rows: list[dict]) -> dict[str, dict]:
@@ -216,6 +328,9 @@ def write_md(path: Path, out: dict) -> None:
     else:
         lines.append(f"- step: median {s['median_ms']:.3f} ms (p90 {s['p90_ms']:.3f}) over {s['steps']} steps; "
                      f"kernels (graph replays) {s['kernel_ms_graph']:.3f} ms, idle GPU {s['idle_ms_graph']:.3f} ms")
+    tl = out.get("timeline")
+    if tl:
+        lines += timeline_md(tl)
     hb = out.get("hbm")
     if hb:
         lines.append(f"- HBM: copy bandwidth {hb['copy_gbps']:.0f} GB/s; the dense part must read "
@@ -233,6 +348,26 @@ def write_md(path: Path, out: dict) -> None:
     lines += [f"| `{r['kernel'][:90]}` | {r['class']} | {r['launches_per_step']:.1f} | {r['us_per_step']:.1f} |"
               for r in out["kernels_graph"][:40]]
     path.write_text("\n".join(lines) + "\n")
+
+
+TIMELINE_ROWS = (("wall_ms", "wall (profiled)"), ("host_in_moe_ms", "host inside the MoE backend"),
+                 ("cpu_wait_ms", "- waiting for the CPU branch"), ("sync_in_moe_ms", "- synchronising with the GPU"),
+                 ("host_outside_moe_ms", "host outside it (attention, dense layers, routing)"),
+                 ("sync_outside_moe_ms", "- synchronising with the GPU"),
+                 ("host_active_ms", "host neither waiting nor synchronising"),
+                 ("launch_host_ms", "host inside kernel launches"), ("copy_host_ms", "host inside copy calls"),
+                 ("gpu_busy_any_ms", "GPU busy, any stream"), ("gpu_idle_ms", "GPU idle"))
+
+
+def timeline_md(tl: dict) -> list[str]:
+    per = tl.get("per_moe_layer", {})
+    lines = ["", f"## Where the wall time went ({tl['passes']} profiled passes, {tl['moe_calls']:.0f} MoE calls each)",
+             "", "| | ms a pass | ms a MoE layer |", "|---|---|---|"]
+    for key, label in TIMELINE_ROWS:
+        lines.append(f"| {label} | {tl[key]:.2f} | {per.get(key, float('nan')):.3f} |")
+    lines.append(f"| kernel launches, copy calls issued | {tl['launches']:.0f}, {tl['copies_issued']:.0f} | |")
+    lines += [f"| GPU stream {s} busy | {v:.2f} | |" for s, v in tl["gpu_busy_ms"].items()]
+    return lines
 
 
 def main(argv=None) -> int:
@@ -308,8 +443,24 @@ def profile_prefill(a, loaded, tokens: list[int]) -> None:
     on_cuda = dev.type == "cuda"
     pass_times_ms(runner, tokens, a.context, 2)  # warm: compiled kernels, the allocator's blocks
     times = pass_times_ms(runner, tokens, a.context, a.steps)
-    rows = kernel_table(lambda: runner.forward(tokens, a.context), a.profile_steps, on_cuda)
+    from torch.profiler import record_function
+
+    def marked_pass():
+        with record_function(PASS):
+            runner.forward(tokens, a.context)
+            sync(dev)
+
+    backend, undo = marked_backend(runner)
+    try:
+        with runner.experts_swapped(backend):
+            prof = profiled(marked_pass, a.profile_steps, on_cuda)
+    finally:
+        undo()
+    rows = kernel_rows(prof, a.profile_steps, on_cuda)
     classes = by_class(rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        timeline = pass_timeline(json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"])
     out = {"kind": "ostinato.profile_prefill", **source_state(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": a.model,
            "device": torch.cuda.get_device_name(dev) if on_cuda else "cpu", "torch": torch.__version__,
@@ -320,7 +471,7 @@ def profile_prefill(a, loaded, tokens: list[int]) -> None:
                     "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
                     "kernel_ms": sum(r["us_per_step"] for r in rows) / 1e3,
                     "upload_ms": classes.get("upload", {}).get("us_per_step", 0.0) / 1e3},
-           "classes": classes, "kernels": rows}
+           "timeline": timeline, "classes": classes, "kernels": rows}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"prefill_{len(tokens)}.json").write_text(json.dumps(out, indent=1) + "\n")
     write_md(a.out / f"prefill_{len(tokens)}.md", out | {"kernels_graph": rows})

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 
 def _script():
     path = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
@@ -36,6 +38,10 @@ def test_prefill_profiles_one_file_per_size(tiny_dir, tmp_path):
         assert d["kind"] == "ostinato.profile_prefill" and d["prefill_tokens"] == n and d["context"] == 40
         assert d["step"]["steps"] == 3 and d["step"]["median_ms"] > 0 and d["classes"] and d["kernels"]
         assert d["step"]["upload_ms"] == 0.0  # on the CPU nothing is uploaded
+        tl = d["timeline"]  # one MoE call a layer a pass, and the wall split at the backend's edge
+        assert tl["passes"] == 1 and tl["moe_calls"] == 4 and tl["host_in_moe_ms"] > 0
+        assert tl["host_in_moe_ms"] + tl["host_outside_moe_ms"] == pytest.approx(tl["wall_ms"])
+        assert "Where the wall time went" in md
         assert md.startswith(f"# Prefill pass of {n} tokens profile") and "us / pass" in md
 
 
@@ -43,3 +49,35 @@ def test_host_to_device_copies_are_uploads():
     k = _script().kernel_class
     assert k("Memcpy HtoD (Pinned -> Device)") == "upload" and k("Memcpy DtoD (Device -> Device)") == "copy"
     assert k("_wait_add") == "handshake" and k("_w13_kernel") == "experts"
+
+
+def test_pass_timeline_splits_host_and_streams():
+    """A made-up trace of one pass (us): two MoE calls, the second waiting for its CPU branch and
+    synchronising; kernels on stream 7 overlapping each other, a copy on stream 9."""
+    def x(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    m = _script()
+    events = [x("user_annotation", m.PASS, 0, 1000),
+              x("user_annotation", m.MOE, 100, 200), x("user_annotation", m.MOE, 500, 400),
+              x("user_annotation", m.CPU_WAIT, 600, 150), x("cuda_runtime", "cudaEventSynchronize", 520, 50),
+              x("cuda_runtime", "cudaStreamSynchronize", 950, 40), x("cuda_runtime", "cudaLaunchKernel", 10, 5),
+              x("cuda_driver", "cuLaunchKernelEx", 110, 7), x("cuda_runtime", "cudaMemcpyAsync", 130, 3),
+              x("kernel", "a", 20, 100, stream=7), x("kernel", "b", 60, 100, stream=7),
+              x("kernel", "c", 990, 50, stream=7), x("gpu_memcpy", "Memcpy HtoD", 140, 100, stream=9),
+              x("user_annotation", m.PASS, 5000, 10)]  # a second pass, with nothing in it
+    tl = m.pass_timeline(events[:-1])
+    assert tl["passes"] == 1 and tl["moe_calls"] == 2 and tl["wall_ms"] == pytest.approx(1.0)
+    assert tl["host_in_moe_ms"] == pytest.approx(0.6) and tl["host_outside_moe_ms"] == pytest.approx(0.4)
+    assert tl["cpu_wait_ms"] == pytest.approx(0.15)
+    assert (tl["sync_in_moe_ms"], tl["sync_outside_moe_ms"]) == (pytest.approx(0.05), pytest.approx(0.04))
+    assert (tl["launches"], tl["copies_issued"]) == (2, 1)
+    assert tl["launch_host_ms"] == pytest.approx(0.012) and tl["copy_host_ms"] == pytest.approx(0.003)
+    # stream 7: [20, 160) and [990, 1000) inside the pass; stream 9: [140, 240); any: [20, 240) and [990, 1000)
+    assert tl["gpu_busy_ms"] == {"7": pytest.approx(0.15), "9": pytest.approx(0.1)}
+    assert tl["gpu_busy_any_ms"] == pytest.approx(0.23) and tl["gpu_idle_ms"] == pytest.approx(0.77)
+    assert tl["host_active_ms"] == pytest.approx(1.0 - 0.15 - 0.05 - 0.04)
+    assert tl["per_moe_layer"]["wall_ms"] == pytest.approx(0.5)
+    two = m.pass_timeline(events)  # means over the passes
+    assert two["passes"] == 2 and two["wall_ms"] == pytest.approx(0.505) and two["moe_calls"] == 1
+    assert m.pass_timeline([]) == {}

@@ -34,7 +34,9 @@ from ostinato.planner import cost_model as cm
 from ostinato.planner.measure.timing import Clock
 from ostinato.planner.measure.transfers import host_read_gbps, measure_upload
 
-DEFAULT_SIZES = (64, 128, 256, 384, 512, 768, 1024, 2048)  # the crossing on the H200 lay between 256 and 512
+# the crossing on the H200 lay between 256 and 512; 192: the 30B Q4_K_M file's split with uploads tied at 128
+# and won at 256, so its passes of 129-255 tokens (a quarter of session 28's tool turns) took the split path
+DEFAULT_SIZES = (64, 128, 192, 256, 384, 512, 768, 1024, 2048)
 # A graph step's CPU branch costs alpha per layer with a cold route beyond its routes' work: the
 # handshake, a few microseconds when the poller has its core (0.02 ms on the H200 machine). A
 # poller that shares its core waits for the scheduler instead (3.5 ms there: issue [H]). Above

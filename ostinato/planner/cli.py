@@ -501,7 +501,7 @@ def add_planner_commands(sub) -> None:
     add_model_args(p)
     p.add_argument("--profile", help="profile for the model's predictions (default: the plan's)")
     p.add_argument("--sessions", help="prompts whose routing the n-token passes use (default embedded:4)")
-    p.add_argument("--sizes", help="pass sizes, comma-separated (default 64,128,256,512,1024,2048)")
+    p.add_argument("--sizes", help="pass sizes, comma-separated (default: calibrate.DEFAULT_SIZES, 64 to 2048)")
     p.add_argument("--pass-layers", type=int, default=4, help="layers whose passes are timed")
     p.add_argument("--reps", type=int, default=15, help="one-token measurements per layer and r")
     p.add_argument("--cpu-backend", choices=["auto", "native", "torch"], default="auto")
