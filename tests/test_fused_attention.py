@@ -41,6 +41,23 @@ def test_causal_attention_is_attention_with_the_causal_mask(T, L, dk, dv):
         assert torch.allclose(got.double(), want, atol=1e-5), (got.double() - want).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_heads_attend_as_the_repeated_heads(dtype, monkeypatch):
+    """K/V heads shared by 4 query heads each (Qwen3's GQA): the same values, to the bit, whether
+    SDPA takes the groups (enable_gqa, where the fused kernels do) or the heads are repeated first."""
+    import ostinato.models.common as common
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(8, 5, 64, generator=g).to(dtype)
+    k, v = (torch.randn(2, 12, 64, generator=g).to(dtype) for _ in "kv")
+    repeated = causal_attention(q, k.repeat_interleave(4, dim=0), v.repeat_interleave(4, dim=0))
+    assert torch.equal(causal_attention(q, k, v), repeated)
+    assert torch.equal(causal_attention(q, k[:, :5], v[:, :5]),  # the causal flag (T = L) too
+                       causal_attention(q, k[:, :5].repeat_interleave(4, dim=0), v[:, :5].repeat_interleave(4, dim=0)))
+    monkeypatch.setattr(common, "fused_attention_available", lambda *a, **kw: False)
+    assert torch.equal(common.causal_attention(q, k, v), repeated)
+
+
 def test_score_share_follows_the_declaration_without_a_gpu():
     qwen, ds, oss = (_cfg(p) for p in ("tiny", "tiny-deepseek-v3", "tiny-gpt-oss"))
     assert attention_shape(qwen).fused_on_gpu and attention_shape(ds).fused_on_gpu
@@ -59,7 +76,9 @@ def test_the_fused_kernels_take_the_real_head_dims(preset):
         pytest.skip("no CUDA")
     shape = attention_shape(_cfg(preset))
     ok = fused_attention_available(shape.qk_dim, shape.v_dim, torch.bfloat16, "cuda")
-    print(f"{preset}: fused kernels ({', '.join(FUSED_BACKENDS)}) take q/k {shape.qk_dim}, v {shape.v_dim}: {ok}")
+    gqa = fused_attention_available(shape.qk_dim, shape.v_dim, torch.bfloat16, "cuda", gqa=True)
+    print(f"{preset}: fused kernels ({', '.join(FUSED_BACKENDS)}) take q/k {shape.qk_dim}, v {shape.v_dim}: {ok}; "
+          f"grouped K/V heads as they are: {gqa}")
     if preset == "qwen3-30b-a3b":
         assert ok
     assert gpu_score_share(_cfg(preset), torch.bfloat16) == (0.0 if ok else 1.0)

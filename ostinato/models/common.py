@@ -29,38 +29,51 @@ KVShapes = dict[str, tuple[int, ...]]  # one layer's cache tensors: name -> per-
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Prefill attention of T new tokens after L - T cached ones, per head: q [H, T, Dk], k [H, L, Dk],
-    v [H, L, Dv] (K/V heads already one per query head) -> [H, T, Dv]; query i sees keys
-    [0, L - T + i]. Four-dimensional inputs and a causal flag (T = L) or the lower-right causal
-    bias, never an explicit mask, so that SDPA may take a fused kernel (flash, memory-efficient or
-    cuDNN) that holds no H x T x L score matrix: with three-dimensional inputs torch does not
-    consider the memory-efficient kernel, and an explicit [T, L] mask forces the math kernel
-    (about 13 GiB of fp32 scores at 2048 x 16k tokens)."""
+    """Prefill attention of T new tokens after L - T cached ones, per head: q [H, T, Dk], k [Hkv, L, Dk],
+    v [Hkv, L, Dv] with Hkv dividing H (grouped-query attention: query head h reads K/V head
+    h // (H / Hkv)) -> [H, T, Dv]; query i sees keys [0, L - T + i]. Four-dimensional inputs and a
+    causal flag (T = L) or the lower-right causal bias, never an explicit mask, so that SDPA may take
+    a fused kernel (flash, memory-efficient or cuDNN) that holds no H x T x L score matrix: with
+    three-dimensional inputs torch does not consider the memory-efficient kernel, and an explicit
+    [T, L] mask forces the math kernel (about 13 GiB of fp32 scores at 2048 x 16k tokens).
+    Grouped K/V heads go in as they are (SDPA's enable_gqa) where the fused kernels take them
+    (fused_attention_available(..., gqa=True)); elsewhere they are repeated first, which copies the
+    whole window each layer (H / Hkv times K and V: 67 MB of each for Qwen3-30B-A3B at 8k tokens;
+    session 23's profile of a 235B-shaped prefill spent 52 us a layer and copy on them)."""
+    rep = q.shape[0] // k.shape[0]
+    gqa = rep > 1 and fused_attention_available(q.shape[-1], v.shape[-1], q.dtype, q.device.type, gqa=True)
+    if rep > 1 and not gqa:
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    return _sdpa(q, k, v, scale, gqa)
+
+
+def _sdpa(q, k, v, scale, gqa: bool) -> torch.Tensor:
     T, L = q.shape[1], k.shape[1]
-    if T == L:
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal_lower_right(T, L),
-                                          scale=scale)[0]
+    mask = {"is_causal": True} if T == L else {"attn_mask": causal_lower_right(T, L)}
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=gqa, **mask)[0]
 
 
 FUSED_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
 
 @functools.lru_cache(maxsize=None)
-def fused_attention_available(qk_dim: int, v_dim: int, dtype: torch.dtype, device: str) -> bool:
+def fused_attention_available(qk_dim: int, v_dim: int, dtype: torch.dtype, device: str, gqa: bool = False) -> bool:
     """Whether SDPA's fused kernels (FUSED_BACKENDS: no score matrix) take `causal_attention` with
-    these head dims and dtype on `device`, both with the causal flag and with the lower-right bias:
-    tried once per process on small inputs laid out as the models lay them out (kernel support
-    depends on the head dims, dtype and device, not on the number of heads or tokens)."""
+    these head dims and dtype on `device`, both with the causal flag and with the lower-right bias
+    (gqa: with two query heads on one K/V head, as enable_gqa passes them): tried once per process
+    on small inputs laid out as the models lay them out (kernel support depends on the head dims,
+    dtype and device, not on the number of heads or tokens)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k = (torch.randn(16, 2, qk_dim, generator=g, device=device, dtype=dtype).transpose(0, 1) for _ in "qk")
     v = torch.randn(16, 2, v_dim, generator=g, device=device, dtype=dtype).transpose(0, 1)
+    if gqa:
+        k, v = k[:1], v[:1]
     try:
         with sdpa_kernel([getattr(SDPBackend, b) for b in FUSED_BACKENDS]):
-            causal_attention(q, k, v)
-            causal_attention(q[:, 8:], k, v)
+            _sdpa(q, k, v, None, gqa)
+            _sdpa(q[:, 8:], k, v, None, gqa)
         return True
     except RuntimeError:
         return False

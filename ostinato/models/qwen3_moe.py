@@ -86,9 +86,8 @@ class Attention(nn.Module):
         v_ = kv.v[:end].transpose(0, 1)
         if T == 1:
             o = F.scaled_dot_product_attention(q_, k_, v_, enable_gqa=True)
-        else:  # KV heads repeated (exact): the fused kernels take GQA only in some builds
-            rep = self.h // self.hkv
-            o = causal_attention(q_, k_.repeat_interleave(rep, dim=0), v_.repeat_interleave(rep, dim=0))
+        else:
+            o = causal_attention(q_, k_, v_)
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.hd))
 
     def _attend_one(self, q, kv: LayerKV, position: torch.Tensor, size: int) -> torch.Tensor:
