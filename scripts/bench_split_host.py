@@ -51,11 +51,14 @@ def main() -> None:
         weights = torch.rand(t, a.top_k)
         for _ in range(20):
             k = host_part(ids, weights, compact, a.experts, a.flex, zero)
-        t0 = time.perf_counter()
-        for _ in range(a.repeats):
-            host_part(ids, weights, compact, a.experts, a.flex, zero)
-        us = (time.perf_counter() - t0) / a.repeats * 1e6
-        print(f"{t:5d} tokens: {us:7.1f} us per layer on the host ({k} experts uploaded)")
+        batches = []  # the median of 9 batches: this 2-core host's other work moves single means by 30%
+        for _ in range(9):
+            t0 = time.perf_counter()
+            for _ in range(a.repeats // 9 + 1):
+                host_part(ids, weights, compact, a.experts, a.flex, zero)
+            batches.append((time.perf_counter() - t0) / (a.repeats // 9 + 1) * 1e6)
+        us = sorted(batches)[4]
+        print(f"{t:5d} tokens: {us:7.1f} us per layer on the host, median of 9 batches ({k} experts uploaded)")
 
 
 if __name__ == "__main__":
