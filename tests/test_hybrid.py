@@ -416,3 +416,22 @@ def test_passes_below_the_mixed_size_take_the_plain_paths():
         got = hybrid(0, x, topk)
         assert torch.allclose(got, moe_forward(x, topk, weights[0]), rtol=1e-4, atol=1e-5)
         assert hybrid.stats().get("mixed_passes", 0) == mixed_passes
+
+
+def test_uploads_copy_weights_and_biases_into_the_slots_given():
+    """ExpertPool.upload, the one copy of cold experts into pool slots (upload path, split with
+    uploads, caches, borrowed memory): each expert of the list into its slot, biases too."""
+    from ostinato.config import SILU
+
+    g = torch.Generator().manual_seed(5)
+    w = ExpertWeights(torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g),
+                      torch.randn(E, 2 * F, generator=g), torch.randn(E, D, generator=g), SILU)
+    pool = ExpertPool({0: [0, 1]}, 1, E, K, 3, (2 * F, D), (D, F), "cpu", torch.float32, bias=True)
+    pool.fill_layer(0, w)
+    host = HostExperts({0: list(range(2, E))}, E, (2 * F, D), (D, F), torch.float32, bias=True)
+    host.fill_layer(0, w)
+    slots, experts = [pool.flex_lo + 2, pool.flex_lo], [9, 3]
+    assert pool.upload(slots, host, 0, experts) == 2 * pool.expert_bytes
+    for s, e in zip(slots, experts):
+        for got, want in ((pool.w13, w.w13), (pool.w2, w.w2), (pool.b13, w.b13), (pool.b2, w.b2)):
+            assert torch.equal(got[s], want[e])

@@ -157,8 +157,15 @@ def test_pool_forward_dispatches_by_format():
     host = HostExperts({0: [1, 4]}, E, (2 * F, D), (D, F), torch.float32, {0: ("Q4_K", "Q6_K")})
     host.fill_layer(0, q)
     assert torch.equal(host.layers[0].w13, q.w13[[1, 4]])
-    nbytes = qp.upload(qp.flex_lo, host, 0, 4)  # a cold expert's blocks into a flex slot
+    nbytes = qp.upload([qp.flex_lo], host, 0, [4])  # a cold expert's blocks into a flex slot
     assert nbytes == qp.expert_bytes and torch.equal(qp.w13[qp.flex_lo], q.w13[4])
+    # several in one call, in the order given; nothing for none; an expert without a host copy refused
+    assert qp.upload([qp.flex_lo, qp.flex_lo + 1], host, 0, [4, 1]) == 2 * qp.expert_bytes
+    for slot, e in ((qp.flex_lo, 4), (qp.flex_lo + 1, 1)):
+        assert torch.equal(qp.w13[slot], q.w13[e]) and torch.equal(qp.w2[slot], q.w2[e])
+    assert qp.upload([], host, 0, []) == 0
+    with pytest.raises(ValueError, match=r"experts \[2\] have no host copy"):
+        qp.upload([qp.flex_lo], host, 0, [2])
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])

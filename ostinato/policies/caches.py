@@ -195,7 +195,7 @@ class DecayingCache(_Cache):
                 continue
             s = self.free[self.group[l]].pop()
             self._place(l, e, s)
-            h.pools.of(l).upload(s, h.host, l, e)
+            h.pools.of(l).upload([s], h.host, l, [e])
         h.publish()
 
     def _step(self, layer: int) -> None:

@@ -105,11 +105,11 @@ class Borrowing:
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # slot no longer read
             with torch.cuda.stream(self.copy_stream):
-                self.pool.upload(slot, self.host, layer, expert)
+                self.pool.upload([slot], self.host, layer, [expert])
                 event = torch.cuda.Event()
                 event.record()
         else:
-            self.pool.upload(slot, self.host, layer, expert)
+            self.pool.upload([slot], self.host, layer, [expert])
         self.pending.append((slot, layer, expert, event))
 
     def _apply_finished(self) -> None:

@@ -505,7 +505,7 @@ class HybridExperts(MoEBackend):
         if not uploads:
             return 0
         pool = self.pools.of(layer)
-        self.counters["bytes_uploaded"] += sum(pool.upload(s, self.host, layer, e) for e, s in uploads)
+        self.counters["bytes_uploaded"] += pool.upload([s for _, s in uploads], self.host, layer, [e for e, _ in uploads])
         self.counters["uploaded_experts"] += len(uploads)
         return int(np.isin(ids, [e for e, _ in uploads]).sum())
 
@@ -555,10 +555,10 @@ class HybridExperts(MoEBackend):
         return part
 
     def _copy_in(self, layer: int, dst, experts, ready=None) -> None:
-        """Issue the copies of `experts` (host ids) into the flex slots `dst` on the copy stream, once
-        `ready` has passed (an event recorded behind the flex slots' earlier readers; None: all the
-        current stream's work so far), and count them. The GEMM that reads them waits first
-        (_copies_landed)."""
+        """Issue the copies of `experts` (host ids: a numpy array or a CPU tensor) into the flex slots
+        `dst` (a range or a CPU tensor) on the copy stream, once `ready` has passed (an event recorded
+        behind the flex slots' earlier readers; None: all the current stream's work so far), and count
+        them. The GEMM that reads them waits first (_copies_landed)."""
         pool = self.pools.of(layer)
         stream = self.copy_stream
         if stream is not None:
@@ -567,7 +567,8 @@ class HybridExperts(MoEBackend):
             else:
                 stream.wait_event(ready)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            nbytes = sum(pool.upload(int(d), self.host, layer, int(e)) for d, e in zip(dst, experts))
+            slots = dst if isinstance(dst, range) else dst.tolist()
+            nbytes = pool.upload(slots, self.host, layer, experts.tolist())
         self.counters["uploaded_experts"] += len(experts)
         self.counters["bytes_uploaded"] += nbytes
 

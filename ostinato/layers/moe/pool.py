@@ -34,6 +34,7 @@ Legend: S hot slots, K top-k, U flexible slots, E experts, F expert FFN, D hidde
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -114,6 +115,7 @@ class ExpertPool:
         self.table = table.to(device)  # [layers, E] int32
         self.table_host = table
         self.zero_of_position = torch.arange(self.zero_lo, self.zero_hi, dtype=torch.int32, device=device)
+        self._slot_views = None
 
     @property
     def nbytes(self) -> int:
@@ -166,18 +168,32 @@ class ExpertPool:
             raise ConfigError(f"layer {layer}: experts in {got} cannot fill a pool of {self.format} slots")
         check_same_math(layer, experts, self.act, self.b13 is not None, "pool")
 
-    def upload(self, slot: int, host: "HostExperts", layer: int, expert: int) -> int:
-        """Copy one cold expert from page-locked host memory into `slot`, asynchronously on the
-        current stream; returns the bytes copied."""
-        hw, i = host.layers[layer], int(host.rows[layer][expert])
-        nb = self.device.type == "cuda"
-        self.w13[slot].copy_(hw.w13[i], non_blocking=nb)
-        self.w2[slot].copy_(hw.w2[i], non_blocking=nb)
-        if self.b13 is None:
-            return hw.w13[i].nbytes + hw.w2[i].nbytes
-        self.b13[slot].copy_(hw.b13[i], non_blocking=nb)
-        self.b2[slot].copy_(hw.b2[i], non_blocking=nb)
-        return hw.w13[i].nbytes + hw.w2[i].nbytes + hw.b13[i].nbytes + hw.b2[i].nbytes
+    def upload(self, slots: Sequence[int], host: "HostExperts", layer: int, experts: Sequence[int]) -> int:
+        """Copy cold experts of `layer` from page-locked host memory into pool slots (slots[i] gets
+        experts[i]), asynchronously on the current stream; returns the bytes copied. One
+        torch._foreach_copy_ over views made once, whose loop issues the copies in C++: the host
+        issues them while the GPU branch waits to be launched (HybridExperts.split_path), and two
+        copy_ calls from Python an expert, with their indexing, took it 36 us an expert on the
+        development host against 3-6 for the batch (scripts/bench_split_host.py --uploads 30)."""
+        if not len(experts):
+            return 0
+        rows = host.row_list(layer)
+        src_rows = [rows[e] for e in experts]
+        if min(src_rows) < 0:
+            raise ValueError(f"layer {layer}: experts {[e for e, r in zip(experts, src_rows) if r < 0]} have no host copy")
+        dst, src = [], []
+        for pool_rows, host_rows in zip(self.slot_views(), host.row_views(layer)):
+            dst += [pool_rows[s] for s in slots]
+            src += [host_rows[i] for i in src_rows]
+        torch._foreach_copy_(dst, src, non_blocking=self.device.type == "cuda")
+        return len(src_rows) * self.expert_bytes
+
+    def slot_views(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Each weight tensor's slots as views (w13, w2, and the biases if any), made once."""
+        if self._slot_views is None:
+            weights = (self.w13, self.w2) + ((self.b13, self.b2) if self.b13 is not None else ())
+            self._slot_views = tuple(w.unbind(0) for w in weights)
+        return self._slot_views
 
     def slots_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] -> slots [T, K] int32: hot experts' slots, cold ones the zero slot of
@@ -346,6 +362,21 @@ class HostExperts:
                 self.rows[layer] = c.clone()
                 start += n
         self.pinned = self.pinned and bool(self._pins)
+        self._row_views: dict[int, tuple] = {}
+        self._row_lists: dict[int, list[int]] = {}
+
+    def row_list(self, layer: int) -> list[int]:
+        """rows[layer] as Python ints (made once: rows never change)."""
+        if layer not in self._row_lists:
+            self._row_lists[layer] = self.rows[layer].tolist()
+        return self._row_lists[layer]
+
+    def row_views(self, layer: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """A layer's stacks as views of each expert's row (w13, w2, and the biases if any), made once."""
+        if layer not in self._row_views:
+            w = self.layers[layer]
+            self._row_views[layer] = tuple(t.unbind(0) for t in (w.w13, w.w2) + ((w.b13, w.b2) if self.bias else ()))
+        return self._row_views[layer]
 
     def unpin(self) -> None:
         """Unregister the page-locked buffers now (before they are freed, so that a later

@@ -28,7 +28,7 @@ def measure_upload(h, layers: list[int], clock: Clock, reps: int = 3) -> tuple[f
             continue
 
         def copy() -> int:  # as HybridExperts.upload_path: the pool's own copy of each expert (biases too)
-            return sum(pool.upload(pool.flex_lo + i, h.host, layer, e) for i, e in enumerate(cold))
+            return pool.upload(range(pool.flex_lo, pool.flex_lo + len(cold)), h.host, layer, cold)
 
         nbytes = copy()
         for _ in range(reps):
