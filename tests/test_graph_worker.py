@@ -331,6 +331,8 @@ def test_stats_and_bad_inputs(native):
     s = worker.stats()
     assert s["last_layers"] >= 1 and s["last_routes"] >= 1 and s["last_compute_ns"] > 0
     assert s["compute_ns"] >= s["last_compute_ns"] and s["compute_us_per_step"] > 0
+    # the counters a turn's figures are differences of (GraphHybridExperts.stats): never the gauges
+    assert set(GraphWorker.COUNTERS) <= set(s) and not any(k.startswith("last_") for k in GraphWorker.COUNTERS)
     torch_cpu = CpuExperts(model.host.layers, backend="torch")
     with pytest.raises(RuntimeError, match="native"):
         GraphWorker(hs, torch_cpu, model.host.compact, LAYERS)

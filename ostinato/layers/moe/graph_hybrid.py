@@ -80,7 +80,9 @@ class GraphHybridExperts(HybridWrapper):
 
     def stats(self) -> dict[str, float]:
         out = dict(self.hybrid.stats())
-        out |= {f"graph_{k}": v for k, v in self.worker.stats().items() if isinstance(v, (int, float))}
+        # the counters only: a turn's figures are differences of two reads (bench/metrics.py placement_delta)
+        worker = self.worker.stats()
+        out |= {f"graph_{k}": worker[k] for k in self.worker.COUNTERS}
         return out
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:

@@ -131,9 +131,15 @@ class GraphWorker:
     def running(self) -> bool:
         return self._native.running()
 
+    # what stats() counts since the worker started (a difference of two reads says what happened
+    # between them); the rest are the state of the moment: the last step's figures, the means
+    COUNTERS = ("steps", "layers_served", "layers_skipped", "cold_routes", "desync", "bad_ids", "resyncs", "errors",
+                "wait_ns", "idle_ns", "compute_ns")
+
     def stats(self) -> dict:
-        """Native counters plus per-step means in microseconds: wait_us (the CPU waiting
-        for the GPU inside a step) and compute_us (post seen -> done stored, summed)."""
+        """Native counters (COUNTERS) and state (the step in progress, the last step's figures), plus
+        per-step means in microseconds: wait_us (the CPU waiting for the GPU inside a step) and
+        compute_us (post seen -> done stored, summed)."""
         s = self._native.stats()
         steps = max(1, s["steps"])
         s["wait_us_per_step"] = s["wait_ns"] / steps / 1e3
