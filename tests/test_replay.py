@@ -500,7 +500,7 @@ def test_an_engine_replayed_over_http_joins_the_report():
     result = {"policies": {"ostinato": {"summary": ours}}, "np": {}}
     replay = {"kind": "ostinato.replay", "engine": "openai@http://127.0.0.1:8090",
               "summary": {**_summary(11.0, 1600.0, 40.0, {"a": 15.0, "b": 25.0}), "turns": 8}}
-    add_external(result, "llama.cpp", replay, "l_llama.txt")
+    add_external(result, {}, "llama.cpp", replay, "l_llama.txt")
     result["comparisons"] = comparisons(result["policies"])
     got = {t["what"].split(" (")[0]: (t["measured"], t["met"]) for t in targets(result)}
     assert got["total request time speed-up vs llama.cpp"] == (10.0, True)
@@ -514,11 +514,11 @@ def test_an_engine_replayed_over_http_joins_the_report():
     assert got["total request time speed-up vs the best baseline"] == (None, None)
     other = {**replay, "summary": {**replay["summary"], "session_s": {"a": 15.0, "c": 25.0}}}
     with pytest.raises(ConfigError, match="not the same turns"):
-        add_external(result, "x", other, "f")
+        add_external(result, {}, "x", other, "f")
     with pytest.raises(ConfigError, match="JSON line"):
-        add_external(result, "x", {"kind": "ostinato.bench"}, "f")
+        add_external(result, {}, "x", {"kind": "ostinato.bench"}, "f")
     with pytest.raises(ConfigError, match="JSON line"):  # a replay line without its summary
-        add_external(result, "x", {"kind": "ostinato.replay", "summary": {"turns": 8}}, "f")
+        add_external(result, {}, "x", {"kind": "ostinato.replay", "summary": {"turns": 8}}, "f")
 
 
 def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
@@ -636,3 +636,32 @@ def test_paired_intervals_hold_the_ratio_and_see_the_spread():
                     runs={"ostinato": ("a", "d1"), "layers": ("b", "d2")})["layers"]
     assert c["intervals"]["tpot_speedup"] == [1.2, 1.2] and c["same_run"] is False
     assert "intervals" not in comparisons(policies)["layers"]
+
+
+def test_ttft_after_tool_outputs_by_new_tokens_pairs_the_same_turns():
+    from ostinato.bench.metrics import ttft_by_size
+    from ostinato.bench.report import add_external, comparisons, size_lines
+
+    def rec(turn, new, ttft, kind="tool", session="s"):
+        return {"session": session, "turn": turn, "kind": kind, "new_tokens": new, "ttft_s": ttft, "error": None}
+
+    ours = [rec(0, 3000, 1.0, "first"), rec(1, 20, 0.10), rec(2, 60, 0.12), rec(3, 200, 0.30), rec(4, 300, 0.20),
+            rec(5, 2500, 0.9), rec(6, 40, 0.05)]
+    theirs = [rec(0, 3000, 2.0, "first"), rec(1, 21, 0.20), rec(2, 61, 0.10), rec(3, 201, 0.20), rec(4, 301, 0.40),
+              rec(5, 2501, 0.6)]  # turn 6 is ours alone: not compared
+    rows = ttft_by_size(ours, theirs)
+    assert [(r["from"], r["to"], r["turns"]) for r in rows] == [(1, 63, 2), (128, 255, 1), (256, 511, 1), (1024, None, 1)]
+    assert rows[0]["new_tokens"] == [20, 60] and rows[0]["ttft_ms"] == [110.0, 150.0]
+    assert rows[0]["ratio"] == {"median": 0.85, "min": 0.5, "max": 1.2}
+    assert rows[1]["ratio"]["median"] == 1.5 and rows[3]["ratio"]["median"] == 1.5
+    # an engine replayed over HTTP brings its turns: the report compares it turn by turn
+    summary = {**_summary(10.0, 100.0, 4.0, {"s": 1.0}), "turns": 7}
+    result = {"policies": {"ostinato": {"summary": summary}}, "np": {}}
+    turns = {"ostinato": ours}
+    add_external(result, turns, "llama.cpp", {"kind": "ostinato.replay", "engine": "e", "summary": summary,
+                                              "turns": theirs}, "f")
+    assert turns["llama.cpp"] is theirs
+    comp = comparisons(result["policies"], turns=turns)
+    assert comp["llama.cpp"]["ttft_tool_by_size"] == rows
+    md = "\n".join(size_lines(comp))
+    assert "| llama.cpp | 20-60 | 2 | 110.0 | 150.0 | 0.85 (0.50-1.20) |" in md

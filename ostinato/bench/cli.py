@@ -165,7 +165,7 @@ def cmd_report(a) -> int:
         lines = [ln for ln in Path(file).read_text().splitlines() if ln.startswith("{")]
         if not lines:
             raise ConfigError(f"--engine {spec}: {file} holds no JSON line")
-        add_external(result, name, json.loads(lines[-1]), file)
+        add_external(result, turns, name, json.loads(lines[-1]), file)
     result = finish_result(result, turns, out, with_plots=True)
     print(format_table(result))
     print(f"report: {result['files']['report']}; plots: {len(result['files']['plots'])}")

@@ -212,6 +212,39 @@ def paired_intervals(ours: list[dict], theirs: list[dict], rounds: int = 2000, l
     return {"turns": len(pairs), "tpot_speedup": interval(tpot), "request_time_speedup": interval(total)}
 
 
+# new prompt tokens of a turn, in bands: where each engine's prefill paths change (decode kernels, the
+# split path, the split with uploads, the upload path and the dequantized GPU kernels), session 28
+SIZE_BANDS = (1, 64, 128, 256, 512, 1024)
+
+
+def ttft_by_size(ours: list[dict], theirs: list[dict], kind: str = "tool",
+                 bands: tuple[int, ...] = SIZE_BANDS) -> list[dict]:
+    """Two replays' TTFT on the same turns of one kind (raw turn records, as results.json keeps them;
+    a turn is (session, turn)), by our turn's new prompt tokens in `bands` (band i: bands[i] to
+    bands[i + 1] - 1, the last open): per band with turns, the turns, their new tokens' range, our and
+    their median TTFT (ms), and the median, least and largest of ours / theirs turn by turn."""
+    def good(r):
+        return not r.get("error") and r.get("ttft_s") and r.get("kind") == kind and r.get("new_tokens")
+
+    mine = {(r["session"], r["turn"]): r for r in ours if good(r)}
+    pairs = [(mine[k], r) for r in theirs if good(r) and (k := (r["session"], r["turn"])) in mine]
+    rows = []
+    for i, lo in enumerate(bands):
+        hi = bands[i + 1] if i + 1 < len(bands) else None
+        band = [(o, t) for o, t in pairs if o["new_tokens"] >= lo and (hi is None or o["new_tokens"] < hi)]
+        if not band:
+            continue
+        ratio = [o["ttft_s"] / t["ttft_s"] for o, t in band]
+        tokens = [o["new_tokens"] for o, _ in band]
+        rows.append({"from": lo, "to": None if hi is None else hi - 1, "turns": len(band),
+                     "new_tokens": [min(tokens), max(tokens)],
+                     "ttft_ms": [_round(1e3 * median([o["ttft_s"] for o, _ in band]), 1),
+                                 _round(1e3 * median([t["ttft_s"] for _, t in band]), 1)],
+                     "ratio": {"median": _round(median(ratio), 3), "min": _round(min(ratio), 3),
+                               "max": _round(max(ratio), 3)}})
+    return rows
+
+
 def _round(v, n=4):
     return None if v is None else round(v, n)
 

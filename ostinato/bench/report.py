@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ostinato.bench.metrics import paired_intervals, slope, wins
+from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.layers.moe.cpu_experts import default_amx_quant_min_tokens
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.pipeline import fill_text
@@ -110,6 +110,7 @@ def comparisons(policies: dict, ours: str = "ostinato", np_: int | None = None, 
         }
         if turns and ours in turns and name in turns:
             out[name]["intervals"] = paired_intervals(turns[ours], turns[name])
+            out[name]["ttft_tool_by_size"] = ttft_by_size(turns[ours], turns[name])
         if runs and ours in runs and name in runs:
             out[name]["same_run"] = runs[ours] == runs[name]
     return out
@@ -216,10 +217,11 @@ def ablation_rows(result: dict) -> list[list[str]]:
 LLAMA = "llama.cpp"  # the engine name `ostinato report --engine` gives llama-server's replay
 
 
-def add_external(result: dict, name: str, replay: dict, source: str) -> None:
+def add_external(result: dict, turns: dict, name: str, replay: dict, source: str) -> None:
     """Another engine replayed over HTTP on the same held-out turns (`ostinato replay --endpoint`;
-    its last JSON line is `replay`) as a row of this bench: compared like a policy, kept out of
-    the policy targets, and checked to have replayed the same sessions and turns."""
+    its last JSON line is `replay`) as a row of this bench: compared like a policy (its turn records,
+    where the replay kept them, go into `turns`, the raw turns per policy), kept out of the policy
+    targets, and checked to have replayed the same sessions and turns."""
     from ostinato.config import ConfigError
 
     s = replay.get("summary") or {}
@@ -233,6 +235,8 @@ def add_external(result: dict, name: str, replay: dict, source: str) -> None:
                                                            "settings": replay.get("settings"),
                                                            "gpu_mib": replay.get("gpu_mib_after_replay"),
                                                            "commit": replay.get("commit"), "date": replay.get("date")}}
+    if replay.get("turns"):
+        turns[name] = replay["turns"]
 
 
 def _held_text(held: dict | None) -> str:
@@ -435,9 +439,29 @@ def markdown(result: dict, plots: list[str]) -> str:
                          f"{_f(c['request_time_speedup'], '{:.2f}x')}{_interval(iv.get('request_time_speedup'))} | "
                          f"{won}/{both} | {_f(c.get('slowest_session_speedup'), '{:.2f}x')} | {where} |")
         lines += drift_warnings(result["comparisons"])
+        lines += size_lines(result["comparisons"])
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def size_lines(comp: dict) -> list[str]:
+    """TTFT after tool outputs against each baseline, turn by turn, by the turn's new tokens
+    (metrics.ttft_by_size): where on the sizes each engine wins."""
+    rows = [(name, r) for name, c in comp.items() if name not in OSTINATO_STEPS for r in c.get("ttft_tool_by_size") or []]
+    if not rows:
+        return []
+    lines = ["", "## TTFT after tool outputs by new tokens", "",
+             "The same turns of both replays, by Ostinato's new prompt tokens; ours over theirs turn by turn (below 1: "
+             "Ostinato sooner).", "",
+             "| baseline | new tokens | turns | Ostinato ms | baseline ms | ours / theirs: median (least-largest) |",
+             "|---|---|---|---|---|---|"]
+    for name, r in rows:
+        lo, hi = r["new_tokens"]
+        q = r["ratio"]
+        lines.append(f"| {name} | {lo}-{hi} | {r['turns']} | {_f(r['ttft_ms'][0])} | {_f(r['ttft_ms'][1])} | "
+                     f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f}) |")
+    return lines
 
 
 def round_lines(result: dict) -> list[str]:
