@@ -124,6 +124,27 @@ def pass_times_ms(runner, tokens: list[int], start: int, reps: int) -> list[floa
     return times
 
 
+def pass_memory(loaded, tokens: list[int], start: int) -> dict | None:
+    """What one prefill pass allocates beyond what was allocated before it (its peak, CUDA only),
+    beside the capacity test's bound on it (planner/capacity.py pass_bound, by part): how loose the
+    bound is, and which part is."""
+    from ostinato.loader.build import weight_formats
+    from ostinato.planner.capacity import pass_bound
+
+    runner, dev = loaded.runner, loaded.runner.device
+    if dev.type != "cuda":
+        return None
+    sync(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    runner.forward(tokens, start)
+    sync(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    bound = pass_bound(runner.config, len(tokens), start + len(tokens), runner.dtype,
+                       weight_formats(loaded.source, "native"))
+    return {"peak_bytes": peak, "bound_bytes": bound["total"], "bound_parts": bound}
+
+
 def device_time_us(evt) -> float:
     for attr in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
         v = getattr(evt, attr, None)
@@ -328,6 +349,11 @@ def write_md(path: Path, out: dict) -> None:
     else:
         lines.append(f"- step: median {s['median_ms']:.3f} ms (p90 {s['p90_ms']:.3f}) over {s['steps']} steps; "
                      f"kernels (graph replays) {s['kernel_ms_graph']:.3f} ms, idle GPU {s['idle_ms_graph']:.3f} ms")
+    mem = out.get("memory")
+    if mem:
+        parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in mem["bound_parts"].items() if k != "total" and v)
+        lines.append(f"- memory: the pass allocated at most {mem['peak_bytes'] / 2**20:.0f} MiB beyond what it found; "
+                     f"the capacity test's bound for it is {mem['bound_bytes'] / 2**20:.0f} MiB ({parts})")
     tl = out.get("timeline")
     if tl:
         lines += timeline_md(tl)
@@ -471,7 +497,7 @@ def profile_prefill(a, loaded, tokens: list[int]) -> None:
                     "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
                     "kernel_ms": sum(r["us_per_step"] for r in rows) / 1e3,
                     "upload_ms": classes.get("upload", {}).get("us_per_step", 0.0) / 1e3},
-           "timeline": timeline, "classes": classes, "kernels": rows}
+           "timeline": timeline, "memory": pass_memory(loaded, tokens, a.context), "classes": classes, "kernels": rows}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"prefill_{len(tokens)}.json").write_text(json.dumps(out, indent=1) + "\n")
     write_md(a.out / f"prefill_{len(tokens)}.md", out | {"kernels_graph": rows})

@@ -88,6 +88,13 @@ def test_dense_weights_and_activations_are_counted_from_the_config():
     # by default, the model's: Qwen3's prefill attends in SDPA's fused kernels on a GPU in half precision
     assert activation_bytes(cfg, 64, 1000, torch.bfloat16) == fused
     assert activation_bytes(cfg, 64, 1000, torch.float32) == activation_bytes(cfg, 64, 1000, torch.float32, 1.0)
+    # the bound the plan counts for its largest pass is pass_bound's (what profile_decode --prefill sets beside
+    # a measured pass)
+    from ostinato.planner.capacity import pass_bound
+
+    counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
+    cap = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64))
+    assert cap.activations == pass_bound(cfg, 64, 1000, torch.bfloat16)["total"] == fused["total"]
 
 
 @FAST

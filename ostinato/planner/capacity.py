@@ -321,6 +321,16 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
     return parts
 
 
+def pass_bound(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, formats: WeightFormats = WeightFormats(),
+               sizes: dict | None = None, score_share: float | None = None) -> dict:
+    """activation_bytes of a T-token pass attending to N tokens as the capacity test counts it, with the
+    dequantized paths' scratch of these formats (sizes: the MoE layers' expert sizes, default every
+    layer's): what scripts/profile_decode.py --prefill sets beside a measured pass's peak."""
+    if sizes is None:
+        sizes = expert_sizes(cfg, dtype, formats.experts)
+    return activation_bytes(cfg, T, N, dtype, score_share, _dequant_scratch(cfg, T, dtype, formats, sizes))
+
+
 def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: WeightFormats, sizes: dict) -> int:
     """The dequantized paths' scratch in a T-token pass: the experts' where quantized experts meet a
     pass that path may serve (from the smallest threshold of any tuning: a device's own is not known
@@ -385,8 +395,7 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     counts = {l: counts.get(l, torch.zeros(cfg.num_experts)) for l in moe}
     who = f"{label}: " if label else ""
     sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats.experts).items() if l in counts}
-    act = activation_bytes(cfg, T, kv_tokens, dtype, settings.attention_score_share,
-                           _dequant_scratch(cfg, T, dtype, formats, sizes))
+    act = pass_bound(cfg, T, kv_tokens, dtype, formats, sizes, settings.attention_score_share)
     margin = int(settings.margin_bytes + settings.margin_fraction * budget)
     eb = round(sum(b for _, b in sizes.values()) / len(sizes)) if sizes else expert_bytes(cfg, dtype)
     E = cfg.num_experts
