@@ -39,7 +39,7 @@
 #              IK_TUNE_ARGS), from the kit scripts/device/ik_llama/build-on-gpu.sh packs (carry .ik-kit/ik-kit.tar.xz)
 #   profile    [Q] one decode step kernel by kernel, every expert resident and under the capacity plan
 #              (scripts/profile_decode.py), against the HBM bound
-#   profile_prefill [K][Q] prefill passes (PREFILL_SIZES, default 16 64 256 1024 tokens after a 4096-token context) on
+#   profile_prefill [K][Q] prefill passes (PREFILL_SIZES, default 16 64 256 1024 2048 tokens after a 4096-token context) on
 #              the GGUF file under $QCAP on bench_gguf's plan ($QBENCH_OUT, after it), kernel by kernel with the uploads apart,
 #              and where the wall time went: host inside and outside the MoE backend, its waits, each stream's busy time
 #              (scripts/profile_decode.py --prefill)
@@ -502,7 +502,7 @@ phase_profile_prefill() {  # [K][Q] where a tool turn's TTFT goes: prefill passe
   fresh "$plan" || { say "profile_prefill: no plan of this session's bench_gguf ($plan)"; return 1; }
   run 300 "$R/q_prefill.txt" python3 scripts/profile_decode.py --model "$g" --residency "$plan" \
     --gpu-memory "${QCAP:-12GiB}" --context 4096 \
-    --prefill ${PREFILL_SIZES:-16 64 256 1024} --steps 5 --profile-steps 2 --out "$R/q_prefill"
+    --prefill ${PREFILL_SIZES:-16 64 256 1024 2048} --steps 5 --profile-steps 2 --out "$R/q_prefill"
 }
 phase_llama_bench() {  # [Q] llama.cpp's decode with every layer on the GPU (llama-bench -ngl 99 at depth 0 and 2048)
   # on the Q4_K_M file if phase gguf was asked for, and on a bf16 GGUF of LB_LAYERS layers (default 24, 30 GB: the
