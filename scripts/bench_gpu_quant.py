@@ -11,7 +11,7 @@ in L2 from the one before.
   (w13 + w2) / time, against a measured device copy bandwidth.
 - prefill, T=512, uniform routing, all routes hot: graph time, TFLOP/s = 2 T K 3 D F / time.
 - the same for the bf16 kernels (gpu_experts) on a bf16 pool, as the baseline.
-- prefill the other way, at T = 64, 128, 256, 512 and 2048 (--dequant-prefill): the engine's dequantized
+- prefill the other way, at T = 32, 64, 128, 192, 256, 512 and 2048 (--dequant-prefill): the engine's dequantized
   path (gpu_quant.slot_experts_dequant_triton: the pass's slots dequantized to bf16 in chunks,
   then the bf16 kernels) against the quantized kernels, both eager (the path syncs once a call):
   where the tuning's dequant_min_tokens should lie; with --tune, that threshold is written to the
@@ -57,6 +57,9 @@ from scripts.bench_gpu_experts import copy_bandwidth, replay_times
 
 D, F, K, E = 2048, 768, 8, 128
 DECODE_T, PREFILL_T = 1, 512
+# passes the dequantized path is timed at: from the smallest above the decode kernels' (8 tokens), so that
+# its threshold can land wherever the two paths cross; 192 where the split with uploads may start
+DEQUANT_SIZES = (32, 64, 128, 192, 256, PREFILL_T, 2048)
 # (w13 qtype, w2 qtype): each format alone, and Q4_K_M's Q6_K-down layers
 CONFIGS = [("Q8_0", "Q8_0"), ("Q4_K", "Q4_K"), ("Q5_K", "Q5_K"), ("Q6_K", "Q6_K"),
            ("MXFP4", "MXFP4"), ("Q4_K", "Q6_K")]
@@ -186,12 +189,12 @@ def eager_us(forward, layers, T, inputs, reps=10):
 
 
 def run_dequant_prefill(qtypes, layers):
-    """Prefill at T = 64, 128, 256, 512 and 2048, the quantized kernels against the engine's dequantized path
+    """Prefill at DEQUANT_SIZES tokens, the quantized kernels against the engine's dequantized path
     (gpu_quant.slot_experts_dequant_triton: the pass's slots dequantized in chunks for the bf16
     kernels), both eager, us per layer call; and the tuning's threshold between them."""
     pool = make_pool(qtypes, layers)
     out = {}
-    for T in (64, 128, 256, PREFILL_T, 2048):
+    for T in DEQUANT_SIZES:
         inputs = bench_inputs(layers, T)
         quant = quant_forward(pool, qtypes, forced_tuning("prefill"))
         deq = quant_forward(pool, qtypes, forced_tuning("dequant"))
