@@ -176,6 +176,30 @@ def forward_split(model, parts: list[Segment], input_ids: torch.Tensor, position
     return model.model.norm(x)
 
 
+def forward_layer_major(model, parts: list[Segment], chunks: list[tuple], kv: list) -> list[torch.Tensor]:
+    """A pass of several chunks, layer by layer: every chunk through a layer before any enters the
+    next (chunk c attends over the cache rows that chunks 0..c wrote at that layer, as in chunk
+    order: the same modules on the same inputs). chunks: (input_ids, positions, start, rows) each,
+    on the first device -> each chunk's final hidden states, on the last.
+
+    Why: an upload pass stages a layer's cold experts in the pool's flex slots, and in chunk order
+    every other layer overwrites them before the next chunk comes back, so a prompt of n chunks
+    copied each cold expert n times (session 28: 183 GB over the 30B file's 71 held-out turns,
+    mostly first turns). Layer by layer, the next chunk finds them still staged
+    (HybridExperts.upload_path, ExpertPool.stage). Every chunk's hidden states wait between
+    layers: the capacity test counts them (planner/capacity.py activation_bytes, "chunk_states")."""
+    states = [list(model.embed(ids, pos, start, None, rows)) + [start] for ids, pos, start, rows in chunks]
+    for seg in parts:
+        dev = seg.device
+        if not seg.first:
+            states = [[t.to(dev) for t in st[:3]] + st[3:] for st in states]
+        with device_scope(dev):
+            for layer in seg.layers:
+                for st in states:
+                    st[0] = model.run_layers(range(layer, layer + 1), st[0], st[1], st[2], kv, st[3])
+    return [model.model.norm(st[0]) for st in states]
+
+
 class SplitExperts(MoEBackend):
     """The experts backend of a split model: each layer goes to its device's backend."""
 

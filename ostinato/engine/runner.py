@@ -134,6 +134,12 @@ class ModelRunner:
         w = self.model.model.embed_tokens.weight
         return w if w.device.type == "cpu" and self.device.type != "cpu" else None
 
+    def _chunk(self, tokens: list[int], start: int) -> tuple:
+        """A chunk of a pass as forward_layer_major takes it: (ids, positions, start, embedding rows or None)."""
+        ids = torch.tensor(tokens, dtype=torch.long)
+        rows = self.host_rows[ids].to(self.device) if self.host_rows is not None else None
+        return ids.to(self.device), torch.arange(start, start + len(tokens), device=self.device), start, rows
+
     def _hidden(self, tokens: torch.Tensor, pos: torch.Tensor, start: int, window=None) -> torch.Tensor:
         """tokens [T] int64 in host memory, pos [T] on the device -> final hidden states [T, D]."""
         ids, host = tokens.to(self.device), self.host_rows
@@ -224,14 +230,14 @@ class ModelRunner:
                 self._step_done.synchronize()
             self._after_decode_step()
             return logits
-        outs = []
         chunk = self.settings.prefill_chunk
-        for s in range(0, len(tokens), chunk):
-            ids = torch.tensor(tokens[s:s + chunk], dtype=torch.long)
-            pos = torch.arange(start + s, start + s + ids.shape[0], device=self.device)
-            hidden = self._hidden(ids, pos, start + s)
-            outs.append(self._logits(hidden if all_logits else hidden[-1:]))
-        logits = torch.cat(outs) if all_logits else outs[-1][0]
+        if len(tokens) <= chunk:
+            ids = torch.tensor(tokens, dtype=torch.long)
+            hidden = [self._hidden(ids, torch.arange(start, start + len(tokens), device=self.device), start)]
+        else:  # layer by layer (engine/devices.py forward_layer_major says why)
+            hidden = split.forward_layer_major(self.model, self.segments, [
+                self._chunk(tokens[s:s + chunk], start + s) for s in range(0, len(tokens), chunk)], self.kv.layers)
+        logits = torch.cat([self._logits(h) for h in hidden]) if all_logits else self._logits(hidden[-1][-1:])[0]
         if decode:
             self._after_decode_step()
         return logits

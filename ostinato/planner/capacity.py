@@ -281,6 +281,9 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
                  heads, K scaled; q in fp32, scaled, the fp32 output and its cast; what a
                  prefill expands from a compressed cache.
       rope       2 T Dr (4 + b)           cos/sin
+      chunk states (N - T) (D + 2 Dr) b   a longer pass runs layer by layer (engine/devices.py
+                                          forward_layer_major): its other chunks' hidden states
+                                          and cos/sin wait between layers (N > T only)
       router     T E (b + 8) + T K 12     logits, fp32 softmax, top-k ids (int64) and weights;
                  + T E 13 + T D 4         sigmoid routing: fp32 input, scores, biased and masked
                                           scores, the group mask
@@ -310,6 +313,7 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
         "attention": int(13 * scores) + T * N * (1 + b)
         + ((2 * H + Hkv) * Dq + (H + Hkv) * Dv) * N * 4 + T * H * (8 * Dq + (4 + b) * Dv) + N * X * b,
         "rope": 2 * T * Dr * (4 + b),
+        "chunk_states": max(0, N - T) * (D + 2 * Dr) * b,
         "router": T * E * (b + 8) + T * K * 12 + (T * E * 13 + T * D * 4 if cfg.scoring_func == "sigmoid" else 0),
         "experts": T * K * (2 * F * 4 + D * 4 + 8) + T * D * (4 + b),
         "dequant_scratch": dequant_scratch,

@@ -6,7 +6,9 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
   from host memory; the routing and activations go to the host, the CPU branch starts,
   then the GPU branch is launched, so the two overlap; nothing but activations crosses PCIe.
 * upload (T >= Np): each distinct cold expert of the pass is copied once into a flex
-  slot of the pool, then the GPU computes everything; hot experts are never uploaded.
+  slot of the pool, then the GPU computes everything; hot experts are never uploaded. A pass
+  of several chunks runs layer by layer (engine/devices.py forward_layer_major), so its later
+  chunks find the layer's experts still staged and do not copy them again (`_stage`).
   The flex slots are bounded (planner/capacity.py: a DeepSeek-V3 layer's 256 cold experts
   would take 21 GiB), so a pass may route to more distinct cold experts than they hold: it
   then runs as a split pass with uploads whose count is fixed, the most-routed cold experts
@@ -470,11 +472,13 @@ class HybridExperts(MoEBackend):
             up = upload_plan(ids_h.numpy(), cold, pool.table.shape[1], choose, pool.num_slots - pool.flex_lo)
             if len(up):
                 self.counters["mixed_passes"] += int(mixed)
-                dst = staging(pool, len(up))
+                up = up.tolist()
+                dst, todo = self._stage(pool, layer, up)
                 zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[:topk.ids.shape[1]]
                 slots, cold = flex_slots(ids_h.numpy(), cold, up, dst, zero)
         out_h = self.submit_cold(layer, x_h, cid, cold, w_h)  # the CPU starts before the copies are issued
-        uploaded = self._upload(layer, x, topk, up, dst, slots, done) if slots is not None else None
+        uploaded = self._upload(layer, x, topk, [up[i] for i in todo], [dst[i] for i in todo], slots,
+                                done) if slots is not None else None
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         if uploaded is not None:
             gpu = gpu + uploaded()
@@ -537,12 +541,12 @@ class HybridExperts(MoEBackend):
 
         return run
 
-    def _upload(self, layer, x, topk, up: np.ndarray, dst: range, slots: torch.Tensor,
+    def _upload(self, layer, x, topk, up: list[int], dst: list[int], slots: torch.Tensor,
                 ready) -> Callable[[], torch.Tensor]:
         """Copy the experts `up` into the flex slots `dst` on the copy stream, after `ready` (recorded
         behind every earlier reader of the flex slots). -> a callable that makes the current stream
-        wait for the copies and returns the uploaded experts' partial sum [T, D] fp32 over `slots`
-        (flex_slots; the caller launches its other GPU work first)."""
+        wait for the copies and returns the partial sum [T, D] fp32 of the experts staged for the pass
+        over `slots` (flex_slots; the caller launches its other GPU work first)."""
         pool = self.pools.of(layer)
         if self.on_cuda:
             slots = slots.pin_memory().to(self.device, non_blocking=True)
@@ -554,11 +558,27 @@ class HybridExperts(MoEBackend):
 
         return part
 
-    def _copy_in(self, layer: int, dst, experts, ready=None) -> None:
-        """Issue the copies of `experts` (host ids: a numpy array or a CPU tensor) into the flex slots
-        `dst` (a range or a CPU tensor) on the copy stream, once `ready` has passed (an event recorded
-        behind the flex slots' earlier readers; None: all the current stream's work so far), and count
-        them. The GEMM that reads them waits first (_copies_landed)."""
+    def forget_staged(self) -> None:
+        """The next passes copy every expert they upload (ExpertPool.forget_staged)."""
+        for pool in self.pools.groups:
+            pool.forget_staged()
+
+    def _stage(self, pool: ExpertPool, layer: int, experts: list[int]) -> tuple[list[int], list[int]]:
+        """Flex slots for the cold experts a pass uploads -> (a slot per expert, the positions of those
+        whose copies must be made). A cache stages in the top of its flex region and copies them all
+        (`staging`: its own entries lie below); every other placement finds a layer's experts still
+        staged where a pass runs layer by layer (ExpertPool.stage), and they are not copied again."""
+        if self.admission is not None:
+            return list(staging(pool, len(experts))), list(range(len(experts)))
+        dst, todo = pool.stage(layer, experts)
+        self.counters["restaged_experts"] += len(experts) - len(todo)
+        return dst, todo
+
+    def _copy_in(self, layer: int, dst: list[int], experts: list[int], ready=None) -> None:
+        """Issue the copies of `experts` (host ids) into the flex slots `dst` on the copy stream, once
+        `ready` has passed (an event recorded behind the flex slots' earlier readers; None: all the
+        current stream's work so far), and count them. The GEMM that reads them waits first
+        (_copies_landed)."""
         pool = self.pools.of(layer)
         stream = self.copy_stream
         if stream is not None:
@@ -567,8 +587,7 @@ class HybridExperts(MoEBackend):
             else:
                 stream.wait_event(ready)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            slots = dst if isinstance(dst, range) else dst.tolist()
-            nbytes = pool.upload(slots, self.host, layer, experts.tolist())
+            nbytes = pool.upload(dst, self.host, layer, experts)
         self.counters["uploaded_experts"] += len(experts)
         self.counters["bytes_uploaded"] += nbytes
 
@@ -598,12 +617,13 @@ class HybridExperts(MoEBackend):
         # counted now, while the stream is idle after the sync above: a host read after the GEMMs
         # below would hold the host until they end
         self.counters["cold_routes"] += int((slot < 0).sum())
-        dst = torch.tensor(staging(pool, n))
-        self._copy_in(layer, dst, cold_ids)  # once the flex slots' earlier readers are done
+        experts = cold_ids.tolist()
+        dst, todo = self._stage(pool, layer, experts)
+        self._copy_in(layer, [dst[i] for i in todo], [experts[i] for i in todo])  # once the flex slots' readers are done
         # the pool's experts meanwhile, then the uploaded ones once their copies land (split_path)
         out = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)
-        flex[cold_ids.to(self.device)] = dst.to(self.device, torch.int32)
+        flex[cold_ids.to(self.device)] = torch.tensor(dst, dtype=torch.int32).to(self.device)
         slot = pool.slots_in(flex, topk.ids)
         self._copies_landed()
         out = out + pool.forward(x, slot, topk.weights, out_dtype=torch.float32)

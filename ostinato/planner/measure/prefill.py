@@ -35,6 +35,13 @@ def prompt_ids(tok, spec: str, n: int) -> list[int]:
     return ids
 
 
+def fresh(h):
+    """h, its flex slots forgotten: a layer's pass timed again and again copies its uploads each time, as
+    the engine's passes do, whose other layers stage theirs in between (ExpertPool.forget_staged)."""
+    h.forget_staged()
+    return h
+
+
 def capture_routing(runner, ids: list[int], layers: list[int]) -> dict[int, tuple[torch.Tensor, TopKOutput]]:
     """One pass over ids; the MoE input and routing of the given layers."""
     seen = {}
@@ -71,14 +78,14 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, sizes: list[
             row["cold_routes"].append(int(cold_mask.sum()))
             row["distinct_cold"].append(int(cold_ids.numel()))
             h.split_path(layer, x, topk)  # warm-up
-            both = [clock.both(lambda: h.split_path(layer, x, topk)) for _ in range(reps)]
+            both = [clock.both(lambda: fresh(h).split_path(layer, x, topk)) for _ in range(reps)]
             row["cpu_ms"].append(statistics.median(b[0] for b in both))  # the host's part: launch + CPU branch
             split_stats = h.cpu.last_stats()
             alone_ms, alone_stats = cpu_alone(h, layer, x, topk, clock, reps)
             row["cpu_alone_ms"].append(alone_ms)
             detail.append({"n": n, "layer": layer, "split": split_stats, "alone": alone_stats, "alone_ms": alone_ms})
             row["split_ms"].append(statistics.median(b[1] for b in both))
-            row["upload_ms"].append(med(lambda: clock.wall(lambda: h.upload_path(layer, x, topk))))
+            row["upload_ms"].append(med(lambda: clock.wall(lambda: fresh(h).upload_path(layer, x, topk))))
             row["gpu_hot_ms"].append(med(lambda: clock.device(lambda: gpu_branch(h, layer, x, topk.ids,
                                                                                  topk.weights))))
             # the flex slots now hold this pass's cold experts (as many as they hold: a bounded flex
@@ -126,7 +133,7 @@ def measure_mixed(h, routing, passes: dict, mixed, clock: Clock, reps: int) -> d
                 for r in range(reps + 1):  # the first pair warms both paths up
                     for i in (0, 1) if r % 2 == 0 else (1, 0):
                         h.mixed = mixed if i else None
-                        t = clock.wall(lambda: h.split_path(layer, x, topk))
+                        t = clock.wall(lambda: fresh(h).split_path(layer, x, topk))
                         if r:
                             times[i].append(t)
                 plain.append(statistics.median(times[0]))
