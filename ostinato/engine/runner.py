@@ -230,13 +230,9 @@ class ModelRunner:
                 self._step_done.synchronize()
             self._after_decode_step()
             return logits
-        chunk = self.settings.prefill_chunk
-        if len(tokens) <= chunk:
-            ids = torch.tensor(tokens, dtype=torch.long)
-            hidden = [self._hidden(ids, torch.arange(start, start + len(tokens), device=self.device), start)]
-        else:  # layer by layer (engine/devices.py forward_layer_major says why)
-            hidden = split.forward_layer_major(self.model, self.segments, [
-                self._chunk(tokens[s:s + chunk], start + s) for s in range(0, len(tokens), chunk)], self.kv.layers)
+        chunk = self.settings.prefill_chunk  # several chunks run layer by layer (devices.forward_layer_major says why)
+        hidden = split.forward_layer_major(self.model, self.segments, [
+            self._chunk(tokens[s:s + chunk], start + s) for s in range(0, len(tokens), chunk)], self.kv.layers)
         logits = torch.cat([self._logits(h) for h in hidden]) if all_logits else self._logits(hidden[-1][-1:])[0]
         if decode:
             self._after_decode_step()

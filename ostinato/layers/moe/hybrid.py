@@ -472,13 +472,11 @@ class HybridExperts(MoEBackend):
             up = upload_plan(ids_h.numpy(), cold, pool.table.shape[1], choose, pool.num_slots - pool.flex_lo)
             if len(up):
                 self.counters["mixed_passes"] += int(mixed)
-                up = up.tolist()
-                dst, todo = self._stage(pool, layer, up)
+                dst, copies = self._stage(pool, layer, up.tolist())
                 zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[:topk.ids.shape[1]]
                 slots, cold = flex_slots(ids_h.numpy(), cold, up, dst, zero)
         out_h = self.submit_cold(layer, x_h, cid, cold, w_h)  # the CPU starts before the copies are issued
-        uploaded = self._upload(layer, x, topk, [up[i] for i in todo], [dst[i] for i in todo], slots,
-                                done) if slots is not None else None
+        uploaded = self._upload(layer, x, topk, copies, slots, done) if slots is not None else None
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         if uploaded is not None:
             gpu = gpu + uploaded()
@@ -541,16 +539,16 @@ class HybridExperts(MoEBackend):
 
         return run
 
-    def _upload(self, layer, x, topk, up: list[int], dst: list[int], slots: torch.Tensor,
+    def _upload(self, layer, x, topk, copies: tuple[list[int], list[int]], slots: torch.Tensor,
                 ready) -> Callable[[], torch.Tensor]:
-        """Copy the experts `up` into the flex slots `dst` on the copy stream, after `ready` (recorded
+        """Make the copies (flex slots, experts: _stage's) on the copy stream, after `ready` (recorded
         behind every earlier reader of the flex slots). -> a callable that makes the current stream
         wait for the copies and returns the partial sum [T, D] fp32 of the experts staged for the pass
         over `slots` (flex_slots; the caller launches its other GPU work first)."""
         pool = self.pools.of(layer)
         if self.on_cuda:
             slots = slots.pin_memory().to(self.device, non_blocking=True)
-        self._copy_in(layer, dst, up, ready)
+        self._copy_in(layer, *copies, ready)
 
         def part() -> torch.Tensor:
             self._copies_landed()
@@ -563,16 +561,17 @@ class HybridExperts(MoEBackend):
         for pool in self.pools.groups:
             pool.forget_staged()
 
-    def _stage(self, pool: ExpertPool, layer: int, experts: list[int]) -> tuple[list[int], list[int]]:
-        """Flex slots for the cold experts a pass uploads -> (a slot per expert, the positions of those
-        whose copies must be made). A cache stages in the top of its flex region and copies them all
-        (`staging`: its own entries lie below); every other placement finds a layer's experts still
-        staged where a pass runs layer by layer (ExpertPool.stage), and they are not copied again."""
+    def _stage(self, pool: ExpertPool, layer: int, experts: list[int]) -> tuple[list[int], tuple[list[int], list[int]]]:
+        """Flex slots for the cold experts a pass uploads -> (a slot per expert, the copies to make: their
+        slots and experts). A cache stages in the top of its flex region and copies them all (`staging`:
+        its own entries lie below); every other placement finds a layer's experts still staged where a
+        pass runs layer by layer (ExpertPool.stage), and they are not copied again."""
         if self.admission is not None:
-            return list(staging(pool, len(experts))), list(range(len(experts)))
+            dst = list(staging(pool, len(experts)))
+            return dst, (dst, experts)
         dst, todo = pool.stage(layer, experts)
         self.counters["restaged_experts"] += len(experts) - len(todo)
-        return dst, todo
+        return dst, ([dst[i] for i in todo], [experts[i] for i in todo])
 
     def _copy_in(self, layer: int, dst: list[int], experts: list[int], ready=None) -> None:
         """Issue the copies of `experts` (host ids) into the flex slots `dst` on the copy stream, once
@@ -617,9 +616,8 @@ class HybridExperts(MoEBackend):
         # counted now, while the stream is idle after the sync above: a host read after the GEMMs
         # below would hold the host until they end
         self.counters["cold_routes"] += int((slot < 0).sum())
-        experts = cold_ids.tolist()
-        dst, todo = self._stage(pool, layer, experts)
-        self._copy_in(layer, [dst[i] for i in todo], [experts[i] for i in todo])  # once the flex slots' readers are done
+        dst, copies = self._stage(pool, layer, cold_ids.tolist())
+        self._copy_in(layer, *copies)  # once the flex slots' earlier readers are done
         # the pool's experts meanwhile, then the uploaded ones once their copies land (split_path)
         out = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)

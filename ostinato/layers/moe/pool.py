@@ -116,9 +116,8 @@ class ExpertPool:
         self.table_host = table
         self.zero_of_position = torch.arange(self.zero_lo, self.zero_hi, dtype=torch.int32, device=device)
         self._slot_views = None
-        # whose copy each flex slot holds, kept by upload() (the only writer of flex slots): {layer: {expert: slot}}
-        self._flex: dict[int, dict[int, int]] = {}
-        self._flex_owner: dict[int, tuple[int, int]] = {}  # slot -> (layer, expert)
+        # whose copy each flex slot holds, kept by upload() (the only writer of flex slots): slot -> (layer, expert)
+        self._flex: dict[int, tuple[int, int]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -189,20 +188,13 @@ class ExpertPool:
             dst += [pool_rows[s] for s in slots]
             src += [host_rows[i] for i in src_rows]
         torch._foreach_copy_(dst, src, non_blocking=self.device.type == "cuda")
-        for slot, e in zip(slots, experts):
-            if slot >= self.flex_lo:
-                old = self._flex_owner.get(slot)
-                if old is not None:
-                    self._flex[old[0]].pop(old[1], None)
-                self._flex_owner[slot] = (layer, e)
-                self._flex.setdefault(layer, {})[e] = slot
+        self._flex.update((s, (layer, e)) for s, e in zip(slots, experts) if s >= self.flex_lo)
         return len(src_rows) * self.expert_bytes
 
     def forget_staged(self) -> None:
         """Stage as if every flex slot held someone else's copy (a calibration timing one layer's pass
         again and again must copy its experts each time, as a pass whose other layers ran between)."""
         self._flex.clear()
-        self._flex_owner.clear()
 
     def stage(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[int]]:
         """Flex slots for cold experts of `layer` that a pass uploads: an expert whose copy a flex slot
@@ -211,7 +203,7 @@ class ExpertPool:
         down. -> (a slot per expert, the positions in `experts` whose copies must still be made)."""
         if len(experts) > self.num_slots - self.flex_lo:
             raise RuntimeError(f"{len(experts)} experts to stage exceed the {self.num_slots - self.flex_lo} flex slots")
-        held = self._flex.get(layer, {})
+        held = {e: s for s, (l, e) in self._flex.items() if l == layer}
         slots = [held.get(e, -1) for e in experts]
         taken = {s for s in slots if s >= 0}
         free = (s for s in range(self.num_slots - 1, self.flex_lo - 1, -1) if s not in taken)
