@@ -25,8 +25,9 @@ class `upload` (host-to-device copies), apart from the other copies; the kernels
 are summed, so with uploads beside compute the kernel time can exceed the pass's wall time. The
 profiled passes also say where their wall time went (`timeline`, pass_timeline): the host's time
 inside the MoE backend (waiting for the CPU branch, synchronising for the routing) and outside it,
-its launches, and each stream's busy time; a pass whose host is busy while the GPU idles is bound by
-its launches, which graphs would remove ([Q]). Each size writes OUT/prefill_N.json and OUT/prefill_N.md.
+its launches, its outermost torch ops by name and the Python time between them, and each stream's busy
+time; a pass whose host is busy while the GPU idles is bound by its launches and its Python, which graphs
+would remove ([Q]). Each size writes OUT/prefill_N.json and OUT/prefill_N.md.
 
 Writes OUT/profile.json and OUT/profile.md; one JSON summary line on stdout. On a machine
 without CUDA it runs on the CPU (the kernels are then aten ops; a smoke run, not a figure).
@@ -212,7 +213,8 @@ def pass_timeline(events: list[dict]) -> dict:
     """Where each marked pass's wall time went, from a chrome trace's complete events (ph "X"):
     the host's time inside the MoE backend (of it: waiting for the CPU branch, and synchronising
     with the GPU) and outside it (attention, the dense layers, the routing: launches and Python),
-    the host's launches and copies issued, and each stream's busy time. Means over the passes;
+    the host's launches and copies issued, its outermost torch ops (host_ops, on the pass's thread) and the
+    Python left beside them (host_python_ms), and each stream's busy time. Means over the passes;
     `per_moe_layer` divides them by the MoE calls of a pass. A host that is neither waiting nor
     kept by the GPU while the GPU idles is the pass's bottleneck."""
     ev = [e for e in events if e.get("ph") == "X" and "dur" in e]
@@ -223,8 +225,9 @@ def pass_timeline(events: list[dict]) -> dict:
     def marked(name, inside):
         return [span(e) for e in inside if e.get("cat") == "user_annotation" and e.get("name") == name]
 
-    rows = []
-    for lo, hi in marked(PASS, ev):
+    rows, ops = [], []
+    for p in (e for e in ev if e.get("cat") == "user_annotation" and e.get("name") == PASS):
+        lo, hi = span(p)
         inside = [e for e in ev if lo <= float(e["ts"]) < hi]
         moe = marked(MOE, inside)
         runtime = [e for e in inside if e.get("cat") in ("cuda_runtime", "cuda_driver")]
@@ -248,6 +251,9 @@ def pass_timeline(events: list[dict]) -> dict:
             "copies_issued": len(copies), "copy_host_ms": ms(copies),
             "gpu_busy_ms": {s: union_ms(v, lo, hi) for s, v in sorted(streams.items())},
             "gpu_busy_any_ms": union_ms([x for v in streams.values() for x in v], lo, hi)})
+        host = host_ops([e for e in inside if (e.get("pid"), e.get("tid")) == (p.get("pid"), p.get("tid"))], in_moe)
+        rows[-1] |= {k: host.pop(k) for k in ("host_ops_ms", "host_runtime_alone_ms")}
+        ops.append(host)
     if not rows:
         return {}
     out = {k: statistics.fmean(r[k] for r in rows) for k in rows[0] if k != "gpu_busy_ms"}
@@ -255,10 +261,50 @@ def pass_timeline(events: list[dict]) -> dict:
                           for s in sorted({s for r in rows for s in r["gpu_busy_ms"]})}
     out["gpu_idle_ms"] = out["wall_ms"] - out["gpu_busy_any_ms"]
     out["host_active_ms"] = out["wall_ms"] - out["cpu_wait_ms"] - out["sync_in_moe_ms"] - out["sync_outside_moe_ms"]
+    # what is left of the host's time once its torch ops, its runtime calls outside them and its waits for the
+    # CPU branch are taken out: the interpreter, in our code and in Triton's launch path (bounded by launches)
+    out["host_python_ms"] = out["wall_ms"] - out["cpu_wait_ms"] - out["host_ops_ms"] - out["host_runtime_alone_ms"]
+    out["host_ops"] = {side: top_ops([o[side] for o in ops], len(rows)) for side in ("in_moe", "outside_moe")}
     out["passes"] = len(rows)
     n = out["moe_calls"]
     out["per_moe_layer"] = {k: v / n for k, v in out.items() if k.endswith("_ms") and isinstance(v, float)} if n else {}
     return out
+
+
+def host_ops(events: list[dict], in_moe) -> dict:
+    """The host thread's torch ops in one pass (events: that thread's, in the pass): the outermost
+    ops only (an op's nested ops and runtime calls are part of it), by name and side of the MoE
+    backend's edge (in_moe(event)) -> {"host_ops_ms": their time, "host_runtime_alone_ms": the
+    runtime and driver calls outside any op (Triton's launches, event records and syncs), "in_moe" and
+    "outside_moe": {name: [ms, calls]}}."""
+    out = {"host_ops_ms": 0.0, "host_runtime_alone_ms": 0.0, "in_moe": defaultdict(lambda: [0.0, 0]),
+           "outside_moe": defaultdict(lambda: [0.0, 0])}
+    end = float("-inf")  # where the outermost op open now ends
+    for e in sorted((e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")),
+                    key=lambda e: (float(e["ts"]), -float(e["dur"]))):
+        a, d = float(e["ts"]), float(e["dur"])
+        if a < end:
+            continue  # inside an outer op
+        if e["cat"] != "cpu_op":
+            out["host_runtime_alone_ms"] += d / 1e3
+            continue
+        end = a + d
+        out["host_ops_ms"] += d / 1e3
+        row = out["in_moe" if in_moe(e) else "outside_moe"][e.get("name", "?")]
+        row[0] += d / 1e3
+        row[1] += 1
+    return out
+
+
+def top_ops(per_pass: list[dict], passes: int, n: int = 12) -> list[dict]:
+    """The n ops of most host time, means a pass over the passes' {name: [ms, calls]}."""
+    acc = defaultdict(lambda: [0.0, 0])
+    for ops in per_pass:
+        for name, (ms, calls) in ops.items():
+            acc[name][0] += ms
+            acc[name][1] += calls
+    rows = [{"op": k, "ms": v[0] / passes, "calls": v[1] / passes} for k, v in acc.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
 def marked_backend(runner):
@@ -381,6 +427,9 @@ TIMELINE_ROWS = (("wall_ms", "wall (profiled)"), ("host_in_moe_ms", "host inside
                  ("host_outside_moe_ms", "host outside it (attention, dense layers, routing)"),
                  ("sync_outside_moe_ms", "- synchronising with the GPU"),
                  ("host_active_ms", "host neither waiting nor synchronising"),
+                 ("host_ops_ms", "host inside torch ops (outermost)"),
+                 ("host_runtime_alone_ms", "host in runtime calls outside them (Triton's launches, events)"),
+                 ("host_python_ms", "host in Python alone (no op, no runtime call, no wait)"),
                  ("launch_host_ms", "host inside kernel launches"), ("copy_host_ms", "host inside copy calls"),
                  ("gpu_busy_any_ms", "GPU busy, any stream"), ("gpu_idle_ms", "GPU idle"))
 
@@ -393,6 +442,12 @@ def timeline_md(tl: dict) -> list[str]:
         lines.append(f"| {label} | {tl[key]:.2f} | {per.get(key, float('nan')):.3f} |")
     lines.append(f"| kernel launches, copy calls issued | {tl['launches']:.0f}, {tl['copies_issued']:.0f} | |")
     lines += [f"| GPU stream {s} busy | {v:.2f} | |" for s, v in tl["gpu_busy_ms"].items()]
+    for side, title in (("outside_moe", "outside the MoE backend"), ("in_moe", "inside the MoE backend")):
+        rows = tl.get("host_ops", {}).get(side)
+        if rows:
+            lines += ["", f"### The host's torch ops {title} (outermost, most time first)", "",
+                      "| op | ms a pass | calls a pass |", "|---|---|---|"]
+            lines += [f"| `{r['op'][:80]}` | {r['ms']:.2f} | {r['calls']:.0f} |" for r in rows]
     return lines
 
 

@@ -78,6 +78,31 @@ def test_pass_timeline_splits_host_and_streams():
     assert tl["gpu_busy_any_ms"] == pytest.approx(0.23) and tl["gpu_idle_ms"] == pytest.approx(0.77)
     assert tl["host_active_ms"] == pytest.approx(1.0 - 0.15 - 0.05 - 0.04)
     assert tl["per_moe_layer"]["wall_ms"] == pytest.approx(0.5)
+    # no torch ops in this trace: the host's time outside its waits is runtime calls and Python
+    assert tl["host_ops_ms"] == 0 and tl["host_runtime_alone_ms"] == pytest.approx((50 + 40 + 5 + 7 + 3) / 1e3)
+    assert tl["host_python_ms"] == pytest.approx(1.0 - 0.15 - 0.105)
+    assert tl["host_ops"] == {"in_moe": [], "outside_moe": []}
     two = m.pass_timeline(events)  # means over the passes
     assert two["passes"] == 2 and two["wall_ms"] == pytest.approx(0.505) and two["moe_calls"] == 1
     assert m.pass_timeline([]) == {}
+
+
+def test_pass_timeline_counts_the_host_threads_outermost_ops():
+    """Torch ops of the pass's thread: an op's nested op and runtime call are its own time; another
+    thread's ops are not the host's; ops are split at the MoE backend's edge."""
+    def x(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": {}}
+
+    m = _script()
+    events = [x("user_annotation", m.PASS, 0, 1000), x("user_annotation", m.MOE, 500, 300),
+              x("cpu_op", "aten::linear", 100, 100), x("cpu_op", "aten::matmul", 110, 80),
+              x("cuda_runtime", "cudaLaunchKernel", 120, 10), x("cpu_op", "aten::linear", 300, 50),
+              x("cuda_driver", "cuLaunchKernel", 400, 20), x("cpu_op", "aten::copy_", 600, 30),
+              x("cpu_op", "aten::add", 620, 5),  # nested in the copy (it starts before the copy ends)
+              x("cpu_op", "aten::mul", 100, 900, tid=2)]  # another thread's
+    tl = m.pass_timeline(events)
+    assert tl["host_ops_ms"] == pytest.approx(0.18) and tl["host_runtime_alone_ms"] == pytest.approx(0.02)
+    assert tl["host_python_ms"] == pytest.approx(1.0 - 0.18 - 0.02)
+    assert tl["host_ops"]["outside_moe"] == [{"op": "aten::linear", "ms": pytest.approx(0.15), "calls": 2}]
+    assert tl["host_ops"]["in_moe"] == [{"op": "aten::copy_", "ms": pytest.approx(0.03), "calls": 1}]
+    assert tl["per_moe_layer"]["host_python_ms"] == pytest.approx(0.8)
