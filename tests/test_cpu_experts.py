@@ -259,3 +259,39 @@ def test_torch_backend_runs_on_its_own_threads():
         cpu.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_notify_announces_the_end_before_wait(native):
+    """A call with notify stores its value once out is complete, with no wait() (a GPU stream spins
+    on that word: hybrid.py's deferred combine); the next submit() settles it; an empty call
+    announces at once; notify's word is checked."""
+    import time
+
+    w = make_layer(torch.bfloat16, seed=20)
+    experts = CpuExperts([w], num_threads=2, backend="native", spin_us=100)
+    out, word = torch.empty(512, D), torch.zeros(16, dtype=torch.int32)
+    for i, (T, hot) in enumerate([(64, 0.5), (7, 0.0), (512, 0.5), (1, 1.0)], start=1):
+        x = make_x(T, torch.bfloat16, seed=i)
+        tok, ids, wts = make_routes(T, hot, seed=i)
+        experts.submit(0, x, tok, ids, wts, out, notify=(word, i))  # the previous call is settled here
+        deadline = time.monotonic() + 30
+        while int(word[0]) != i:
+            assert time.monotonic() < deadline, "the call never announced its end"
+            time.sleep(1e-4)
+        assert rel_err(out[:T], torch_reference(w.w13, w.w2, x, tok, ids, wts)) < TOL  # complete when announced
+    experts.wait()
+    experts.submit(0, x, tok, ids, wts, out)  # no notify: the word stays, and wait() is required again
+    with pytest.raises(RuntimeError, match="before wait"):
+        experts.submit(0, x, tok, ids, wts, out)
+    experts.wait()
+    assert int(word[0]) == 4
+    with pytest.raises(ValueError, match="int32"):
+        experts.submit(0, x, tok, ids, wts, out, notify=(word.float(), 5))
+    assert experts.wait() is None  # the failed submit left nothing pending
+
+
+def test_notify_needs_the_native_backend(layers):
+    experts = CpuExperts([layers[torch.float32]], num_threads=1, backend="torch")
+    x, (tok, ids, wts) = make_x(4, torch.float32), make_routes(4, 0.0)
+    with pytest.raises(ValueError, match="native"):
+        experts.submit(0, x, tok, ids, wts, torch.empty(4, D), notify=(torch.zeros(1, dtype=torch.int32), 1))

@@ -486,3 +486,37 @@ def test_staging_keeps_what_the_flex_slots_still_hold():
     assert torch.equal(pool.w13[top], w.w13[6]) and torch.equal(pool.w13[top - 1], w.w13[6])
     with pytest.raises(RuntimeError, match="exceed the 4 flex slots"):
         pool.stage(0, [2, 3, 4, 5, 6])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("path", ["split", "mixed"])
+def test_deferred_combine_gives_the_same_bits(path, device, monkeypatch):
+    """OSTINATO_DEFER_COMBINE=1: on CUDA with the native CPU experts, a split pass's layer that is not
+    the backend's last joins its CPU branch on the stream (handshake.wait_value) and the host goes on;
+    the outputs are the host-waited ones to the bit, and no CPU call outlives a pass. On the CPU
+    device nothing is deferred."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    backend = "torch" if device == "cpu" else "auto"
+    monkeypatch.setenv("OSTINATO_DEFER_COMBINE", "1")
+    deferred, _ = _hybrid(0.5, upload_threshold=10**9, backend=backend, device=device, dtype=dtype)
+    monkeypatch.setenv("OSTINATO_DEFER_COMBINE", "0")
+    waited, _ = _hybrid(0.5, upload_threshold=10**9, backend=backend, device=device, dtype=dtype)
+    assert deferred.defer_combine and not waited.defer_combine
+    if path == "mixed":
+        deferred.mixed = waited.mixed = MIXED
+    g = torch.Generator().manual_seed(5)
+    joins = 0  # layers other than the last whose pass of several tokens gave the CPU work
+    for tokens in (1, 7, 64, 512, 7):
+        for layer in LAYERS:  # a pass: every layer in order; LAYERS[-1] is the last
+            x = torch.randn(tokens, D, generator=g).to(dtype).to(device)
+            topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
+            topk = TopKOutput(topk.ids.to(device), topk.weights.to(device))
+            before = waited.stats().get("cpu_experts", 0)
+            assert torch.equal(deferred(layer, x, topk), waited(layer, x, topk))
+            joins += tokens > 1 and layer != LAYERS[-1] and waited.stats().get("cpu_experts", 0) > before
+        assert deferred.cpu._pending is None  # settled by the last layer
+    native = device == "cuda" and deferred.cpu.backend == "native"
+    assert joins > 0 and deferred.stats().get("deferred_combines", 0) == (joins if native else 0)
+    assert waited.stats().get("deferred_combines", 0) == 0

@@ -19,6 +19,7 @@ import torch
 
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.layers.moe.cpu_experts import default_amx_quant_min_tokens
+from ostinato.layers.moe.hybrid import defer_combine
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.pipeline import fill_text
 
@@ -68,6 +69,7 @@ def environment(loaded, bs) -> dict:
             "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(
                 "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory,
             "threads": loaded.runner.threads.as_dict(), "amx_quant_min_tokens": default_amx_quant_min_tokens(),
+            "defer_combine": defer_combine(),
             **routing_knobs(loaded.source)}
 
 
@@ -543,6 +545,9 @@ def _cpu_note(result: dict) -> list[str]:
     amx = result.get("amx_quant_min_tokens")
     lines = [f"- CPU experts: quantized experts with at least {amx} routes of a pass on the AMX tiles, their rows "
              "decoded to bf16 (OSTINATO_AMX_QUANT)"] if amx else []
+    if result.get("defer_combine"):
+        lines.append("- split passes join their CPU branch on the GPU stream, the host going on "
+                     "(OSTINATO_DEFER_COMBINE)")
     if not str(result["device"]).startswith("cpu"):
         return lines
     return lines + ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical "

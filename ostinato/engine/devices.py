@@ -235,6 +235,9 @@ class SplitExperts(MoEBackend):
     def after_decode_step(self) -> None:
         self._each(lambda b: b.after_decode_step())
 
+    def settle(self) -> None:
+        self._each(lambda b: b.settle())
+
     @property
     def offload_threshold(self) -> int | None:
         """Np: every device's backend has the same (engine/placement.py build_split_hybrid)."""

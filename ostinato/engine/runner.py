@@ -224,6 +224,7 @@ class ModelRunner:
         if not decode:
             self.experts.before_prefill()  # borrowed slots go back to the upload path first
         if decode and self.graphs is not None and self.graphs.window_for(start) is not None:
+            self.experts.settle()  # the graph's worker takes the CPU pool
             logits = self.graphs.replay(tokens[0], start).to(self.device, copy=True)  # from the last device
             if self._step_done is not None:  # sleep, not spin, beside the poller on its core
                 self._step_done.record()

@@ -165,6 +165,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_ptr(args, "out", &ColdArgs::out);
   def_ptr(args, "b13", &ColdArgs::b13);
   def_ptr(args, "b2", &ColdArgs::b2);
+  def_ptr(args, "notify", &ColdArgs::notify);
   args.def_property(
       "act", [](const ColdArgs& a) { return int(a.act); }, [](ColdArgs& a, int v) { a.act = Act(v); });
   args.def_property(
@@ -188,6 +189,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("out_stride", &ColdArgs::out_stride)
       .def_readwrite("amx_min_tokens", &ColdArgs::amx_min_tokens)
       .def_readwrite("amx_quant_min_tokens", &ColdArgs::amx_quant_min_tokens)
+      .def_readwrite("notify_value", &ColdArgs::notify_value)
       .def_readwrite("act_alpha", &ColdArgs::act_alpha)
       .def_readwrite("act_limit", &ColdArgs::act_limit)
       .def_readwrite("down_mode", &ColdArgs::down_mode)

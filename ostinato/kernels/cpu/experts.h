@@ -104,6 +104,12 @@ struct ColdArgs {
   // start the hardware prefetcher on the stream's next page: kernels_quant.cpp prefetch_rows).
   bool prefetch = true;
   int64_t prefetch_bytes = 1024;
+  // Where to announce the call's end (null: nowhere): the worker that finishes it stores
+  // notify_value into *notify with release semantics once out is complete, before wait() is
+  // called, so that a GPU stream spinning on that word (page-locked, device-mapped) can read out
+  // while the host goes on (layers/moe/hybrid.py's deferred combine). wait() is still required.
+  int32_t* notify = nullptr;
+  int32_t notify_value = 0;
 };
 
 // What the last submit() did (for tests and benchmarks).

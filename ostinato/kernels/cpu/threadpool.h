@@ -64,6 +64,9 @@ class PhasedJob {
   static constexpr int kMaxPhases = 4;
   virtual ~PhasedJob() = default;
   virtual void task(int phase, int64_t i) = 0;
+  // Called once by the thread that finishes the last task of the last phase, after every task's
+  // writes are visible to it.
+  virtual void finished_hook() {}
 
   // Before launch: the number of tasks of each phase.
   void reset(const std::vector<int64_t>& counts) {
@@ -81,8 +84,10 @@ class PhasedJob {
       const int64_t n = n_[k];
       for (int64_t i; (i = next_[k].v.fetch_add(1, std::memory_order_relaxed)) < n;) {
         task(k, i);
-        if (done_[k].v.fetch_add(1, std::memory_order_release) == n - 1)
+        if (done_[k].v.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
           end_ns_[k] = now_ns();  // the thread finishing the phase stamps it
+          if (k == phases_ - 1) finished_hook();
+        }
       }
       spin_until([&] { return done_[k].v.load(std::memory_order_acquire) >= n; });
     }

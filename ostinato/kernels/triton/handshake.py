@@ -15,6 +15,11 @@ Inside the captured decode step, per MoE layer:
 A step starts with `bump`, which increments the device-side sequence number; nothing on the
 host changes between replays.
 
+Outside graphs, a prefill pass's split layers may join their CPU branch the same way
+(`wait_value`, hybrid.py's deferred combine): the stream spins until the CPU pool has stored
+the call's number into a page-locked word, so the host goes on launching the next layer instead
+of waiting for the CPU itself.
+
 Host-memory tensors are passed to Triton through `HostPointer` (UVA: the device address of
 page-locked memory equals its host address).
 """
@@ -74,6 +79,19 @@ def _wait_add(gpu_ptr, h_out, h_has_cold, h_done, seq_ptr, y_ptr, D: tl.constexp
             pass
         acc += tl.load(h_out + d, mask=m, other=0.0, volatile=True)
     tl.store(y_ptr + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["value"])
+def _wait_value(word_ptr, value):
+    while tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys") != value:
+        pass
+
+
+def wait_value(word: HostPointer, value: int) -> None:
+    """The current stream waits until the page-locked int32 `word` holds `value` (stored with
+    release semantics by the CPU: CpuExperts.submit's notify): one program of one warp spins,
+    and every later operation of the stream sees what the CPU wrote before the store."""
+    _wait_value[(1,)](word, value, num_warps=1)
 
 
 def bump(seq: torch.Tensor) -> None:

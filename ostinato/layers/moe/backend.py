@@ -35,6 +35,10 @@ class MoEBackend:
     def after_decode_step(self) -> None:
         """After every decode step: a token boundary."""
 
+    def settle(self) -> None:
+        """Before a decode graph replays: no CPU call of an earlier pass may still hold the CPU pool
+        the graph's worker takes (a split layer's deferred combine, layers/moe/hybrid.py)."""
+
     def before_step(self) -> None:
         """The first thing of a graph decode step (captured into it)."""
 

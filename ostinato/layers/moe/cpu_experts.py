@@ -208,6 +208,7 @@ class CpuExperts:
                                                 initializer=torch.set_num_threads, initargs=(self.num_threads,))
         self._pending: tuple | None = None
         self._future: Future | None = None
+        self._notified = False  # the pending call announces its end (submit's notify)
 
     def submit(
         self,
@@ -217,10 +218,17 @@ class CpuExperts:
         expert_ids: torch.Tensor,  # [R] int32
         weights: torch.Tensor,  # [R] fp32
         out: torch.Tensor,  # [>= T, D] fp32, rows contiguous; out[:T] is overwritten
+        notify: tuple[torch.Tensor, int] | None = None,
     ) -> None:
-        """Starts one layer's cold routes and returns at once; call wait() before reuse."""
+        """Starts one layer's cold routes and returns at once; call wait() before reuse.
+        notify (native backend only): (word, value), word an int32 tensor in host memory (page-locked
+        and device-mapped for a GPU stream to spin on it): the call stores value there once out is
+        complete, before wait(); such a call needs no wait() of its own, the next submit() waits for it."""
+        self.settle()
         if self._pending is not None:
             raise RuntimeError("CpuExperts.submit() called before wait() of the previous call")
+        if notify is not None and self._native is None:
+            raise ValueError(f"notify needs the native CPU experts, not the {self.backend!r} backend")
         w = self.layers[layer]
         token_idx, expert_ids, weights = _routes(token_idx, expert_ids, weights)
         _check_io(w, x, out)
@@ -233,19 +241,33 @@ class CpuExperts:
                                                      out, b13=w.b13, b2=w.b2, act=w.act)
             return
         try:
-            self._native.submit(self._fill_args(layer, x, token_idx, expert_ids, weights, out))
+            self._native.submit(self._fill_args(layer, x, token_idx, expert_ids, weights, out, notify))
         except BaseException:
             self._pending = None
             raise
+        self._notified = notify is not None
 
-    def _fill_args(self, layer, x, token_idx, expert_ids, weights, out):
+    def _fill_args(self, layer, x, token_idx, expert_ids, weights, out, notify=None):
         """The layer's native ColdArgs pointed at these (already checked) tensors."""
         a = self._args[layer]
+        if notify is None:
+            a.notify, a.notify_value = 0, 0
+        else:
+            word, value = notify
+            if word.dtype != torch.int32 or word.device.type != "cpu":
+                raise ValueError("notify's word must be an int32 tensor in host memory")
+            a.notify, a.notify_value = word.data_ptr(), int(value)
         a.x, a.x_dtype, a.T, a.x_stride = x.data_ptr(), _DTYPES[x.dtype], x.shape[0], x.stride(0)
         a.token_idx, a.expert_ids = token_idx.data_ptr(), expert_ids.data_ptr()
         a.weights, a.R = weights.data_ptr(), token_idx.shape[0]
         a.out, a.out_stride = out.data_ptr(), out.stride(0)
         return a
+
+    def settle(self) -> None:
+        """Wait for a pending call submitted with notify (its end goes to the GPU, not to a wait()):
+        before anything else uses the pool (the next submit, the decode graph's worker)."""
+        if self._pending is not None and self._notified:
+            self.wait()
 
     def wait(self) -> torch.Tensor | None:
         """Blocks until the submitted call is done; returns its out (None if none pending)."""
@@ -258,7 +280,7 @@ class CpuExperts:
             else:
                 self._future.result()
         finally:
-            self._pending, self._future = None, None
+            self._pending, self._future, self._notified = None, None, False
         return out
 
     def forward(self, layer, x, token_idx, expert_ids, weights, out=None) -> torch.Tensor:
@@ -294,6 +316,7 @@ class CpuExperts:
     def reserve(self, max_routes: int, max_tokens: int) -> None:
         """Sizes the native workspace so that calls up to these sizes allocate nothing."""
         if self._native is not None:
+            self.settle()
             E, D, F = (max(dims) for dims in zip(*(_dims(w) for w in self.layers.values())))
             self._native.reserve(max_routes, max_tokens, E, D, F)
 
@@ -302,6 +325,7 @@ class CpuExperts:
         MiB tasks (ColdExperts::read_seconds): the host read bandwidth the kernels can get."""
         if self._native is None:
             raise RuntimeError("read_seconds needs the native backend")
+        self.settle()
         return self._native.read_seconds(buf.data_ptr(), buf.numel() * buf.element_size())
 
     def last_stats(self) -> dict:

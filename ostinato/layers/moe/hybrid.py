@@ -52,6 +52,7 @@ Legend: T tokens, K top-k, D hidden, R cold routes.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,6 +162,13 @@ class MixedPass:
             if cost < best:
                 best_k, best = k, cost
         return best_k
+
+
+def defer_combine() -> bool:
+    """Whether split passes join their CPU branch on the GPU stream (HybridExperts._defers):
+    OSTINATO_DEFER_COMBINE=1; off by default until a GPU machine has timed it against the host's
+    wait (scripts/device/run.sh ab_gguf with AB_ENV="OSTINATO_DEFER_COMBINE=1")."""
+    return os.environ.get("OSTINATO_DEFER_COMBINE", "0") == "1"
 
 
 def window_text(lo: int, hi: int | None) -> str:
@@ -286,6 +294,9 @@ class HybridWrapper(MoEBackend):
     def before_prefill(self) -> None:
         self.hybrid.before_prefill()
 
+    def settle(self) -> None:
+        self.hybrid.settle()
+
     def close(self) -> None:
         self.hybrid.close()
 
@@ -332,6 +343,17 @@ class HybridExperts(MoEBackend):
         self._table = {l: self.pools.of(l).table_host[l].numpy() for l in layers}
         self._compact = {l: host.compact[l].numpy() for l in layers}
         self._dirty: set[int] = set()  # layers whose index table row the device has not seen yet
+        # the deferred combine (_defers): OSTINATO_DEFER_COMBINE=1 until the GPU machine has timed it
+        self.defer_combine = defer_combine()
+        self._last_layer = next((l for l in reversed(self.has_cold) if self.has_cold[l]), None)
+        self._word = self._word_view = self._hs = None
+        self._word_value = 0
+        if self.on_cuda and cpu is not None and getattr(cpu, "backend", None) == "native":
+            from ostinato.kernels.triton import handshake
+
+            self._hs = handshake
+            self._word = torch.zeros(16, dtype=torch.int32, pin_memory=True)  # one 64-byte line
+            self._word_view = handshake.HostPointer(self._word[:1])
 
     @property
     def pool(self) -> ExpertPool:
@@ -358,6 +380,10 @@ class HybridExperts(MoEBackend):
     def before_prefill(self) -> None:
         if self.borrow is not None:
             self.borrow.release_all()
+
+    def settle(self) -> None:
+        if self.cpu is not None:
+            self.cpu.settle()
 
     @property
     def capturable(self) -> bool:
@@ -475,15 +501,32 @@ class HybridExperts(MoEBackend):
                 dst, copies = self._stage(pool, layer, up.tolist())
                 zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[:topk.ids.shape[1]]
                 slots, cold = flex_slots(ids_h.numpy(), cold, up, dst, zero)
-        out_h = self.submit_cold(layer, x_h, cid, cold, w_h)  # the CPU starts before the copies are issued
+        deferred = self._defers(layer, T)
+        out_h = self.submit_cold(layer, x_h, cid, cold, w_h, deferred)  # the CPU starts before the copies are issued
         uploaded = self._upload(layer, x, topk, copies, slots, done) if slots is not None else None
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         if uploaded is not None:
             gpu = gpu + uploaded()
+        if out_h is not None and deferred:  # the stream, not the host, waits for the CPU branch's announced end
+            self._hs.wait_value(self._word_view, self._word_value)
+            self.counters["deferred_combines"] += 1
+        elif self.cpu is not None:
+            self.cpu.wait()  # this layer's call, or an earlier layer's deferred one: none outlives this layer
         if out_h is None:
             return gpu.to(x.dtype)
-        self.cpu.wait()
         return (gpu + out_h.to(self.device, non_blocking=self.on_cuda)).to(x.dtype)
+
+    def _defers(self, layer: int, T: int) -> bool:
+        """Whether this split pass joins its CPU branch on the stream (the deferred combine): the
+        stream spins until the CPU pool announces the call's end in a page-locked word, and the host
+        meanwhile launches the combine and the next layer up to its routing, where it syncs anyway;
+        the next submit settles the call (CpuExperts.submit). On CUDA with the native CPU experts,
+        for passes of more than one token (a decode step outside a graph keeps the host's wait), and
+        never at the last layer this backend serves, whose pass must leave the CPU pool idle for the
+        decode graph's worker and the next device. The layer's cost as the profile of session 31
+        found it at 64-253 tokens: the host waited 0.9-2.2 ms for the CPU branch, then spent 1.4-1.6
+        ms launching the next layer, in series (results/2026-12-05-h100-s31/)."""
+        return self.defer_combine and self._word is not None and T > 1 and layer != self._last_layer
 
     def route_cold(self, layer: int, ids_h: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """A pass's routing on the host (ids_h [T, K]) -> (cid, cold): each route's compact index in
@@ -511,15 +554,21 @@ class HybridExperts(MoEBackend):
         self.counters["uploaded_experts"] += len(uploads)
         return int(np.isin(ids, [e for e, _ in uploads]).sum())
 
-    def submit_cold(self, layer: int, x_h: torch.Tensor, cid: np.ndarray, cold: np.ndarray, w_h: torch.Tensor):
+    def submit_cold(self, layer: int, x_h: torch.Tensor, cid: np.ndarray, cold: np.ndarray, w_h: torch.Tensor,
+                    deferred: bool = False):
         """Hand the CPU pool the `cold` routes of a pass (cid [T, K] compact indices, on the host)
-        -> the host buffer its partial sum lands in (ready after cpu.wait()), or None if none."""
+        -> the host buffer its partial sum lands in (ready after cpu.wait(), or, `deferred`, once the
+        pool has stored the next `_word_value` into `_word`), or None if none."""
         if not cold.any():
             return None
         tok, eids, wts = cpu_routes(cid, cold, w_h)
         self.counters["cpu_experts"] += int(np.count_nonzero(np.bincount(cid[cold])))
         out_h = self.out_host[:x_h.shape[0]]
-        self.cpu.submit(layer, x_h, tok, eids, wts, out_h)
+        notify = None
+        if deferred:
+            self._word_value = self._word_value % (2**31 - 1) + 1  # never 0, the word's first value
+            notify = (self._word, self._word_value)
+        self.cpu.submit(layer, x_h, tok, eids, wts, out_h, notify=notify)
         return out_h
 
     def cpu_branch(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> Callable[[], None]:
