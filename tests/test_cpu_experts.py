@@ -274,6 +274,7 @@ def test_notify_announces_the_end_before_wait(native):
         x = make_x(T, torch.bfloat16, seed=i)
         tok, ids, wts = make_routes(T, hot, seed=i)
         experts.submit(0, x, tok, ids, wts, out, notify=(word, i))  # the previous call is settled here
+        assert experts._args[0].notify == 0  # the call's own copy announces; the layer's args (the graph worker's) do not
         deadline = time.monotonic() + 30
         while int(word[0]) != i:
             assert time.monotonic() < deadline, "the call never announced its end"

@@ -241,7 +241,11 @@ class CpuExperts:
                                                      out, b13=w.b13, b2=w.b2, act=w.act)
             return
         try:
-            self._native.submit(self._fill_args(layer, x, token_idx, expert_ids, weights, out, notify))
+            args = self._fill_args(layer, x, token_idx, expert_ids, weights, out, notify)
+            try:
+                self._native.submit(args)
+            finally:  # the call holds its own copy; the layer's args (which the decode graph's worker
+                args.notify, args.notify_value = 0, 0  # copies) announce nothing
         except BaseException:
             self._pending = None
             raise
@@ -250,9 +254,7 @@ class CpuExperts:
     def _fill_args(self, layer, x, token_idx, expert_ids, weights, out, notify=None):
         """The layer's native ColdArgs pointed at these (already checked) tensors."""
         a = self._args[layer]
-        if notify is None:
-            a.notify, a.notify_value = 0, 0
-        else:
+        if notify is not None:
             word, value = notify
             if word.dtype != torch.int32 or word.device.type != "cpu":
                 raise ValueError("notify's word must be an int32 tensor in host memory")
