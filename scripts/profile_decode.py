@@ -222,11 +222,14 @@ def pass_timeline(events: list[dict]) -> dict:
     def span(e):
         return float(e["ts"]), float(e["ts"]) + float(e["dur"])
 
+    def annotated(name, inside):
+        return [e for e in inside if e.get("cat") == "user_annotation" and e.get("name") == name]
+
     def marked(name, inside):
-        return [span(e) for e in inside if e.get("cat") == "user_annotation" and e.get("name") == name]
+        return [span(e) for e in annotated(name, inside)]
 
     rows, ops = [], []
-    for p in (e for e in ev if e.get("cat") == "user_annotation" and e.get("name") == PASS):
+    for p in annotated(PASS, ev):
         lo, hi = span(p)
         inside = [e for e in ev if lo <= float(e["ts"]) < hi]
         moe = marked(MOE, inside)
@@ -252,7 +255,8 @@ def pass_timeline(events: list[dict]) -> dict:
             "gpu_busy_ms": {s: union_ms(v, lo, hi) for s, v in sorted(streams.items())},
             "gpu_busy_any_ms": union_ms([x for v in streams.values() for x in v], lo, hi)})
         host = host_ops([e for e in inside if (e.get("pid"), e.get("tid")) == (p.get("pid"), p.get("tid"))], in_moe)
-        rows[-1] |= {k: host.pop(k) for k in ("host_ops_ms", "host_runtime_alone_ms")}
+        rows[-1] |= {"host_ops_ms": sum(ms for side in ("in_moe", "outside_moe") for ms, _ in host[side].values()),
+                     "host_runtime_alone_ms": host.pop("host_runtime_alone_ms")}
         ops.append(host)
     if not rows:
         return {}
@@ -274,10 +278,10 @@ def pass_timeline(events: list[dict]) -> dict:
 def host_ops(events: list[dict], in_moe) -> dict:
     """The host thread's torch ops in one pass (events: that thread's, in the pass): the outermost
     ops only (an op's nested ops and runtime calls are part of it), by name and side of the MoE
-    backend's edge (in_moe(event)) -> {"host_ops_ms": their time, "host_runtime_alone_ms": the
-    runtime and driver calls outside any op (Triton's launches, event records and syncs), "in_moe" and
-    "outside_moe": {name: [ms, calls]}}."""
-    out = {"host_ops_ms": 0.0, "host_runtime_alone_ms": 0.0, "in_moe": defaultdict(lambda: [0.0, 0]),
+    backend's edge (in_moe(event)) -> {"in_moe" and "outside_moe": {name: [ms, calls]},
+    "host_runtime_alone_ms": the runtime and driver calls outside any op (Triton's launches, event
+    records and syncs)}."""
+    out = {"host_runtime_alone_ms": 0.0, "in_moe": defaultdict(lambda: [0.0, 0]),
            "outside_moe": defaultdict(lambda: [0.0, 0])}
     end = float("-inf")  # where the outermost op open now ends
     for e in sorted((e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")),
@@ -289,7 +293,6 @@ def host_ops(events: list[dict], in_moe) -> dict:
             out["host_runtime_alone_ms"] += d / 1e3
             continue
         end = a + d
-        out["host_ops_ms"] += d / 1e3
         row = out["in_moe" if in_moe(e) else "outside_moe"][e.get("name", "?")]
         row[0] += d / 1e3
         row[1] += 1

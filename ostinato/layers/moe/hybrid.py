@@ -346,14 +346,13 @@ class HybridExperts(MoEBackend):
         # the deferred combine (_defers): OSTINATO_DEFER_COMBINE=1 until the GPU machine has timed it
         self.defer_combine = defer_combine()
         self._last_layer = next((l for l in reversed(self.has_cold) if self.has_cold[l]), None)
-        self._word = self._word_view = self._hs = None
+        self._word = self._hs = None  # the page-locked word the CPU pool announces a deferred call's end in
         self._word_value = 0
         if self.on_cuda and cpu is not None and getattr(cpu, "backend", None) == "native":
             from ostinato.kernels.triton import handshake
 
             self._hs = handshake
-            self._word = torch.zeros(16, dtype=torch.int32, pin_memory=True)  # one 64-byte line
-            self._word_view = handshake.HostPointer(self._word[:1])
+            self._word = handshake.HostPointer(torch.zeros(16, dtype=torch.int32, pin_memory=True))  # a 64-byte line
 
     @property
     def pool(self) -> ExpertPool:
@@ -508,7 +507,7 @@ class HybridExperts(MoEBackend):
         if uploaded is not None:
             gpu = gpu + uploaded()
         if out_h is not None and deferred:  # the stream, not the host, waits for the CPU branch's announced end
-            self._hs.wait_value(self._word_view, self._word_value)
+            self._hs.wait_value(self._word, self._word_value)
             self.counters["deferred_combines"] += 1
         elif self.cpu is not None:
             self.cpu.wait()  # this layer's call, or an earlier layer's deferred one: none outlives this layer
@@ -558,7 +557,7 @@ class HybridExperts(MoEBackend):
                     deferred: bool = False):
         """Hand the CPU pool the `cold` routes of a pass (cid [T, K] compact indices, on the host)
         -> the host buffer its partial sum lands in (ready after cpu.wait(), or, `deferred`, once the
-        pool has stored the next `_word_value` into `_word`), or None if none."""
+        pool has stored the next `_word_value` into `_word`, its first int32), or None if none."""
         if not cold.any():
             return None
         tok, eids, wts = cpu_routes(cid, cold, w_h)
@@ -567,7 +566,7 @@ class HybridExperts(MoEBackend):
         notify = None
         if deferred:
             self._word_value = self._word_value % (2**31 - 1) + 1  # never 0, the word's first value
-            notify = (self._word, self._word_value)
+            notify = (self._word.t, self._word_value)
         self.cpu.submit(layer, x_h, tok, eids, wts, out_h, notify=notify)
         return out_h
 
