@@ -520,3 +520,14 @@ def test_deferred_combine_gives_the_same_bits(path, device, monkeypatch):
     native = device == "cuda" and deferred.cpu.backend == "native"
     assert joins > 0 and deferred.stats().get("deferred_combines", 0) == (joins if native else 0)
     assert waited.stats().get("deferred_combines", 0) == 0
+
+
+def test_defer_combine_switch_refuses_other_values(monkeypatch):
+    from ostinato.layers.moe.hybrid import defer_combine
+
+    for value, on in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv("OSTINATO_DEFER_COMBINE", value)
+        assert defer_combine() is on
+    monkeypatch.setenv("OSTINATO_DEFER_COMBINE", "yes")
+    with pytest.raises(ConfigError, match="OSTINATO_DEFER_COMBINE must be 1"):
+        defer_combine()

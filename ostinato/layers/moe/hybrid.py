@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ostinato.config import ConfigError
 from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.pool import COLD, ExpertPool, ExpertPools, HostExperts
 from ostinato.layers.moe.types import TopKOutput
@@ -168,7 +169,10 @@ def defer_combine() -> bool:
     """Whether split passes join their CPU branch on the GPU stream (HybridExperts._defers):
     OSTINATO_DEFER_COMBINE=1; off by default until a GPU machine has timed it against the host's
     wait (scripts/device/run.sh ab_gguf with AB_ENV="OSTINATO_DEFER_COMBINE=1")."""
-    return os.environ.get("OSTINATO_DEFER_COMBINE", "0") == "1"
+    v = os.environ.get("OSTINATO_DEFER_COMBINE", "0")
+    if v not in ("0", "1", ""):
+        raise ConfigError(f"OSTINATO_DEFER_COMBINE must be 1 (on) or 0 (off), not {v!r}")
+    return v == "1"
 
 
 def window_text(lo: int, hi: int | None) -> str:
