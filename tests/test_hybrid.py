@@ -491,8 +491,8 @@ def test_staging_keeps_what_the_flex_slots_still_hold():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("path", ["split", "mixed"])
 def test_deferred_combine_gives_the_same_bits(path, device, monkeypatch):
-    """OSTINATO_DEFER_COMBINE=1: on CUDA with the native CPU experts, a split pass's layer that is not
-    the backend's last joins its CPU branch on the stream (handshake.wait_value) and the host goes on;
+    """OSTINATO_DEFER_COMBINE=1 (the default): on CUDA with the native CPU experts, a split pass's layer
+    that uploads nothing and is not the backend's last joins its CPU branch on the stream (handshake.wait_value) and the host goes on;
     the outputs are the host-waited ones to the bit, and no CPU call outlives a pass. On the CPU
     device nothing is deferred."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -504,28 +504,33 @@ def test_deferred_combine_gives_the_same_bits(path, device, monkeypatch):
     monkeypatch.setenv("OSTINATO_DEFER_COMBINE", "0")
     waited, _ = _hybrid(0.5, upload_threshold=10**9, backend=backend, device=device, dtype=dtype)
     assert deferred.defer_combine and not waited.defer_combine
-    if path == "mixed":
-        deferred.mixed = waited.mixed = MIXED
+    if path == "mixed":  # from 64 tokens: the 7-token passes stay plain split passes
+        deferred.mixed = waited.mixed = replace(MIXED, min_tokens=64)
     g = torch.Generator().manual_seed(5)
-    joins = 0  # layers other than the last whose pass of several tokens gave the CPU work
+    joins = 0  # layers other than the last whose pass of several tokens gave the CPU work, uploading nothing
     for tokens in (1, 7, 64, 512, 7):
         for layer in LAYERS:  # a pass: every layer in order; LAYERS[-1] is the last
             x = torch.randn(tokens, D, generator=g).to(dtype).to(device)
             topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
             topk = TopKOutput(topk.ids.to(device), topk.weights.to(device))
-            before = waited.stats().get("cpu_experts", 0)
+            before = [waited.stats().get(c, 0) for c in ("cpu_experts", "mixed_passes")]
             assert torch.equal(deferred(layer, x, topk), waited(layer, x, topk))
-            joins += tokens > 1 and layer != LAYERS[-1] and waited.stats().get("cpu_experts", 0) > before
+            after = [waited.stats().get(c, 0) for c in ("cpu_experts", "mixed_passes")]
+            uploaded = after[1] > before[1]  # a pass with uploads keeps the host's wait
+            joins += tokens > 1 and layer != LAYERS[-1] and after[0] > before[0] and not uploaded
         assert deferred.cpu._pending is None  # settled by the last layer
     native = device == "cuda" and deferred.cpu.backend == "native"
     assert joins > 0 and deferred.stats().get("deferred_combines", 0) == (joins if native else 0)
     assert waited.stats().get("deferred_combines", 0) == 0
+    assert (waited.stats().get("mixed_passes", 0) > 0) == (path == "mixed")
 
 
 def test_defer_combine_switch_refuses_other_values(monkeypatch):
     from ostinato.layers.moe.hybrid import defer_combine
 
-    for value, on in (("1", True), ("0", False), ("", False)):
+    monkeypatch.delenv("OSTINATO_DEFER_COMBINE", raising=False)
+    assert defer_combine() is True  # on unless switched off
+    for value, on in (("1", True), ("0", False), ("", True)):
         monkeypatch.setenv("OSTINATO_DEFER_COMBINE", value)
         assert defer_combine() is on
     monkeypatch.setenv("OSTINATO_DEFER_COMBINE", "yes")

@@ -546,8 +546,8 @@ def _cpu_note(result: dict) -> list[str]:
     lines = [f"- CPU experts: quantized experts with at least {amx} routes of a pass on the AMX tiles, their rows "
              "decoded to bf16 (OSTINATO_AMX_QUANT)"] if amx else []
     if result.get("defer_combine"):
-        lines.append("- split passes join their CPU branch on the GPU stream, the host going on "
-                     "(OSTINATO_DEFER_COMBINE)")
+        lines.append("- split passes that upload nothing join their CPU branch on the GPU stream, the host going on "
+                     "(OSTINATO_DEFER_COMBINE, on unless 0)")
     if not str(result["device"]).startswith("cpu"):
         return lines
     return lines + ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical "

@@ -166,13 +166,13 @@ class MixedPass:
 
 
 def defer_combine() -> bool:
-    """Whether split passes join their CPU branch on the GPU stream (HybridExperts._defers):
-    OSTINATO_DEFER_COMBINE=1; off by default until a GPU machine has timed it against the host's
-    wait (scripts/device/run.sh ab_gguf with AB_ENV="OSTINATO_DEFER_COMBINE=1")."""
-    v = os.environ.get("OSTINATO_DEFER_COMBINE", "0")
+    """Whether split passes without uploads join their CPU branch on the GPU stream
+    (HybridExperts._defers): on unless OSTINATO_DEFER_COMBINE=0, which keeps the host's wait (to
+    time one against the other: scripts/device/run.sh ab_gguf with AB_ENV="OSTINATO_DEFER_COMBINE=0")."""
+    v = os.environ.get("OSTINATO_DEFER_COMBINE", "1")
     if v not in ("0", "1", ""):
         raise ConfigError(f"OSTINATO_DEFER_COMBINE must be 1 (on) or 0 (off), not {v!r}")
-    return v == "1"
+    return v != "0"
 
 
 def window_text(lo: int, hi: int | None) -> str:
@@ -347,7 +347,7 @@ class HybridExperts(MoEBackend):
         self._table = {l: self.pools.of(l).table_host[l].numpy() for l in layers}
         self._compact = {l: host.compact[l].numpy() for l in layers}
         self._dirty: set[int] = set()  # layers whose index table row the device has not seen yet
-        # the deferred combine (_defers): OSTINATO_DEFER_COMBINE=1 until the GPU machine has timed it
+        # the deferred combine (_defers), unless OSTINATO_DEFER_COMBINE=0
         self.defer_combine = defer_combine()
         self._last_layer = next((l for l in reversed(self.has_cold) if self.has_cold[l]), None)
         self._word = self._hs = None  # the page-locked word the CPU pool announces a deferred call's end in
@@ -504,7 +504,7 @@ class HybridExperts(MoEBackend):
                 dst, copies = self._stage(pool, layer, up.tolist())
                 zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[:topk.ids.shape[1]]
                 slots, cold = flex_slots(ids_h.numpy(), cold, up, dst, zero)
-        deferred = self._defers(layer, T)
+        deferred = slots is None and self._defers(layer, T)
         out_h = self.submit_cold(layer, x_h, cid, cold, w_h, deferred)  # the CPU starts before the copies are issued
         uploaded = self._upload(layer, x, topk, copies, slots, done) if slots is not None else None
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
@@ -526,9 +526,12 @@ class HybridExperts(MoEBackend):
         the next submit settles the call (CpuExperts.submit). On CUDA with the native CPU experts,
         for passes of more than one token (a decode step outside a graph keeps the host's wait), and
         never at the last layer this backend serves, whose pass must leave the CPU pool idle for the
-        decode graph's worker and the next device. The layer's cost as the profile of session 31
-        found it at 64-253 tokens: the host waited 0.9-2.2 ms for the CPU branch, then spent 1.4-1.6
-        ms launching the next layer, in series (results/2026-12-05-h100-s31/)."""
+        decode graph's worker and the next device. split_path asks only for passes that upload
+        nothing. Why: at 64-253 tokens the host waited 0.9-2.2 ms a layer for the CPU branch, then
+        spent 1.4-1.6 ms launching the next layer, in series (results/2026-12-05-h100-s31/). Deferred,
+        the held-out turns of 64-255 new tokens took 0.73-0.76x as long, the others no less
+        (results/2026-12-05-h200-s32/: A/B/A on the H200); passes with uploads, whose CPU branch is
+        short, showed no gain (1.03-1.10x, within that run's drift), so they keep the host's wait."""
         return self.defer_combine and self._word is not None and T > 1 and layer != self._last_layer
 
     def route_cold(self, layer: int, ids_h: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
