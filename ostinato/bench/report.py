@@ -69,7 +69,7 @@ def environment(loaded, bs) -> dict:
             "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(
                 "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory,
             "threads": loaded.runner.threads.as_dict(), "amx_quant_min_tokens": default_amx_quant_min_tokens(),
-            "defer_combine": defer_combine(),
+            "defer_combine": defer_combine() and loaded.runner.device.type == "cuda",  # it defers on CUDA only
             **routing_knobs(loaded.source)}
 
 
