@@ -529,9 +529,9 @@ class HybridExperts(MoEBackend):
         decode graph's worker and the next device. split_path asks only for passes that upload
         nothing. Why: at 64-253 tokens the host waited 0.9-2.2 ms a layer for the CPU branch, then
         spent 1.4-1.6 ms launching the next layer, in series (results/2026-12-05-h100-s31/). Deferred,
-        the held-out turns of 64-255 new tokens took 0.73-0.76x as long, the others no less
-        (results/2026-12-05-h200-s32/: A/B/A on the H200); passes with uploads, whose CPU branch is
-        short, showed no gain (1.03-1.10x, within that run's drift), so they keep the host's wait."""
+        the held-out turns of 64-255 new tokens took 0.73-0.76x as long and those below 64 as long
+        (results/2026-12-05-h200-s32/: A/B/A on the H200); turns with uploads, whose CPU branch is
+        short, took 1.03-1.10x as long (A's two runs differed by 0.94x), so they keep the host's wait."""
         return self.defer_combine and self._word is not None and T > 1 and layer != self._last_layer
 
     def route_cold(self, layer: int, ids_h: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
