@@ -27,7 +27,9 @@ profiled passes also say where their wall time went (`timeline`, pass_timeline):
 inside the MoE backend (waiting for the CPU branch, synchronising for the routing) and outside it,
 its launches, its outermost torch ops by name and the Python time between them, and each stream's busy
 time; a pass whose host is busy while the GPU idles is bound by its launches and its Python, which graphs
-would remove ([Q]). Each size writes OUT/prefill_N.json and OUT/prefill_N.md.
+would remove ([Q]). A last set of passes runs under cProfile (`python`): the host's Python by
+function, own time first, which names the Python the timeline only counts. Each size writes
+OUT/prefill_N.json and OUT/prefill_N.md.
 
 Writes OUT/profile.json and OUT/profile.md; one JSON summary line on stdout. On a machine
 without CUDA it runs on the CPU (the kernels are then aten ops; a smoke run, not a figure).
@@ -338,6 +340,30 @@ def marked_backend(runner):
     return backend, undo
 
 
+def python_profile(fn, passes: int, n: int = 30) -> dict:
+    """The host's Python by function over `passes` calls of fn (cProfile, which costs each Python call
+    about a microsecond more, so it ranks the functions rather than timing them): the pass's wall time
+    under it, and the `n` functions of most own time (tottime: outside the functions they call; a C
+    function such as a torch op or a launch is its own row) with their total time (cumtime), in ms a pass."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(passes):
+        fn()
+    prof.disable()
+    wall = (time.perf_counter() - t0) / passes * 1e3
+    rows = []
+    for (file, line, name), (_, calls, tt, ct, _) in pstats.Stats(prof).stats.items():
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if line else file
+        rows.append({"function": f"{name} ({where})", "calls": calls / passes, "own_ms": tt / passes * 1e3,
+                     "total_ms": ct / passes * 1e3})
+    rows.sort(key=lambda r: -r["own_ms"])
+    return {"passes": passes, "wall_ms": wall, "own_ms": sum(r["own_ms"] for r in rows), "functions": rows[:n]}
+
+
 def by_class(rows: list[dict]) -> dict[str, dict]:
     acc = defaultdict(lambda: {"launches_per_step": 0.0, "us_per_step": 0.0})
     for r in rows:
@@ -406,6 +432,13 @@ def write_md(path: Path, out: dict) -> None:
     tl = out.get("timeline")
     if tl:
         lines += timeline_md(tl)
+    py = out.get("python")
+    if py:
+        lines += ["", f"## The host's Python by function (cProfile, {py['passes']} passes: {py['wall_ms']:.1f} ms a pass "
+                      "under it; ranks, does not time)", "", "| function | calls a pass | own ms a pass | total ms a pass |",
+                  "|---|---|---|---|"]
+        lines += [f"| `{r['function'][:100]}` | {r['calls']:.0f} | {r['own_ms']:.2f} | {r['total_ms']:.2f} |"
+                  for r in py["functions"]]
     hb = out.get("hbm")
     if hb:
         lines.append(f"- HBM: copy bandwidth {hb['copy_gbps']:.0f} GB/s; the dense part must read "
@@ -542,6 +575,7 @@ def profile_prefill(a, loaded, tokens: list[int]) -> None:
         undo()
     rows = kernel_rows(prof, a.profile_steps, on_cuda)
     classes = by_class(rows)
+    python = python_profile(lambda: pass_times_ms(runner, tokens, a.context, 1), a.profile_steps)
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
         timeline = pass_timeline(json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"])
@@ -555,7 +589,7 @@ def profile_prefill(a, loaded, tokens: list[int]) -> None:
                     "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
                     "kernel_ms": sum(r["us_per_step"] for r in rows) / 1e3,
                     "upload_ms": classes.get("upload", {}).get("us_per_step", 0.0) / 1e3},
-           "timeline": timeline, "memory": pass_memory(loaded, tokens, a.context), "classes": classes, "kernels": rows}
+           "timeline": timeline, "python": python, "memory": pass_memory(loaded, tokens, a.context), "classes": classes, "kernels": rows}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"prefill_{len(tokens)}.json").write_text(json.dumps(out, indent=1) + "\n")
     write_md(a.out / f"prefill_{len(tokens)}.md", out | {"kernels_graph": rows})
