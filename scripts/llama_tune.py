@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         n_fit = smallest_fitting(fits, layers)
         best, rows = tune(measure, LlamaSettings(n_fit, threads=a.threads[0], flavor=a.flavor),
-                          knob_values(n_fit, layers, a.threads, a.flavor))
+                          knob_values(n_fit, layers, a.threads, a.flavor), layers)
         for r in rows:
             r["gpu_mib"] = memory.get(r["label"])
         tuning = {"kind": "llama.tune", **source_state(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -160,3 +160,24 @@ def test_a_replay_takes_an_earlier_tunings_choice_under_the_same_cap(tmp_path):
     f.write_text(json.dumps({"cap_mib": 24576}))
     with pytest.raises(SystemExit, match="not a tuning.json"):
         chosen(f, 24576)
+
+
+def test_tune_gives_a_value_that_does_not_fit_one_more_host_layer():
+    """A larger ubatch that does not fit at the smallest n_cpu_moe is measured at the next one, and wins
+    there if it is faster: it takes n_cpu_moe along (session 33: -ub 2048 over the cap at 20)."""
+    def measure(s):
+        if s.ubatch == 2048 and s.n_cpu_moe < 21:
+            return None  # over the cap
+        return 10.0 - s.ubatch / 1000 + 0.1 * s.n_cpu_moe
+
+    got, rows = tune(measure, LlamaSettings(20), knob_values(20, 48, [16]), layers=48)
+    assert (got.n_cpu_moe, got.ubatch) == (21, 2048)
+    ub = [(r["settings"]["n_cpu_moe"], r["total_s"]) for r in rows if r["knob"] == "ubatch" and r["value"] == 2048]
+    assert ub[0] == (20, None) and ub[1][0] == 21 and ub[1][1] is not None
+    # without layers, as before: the value that does not fit is dropped
+    got, _ = tune(measure, LlamaSettings(20), knob_values(20, 48, [16]))
+    assert (got.n_cpu_moe, got.ubatch) == (20, 512)
+    # one layer more only: a value that fits nowhere near still fails, and the next knob goes on
+    got, _ = tune(lambda s: None if s.ubatch == 2048 else 5.0 + 0.1 * s.n_cpu_moe, LlamaSettings(47),
+                  knob_values(47, 48, [16]), layers=48)
+    assert got.ubatch != 2048 and got.n_cpu_moe == 47

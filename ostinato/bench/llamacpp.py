@@ -148,27 +148,42 @@ def knob_values(n_fit: int, layers: int, threads: Sequence[int], flavor: str = "
 
 
 def tune(measure: Callable[[LlamaSettings], float | None], start: LlamaSettings,
-         knobs: list[tuple[str, list]]) -> tuple[LlamaSettings, list[dict]]:
+         knobs: list[tuple[str, list]], layers: int | None = None) -> tuple[LlamaSettings, list[dict]]:
     """One knob at a time, in order, each set to its best value before the next; measure(settings)
-    -> total seconds, or None for a failure. -> (the best settings, one row per measurement).
-    A setting measured before (the same values) is not measured again."""
+    -> total seconds, or None for a failure (llama_tune: it did not start, or not under the cap).
+    -> (the best settings, one row per measurement). A setting measured before (the same values) is
+    not measured again.
+
+    With `layers`, a value of a later knob that fails at the current n_cpu_moe is measured once more
+    with the experts of one more layer on the host (up to `layers`), and the pair counts as that value:
+    a larger ubatch needs a larger compute buffer, and a tuner that kept the smallest n_cpu_moe fixed
+    would drop it for not fitting where one layer's experts would make room (session 33's tuning: -ub 2048
+    at n-cpu-moe 20 held 12434 MiB against a 12288 MiB cap; session 10 had chosen it at 21)."""
     seen: dict[LlamaSettings, float] = {}
     rows = []
+
+    def score(knob: str, v, s: LlamaSettings) -> float:
+        if s not in seen:
+            t = measure(s)
+            seen[s] = math.inf if t is None else t
+            rows.append({"knob": knob, "value": v, "settings": dataclasses.asdict(s), "label": s.label(),
+                         "total_s": None if t is None else round(t, 4)})
+        return seen[s]
+
     best = start
     for knob, values in knobs:
-        scores = {}
+        tried = {}
         for v in values:
             s = dataclasses.replace(best, **{knob: v})
-            if s not in seen:
-                t = measure(s)
-                seen[s] = math.inf if t is None else t
-                rows.append({"knob": knob, "value": v, "settings": dataclasses.asdict(s), "label": s.label(),
-                             "total_s": None if t is None else round(t, 4)})
-            scores[v] = seen[s]
-        choice = min(values, key=lambda v: scores[v])  # ties: the first listed (the default)
-        if math.isinf(scores[choice]):
+            t = score(knob, v, s)
+            if math.isinf(t) and knob != "n_cpu_moe" and layers is not None and s.n_cpu_moe < layers:
+                s = dataclasses.replace(s, n_cpu_moe=s.n_cpu_moe + 1)
+                t = score(knob, v, s)
+            tried[v] = (t, s)
+        choice = min(values, key=lambda v: tried[v][0])  # ties: the first listed (the default)
+        if math.isinf(tried[choice][0]):
             raise RuntimeError(f"llama.cpp: every value of {knob} failed ({values})")
-        best = dataclasses.replace(best, **{knob: choice})
+        best = tried[choice][1]
     return best, rows
 
 
