@@ -654,6 +654,11 @@ def test_ttft_after_tool_outputs_by_new_tokens_pairs_the_same_turns():
     assert rows[0]["new_tokens"] == [20, 60] and rows[0]["ttft_ms"] == [110.0, 150.0]
     assert rows[0]["ratio"] == {"median": 0.85, "min": 0.5, "max": 1.2}
     assert rows[1]["ratio"]["median"] == 1.5 and rows[3]["ratio"]["median"] == 1.5
+    assert rows[0]["ttft_sum_ms"] == [220.0, 300.0]
+    # kind None: every turn after a session's first, a user turn among them
+    both = ttft_by_size(ours + [rec(7, 100, 0.08, "user")], theirs + [rec(7, 100, 0.04, "user")], kind=None)
+    assert [(r["from"], r["turns"]) for r in both] == [(1, 2), (64, 1), (128, 1), (256, 1), (1024, 1)]
+    assert both[1]["ratio"]["median"] == 2.0 and both[1]["ttft_sum_ms"] == [80.0, 40.0]
     # an engine replayed over HTTP brings its turns: the report compares it turn by turn
     summary = {**_summary(10.0, 100.0, 4.0, {"s": 1.0}), "turns": 7}
     result = {"policies": {"ostinato": {"summary": summary}}, "np": {}}

@@ -217,14 +217,17 @@ def paired_intervals(ours: list[dict], theirs: list[dict], rounds: int = 2000, l
 SIZE_BANDS = (1, 64, 128, 256, 512, 1024)
 
 
-def ttft_by_size(ours: list[dict], theirs: list[dict], kind: str = "tool",
+def ttft_by_size(ours: list[dict], theirs: list[dict], kind: str | None = "tool",
                  bands: tuple[int, ...] = SIZE_BANDS) -> list[dict]:
     """Two replays' TTFT on the same turns of one kind (raw turn records, as results.json keeps them;
-    a turn is (session, turn)), by our turn's new prompt tokens in `bands` (band i: bands[i] to
-    bands[i + 1] - 1, the last open): per band with turns, the turns, their new tokens' range, our and
-    their median TTFT (ms), and the median, least and largest of ours / theirs turn by turn."""
+    a turn is (session, turn); kind None: every turn after a session's first), by our turn's new
+    prompt tokens in `bands` (band i: bands[i] to bands[i + 1] - 1, the last open): per band with
+    turns, the turns, their new tokens' range, our and their median and summed TTFT (ms), and the
+    median, least and largest of ours / theirs turn by turn."""
+    kinds = (kind,) if kind is not None else ("tool", "user")
+
     def good(r):
-        return not r.get("error") and r.get("ttft_s") and r.get("kind") == kind and r.get("new_tokens")
+        return not r.get("error") and r.get("ttft_s") and r.get("kind") in kinds and r.get("new_tokens")
 
     mine = {(r["session"], r["turn"]): r for r in ours if good(r)}
     pairs = [(mine[k], r) for r in theirs if good(r) and (k := (r["session"], r["turn"])) in mine]
@@ -240,6 +243,8 @@ def ttft_by_size(ours: list[dict], theirs: list[dict], kind: str = "tool",
                      "new_tokens": [min(tokens), max(tokens)],
                      "ttft_ms": [_round(1e3 * median([o["ttft_s"] for o, _ in band]), 1),
                                  _round(1e3 * median([t["ttft_s"] for _, t in band]), 1)],
+                     "ttft_sum_ms": [_round(1e3 * sum(o["ttft_s"] for o, _ in band), 1),
+                                     _round(1e3 * sum(t["ttft_s"] for _, t in band), 1)],
                      "ratio": {"median": _round(median(ratio), 3), "min": _round(min(ratio), 3),
                                "max": _round(max(ratio), 3)}})
     return rows
