@@ -10,7 +10,9 @@ with the recorded answer held between turns (ostinato/bench/replay.py HttpTarget
 --max-sessions, --max-turns, --max-output for the held-out replay; --tune-sessions and
 --tune-max-turns for the development turns each setting is timed on.
 
-Writes OUT/tuning.json (every setting measured, its GPU memory and total; the choice) and
+A setting fits the cap if the server is under it once ready and still under it after its development
+turns (its GPU memory in tuning.json is the later figure). Writes OUT/tuning.json (every setting
+measured, its GPU memory and total; the choice) and
 OUT/replay.json (the held-out replay, the JSON line of `ostinato replay`, with the chosen
 settings: `ostinato report BENCH --engine llama.cpp=OUT/replay.json` adds it as a row), and
 each server's log under OUT/logs/. Needs a GPU and the llama.cpp kit (../shared/llama).
@@ -144,6 +146,13 @@ def main(argv=None) -> int:
                 return None, srv.ready
             results, summary = replay(srv.url, tune_set, tok, a.tune_max_turns, a.max_output, a.max_context)
             if summary["failed_turns"]:
+                return None, True
+            # llama-server grows after ready (session 33: 12228 MiB at ready, 12352 after the held-out turns,
+            # over a 12288 MiB cap): a setting counts as fitting only if it is still under the cap after its turns
+            after = process_gpu_mib(srv.proc.pid)
+            memory[s.label()] = after
+            if after is None or after > cap_mib:
+                print(f"    {after} MiB after its development turns: over the cap of {cap_mib} MiB", flush=True)
                 return None, True
             total = summary["request_s"]["total"]
             print(f"    total {total:.3f} s over {summary['turns']} development turns", flush=True)

@@ -512,6 +512,14 @@ def test_an_engine_replayed_over_http_joins_the_report():
     assert got["every held-out session's total time speed-up vs llama.cpp, the smallest"] == (1.25, False)
     # an engine is no placement policy: the policy targets leave it out
     assert got["total request time speed-up vs the best baseline"] == (None, None)
+    # its GPU memory after the replay, flagged over the bench's cap (session 33: llama.cpp 12352 MiB under 12 GiB)
+    from ostinato.bench.report import external_line
+    e = result["policies"]["llama.cpp"]
+    assert "MiB" not in external_line("llama.cpp", e, 12 * 2**30)  # the replay gave no figure
+    e["external"]["gpu_mib"] = 12352
+    assert "12352 MiB by nvidia-smi after the replay, **over the cap of 12288 MiB**" in external_line(
+        "llama.cpp", e, 12 * 2**30)
+    assert "over the cap" not in external_line("llama.cpp", e, 13 * 2**30)
     other = {**replay, "summary": {**replay["summary"], "session_s": {"a": 15.0, "c": 25.0}}}
     with pytest.raises(ConfigError, match="not the same turns"):
         add_external(result, {}, "x", other, "f")

@@ -241,6 +241,18 @@ def add_external(result: dict, turns: dict, name: str, replay: dict, source: str
         turns[name] = replay["turns"]
 
 
+def external_line(name: str, e: dict, cap: int | None) -> str:
+    """The settings line of an engine replayed over HTTP (add_external): its replay file, commit, and GPU
+    memory after the replay, flagged where it exceeds the bench's cap (bytes)."""
+    x = e["external"]
+    mib = f"; {x['gpu_mib']} MiB by nvidia-smi after the replay" if x.get("gpu_mib") is not None else ""
+    if x.get("gpu_mib") is not None and cap and x["gpu_mib"] * 2**20 > cap:
+        mib += f", **over the cap of {cap / 2**20:.0f} MiB**"
+    when = f" at `{x['commit'][:7]}` ({x.get('date')})" if x.get("commit") else " (its replay names no commit)"
+    return (f"- {name}: another engine, replayed over HTTP on the same turns ({x['engine']}; `{x['file']}`{when}{mib}): "
+            "max_tokens = the recorded length, end of sequence ignored; " + _held_text(e["summary"].get("outputs_held")))
+
+
 def _held_text(held: dict | None) -> str:
     """What the replay did about the recorded answers the engine did not generate (HttpTarget.hold_output)."""
     if not held:
@@ -390,12 +402,7 @@ def markdown(result: dict, plots: list[str]) -> str:
             lines.append(f"- {name}: GPU memory after the replay {seen} (allocator peak {m['allocator_peak_mib']} MiB"
                          f"{held})")
         if "external" in e:
-            x = e["external"]
-            mib = f"; {x['gpu_mib']} MiB by nvidia-smi after the replay" if x.get("gpu_mib") is not None else ""
-            when = f" at `{x['commit'][:7]}` ({x.get('date')})" if x.get("commit") else " (its replay names no commit)"
-            lines.append(f"- {name}: another engine, replayed over HTTP on the same turns ({x['engine']}; "
-                         f"`{x['file']}`{when}{mib}): max_tokens = the recorded length, end of sequence ignored; "
-                         + _held_text(e["summary"].get("outputs_held")))
+            lines.append(external_line(name, e, result.get("cap")))
     lines += ["", "## Length sweep", "", "Median TTFT (ms) after a fixed development prefix, by new prompt tokens.", ""]
     sizes = sorted({p["size"] for e in result["policies"].values() for p in (e.get("sweep") or {}).get("points", [])})
     if sizes:
