@@ -1,5 +1,5 @@
 """`ostinato` command line: one subcommand per job, each a thin wrapper over the package; each
-handler imports what it runs (planner/cli.py says why)."""
+handler imports what it runs (jobs/plan.py says why)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ import time
 from ostinato.bench.cli import add_bench_commands
 from ostinato.config import ConfigError
 from ostinato.model_args import add_model_args, placement_settings, runner_settings
-from ostinato.planner.cli import add_planner_commands
+from ostinato.jobs.plan import add_planner_commands
 from ostinato.server.cli import add_server_commands
 from ostinato.synth.gguf_writer import RECIPES
 from ostinato.synth.presets import DEPTH_PROFILES, PRESETS, REGIMES, regime

@@ -533,7 +533,7 @@ def test_the_calibration_printout_shows_the_paired_timing(capsys):
     import json
     from pathlib import Path
 
-    from ostinato.planner.cli import print_calibration
+    from ostinato.jobs.plan import print_calibration
 
     path = Path(__file__).resolve().parents[1] / "results/2026-12-02-h200-s16/bench/res-cap.json"
     cal = json.loads(path.read_text())["calibration"]

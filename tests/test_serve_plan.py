@@ -1,4 +1,4 @@
-"""`ostinato serve MODEL --gpu-memory CAP` plans for itself (planner/auto.py): it plans in hybrid
+"""`ostinato serve MODEL --gpu-memory CAP` plans for itself (jobs/serve_plan.py): it plans in hybrid
 from the start, caches the plan, a second start reuses it, the server counts what it routes and
 keeps it beside the plan (planner/served.py), and `--replan` / `plan --from-served` plan again from
 those routes. On the CPU the cap sizes the plan (the capacity test) without being enforced."""
@@ -14,7 +14,7 @@ import torch
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.residency import Residency, measured
 from ostinato.engine.runner import RunnerSettings
-from ostinato.planner.auto import AutoPlan, load_planned, plan_dir, plan_key
+from ostinato.jobs.serve_plan import AutoPlan, load_planned, plan_dir, plan_key
 from ostinato.planner.calibrate import CalibrateSettings
 from ostinato.planner.served import ServedRoutes, learned_profile, served_path
 

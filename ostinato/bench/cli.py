@@ -1,5 +1,5 @@
 """Subcommands `replay`, `bench` and `demo`; each prints one JSON line last. Each handler imports
-what it runs (planner/cli.py says why)."""
+what it runs (jobs/plan.py says why)."""
 from __future__ import annotations
 
 import json

@@ -100,7 +100,7 @@ def _calibrate(loaded, s, progress, runner, graph, h, clock, gen, t0) -> dict:
     from tqdm import tqdm
 
     # these two import the decode graphs and the session readers: loaded to calibrate, not with
-    # this module (planner/auto.py imports it at the command line's start)
+    # this module (jobs/serve_plan.py imports it at the command line's start)
     from ostinato.planner.measure.decode import fit_decode, measure_layer, measure_steps
     from ostinato.planner.measure.prefill import fit_cpu_pass, measure_mixed, measure_passes
 

@@ -4,7 +4,7 @@ Shared by `ostinato serve` and the tests, which run the same app under uvicorn i
 thread. Nothing is loaded here: the engine thread loads the model once the server
 starts, so /health answers from the first moment. The experts placement (a residency:
 hybrid CPU-GPU) goes to `load_engine` as it is, like `ostinato generate` does; a GPU memory
-cap without one is planned for at start-up, or read from the plan cache (planner/auto.py).
+cap without one is planned for at start-up, or read from the plan cache (jobs/serve_plan.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
 from ostinato.load import load_engine, startup_summary, summary_text
-from ostinato.planner.auto import AutoPlan, load_planned
+from ostinato.jobs.serve_plan import AutoPlan, load_planned
 from ostinato.planner.served import ServedRoutes, served_path
 from ostinato.server.handlers import DEFAULT_MAX_BODY
 from ostinato.server.routes import create_app
@@ -54,7 +54,7 @@ def build_app(model: str, settings: RunnerSettings = RunnerSettings(), placement
     take together (None: no cap).
     `url`: where the server listens, for the start-up summary logged once the model is ready.
     `auto_plan`: with a cap and no residency, the plan comes from the cache or is made at start-up
-    (planner/auto.py); None: every expert on the GPU, refused when they do not fit the cap.
+    (jobs/serve_plan.py); None: every expert on the GPU, refused when they do not fit the cap.
     `learn`: count the routes served and keep them beside the plan (planner/served.py)."""
     plans = placement is not None and (placement.residency or (placement.gpu_memory and auto_plan is not None))
     settings = dataclasses.replace(settings, count_routes=bool(learn and plans))

@@ -2,7 +2,7 @@
 
 The model and placement flags (--model, --device, --dtype, --max-context, --residency,
 --gpu-memory, ...) are the shared ones of `ostinato generate`; this adds the network side, and
-the plan serve makes for itself when given a cap and no residency (planner/auto.py).
+the plan serve makes for itself when given a cap and no residency (jobs/serve_plan.py).
 
 The model loads on the engine thread while the HTTP server already answers /health; a load
 that fails stops the server, and the command exits with the load's error (2 for one the user
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ostinato.config import ConfigError, parse_bytes
 from ostinato.model_args import add_model_args, placement_settings, runner_settings
-from ostinato.planner.auto import DEFAULT_SESSIONS, AutoPlan
+from ostinato.jobs.serve_plan import DEFAULT_SESSIONS, AutoPlan
 from ostinato.server.parsing import FORMATS
 
 

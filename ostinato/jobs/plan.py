@@ -85,7 +85,7 @@ def cmd_skew(a) -> int:
 
 def _plan_profile(a, source):
     """The development profile: from --profile, profiled now from --sessions (on an engine with no
-    expert resident, under --gpu-memory if given: planner/auto.py), or none."""
+    expert resident, under --gpu-memory if given: jobs/serve_plan.py), or none."""
     from ostinato.engine.routes import RouteCounts
 
     if a.profile:
@@ -96,7 +96,7 @@ def _plan_profile(a, source):
         from ostinato.config import parse_bytes
         from ostinato.engine.placement import PlacementSettings
         from ostinato.engine.runner import RunnerSettings
-        from ostinato.planner.auto import load_cold
+        from ostinato.jobs.serve_plan import load_cold
         from ostinato.planner.run_profile import profile_sessions
         from ostinato.policies.factory import release
 

@@ -25,7 +25,7 @@ Making a plan, in one engine (the dense part loads once):
 
 Every phase is reported to `progress(phase, done, of)` (serve's /health) and timed into the
 plan's notes. `serve`'s parser loads this module for its cache key, so the phases import the
-engine inside their functions (planner/cli.py says why).
+engine inside their functions (jobs/plan.py says why).
 """
 from __future__ import annotations
 
