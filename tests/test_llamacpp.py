@@ -181,3 +181,14 @@ def test_tune_gives_a_value_that_does_not_fit_one_more_host_layer():
     got, _ = tune(lambda s: None if s.ubatch == 2048 else 5.0 + 0.1 * s.n_cpu_moe, LlamaSettings(47),
                   knob_values(47, 48, [16]), layers=48)
     assert got.ubatch != 2048 and got.n_cpu_moe == 47
+
+
+def test_tune_moves_n_cpu_moe_on_while_every_value_fails():
+    """Each n_cpu_moe value fit once ready but failed in its turns (over the cap after them): the
+    tuner goes on one host layer at a time, and stops at the model's layers."""
+    got, rows = tune(lambda s: None if s.n_cpu_moe < 23 else 9.0, LlamaSettings(20), knob_values(20, 48, [16]),
+                     layers=48)
+    assert got.n_cpu_moe == 23
+    assert [r["settings"]["n_cpu_moe"] for r in rows if r["knob"] == "n_cpu_moe"] == [20, 21, 22, 23]
+    with pytest.raises(RuntimeError, match="every value of n_cpu_moe failed"):
+        tune(lambda s: None, LlamaSettings(46), knob_values(46, 48, [16]), layers=48)

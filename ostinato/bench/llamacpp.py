@@ -154,7 +154,8 @@ def tune(measure: Callable[[LlamaSettings], float | None], start: LlamaSettings,
     -> (the best settings, one row per measurement). A setting measured before (the same values) is
     not measured again.
 
-    With `layers`, a value of a later knob that fails at the current n_cpu_moe is measured once more
+    With `layers`, n_cpu_moe goes on past its values, one host layer at a time, while every one failed;
+    and a value of a later knob that fails at the current n_cpu_moe is measured once more
     with the experts of one more layer on the host (up to `layers`), and the pair counts as that value:
     a larger ubatch needs a larger compute buffer, and a tuner that kept the smallest n_cpu_moe fixed
     would drop it for not fitting where one layer's experts would make room (session 33's tuning: -ub 2048
@@ -172,7 +173,7 @@ def tune(measure: Callable[[LlamaSettings], float | None], start: LlamaSettings,
 
     best = start
     for knob, values in knobs:
-        tried = {}
+        tried, values = {}, list(values)
         for v in values:
             s = dataclasses.replace(best, **{knob: v})
             t = score(knob, v, s)
@@ -180,6 +181,14 @@ def tune(measure: Callable[[LlamaSettings], float | None], start: LlamaSettings,
                 s = dataclasses.replace(s, n_cpu_moe=s.n_cpu_moe + 1)
                 t = score(knob, v, s)
             tried[v] = (t, s)
+        # n_cpu_moe itself: where every value listed failed (each fit once ready, then grew past the cap in its
+        # turns), one more host layer at a time
+        while knob == "n_cpu_moe" and layers is not None and values[-1] < layers \
+                and all(math.isinf(t) for t, _ in tried.values()):
+            v = values[-1] + 1
+            values.append(v)
+            s = dataclasses.replace(best, n_cpu_moe=v)
+            tried[v] = (score(knob, v, s), s)
         choice = min(values, key=lambda v: tried[v][0])  # ties: the first listed (the default)
         if math.isinf(tried[choice][0]):
             raise RuntimeError(f"llama.cpp: every value of {knob} failed ({values})")
