@@ -152,7 +152,8 @@ def main(argv=None) -> int:
             after = process_gpu_mib(srv.proc.pid)
             memory[s.label()] = after
             if after is None or after > cap_mib:
-                print(f"    {after} MiB after its development turns: over the cap of {cap_mib} MiB", flush=True)
+                seen = "not listed by nvidia-smi" if after is None else f"{after} MiB, over the cap of {cap_mib} MiB"
+                print(f"    after its development turns: {seen}", flush=True)
                 return None, True
             total = summary["request_s"]["total"]
             print(f"    total {total:.3f} s over {summary['turns']} development turns", flush=True)

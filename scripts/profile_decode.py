@@ -344,7 +344,9 @@ def python_profile(fn, passes: int, n: int = 30) -> dict:
     """The host's Python by function over `passes` calls of fn (cProfile, which costs each Python call
     about a microsecond more, so it ranks the functions rather than timing them): the pass's wall time
     under it, and the `n` functions of most own time (tottime: outside the functions they call; a C
-    function such as a torch op or a launch is its own row) with their total time (cumtime), in ms a pass."""
+    function such as a torch op is its own row, but under Python 3.12 a pybind11 method, such as the
+    native CPU experts' submit, is not: its time is its caller's own) with their total time (cumtime),
+    in ms a pass."""
     import cProfile
     import pstats
 

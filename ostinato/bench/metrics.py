@@ -224,7 +224,7 @@ def ttft_by_size(ours: list[dict], theirs: list[dict], kind: str | None = "tool"
     prompt tokens in `bands` (band i: bands[i] to bands[i + 1] - 1, the last open): per band with
     turns, the turns, their new tokens' range, our and their median and summed TTFT (ms), and the
     median, least and largest of ours / theirs turn by turn."""
-    kinds = (kind,) if kind is not None else ("tool", "user")
+    kinds = (kind,) if kind is not None else KINDS[1:]  # every kind but a session's first turn
 
     def good(r):
         return not r.get("error") and r.get("ttft_s") and r.get("kind") in kinds and r.get("new_tokens")

@@ -244,10 +244,10 @@ def add_external(result: dict, turns: dict, name: str, replay: dict, source: str
 def external_line(name: str, e: dict, cap: int | None) -> str:
     """The settings line of an engine replayed over HTTP (add_external): its replay file, commit, and GPU
     memory after the replay, flagged where it exceeds the bench's cap (bytes)."""
-    x = e["external"]
-    mib = f"; {x['gpu_mib']} MiB by nvidia-smi after the replay" if x.get("gpu_mib") is not None else ""
-    if x.get("gpu_mib") is not None and cap and x["gpu_mib"] * 2**20 > cap:
-        mib += f", **over the cap of {cap / 2**20:.0f} MiB**"
+    x, mib = e["external"], ""
+    if x.get("gpu_mib") is not None:
+        over = f", **over the cap of {cap / 2**20:.0f} MiB**" if cap and x["gpu_mib"] * 2**20 > cap else ""
+        mib = f"; {x['gpu_mib']} MiB by nvidia-smi after the replay{over}"
     when = f" at `{x['commit'][:7]}` ({x.get('date')})" if x.get("commit") else " (its replay names no commit)"
     return (f"- {name}: another engine, replayed over HTTP on the same turns ({x['engine']}; `{x['file']}`{when}{mib}): "
             "max_tokens = the recorded length, end of sequence ignored; " + _held_text(e["summary"].get("outputs_held")))
