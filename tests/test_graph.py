@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ostinato.engine.graph import window_sizes
+from ostinato.engine.graph import pass_sizes, window_sizes
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.loader.source import CheckpointSource
 from ostinato.models.common import DecodeWindow
@@ -32,6 +32,38 @@ def test_windowed_decode_matches_prefill(tiny_dir):
             assert torch.equal(got[-1], r.decode_windowed(ids[p], p)) or p == 40
     err = (torch.stack(got) - ref[40:60]).abs().max() / ref.abs().max()
     assert err < 1e-5
+
+
+def test_pass_sizes():
+    assert pass_sizes(256) == [8, 16, 32, 64, 128, 256]
+    assert pass_sizes(100) == [8, 16, 32, 64, 100]
+    assert pass_sizes(8) == [8] and pass_sizes(5) == [5] and pass_sizes(1) == pass_sizes(0) == []
+
+
+def test_windowed_pass_matches_prefill(tiny_dir):
+    """A short prefill pass through a window of B rows, its first position and its real rows n on the
+    device (the computation PassGraphs captures): rows 0..n-1 equal the host-driven pass's, the
+    padding rows past n change no real row, and the cache rows it leaves are the host-driven ones."""
+    r = ModelRunner(CheckpointSource(tiny_dir), RunnerSettings(device="cpu", dtype="fp32", max_context=2048))
+    ids = list(range(10, 70))
+    ref = r.forward(ids, 0, all_logits=True)
+    kv_ref = [(l.k[:60].clone(), l.v[:60].clone()) for l in r.kv.layers]
+    pos = torch.zeros(1, dtype=torch.long)
+    B = 16
+    window = DecodeWindow(pos, 1024, B)
+    for start, n in ((40, 13), (44, 16), (50, 10)):
+        r.forward(ids[:start], 0)
+        pos.fill_(start)
+        tokens = torch.tensor(ids[start:start + n] + [0] * (B - n))
+        with torch.inference_mode():
+            hidden = r.model(tokens, pos, r.kv.layers, 0, window)
+        got = r.model.logits(hidden)[:n]
+        err = (got - ref[start:start + n]).abs().max() / ref.abs().max()
+        assert err < 1e-5, (start, n, err)
+        for (k, v), layer in zip(kv_ref, r.kv.layers):
+            end = start + n
+            assert (layer.k[start:end] - k[start:end]).abs().max() < 1e-4 * k.abs().max()
+            assert (layer.v[start:end] - v[start:end]).abs().max() < 1e-4 * v.abs().max()
 
 
 @pytest.mark.gpu
@@ -83,6 +115,53 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
         g, s = graphed.runner.experts.hybrid.borrow, sync.runner.experts.borrow
         assert torch.equal(g.scores, s.scores) and int(g.hits) == int(s.hits) > 0
         assert g.counters == s.counters
+    graphed.runner.experts.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cold", [0.0, 0.5])
+def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold):
+    """Short prefill passes replayed as captured graphs (padded to their size, the CPU branch through
+    the worker's rows) against the host-driven passes of an engine without graphs: the same greedy
+    token after every pass, logits within bf16 rounding (the attention kernels differ: split-K
+    against SDPA's), the same routes counted and as many cold ones, and the same tokens decoded after."""
+    from ostinato.engine.placement import PlacementSettings
+    from ostinato.load import load_engine
+    from tests.test_hybrid import _residency_for
+
+    _residency_for(CheckpointSource(tiny_dir), 1.0 - cold).save(tmp_path / "res.json")
+    place = PlacementSettings(residency=str(tmp_path / "res.json"))
+    graphed = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
+                                                        pass_graphs=64), place)
+    sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
+                                                     cuda_graph=False), place)
+    passes = graphed.runner.passes
+    assert passes is not None and passes.sizes == [8, 16, 32, 64]
+    prompt = list(range(5, 105))
+    graphed.runner.forward(prompt, 0)
+    sync.runner.forward(prompt, 0)
+    before = graphed.runner.placement_stats(), sync.runner.placement_stats()
+    pos = len(prompt)
+    for n in (3, 9, 16, 40, 64, 2):
+        assert passes.size_for(n, pos) is not None
+        tokens = [(pos * 7 + i) % 200 + 3 for i in range(n)]
+        a, b = graphed.runner.forward(tokens, pos), sync.runner.forward(tokens, pos)
+        assert int(a.argmax()) == int(b.argmax())
+        assert (a - b).abs().max() <= 0.05 * b.abs().max(), n
+        pos += n
+    after = graphed.runner.placement_stats(), sync.runner.placement_stats()
+    assert after[0]["routes"] - before[0]["routes"] == after[1]["routes"] - before[1]["routes"]
+    if cold:
+        assert after[0]["graph_steps"] - before[0]["graph_steps"] >= 6  # every pass went through the worker
+        for key in ("cold_routes", "cpu_experts"):  # routing may differ where bf16 rounding breaks a tie
+            got, want = (s[key] - b[key] for s, b in zip(after, before))
+            assert want > 0 and abs(got - want) <= 0.02 * want, (key, got, want)
+    token = 7
+    for _ in range(4):
+        a, b = graphed.runner.forward([token], pos), sync.runner.forward([token], pos)
+        assert int(a.argmax()) == int(b.argmax())
+        token, pos = int(a.argmax()), pos + 1
+    assert passes.size_for(65, 200) is None and passes.size_for(8, 2045) is None  # too many rows; past the cache
     graphed.runner.experts.close()
 
 

@@ -71,26 +71,31 @@ def wait_for(pred, timeout=20.0):
 
 
 class FakeGpu:
-    """The decode graph's side of the handshake, through numpy views of the shared memory."""
+    """The decode graph's side of the handshake, through numpy views of the shared memory (row 0 of
+    each layer's [T, ...] buffers: a decode step's one token)."""
 
-    def __init__(self, hs: GraphHandshake):
+    def __init__(self, hs: GraphHandshake, row: int | slice = 0):
         self.post, self.has, self.done = hs.post_flag.numpy(), hs.has_cold.numpy(), hs.done_flag.numpy()
-        self.ids, self.w, self.out = hs.ids.numpy(), hs.weights.numpy(), hs.out.numpy()
-        self.x = hs.x.view(torch.int16).numpy() if hs.x.dtype == torch.bfloat16 else hs.x.numpy()
+        self.tokens = hs.tokens.numpy()
+        self.ids, self.w, self.out = (t.numpy()[:, row] for t in (hs.ids, hs.weights, hs.out))
+        self.x = (hs.x.view(torch.int16) if hs.x.dtype == torch.bfloat16 else hs.x).numpy()[:, row]
 
-    def publish(self, i, seq, ids, w, x, has_cold):
-        self.ids[i] = ids.numpy()
-        self.w[i] = w.numpy()
-        self.x[i] = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
+    def publish(self, i, seq, ids, w, x, has_cold, tokens=1):
+        n = ids.shape[0] if ids.dim() == 2 else None  # a pass's rows [n, ...]; else one token's
+        rows = slice(0, n) if n is not None else slice(None)
+        self.ids[i][rows] = ids.numpy()
+        self.w[i][rows] = w.numpy()
+        self.x[i][rows] = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
+        self.tokens[i, 0] = tokens
         self.has[i, 0] = has_cold
         self.post[i, 0] = seq  # last: x86 keeps the order of the stores above
 
-    def layer(self, i, seq, ids, w, x, has_cold) -> np.ndarray | None:
-        self.publish(i, seq, ids, w, x, seq if has_cold else 0)
+    def layer(self, i, seq, ids, w, x, has_cold, tokens=1) -> np.ndarray | None:
+        self.publish(i, seq, ids, w, x, seq if has_cold else 0, tokens)
         if not has_cold:
             return None
         wait_for(lambda: self.done[i, 0] == seq)
-        return self.out[i].copy()
+        return self.out[i][:tokens].copy() if ids.dim() == 2 else self.out[i].copy()
 
 
 def routing(g, x_dtype, force=()):
@@ -166,6 +171,42 @@ def test_steps_match_cpu_experts_bitwise_with_table_switches(native, x_dtype):
         want, ref = expected(cpu, model, layer, table, ids, w, x, oracle=n % 5 == 0)  # the oracle is slow
         assert torch.equal(torch.from_numpy(out), want)  # bitwise: the synchronous path's kernel
         assert ref is None or (want - ref).norm() <= TOL * ref.norm()
+
+
+def test_pass_steps_match_cpu_experts_bitwise(native):
+    """A captured prefill pass posts n <= T tokens a layer (GraphHandshake tokens=T): the worker
+    computes the cold routes of the n rows, token-major as the synchronous path gathers them, and
+    counts each layer's distinct cold experts; a count outside [1, T] is refused with zeros."""
+    model = Model(seed=8)
+    T = 5
+    cpu = CpuExperts(model.host.layers, num_threads=2, backend="native", spin_us=100)
+    hs = GraphHandshake(L, K, D, tokens=T)
+    worker = GraphWorker(hs, cpu, model.host.compact, LAYERS, spin_us=200, sleep_us=20, idle_sleep_us=500)
+    gpu = FakeGpu(hs, row=slice(None))
+    g = torch.Generator().manual_seed(9)
+    records, distinct = [], 0
+    worker.start(1)
+    for seq, n in enumerate((1, 3, T, 2), start=1):
+        for i, layer in enumerate(LAYERS):
+            rows = [routing(g, torch.bfloat16, (model.cold[layer][t % 4],)) for t in range(n)]
+            ids, w, x = (torch.stack(c) for c in zip(*rows))
+            table = model.host.compact[layer]
+            out = gpu.layer(i, seq, ids, w, x, True, tokens=n)
+            cid = table[ids.long()]
+            distinct += int(cid[cid >= 0].unique().numel())
+            records.append((layer, table, ids, w, x, out))
+    gpu.layer(0, 5, *(t[None] for t in routing(g, torch.bfloat16, (model.cold[LAYERS[0]][0],))), True, tokens=T + 1)
+    worker.stop()
+    stats = worker.stats()
+    assert stats["bad_tokens"] == 1 and stats["errors"] == stats["desync"] == 0
+    assert np.array_equal(hs.out.numpy()[0], np.zeros((T, D), np.float32))  # every row zeroed
+    assert stats["cold_experts"] == distinct
+    for layer, table, ids, w, x, out in records:
+        cid = table[ids.long()]
+        cold = cid >= 0
+        tok = cold.nonzero()[:, 0].to(torch.int32)
+        want = cpu.forward(layer, x, tok, cid[cold], w[cold])
+        assert torch.equal(torch.from_numpy(out), want)
 
 
 def test_table_switch_is_exact(native):

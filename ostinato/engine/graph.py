@@ -27,7 +27,20 @@ cross-device copy orders it after the producer's stream and before the consumer'
 one-device model is the one-stage case. The eager step through the same buffers (`run`)
 is the warm-up before capture.
 
-Legend: V vocabulary, W window (cache positions attended), D hidden, Hd head dim.
+A short prefill pass (a turn's new tokens after a tool output, say) is as host-bound: a 16-token
+pass of the Q4_K_M 30B shape took 76 ms on the H100 machine, of which the GPU was busy 19 ms and
+the host launched, synchronised and ran Python the rest (results/2026-12-05-h100-s33/prefill/).
+On one device, `PassGraphs` captures such passes too, one graph per size B (powers of two): the
+pass's n tokens padded to B rows, its first position and n in static device buffers, attention
+over the whole cache (token t over rows 0..position + t), the split layers' CPU branch through
+the same handshake and worker as decode (its rows, layers/moe/graph_hybrid.py), and the logits of
+row n - 1. Rows past n are padding: their keys lie past every real token's (never attended), the
+worker never computes their routes, the counters skip them. A pass replays its graph only where
+the backend would run it split without uploads in every layer (MoEBackend.captures_pass), so the
+graph computes what the host-driven pass computes, and only where the cache holds its B rows.
+
+Legend: V vocabulary, W window (cache positions attended), D hidden, Hd head dim, B rows of a
+captured pass.
 """
 from __future__ import annotations
 
@@ -35,8 +48,11 @@ import contextlib
 
 import torch
 
+import os
+
+from ostinato.config import ConfigError
 from ostinato.engine.devices import Segment, backend_of, device_scope
-from ostinato.layers.moe.backend import MoEBackend
+from ostinato.layers.moe.backend import MoEBackend, StepRows
 from ostinato.models.common import DecodeWindow
 
 
@@ -248,3 +264,111 @@ class DecodeGraphs:
         if self.step_done is not None:
             self.step_done.record(torch.cuda.current_stream(last.device))
         return out[0]
+
+
+def pass_graph_rows() -> int:
+    """The most tokens a captured prefill pass holds (PassGraphs): OSTINATO_PASS_GRAPHS, else 256;
+    0 captures none (to time one against the other: scripts/device/run.sh ab_gguf with
+    AB_ENV="OSTINATO_PASS_GRAPHS=0")."""
+    v = os.environ.get("OSTINATO_PASS_GRAPHS", "256")
+    if not v.isdigit():
+        raise ConfigError(f"OSTINATO_PASS_GRAPHS must be a count of tokens (0: off), not {v!r}")
+    return int(v)
+
+
+def pass_sizes(largest: int, smallest: int = 8) -> list[int]:
+    """The row counts passes are captured at: powers of two from `smallest` up to `largest` (itself
+    the last, if not a power of two); none below 2."""
+    if largest < 2:
+        return []
+    sizes, b = [], smallest
+    while b < largest:
+        sizes.append(b)
+        b *= 2
+    return sizes + [largest]
+
+
+class PassGraphs:
+    """Short prefill passes of a one-device runner as CUDA graphs, one per size (module docstring)."""
+
+    def __init__(self, runner, sizes: list[int]):
+        self.model, self.kv, self.backend = runner.model, runner.kv.layers, runner.experts
+        self.tally = runner.routes
+        self.device = dev = runner.device
+        self.side = runner.side_stream(dev)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.max_context, self.host_rows = runner.max_context, runner.host_rows
+        self.sizes = sorted(sizes)
+        self.position = torch.zeros(1, dtype=torch.long, device=dev)
+        self.count = torch.zeros(1, dtype=torch.int32, device=dev)  # n, the pass's tokens
+        D = self.model.config.hidden_size
+        self.tokens = {B: torch.zeros(B, dtype=torch.long, device=dev) for B in self.sizes}
+        self.rows = ({B: torch.zeros((B, D), dtype=self.host_rows.dtype, device=dev) for B in self.sizes}
+                     if self.host_rows is not None else None)
+        self.windows = {B: DecodeWindow(self.position, self.max_context, B) for B in self.sizes}
+        self.aranges = {B: torch.arange(B, device=dev) for B in self.sizes}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def size_for(self, T: int, start: int) -> int | None:
+        """The size a pass of T tokens at `start` replays at, or None (host-driven)."""
+        if not self.backend.captures_pass(T):
+            return None
+        return next((B for B in self.sizes if T <= B and start + B <= self.max_context), None)
+
+    def _load(self, B: int, tokens: list[int], start: int) -> None:
+        ids = torch.zeros(B, dtype=torch.long)  # pageable: the copy is made before this returns
+        ids[:len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        if self.rows is not None:
+            self.rows[B].copy_(self.host_rows[ids], non_blocking=True)
+        else:
+            self.tokens[B].copy_(ids, non_blocking=True)
+        self.position.fill_(start)
+        self.count.fill_(len(tokens))
+
+    def _step(self, B: int) -> torch.Tensor:
+        """The captured pass: the same modules in the same order as the host-driven one; logits [V] of
+        row n - 1."""
+        rows = StepRows(self.count, self.aranges[B] < self.count)
+        self.backend.before_step(rows)
+        if self.tally is not None:
+            self.tally.rows = rows
+        try:
+            window, model = self.windows[B], self.model
+            emb = self.rows[B] if self.rows is not None else None
+            x, cos, sin = model.embed(self.tokens[B], window.position, 0, window, emb)
+            x = model.run_layers(range(len(model.model.layers)), x, cos, sin, self.kv, 0, window)
+            last = x.index_select(0, (self.count - 1).long())  # [1, D]
+            return model.logits(model.model.norm(last))[0]
+        finally:
+            self.backend.after_step()
+            if self.tally is not None:
+                self.tally.rows = None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up (Triton compiles, allocators settle) and capture every size, before any request:
+        the warm-up passes write cache rows 0..B-1."""
+        with device_scope(self.device):
+            for B in self.sizes:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    for _ in range(2):
+                        self._load(B, [0] * B, 0)
+                        self._step(B)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.side):
+                    out = self._step(B)
+                self.graphs[B] = (graph, out)
+            torch.cuda.synchronize()
+
+    def replay(self, B: int, tokens: list[int], start: int) -> torch.Tensor:
+        """Logits [V] of the pass's last token (its KV written at start..start + T - 1), a static
+        buffer."""
+        graph, out = self.graphs[B]
+        with device_scope(self.device):
+            self._load(B, tokens, start)
+            graph.replay()
+        if self.tally is not None:
+            self.tally.count_pass(len(tokens))
+        return out

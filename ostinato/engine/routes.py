@@ -91,6 +91,7 @@ class RouteTally:
         self.counts: dict[int, torch.Tensor] = {}  # layer -> [2, E] int64, allocated at its first pass
         self.passes: dict[int, int] = {}  # prefill passes by size, counted on the host at the first MoE layer
         self._one: dict[torch.device, torch.Tensor] = {}  # a 1 per device, expanded to each pass's ids
+        self.rows = None  # a captured prefill pass's real rows (StepRows) while it is captured: only they count
 
     def wrap(self, backend):
         return _Counting(backend, self)
@@ -99,14 +100,21 @@ class RouteTally:
         c = self.counts.get(layer)
         if c is None:
             c = self.counts[layer] = torch.zeros(2, self.num_experts, dtype=torch.int64, device=topk.ids.device)
-        T = int(topk.ids.shape[0])
-        if T > 1 and layer == self.layers[0]:  # a prefill pass (never inside a captured graph: decode is)
-            self.passes[T] = self.passes.get(T, 0) + 1
+        T, K = topk.ids.shape
         ids = topk.ids.reshape(-1)
+        if self.rows is not None:  # a captured pass (engine/graph.py PassGraphs counts it at each replay)
+            c[0].index_add_(0, ids, self.rows.valid[:, None].expand(T, K).reshape(-1).long())
+            return
+        if T > 1 and layer == self.layers[0]:  # a host-driven prefill pass
+            self.count_pass(T)
         one = self._one.get(ids.device)
         if one is None:
             one = self._one[ids.device] = torch.ones(1, dtype=torch.int64, device=ids.device)
         c[int(T == 1)].index_add_(0, ids, one.expand(ids.numel()))
+
+    def count_pass(self, T: int) -> None:
+        """A prefill pass of T tokens ran (counted on the host)."""
+        self.passes[T] = self.passes.get(T, 0) + 1
 
     @torch.inference_mode()  # the counters were made inside the runner's passes
     def reset(self) -> None:

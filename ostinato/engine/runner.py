@@ -19,7 +19,7 @@ import torch
 
 from ostinato.engine import devices as split
 from ostinato.engine.gpu_memory import allocator_counters
-from ostinato.engine.graph import DecodeGraphs, window_sizes
+from ostinato.engine.graph import DecodeGraphs, PassGraphs, pass_graph_rows, pass_sizes, window_sizes
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.routes import RouteTally
 from ostinato.kernels.triton import compiles as triton_compiles
@@ -41,6 +41,9 @@ class RunnerSettings:
     max_context: int | None = None  # default: min(16384, max_position_embeddings)
     prefill_chunk: int = 2048
     cuda_graph: bool = True  # decode as captured graphs (one per device), when the experts backend allows it
+    # the most tokens of a prefill pass captured as a graph too (engine/graph.py PassGraphs; one device,
+    # with cuda_graph); None: OSTINATO_PASS_GRAPHS, else 256; 0: none
+    pass_graphs: int | None = None
     devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": MoE layers split across them, in order
     cpu_threads: int | None = None  # CPU expert workers; default: every physical core the layout leaves
     count_routes: bool = False  # tally every pass's routes on the device (engine/routes.py: serve learns from them)
@@ -108,7 +111,7 @@ class ModelRunner:
         self._plug(self.experts)
         self.kv = KVCache(self.config, max_context, self.device, self.dtype)
         self.segments = split.segments([str(self.device)] * self.config.num_hidden_layers)
-        self.graphs = None
+        self.graphs = self.passes = None
         if settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()
 
@@ -124,7 +127,7 @@ class ModelRunner:
         self.model.fuse_projections()
         self._plug(self.experts)
         self.kv = split.SplitKV(self.config, max_context, self.layer_devices, self.dtype)
-        self.graphs = None
+        self.graphs = self.passes = None
         if self.settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()
 
@@ -156,14 +159,14 @@ class ModelRunner:
         """Run passes through another backend for a while (profiling, calibration wrappers),
         host-driven: the captured decode graphs hold the old backend, so they are set aside
         and come back, untouched, afterwards. Their routes are not the served ones: not counted."""
-        graphs, experts = self.graphs, self.experts
-        self.graphs = None
+        graphs, passes, experts = self.graphs, self.passes, self.experts
+        self.graphs = self.passes = None
         self.model.set_experts(backend)
         try:
             yield
         finally:
             self._plug(experts)
-            self.graphs = graphs
+            self.graphs, self.passes = graphs, passes
 
     def _plug(self, backend) -> None:
         """The backend the model's MoE blocks call: the runner's, counted when routes are tallied."""
@@ -173,26 +176,39 @@ class ModelRunner:
     def set_experts(self, backend) -> None:
         """Plug another experts backend in (a baseline policy): the old decode graphs go, and
         new ones are captured when the settings ask for them and the backend allows it."""
-        self.graphs = None
+        self.graphs = self.passes = None
         self.experts = backend
         self._plug(backend)
         if backend is not None and self.settings.cuda_graph and self.device.type == "cuda":
             self.enable_graphs()  # may wrap a HybridExperts (each device's) in its graph backend
 
+    def pass_graph_rows(self) -> int:
+        """The most tokens of a prefill pass captured as a graph (0: none): one device, a model whose
+        attention takes several tokens in a window, the settings' count (pass_graph_rows's default)."""
+        if self.layer_devices is not None or not self.model.window_passes:
+            return 0
+        rows = self.settings.pass_graphs if self.settings.pass_graphs is not None else pass_graph_rows()
+        return min(rows, self.max_context)
+
     def enable_graphs(self) -> None:
         """Capture decode steps when the placement allows it: every expert resident, or the
         hybrid placement through the mapped-memory handshake with the native CPU worker (a
         split model: each device's hybrid backend with a handshake and worker of its own), or
-        a cache's step as graph segments between its per-layer host work."""
+        a cache's step as graph segments between its per-layer host work. On one device, short
+        prefill passes too where the backend captures them (PassGraphs)."""
+        rows = self.pass_graph_rows()
         if isinstance(self.experts, split.SplitExperts):
             self.experts.wrap(lambda backend, name: for_graphs(backend, self.poller_core(name)))
         elif self.layer_devices is None:
-            self.experts = for_graphs(self.experts, self.poller_core(str(self.device)))
+            self.experts = for_graphs(self.experts, self.poller_core(str(self.device)), max(rows, 1))
         self._plug(self.experts)
         if not (self.experts.capturable or self.experts.segmented):
             return
         self.graphs = DecodeGraphs(self)
         self.graphs.capture()
+        if rows > 1 and self.experts.capturable and any(self.experts.captures_pass(T) for T in (2, rows)):
+            self.passes = PassGraphs(self, pass_sizes(rows))
+            self.passes.capture()
 
     def poller_core(self, device: str) -> int:
         """The CPU of the graph poller that serves `device`'s layers (-1: none reserved)."""
@@ -230,6 +246,15 @@ class ModelRunner:
                 self._step_done.record()
                 self._step_done.synchronize()
             self._after_decode_step()
+            return logits
+        size = self.passes.size_for(len(tokens), start) if self.passes is not None and not decode and \
+            not all_logits else None
+        if size is not None:
+            self.experts.settle()
+            logits = self.passes.replay(size, tokens, start).to(self.device, copy=True)
+            if self._step_done is not None:
+                self._step_done.record()
+                self._step_done.synchronize()
             return logits
         chunk = self.settings.prefill_chunk  # several chunks run layer by layer (devices.forward_layer_major says why)
         hidden = split.forward_layer_major(self.model, self.segments, [

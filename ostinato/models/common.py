@@ -195,17 +195,24 @@ class RoutedBlock(nn.Module):
 
 
 class DecodeWindow:
-    """A decode step's position as a device tensor and the cache window it attends over."""
+    """A captured pass's position as a device tensor and the cache window it attends over: a decode
+    step's one token, or the `tokens` rows of a short prefill pass (engine/graph.py PassGraphs) at
+    position, position + 1, ... (token t attends cache rows 0..position + t)."""
 
-    def __init__(self, position: torch.Tensor, size: int):
-        self.position = position  # [1] int64, on the model's device
-        self.size = size
+    def __init__(self, position: torch.Tensor, size: int, tokens: int = 1):
+        self.position = position  # [1] int64, on the model's device: the first token's
+        self.size, self.tokens = size, tokens
         self._cols = torch.arange(size, device=position.device)[None, :]
+        self._rows = torch.arange(tokens, device=position.device)
+        self.positions = position  # [tokens] int64: every token's, set by refresh
         self.mask = None
 
     def refresh(self) -> None:
-        """Recompute the mask from the device position: once per pass, inside any capture."""
-        self.mask = self._cols <= self.position  # [1, W] bool
+        """Recompute the positions and the mask from the device position: once per pass, inside any
+        capture."""
+        if self.tokens > 1:
+            self.positions = self.position + self._rows
+        self.mask = self._cols <= self.positions[:, None]  # [tokens, W] bool
 
 
 class DecoderLayer(nn.Module):
@@ -239,6 +246,9 @@ class MoECausalLM(nn.Module):
     layers, norm), `self.lm_head` and `self.rotary`, and says what the engine allocates for it."""
 
     fp32_params: tuple[str, ...] = ()  # parameter name endings kept in fp32 whatever the compute dtype
+    # its attention takes a DecodeWindow of several tokens, so short prefill passes may be captured
+    # (engine/graph.py PassGraphs); a family whose windowed attention is one token's says False
+    window_passes: bool = False
 
     config: ModelConfig
 
@@ -298,6 +308,7 @@ class MoECausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if rows is None else rows
         if window is not None:
             window.refresh()
+            positions = window.positions
         seq_len = window.size if window is not None else start + input_ids.shape[0]
         cos, sin = self.rotary(positions, seq_len, x.dtype)
         return x, cos, sin

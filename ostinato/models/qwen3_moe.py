@@ -65,7 +65,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q, k, v = q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), v.view(T, self.hkv, self.hd)
-        store = None if window is None else (v, kv.k, kv.v, window.position)  # a decode step's KV row
+        store = None if window is None else (v, kv.k, kv.v, window.positions)  # a captured pass's KV rows
         if self.rd == self.hd:
             q, k = norm_rotate_qk(q, k, cos, sin, *((self.q_norm, self.k_norm) if self.qk_norm else ()), store=store)
         else:
@@ -91,29 +91,34 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.hd))
 
     def _attend_one(self, q, kv: LayerKV, position: torch.Tensor, size: int) -> torch.Tensor:
-        """CUDA: one token over cache rows 0..position (< size), position on the device. SDPA's
+        """CUDA: token t of q [T, H, Hd] over cache rows 0..position + t (< size), position on the
+        device (T = 1: a decode step; more: a captured short prefill pass). SDPA's
         fused kernels parallelise over heads only (Hkv programs for one query), so most of the
         GPU idles: with SDPA (enable_gqa) the graph's step on the H200 grew by 2.2 ms per 1k
         tokens of context over 48 layers (results/2026-11-29-h200x2/). The split-K kernel
         spreads the window over up to Hkv * 64 programs (scripts/bench_decode_attention.py)."""
         from ostinato.kernels.triton.decode_attention import decode_attention
 
-        o = decode_attention(q, kv.k, kv.v, position, size)  # [1, H, Hd]
-        return self.o_proj(o.reshape(1, self.h * self.hd))
+        T = q.shape[0]
+        o = decode_attention(q, kv.k, kv.v, position, size)  # [T, H, Hd]
+        return self.o_proj(o.reshape(T, self.h * self.hd))
 
     def _decode_window(self, q, kv: LayerKV, window: "DecodeWindow") -> torch.Tensor:
-        """One token whose position lives on the device, its KV written there (forward's store):
-        attend over a fixed window of the cache, masking what lies beyond it. No host value
-        depends on the position, so a captured graph replays it for every token within the window."""
+        """The T tokens of a captured pass (one for decode) whose first position lives on the device,
+        their KV written there (forward's store): attend over a fixed window of the cache, token t
+        over rows 0..position + t, masking what lies beyond. No host value depends on the position,
+        so a captured graph replays it for every position within the window."""
         if q.is_cuda:
             return self._attend_one(q, kv, window.position, window.size)
         # CPU: SDPA with the window's mask. The query heads of a KV head are its queries (query
         # head h reads KV head h // G), so the window is read once per KV head, never repeated.
+        T, G = q.shape[0], self.h // self.hkv
         k_ = kv.k[:window.size].transpose(0, 1)[None]  # [1, Hkv, W, Hd]
         v_ = kv.v[:window.size].transpose(0, 1)[None]
-        q_ = q.reshape(1, self.hkv, self.h // self.hkv, self.hd)  # [1, Hkv, G, Hd]
-        o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=window.mask)  # mask [1, W]
-        return self.o_proj(o.reshape(1, self.h * self.hd))
+        q_ = q.reshape(T, self.hkv, G, self.hd).transpose(0, 1).reshape(1, self.hkv, T * G, self.hd)
+        mask = window.mask.repeat_interleave(G, dim=0)  # [T * G, W]: row t * G + g is token t's
+        o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)  # [1, Hkv, T * G, Hd]
+        return self.o_proj(o.reshape(self.hkv, T, G * self.hd).transpose(0, 1).reshape(T, self.h * self.hd))
 
 
 class SparseMoeBlock(RoutedBlock):
@@ -132,6 +137,8 @@ class SparseMoeBlock(RoutedBlock):
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
+    window_passes = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731

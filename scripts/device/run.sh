@@ -165,6 +165,12 @@ phase_tests() {  # decode graphs bitwise equal to the synchronous path; the embe
   run 200 "$R/tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
     tests/test_model.py tests/test_multi_device.py
 }
+phase_tests_passes() {  # short prefill passes as graphs: the multi-token attention, the worker's rows (native),
+  # the captured passes against the host-driven ones
+  run 120 "$R/tests_passes.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_graph_worker.py
+  run 240 "$R/tests_passes.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
+    tests/test_decode_attention.py
+}
 phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
     tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py tests/test_decode_attention.py \
@@ -500,9 +506,10 @@ phase_profile_prefill() {  # [K][Q] where a tool turn's TTFT goes: prefill passe
   local g plan=$R/${QBENCH_OUT:-bench_q4}/residency.json; g=$(gguf_file)
   gguf_wait || return 1
   fresh "$plan" || { say "profile_prefill: no plan of this session's bench_gguf ($plan)"; return 1; }
-  run 300 "$R/q_prefill.txt" python3 scripts/profile_decode.py --model "$g" --residency "$plan" \
+  local out=${PREFILL_OUT:-q_prefill}  # e.g. a second run with OSTINATO_PASS_GRAPHS=0 beside the default's
+  run 300 "$R/$out.txt" python3 scripts/profile_decode.py --model "$g" --residency "$plan" \
     --gpu-memory "${QCAP:-12GiB}" --context 4096 \
-    --prefill ${PREFILL_SIZES:-16 64 256 1024 2048} --steps 5 --profile-steps 2 --out "$R/q_prefill"
+    --prefill ${PREFILL_SIZES:-16 64 256 1024 2048} --steps 5 --profile-steps 2 --out "$R/$out"
 }
 phase_llama_bench() {  # [Q] llama.cpp's decode with every layer on the GPU (llama-bench -ngl 99 at depth 0 and 2048)
   # on the Q4_K_M file if phase gguf was asked for, and on a bf16 GGUF of LB_LAYERS layers (default 24, 30 GB: the

@@ -52,13 +52,15 @@ void bind_graph_worker(py::module_& m) {
   def_addr(sh, "weights", &GraphShared::weights);
   def_addr(sh, "x", &GraphShared::x);
   def_addr(sh, "out", &GraphShared::out);
+  def_addr(sh, "tokens", &GraphShared::tokens);
   sh.def_property(
       "x_dtype", [](const GraphShared& a) { return int(a.x_dtype); },
       [](GraphShared& a, int v) { a.x_dtype = DType(v); });
   sh.def_readwrite("flag_stride", &GraphShared::flag_stride)
       .def_readwrite("L", &GraphShared::L)
       .def_readwrite("K", &GraphShared::K)
-      .def_readwrite("D", &GraphShared::D);
+      .def_readwrite("D", &GraphShared::D)
+      .def_readwrite("T", &GraphShared::T);
 
   py::class_<GraphWorkerOptions>(m, "GraphWorkerOptions")
       .def(py::init<>())
@@ -90,6 +92,8 @@ void bind_graph_worker(py::module_& m) {
         d["layers_served"] = s.layers_served;
         d["layers_skipped"] = s.layers_skipped;
         d["cold_routes"] = s.cold_routes;
+        d["cold_experts"] = s.cold_experts;
+        d["bad_tokens"] = s.bad_tokens;
         d["desync"] = s.desync;
         d["bad_ids"] = s.bad_ids;
         d["resyncs"] = s.resyncs;

@@ -61,7 +61,7 @@ GraphWorker::GraphWorker(ColdExperts& runner, const GraphShared& shared, std::ve
                          int64_t num_experts, const GraphWorkerOptions& options)
     : runner_(runner), sh_(shared), layers_(std::move(layers)), E_(num_experts), opt_(options) {
   const GraphShared& s = sh_;
-  check(s.L > 0 && s.K > 0 && s.D > 0, "L, K and D must be positive");
+  check(s.L > 0 && s.K > 0 && s.D > 0 && s.T > 0, "L, K, D and T must be positive");
   check(s.post_flag && s.has_cold && s.done_flag && s.ids && s.weights && s.x && s.out, "null buffer");
   check(s.flag_stride >= 1, "flag_stride must be >= 1");
   check(int(s.x_dtype) == 0 || int(s.x_dtype) == 1, "x_dtype must be float32 or bfloat16");
@@ -81,10 +81,11 @@ GraphWorker::GraphWorker(ColdExperts& runner, const GraphShared& shared, std::ve
   front_.assign(size_t(s.L), 0);
   pending_.assign(size_t(s.L), 0);
   pending_at_.assign(size_t(s.L), 0);
-  tok_.assign(size_t(s.K), 0);  // one token: every route reads row 0
-  eid_.assign(size_t(s.K), 0);
-  wts_.assign(size_t(s.K), 0.f);
-  if (maxE > 0) runner_.reserve(s.K, 1, maxE, s.D, maxF);  // the hot path then allocates nothing
+  tok_.assign(size_t(s.K * s.T), 0);
+  eid_.assign(size_t(s.K * s.T), 0);
+  wts_.assign(size_t(s.K * s.T), 0.f);
+  seen_.assign(size_t(maxE), 0);
+  if (maxE > 0) runner_.reserve(s.K * s.T, s.T, maxE, s.D, maxF);  // the hot path then allocates nothing
 }
 
 GraphWorker::~GraphWorker() { stop(); }
@@ -151,6 +152,8 @@ GraphWorkerStats GraphWorker::stats() const {
   s.layers_served = c_.layers_served.load(r);
   s.layers_skipped = c_.layers_skipped.load(r);
   s.cold_routes = c_.cold_routes.load(r);
+  s.cold_experts = c_.cold_experts.load(r);
+  s.bad_tokens = c_.bad_tokens.load(r);
   s.desync = c_.desync.load(r);
   s.bad_ids = c_.bad_ids.load(r);
   s.resyncs = c_.resyncs.load(r);
@@ -244,33 +247,44 @@ void GraphWorker::begin_step(int32_t seq) {
 }
 
 void GraphWorker::serve(int64_t i, int32_t seq) {
-  const int64_t K = sh_.K, D = sh_.D;
+  const int64_t K = sh_.K, D = sh_.D, T = sh_.T;
   const int32_t* table = tables_[front_[i]][size_t(i)].data();
-  const int32_t* ids = sh_.ids + i * K;
-  const float* w = sh_.weights + i * K;
-  int64_t R = 0;
-  for (int64_t k = 0; k < K; ++k) {  // top-k order, as the synchronous path gathers them
-    const int32_t e = ids[k];
-    if (e < 0 || e >= E_) {
-      bump(c_.bad_ids, int64_t(1));
-      continue;
+  const int64_t n = sh_.tokens ? int64_t(load_acquire(const_cast<int32_t*>(sh_.tokens) + i * sh_.flag_stride)) : 1;
+  const int32_t* ids = sh_.ids + i * T * K;
+  const float* w = sh_.weights + i * T * K;
+  float* out = sh_.out + i * T * D;
+  int64_t R = 0, distinct = 0;
+  const bool tokens_ok = n >= 1 && n <= T;
+  if (!tokens_ok) bump(c_.bad_tokens, int64_t(1));
+  for (int64_t t = 0; tokens_ok && t < n; ++t) {
+    for (int64_t k = 0; k < K; ++k) {  // token-major, top-k order, as the synchronous path gathers them
+      const int32_t e = ids[t * K + k];
+      if (e < 0 || e >= E_) {
+        bump(c_.bad_ids, int64_t(1));
+        continue;
+      }
+      const int32_t c = table[e];
+      if (c < 0) continue;
+      tok_[R] = int32_t(t);
+      eid_[R] = c;
+      wts_[R] = w[t * K + k];
+      ++R;
+      if (!seen_[size_t(c)]) {
+        seen_[size_t(c)] = 1;
+        ++distinct;
+      }
     }
-    const int32_t c = table[e];
-    if (c < 0) continue;
-    eid_[R] = c;
-    wts_[R] = w[k];
-    ++R;
   }
-  float* out = sh_.out + i * D;
+  for (int64_t r = 0; r < R; ++r) seen_[size_t(eid_[r])] = 0;
   if (R == 0) {
-    bump(c_.desync, int64_t(1));
-    std::memset(out, 0, size_t(D) * sizeof(float));
+    if (tokens_ok) bump(c_.desync, int64_t(1));
+    std::memset(out, 0, size_t((tokens_ok ? n : T) * D) * sizeof(float));
   } else {
     ColdArgs a = layers_[size_t(i)];
     const size_t elem = sh_.x_dtype == DType::kBFloat16 ? 2 : 4;
-    a.x = static_cast<const char*>(sh_.x) + size_t(i * D) * elem;
+    a.x = static_cast<const char*>(sh_.x) + size_t(i * T * D) * elem;
     a.x_dtype = sh_.x_dtype;
-    a.T = 1;
+    a.T = n;
     a.x_stride = D;
     a.token_idx = tok_.data();
     a.expert_ids = eid_.data();
@@ -286,7 +300,7 @@ void GraphWorker::serve(int64_t i, int32_t seq) {
         std::lock_guard<std::mutex> lock(error_mu_);
         last_error_ = ex.what();
       }
-      std::memset(out, 0, size_t(D) * sizeof(float));
+      std::memset(out, 0, size_t(n * D) * sizeof(float));
     }
   }
   store_release(sh_.done_flag + i * sh_.flag_stride, seq);
@@ -294,6 +308,7 @@ void GraphWorker::serve(int64_t i, int32_t seq) {
   bump(c_.compute_ns, spent);
   bump(c_.layers_served, int64_t(1));
   bump(c_.cold_routes, R);
+  bump(c_.cold_experts, distinct);
   step_compute_ns_ += spent;
   step_routes_ += R;
   ++step_layers_;

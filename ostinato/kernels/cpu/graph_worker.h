@@ -3,24 +3,27 @@
 // ColdExperts pool (cold_experts_forward, the kernel of the synchronous path, so the bits are
 // the same), and answers with a done flag. No Python, no GIL and no allocation on its path.
 //
-// Legend: L MoE layers in execution order (position i), K top-k, D hidden, E routed experts
-// of a layer, Ec cold experts in a layer's host stack; seq the decode step counter.
+// Legend: L MoE layers in execution order (position i), T the most tokens a step posts, n the
+// tokens of one step (1 for decode, up to T for a short prefill pass captured as a graph), K
+// top-k, D hidden, E routed experts of a layer, Ec cold experts in a layer's host stack; seq the
+// step counter (decode steps and captured passes share it).
 //
 // Shared memory, allocated once by Python (flags: int32 at [i * flag_stride], each on its own
 // 64-byte line):
 //   post_flag[i]  GPU -> CPU  seq once layer i's routing and activations are published
 //   has_cold[i]   GPU -> CPU  0: no cold route, the GPU will not wait; else seq (1 accepted)
 //   done_flag[i]  CPU -> GPU  seq once out[i] holds the cold routes' weighted sum
-//   ids[L, K] int32 (layer-local expert ids), weights[L, K] fp32, x[L, D] bf16 or fp32
-//   out[L, D] fp32
+//   tokens[i]     GPU -> CPU  n, the tokens posted (null buffer: always 1)
+//   ids[L, T, K] int32 (layer-local expert ids), weights[L, T, K] fp32, x[L, T, D] bf16 or fp32
+//   out[L, T, D] fp32; rows [0, n) of a layer are read and written
 //
 // Protocol, per step seq and layer i = 0..L-1:
-//   GPU: write ids[i], weights[i], x[i], has_cold[i]; release fence at system scope; store
+//   GPU: write ids[i], weights[i], x[i] (n rows), tokens[i], has_cold[i]; release fence at system scope; store
 //        post_flag[i] = seq; run the GPU branch; if has_cold[i] != 0, spin (acquire, system
 //        scope) until done_flag[i] == seq, then read out[i].
 //   CPU: spin until post_flag[i] >= seq (acquire); if has_cold[i] == 0, go on to i + 1;
-//        else map ids through the layer's compact table, compute, write out[i] (zeros when
-//        no route is cold: tables out of sync are counted, never a deadlock), and store
+//        else map the n tokens' ids through the layer's compact table, compute, write rows
+//        [0, n) of out[i] (a row without a cold route is zero; all zeros when no route is cold: tables out of sync are counted, never a deadlock), and store
 //        done_flag[i] = seq (release). After layer L-1, seq + 1.
 // The worker may lag: the GPU does not wait at layers without cold routes, so it can post a
 // later step before the worker saw a layer. A flag (post_flag, or has_cold when it carries
@@ -55,13 +58,14 @@ struct GraphShared {
   int32_t* post_flag = nullptr;
   int32_t* has_cold = nullptr;
   int32_t* done_flag = nullptr;
+  const int32_t* tokens = nullptr;  // n per layer, on the flags' stride (null: one token a step)
   int64_t flag_stride = 16;  // int32 elements between two layers' flags (64 bytes)
-  const int32_t* ids = nullptr;  // [L, K]
-  const float* weights = nullptr;  // [L, K]
-  const void* x = nullptr;  // [L, D]
+  const int32_t* ids = nullptr;  // [L, T, K]
+  const float* weights = nullptr;  // [L, T, K]
+  const void* x = nullptr;  // [L, T, D]
   DType x_dtype = DType::kBFloat16;
-  float* out = nullptr;  // [L, D]
-  int64_t L = 0, K = 0, D = 0;
+  float* out = nullptr;  // [L, T, D]
+  int64_t L = 0, K = 0, D = 0, T = 1;
 };
 
 struct GraphWorkerOptions {
@@ -78,6 +82,8 @@ struct GraphWorkerStats {
   int64_t layers_served = 0;  // layers with has_cold != 0 answered
   int64_t layers_skipped = 0;  // layers with has_cold == 0
   int64_t cold_routes = 0;
+  int64_t cold_experts = 0;  // distinct cold experts of each served layer, summed
+  int64_t bad_tokens = 0;  // tokens[i] outside [1, T] (zeros sent for all T rows)
   int64_t desync = 0;  // has_cold != 0 but the compact table left no cold route (zeros sent)
   int64_t bad_ids = 0;  // routed ids outside [0, E) (ignored)
   int64_t resyncs = 0;  // moved to a newer step the GPU had already begun
@@ -155,11 +161,12 @@ class GraphWorker {
   // Worker-only scratch, sized once.
   std::vector<int32_t> tok_, eid_;
   std::vector<float> wts_;
+  std::vector<uint8_t> seen_;  // per cold expert of a layer: counted in this layer's distinct ones
   int64_t step_wait_ns_ = 0, step_compute_ns_ = 0, step_layers_ = 0, step_routes_ = 0;
 
   struct Counters {
-    std::atomic<int64_t> steps{0}, layers_served{0}, layers_skipped{0}, cold_routes{0}, desync{0},
-        bad_ids{0}, resyncs{0}, errors{0}, wait_ns{0}, idle_ns{0}, compute_ns{0};
+    std::atomic<int64_t> steps{0}, layers_served{0}, layers_skipped{0}, cold_routes{0}, cold_experts{0},
+        bad_tokens{0}, desync{0}, bad_ids{0}, resyncs{0}, errors{0}, wait_ns{0}, idle_ns{0}, compute_ns{0};
     std::atomic<int32_t> last_seq{0}, seq{0};
     std::atomic<int64_t> last_wait_ns{0}, last_compute_ns{0}, last_layers{0}, last_routes{0},
         layer{0};

@@ -1,28 +1,36 @@
-"""Decode attention: one token's query heads over a window of the KV cache, split-K.
+"""Decode attention: T tokens' query heads over a window of the KV cache, split-K.
 
 Legend: H query heads, Hkv KV heads, G = H / Hkv query heads per KV head, Hd head dim,
-W window (cache rows attended), NS splits of the window, CHUNK keys per split.
-Caches k, v [>= W, Hkv, Hd] (read through their strides, never copied); q [H, Hd], query
-head h*G + g reads KV head h; position [1] int64 on the device: keys 0..position are valid.
+W window (cache rows attended), NS splits of the window, CHUNK keys per split, T query tokens
+(1 at decode; a few for a short prefill pass captured in a CUDA graph), R = T*G rows a KV head.
+Caches k, v [>= W, Hkv, Hd] (read through their strides, never copied); q [T, H, Hd], query
+head h*G + g reads KV head h; position [1] int64 on the device: token t sits at position + t
+and its keys 0..min(position + t, W - 1) are valid (causal; the T tokens' K, V are in the cache).
 
 At decode the whole window is read once for one token, so the work is bytes of K and V.
 SDPA's fused kernels parallelise over heads only (Hkv programs for one query), which leaves
 most of an H200 idle: with SDPA (enable_gqa) the captured decode step grew ~2.2 ms per 1k
 tokens of context over 48 layers. Here the window is split across programs (flash-decoding)
 and the splits combined after (timed against SDPA by scripts/bench_decode_attention.py):
-- _split_kernel, grid (Hkv, NS): the G query heads of KV head h against keys
-  [s*CHUNK, (s+1)*CHUNK) in blocks of BLOCK_N, online softmax in fp32 (log2 domain).
-  tl.dot needs M >= 16, so the G heads are padded to BLOCK_G = max(16, G) rows (zero
-  queries, never stored): idle tensor-core lanes, no extra bytes; K and V are read once.
-  Keys past the position are masked (never read, so stale or NaN rows are harmless); a
-  split that starts past it writes m = -inf, l = 0 and returns before reading q, K or V,
-  so a large window costs little while the context is short. Writes the unnormalised
-  partials m, l [Hkv, NS, G] and acc [Hkv, NS, G, Hd] in fp32.
-- _reduce_kernel, grid (H,): one query head, its splits up to the position combined by
-  log-sum-exp rescaling in a fixed order (deterministic, no atomics); out [H, Hd] in q's
-  dtype.
-The position is read on the device only and NS, CHUNK depend on W alone, so the launch
-shapes are fixed and a captured CUDA graph replays for every position in its window.
+- _split_kernel, grid (Hkv, NS, cdiv(R, BLOCK_R)): rows r = t*G + g (query head h*G + g of
+  token t) of KV head h, BLOCK_R a program, against keys [s*CHUNK, (s+1)*CHUNK) in blocks of
+  BLOCK_N, online softmax in fp32 (log2 domain). tl.dot needs M >= 16, so at T = 1 the G
+  heads are padded to BLOCK_R = max(16, G) rows (zero queries, never stored): idle
+  tensor-core lanes, no extra bytes; K and V are read once. For T > 1 (row_block) blocks of
+  at most 64 rows keep the fp32 acc in registers at Hd = 128; each row block rereads the
+  split's K and V (from L2, mostly). Keys past a row's last are masked, and keys past the
+  block's last never read (so stale or NaN rows are harmless); a split that starts past the
+  block's last writes m = -inf, l = 0 and returns before reading q, K or V, so a large
+  window costs little while the context is short. For T > 1 a row whose last key lies
+  before the split keeps m = -inf beside rows that don't: the softmax subtracts 0 for it
+  (not -inf - -inf = NaN); T = 1 skips that select, bit for bit the decode it always was.
+  Writes the unnormalised partials m, l [Hkv, NS, R] and acc [Hkv, NS, R, Hd] in fp32.
+- _reduce_kernel, grid (H, T): one query head of one token, its splits up to the token's
+  last key (the first last // CHUNK + 1: every later one returned early or masked all its
+  keys for this row, and is never read) combined by log-sum-exp rescaling in a fixed order
+  (deterministic, no atomics); out [T, H, Hd] in q's dtype.
+The position is read on the device only and NS, CHUNK, BLOCK_R depend on W, T, G alone, so
+the launch shapes are fixed and a captured CUDA graph replays for every position in its window.
 Splits (split_plan): the window in chunks of at least MIN_CHUNK keys, at most MAX_SPLITS
 splits: 4 * 64 = 256 programs for Qwen3-30B-A3B (Hkv = 4) from W = 4096 up, ~2 per SM of
 an H200, each streaming 64..512 keys (32..256 KB of K and V).
@@ -44,71 +52,89 @@ NUM_STAGES = 2
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
-                  W, CHUNK, NS,
-                  stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
+                  T, W, CHUNK, NS,
+                  stride_qt, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
                   stride_vn, stride_vh, stride_vd,
-                  G: tl.constexpr, HD: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                  NUM_STAGES: tl.constexpr):
+                  G: tl.constexpr, HD: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     h = tl.program_id(0)
     s = tl.program_id(1)
-    last = tl.minimum(tl.load(pos_ptr).to(tl.int32), W - 1)  # last valid key
+    r0 = tl.program_id(2) * BLOCK_R
+    R = T * G
+    pos = tl.load(pos_ptr).to(tl.int32)
+    t_hi = tl.minimum((r0 + BLOCK_R - 1) // G, T - 1)  # the block's last token
+    last = tl.minimum(pos + t_hi, W - 1)  # the block's last valid key
     start = s * CHUNK
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < G
-    part = (h * NS + s) * G + offs_g  # row of m, l; acc row times HD
+    offs_r = r0 + tl.arange(0, BLOCK_R)  # row t*G + g
+    mask_r = offs_r < R
+    part = (h * NS + s) * R + offs_r  # row of m, l; acc row times HD
     if start > last:
-        tl.store(m_ptr + part, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=mask_g)
-        tl.store(l_ptr + part, tl.zeros([BLOCK_G], tl.float32), mask=mask_g)
+        tl.store(m_ptr + part, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=mask_r)
+        tl.store(l_ptr + part, tl.zeros([BLOCK_R], tl.float32), mask=mask_r)
         return  # _reduce_kernel never reads this split's acc
     end = tl.minimum(start + CHUNK, last + 1)
+    t_r = tl.minimum(offs_r // G, T - 1)  # padding rows clamped: in bounds, never stored
+    end_r = tl.minimum(start + CHUNK, tl.minimum(pos + t_r, W - 1) + 1)  # row r: [start, end_r)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HD
-    q = tl.load(q_ptr + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    q = tl.load(q_ptr + (t_r * stride_qt + (h * G + offs_r % G) * stride_qh)[:, None]
+                + offs_d[None, :] * stride_qd,
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]
     k_base = k_ptr + h * stride_kh
     v_base = v_ptr + h * stride_vh
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 domain
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: n0 <= last, column 0 is valid
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        if CAUSAL:  # each row its own last key; a row whose last key lies before this
+            # split keeps m = -inf: subtract 0 there, not -inf (NaN), so its partials (never
+            # read) stay m = -inf, l = 0, acc = 0
+            qk = tl.where(offs_n[None, :] < end_r[:, None], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: column 0 is valid
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(qk - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    tl.store(m_ptr + part, m_i, mask=mask_g)
-    tl.store(l_ptr + part, l_i, mask=mask_g)
+    tl.store(m_ptr + part, m_i, mask=mask_r)
+    tl.store(l_ptr + part, l_i, mask=mask_r)
     tl.store(acc_ptr + part[:, None] * HD + offs_d[None, :], acc,
-             mask=mask_g[:, None] & mask_d[None, :])
+             mask=mask_r[:, None] & mask_d[None, :])
 
 
 @triton.jit
-def _reduce_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, W, CHUNK, NS, stride_oh, stride_od,
+def _reduce_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, T, W, CHUNK, NS,
+                   stride_ot, stride_oh, stride_od,
                    G: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     qh = tl.program_id(0)  # query head h*G + g
+    t = tl.program_id(1)  # token
     h = qh // G
     g = qh % G
-    last = tl.minimum(tl.load(pos_ptr).to(tl.int32), W - 1)
+    R = T * G
+    last = tl.minimum(tl.load(pos_ptr).to(tl.int32) + t, W - 1)
     active = last // CHUNK + 1  # splits holding a valid key; later ones are never read
-    rows = h * NS * G + g  # split s of this head: rows + s*G
+    rows = h * NS * R + t * G + g  # split s of this head and token: rows + s*R
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HD
     m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
     for s0 in range(0, active, BLOCK_S):
         ss = s0 + offs_s
-        m_max = tl.maximum(m_max, tl.load(m_ptr + rows + ss * G, mask=ss < active,
+        m_max = tl.maximum(m_max, tl.load(m_ptr + rows + ss * R, mask=ss < active,
                                           other=float("-inf")))
     m_all = tl.max(m_max, axis=0)  # finite: split 0 is active
     den = tl.zeros([BLOCK_S], tl.float32)
@@ -116,62 +142,88 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, W, CHUNK, NS, stride
     for s0 in range(0, active, BLOCK_S):
         ss = s0 + offs_s
         mask_s = ss < active
-        w = tl.exp2(tl.load(m_ptr + rows + ss * G, mask=mask_s, other=float("-inf")) - m_all)
-        den += w * tl.load(l_ptr + rows + ss * G, mask=mask_s, other=0.0)
-        a = tl.load(acc_ptr + (rows + ss * G)[:, None] * HD + offs_d[None, :],
+        w = tl.exp2(tl.load(m_ptr + rows + ss * R, mask=mask_s, other=float("-inf")) - m_all)
+        den += w * tl.load(l_ptr + rows + ss * R, mask=mask_s, other=0.0)
+        a = tl.load(acc_ptr + (rows + ss * R)[:, None] * HD + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
         num += a * w[:, None]
     o = tl.sum(num, axis=0) / tl.sum(den, axis=0)
-    tl.store(out_ptr + qh * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty),
-             mask=mask_d)
+    tl.store(out_ptr + t * stride_ot + qh * stride_oh + offs_d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-def split_plan(window: int, chunk: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int]:
-    """(CHUNK, NS) for a window of W keys: a function of W (and the overrides) only."""
+def split_plan(window: int, chunk: int | None = None, block_n: int = BLOCK_N,
+               max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """(CHUNK, NS) for a window of W keys: a function of W (and the overrides) only. Several
+    tokens' rows fill several row blocks, so decode_attention gives them fewer splits (max_splits:
+    MAX_SPLITS over the blocks): the programs stay about as many as decode's, and the fp32 partials
+    about as large (8 MiB for Qwen3-30B-A3B's 4 KV heads, where 256 tokens split as one would take
+    184 MiB at W = 8292)."""
     if chunk is None:
-        splits = max(1, min(MAX_SPLITS, triton.cdiv(window, MIN_CHUNK)))
+        splits = max(1, min(max_splits, triton.cdiv(window, MIN_CHUNK)))
         chunk = triton.cdiv(triton.cdiv(window, splits), block_n) * block_n
     return chunk, triton.cdiv(window, chunk)
 
 
-def decode_attention(q, k_cache, v_cache, position, window, scale=None, out=None, *,
-                     chunk=None, block_n=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES):
-    """softmax(q k^T * scale) v over cache rows 0..position (and < window) -> q's shape.
+def row_block(T: int, G: int) -> int:
+    """BLOCK_R, the query rows t*G + g of one split program: tl.dot needs M >= 16. T = 1: the
+    G heads padded (one block, as decode always ran); T > 1: at most 64 rows a block, so the
+    fp32 acc stays [64, Hd] in registers at Hd = 128 while K and V are read once per block."""
+    if T == 1:
+        return max(16, triton.next_power_of_2(G))
+    return max(16, min(64, triton.next_power_of_2(T * G)))
 
-    q [H, Hd] or [1, H, Hd]; k_cache, v_cache [>= window, Hkv, Hd] of q's dtype; position
-    [1] int64 on q's device; window: W, a Python int. scale: 1/sqrt(Hd) by default. out:
-    H*Hd elements (contiguous), else allocated. chunk, block_n, num_warps, num_stages:
-    overrides for tests and tuning. No host value depends on the position (capturable).
+
+def decode_attention(q, k_cache, v_cache, position, window, scale=None, out=None, *,
+                     chunk=None, block_n=BLOCK_N, block_r=None, num_warps=NUM_WARPS,
+                     num_stages=NUM_STAGES):
+    """softmax(q k^T * scale) v, token t over cache rows 0..position + t (and < window) -> q's
+    shape.
+
+    q [T, H, Hd] (T >= 1 tokens at positions position..position + T - 1, their K and V
+    already in the cache) or [H, Hd] (T = 1); k_cache, v_cache [>= window, Hkv, Hd] of q's
+    dtype; position [1] int64 on q's device; window: W, a Python int. scale: 1/sqrt(Hd) by
+    default. out: T*H*Hd elements (contiguous), else allocated. chunk, block_n, block_r
+    (rows a split program, row_block's by default), num_warps, num_stages: overrides for
+    tests and tuning. No host value depends on the position (capturable).
     """
     H, Hd = q.shape[-2], q.shape[-1]
-    q2 = q.reshape(H, Hd)
+    q3 = q if q.dim() == 3 else q[None]
+    T = q3.shape[0]
     Hkv = k_cache.shape[1]
+    assert q.dim() in (2, 3) and T >= 1, "q [T, H, Hd] or [H, Hd]"
     assert k_cache.shape[1:] == v_cache.shape[1:] == (Hkv, Hd) and H % Hkv == 0, "shapes"
     assert min(k_cache.shape[0], v_cache.shape[0]) >= window >= 1, "the cache is shorter than W"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "tl.dot: a power of two >= 16"
     G = H // Hkv
-    chunk, splits = split_plan(window, chunk, block_n)
+    if block_r is None:
+        block_r = row_block(T, G)
+    assert block_r >= 16 and block_r & (block_r - 1) == 0, "tl.dot: a power of two >= 16"
+    chunk, splits = split_plan(window, chunk, block_n, max(1, MAX_SPLITS // triton.cdiv(T * G, block_r)))
     if scale is None:
         scale = 1.0 / math.sqrt(Hd)
     dev = q.device
-    m = torch.empty(Hkv, splits, G, dtype=torch.float32, device=dev)
+    m = torch.empty(Hkv, splits, T * G, dtype=torch.float32, device=dev)
     l_ = torch.empty_like(m)
-    acc = torch.empty(Hkv, splits, G, Hd, dtype=torch.float32, device=dev)
+    acc = torch.empty(Hkv, splits, T * G, Hd, dtype=torch.float32, device=dev)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=dev)
-    assert out.is_contiguous() and out.numel() == H * Hd, "out must be contiguous, H*Hd elements"
-    o2 = out.view(H, Hd)
+    assert out.is_contiguous() and out.numel() == T * H * Hd, \
+        "out must be contiguous, T*H*Hd elements"
+    o3 = out.view(T, H, Hd)
     block_d = max(16, triton.next_power_of_2(Hd))
     precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no tf32 rounding
-    _split_kernel[(Hkv, splits)](
-        q2, k_cache, v_cache, position, m, l_, acc, scale * math.log2(math.e),
-        window, chunk, splits,
-        q2.stride(0), q2.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    _split_kernel[(Hkv, splits, triton.cdiv(T * G, block_r))](
+        q3, k_cache, v_cache, position, m, l_, acc, scale * math.log2(math.e),
+        T, window, chunk, splits,
+        q3.stride(0), q3.stride(1), q3.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=G, HD=Hd, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=block_d, BLOCK_N=block_n,
+        G=G, HD=Hd, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, CAUSAL=T > 1,
         PRECISION=precision, NUM_STAGES=num_stages, num_warps=num_warps)
-    _reduce_kernel[(H,)](
-        m, l_, acc, position, o2, window, chunk, splits, o2.stride(0), o2.stride(1),
-        G=G, HD=Hd, BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4)
+    _reduce_kernel[(H, T)](
+        m, l_, acc, position, o3, T, window, chunk, splits, o3.stride(0), o3.stride(1),
+        o3.stride(2), G=G, HD=Hd, BLOCK_S=min(32, triton.next_power_of_2(splits)),
+        BLOCK_D=block_d, num_warps=4)
     return out

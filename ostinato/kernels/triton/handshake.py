@@ -13,7 +13,16 @@ Inside the captured decode step, per MoE layer:
             activation dtype; else only round. Every program spins on its own, so no
             inter-program synchronisation is needed.
 A step starts with `bump`, which increments the device-side sequence number; nothing on the
-host changes between replays.
+host changes between replays. Every post also writes the step's token count (1 for decode).
+
+A short prefill pass captured as a graph (engine/graph.py PassGraphs) posts n of its B rows (n on
+the device: the pass is padded to B, the rows past n are never read by the worker):
+  post_rows  the activations [B, D] cross as one copy into the mapped buffer (stream-ordered before
+             the kernel), then one program writes ids, weights, n and has_cold (over the n rows)
+             and publishes post_flag as `post` does;
+  wait_rows  one program spins until done_flag == seq if has_cold (the spin of `wait_add`, once
+             rather than in every program of a [B, D] grid);
+  add_rows   the worker's fp32 partial of the n rows added to the GPU branch's, rounded once.
 
 Outside graphs, a prefill pass's split layers may join their CPU branch the same way
 (`wait_value`, hybrid.py's deferred combine): the stream spins until the CPU pool has stored
@@ -48,7 +57,7 @@ def _bump(seq_ptr):
 
 @triton.jit
 def _post(ids_ptr, w_ptr, x_ptr, table_ptr, seq_ptr,
-          h_ids, h_w, h_x, h_has_cold, h_post, scores_ptr, hits_ptr, flex_lo,
+          h_ids, h_w, h_x, h_has_cold, h_post, h_tokens, scores_ptr, hits_ptr, flex_lo,
           K: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SCORE: tl.constexpr):
     k = tl.arange(0, K)
     ids = tl.load(ids_ptr + k)
@@ -63,9 +72,47 @@ def _post(ids_ptr, w_ptr, x_ptr, table_ptr, seq_ptr,
     if SCORE:  # one program and distinct ids: plain loads and stores, each score added once
         tl.store(scores_ptr + ids, tl.load(scores_ptr + ids) + (slot < 0).to(tl.float32))
         tl.store(hits_ptr, tl.load(hits_ptr) + tl.sum((slot >= flex_lo).to(tl.int64), axis=0))
+    tl.store(h_tokens, 1)
     tl.store(h_has_cold, has_cold * seq)  # 0, or the step: lets the worker see it fell behind
     tl.debug_barrier()  # every thread's stores are done before the flag goes out
     tl.atomic_xchg(h_post, seq, sem="release", scope="sys")
+
+
+@triton.jit
+def _post_rows(ids_ptr, w_ptr, table_ptr, seq_ptr, count_ptr, h_ids, h_w, h_has_cold, h_post, h_tokens,
+               K: tl.constexpr, BLOCK: tl.constexpr, ROUTES: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    m = r < ROUTES
+    n = tl.load(count_ptr)
+    ids = tl.load(ids_ptr + r, mask=m, other=0)
+    tl.store(h_ids + r, ids.to(tl.int32), mask=m)
+    tl.store(h_w + r, tl.load(w_ptr + r, mask=m, other=0.0), mask=m)
+    slot = tl.load(table_ptr + ids, mask=m, other=0)
+    seq = tl.load(seq_ptr)
+    has_cold = tl.max(((slot < 0) & m & (r // K < n)).to(tl.int32), axis=0)
+    tl.store(h_tokens, n)
+    tl.store(h_has_cold, has_cold * seq)
+    tl.debug_barrier()
+    tl.atomic_xchg(h_post, seq, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_rows(h_has_cold, h_done, seq_ptr):
+    if tl.load(h_has_cold, volatile=True) != 0:
+        seq = tl.load(seq_ptr)
+        while tl.atomic_add(h_done, 0, sem="acquire", scope="sys") != seq:
+            pass
+
+
+@triton.jit
+def _add_rows(gpu_ptr, h_out, h_has_cold, count_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = d < D
+    acc = tl.load(gpu_ptr + t * D + d, mask=m, other=0.0)
+    if (tl.load(h_has_cold, volatile=True) != 0) & (t < tl.load(count_ptr)):
+        acc += tl.load(h_out + t * D + d, mask=m, other=0.0, volatile=True)
+    tl.store(y_ptr + t * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -98,14 +145,35 @@ def bump(seq: torch.Tensor) -> None:
     _bump[(1,)](seq)
 
 
-def post(ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post, score=None) -> None:
+def post(ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post, h_tokens, score=None) -> None:
     """ids [1, K] int64, weights [1, K] fp32, x [1, D], table_row [E] int32 (device);
     the h_* are this layer's HostPointer views of the shared buffers (GraphHandshake).
     score: (scores_row [E] fp32, hits [] int64, flex_lo) of borrowed memory, or None."""
     K, D = ids.shape[1], x.shape[1]
     scores, hits, flex_lo = score if score is not None else (table_row, seq, 0)  # unread without SCORE
-    _post[(1,)](ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post, scores, hits, flex_lo,
-                K=K, D=D, BLOCK_D=1024, SCORE=score is not None, num_warps=4)
+    _post[(1,)](ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post, h_tokens, scores, hits,
+                flex_lo, K=K, D=D, BLOCK_D=1024, SCORE=score is not None, num_warps=4)
+
+
+def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x: torch.Tensor, h_has_cold, h_post,
+              h_tokens) -> None:
+    """A captured prefill pass's post: ids [B, K] int64, weights [B, K] fp32, x [B, D] (device), count
+    [1] int32 (device): the pass's real rows n <= B; h_x the layer's page-locked [>= B, D] tensor
+    itself (its rows arrive by one copy, ordered before the flag), the other h_* HostPointer views."""
+    B, K = ids.shape
+    h_x[:B].copy_(x, non_blocking=True)
+    _post_rows[(1,)](ids, weights, table_row, seq, count, h_ids, h_w, h_has_cold, h_post, h_tokens,
+                     K=K, BLOCK=triton.next_power_of_2(B * K), ROUTES=B * K, num_warps=4)
+
+
+def wait_add_rows(gpu_out, h_out, h_has_cold, h_done, seq, count, y) -> None:
+    """gpu_out [B, D] fp32 (device), h_out the layer's [>= B, D] fp32 (host), count [1] int32 (device),
+    y [B, D] (device, the layer output): rows past count keep the GPU branch's sum alone."""
+    B, D = gpu_out.shape
+    _wait_rows[(1,)](h_has_cold, h_done, seq, num_warps=1)
+    BLOCK_D = 512
+    _add_rows[(B, triton.cdiv(D, BLOCK_D))](gpu_out, h_out, h_has_cold, count, y, D=D, BLOCK_D=BLOCK_D,
+                                           num_warps=4)
 
 
 def wait_add(gpu_out, h_out, h_has_cold, h_done, seq, y) -> None:

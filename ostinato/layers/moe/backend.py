@@ -10,9 +10,19 @@ Legend: T tokens, K top-k, D hidden.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ostinato.layers.moe.types import TopKOutput
+
+
+class StepRows(NamedTuple):
+    """The real rows of a prefill pass captured as a graph and padded to its B rows (engine/graph.py
+    PassGraphs), on the device: what its replays may change without a new capture."""
+
+    count: torch.Tensor  # [1] int32: n, the pass's tokens (the first n rows)
+    valid: torch.Tensor  # [B] bool: row < n
 
 
 class MoEBackend:
@@ -29,6 +39,11 @@ class MoEBackend:
         """x [T, D], topk ids / weights [T, K] -> routing-weighted sum of the experts [T, D]."""
         raise NotImplementedError
 
+    def captures_pass(self, T: int) -> bool:
+        """Whether a prefill pass of T tokens may replay as a captured graph (engine/graph.py
+        PassGraphs) and compute what the host-driven pass computes."""
+        return False
+
     def before_prefill(self) -> None:
         """Before a pass of more than one token (borrowed slots go back to the upload path)."""
 
@@ -39,11 +54,12 @@ class MoEBackend:
         """Before a decode graph replays: no CPU call of an earlier pass may still hold the CPU pool
         the graph's worker takes (a split layer's deferred combine, layers/moe/hybrid.py)."""
 
-    def before_step(self) -> None:
-        """The first thing of a graph decode step (captured into it)."""
+    def before_step(self, rows: StepRows | None = None) -> None:
+        """The first thing of a graph step (captured into it): a decode step, or with `rows` a
+        prefill pass of several rows."""
 
     def after_step(self) -> None:
-        """Once a graph decode step is recorded or run."""
+        """Once a graph step is recorded or run."""
 
     def before_capture(self) -> None:
         """Before the warm-up steps of a capture (token 0 at position 0: not decode)."""

@@ -6,10 +6,15 @@ up), the GPU branch from the pool (the same slot kernel as the synchronous path)
 `wait_add` (wait for the native worker's done flag if the layer has cold routes; add its
 fp32 partial; round once). The native worker (layers/moe/graph_worker.py) computes the cold
 routes with the same CPU kernel as the synchronous path, so a graph step equals the same
-step run with HybridExperts.split_path bit for bit. Passes of more than one token (prefill)
-and decode steps outside a graph step go to the wrapped HybridExperts unchanged.
+step run with HybridExperts.split_path bit for bit.
 
-Legend: K top-k, D hidden.
+A short prefill pass captured as a graph (engine/graph.py PassGraphs) is a step of B rows, n of
+them real (`StepRows`, on the device): `post_rows` sends the B rows' routing and activations and n,
+the worker computes the cold routes of the n rows, and `wait_add_rows` joins them; the rows past n
+are padding that nothing reads. Other passes and steps outside a graph go to the wrapped
+HybridExperts unchanged.
+
+Legend: K top-k, D hidden, B rows of a captured pass.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import atexit
 
 import torch
 
+from ostinato.layers.moe.backend import StepRows
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
 from ostinato.layers.moe.segmented import SegmentedExperts
@@ -26,8 +32,9 @@ from ostinato.layers.moe.types import TopKOutput
 class GraphHybridExperts(HybridWrapper):
     capturable = True
 
-    def __init__(self, hybrid: HybridExperts, core: int = -1):
-        """core: the CPU of this GPU's poller (the thread layout's, ostinato/threads.py; -1 unpinned)."""
+    def __init__(self, hybrid: HybridExperts, core: int = -1, max_rows: int = 1):
+        """core: the CPU of this GPU's poller (the thread layout's, ostinato/threads.py; -1 unpinned);
+        max_rows: the most rows a captured pass posts (1: decode steps only)."""
         from ostinato.kernels.triton import handshake as hs
 
         super().__init__(hybrid)
@@ -36,27 +43,40 @@ class GraphHybridExperts(HybridWrapper):
         # only layers with cold experts post a step: the worker waits at each of its layers
         layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
-        self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype)
+        self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype, tokens=max_rows)
         self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers, core=core)
         self.seq = torch.zeros(1, dtype=torch.int32, device=hybrid.device)
         P = hs.HostPointer
         sh, S = self.shared, 16  # flag stride (int32 elements)
         self.views = {i: (P(sh.ids[i]), P(sh.weights[i]), P(sh.x[i]), P(sh.has_cold[i, :1]),
-                          P(sh.post_flag[i, :1]), P(sh.out[i]), P(sh.done_flag[i, :1])) for i in range(len(layers))}
+                          P(sh.post_flag[i, :1]), P(sh.out[i]), P(sh.done_flag[i, :1]), P(sh.tokens[i, :1]))
+                      for i in range(len(layers))}
         assert sh.post_flag.stride(0) == S
         self.in_step = False
+        self.rows: StepRows | None = None  # the captured pass's real rows (None: a decode step)
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
         self.worker.start(1)
         atexit.register(self.stop)
 
-    def before_step(self) -> None:
+    @property
+    def max_rows(self) -> int:
+        return self.shared.max_tokens
+
+    def captures_pass(self, T: int) -> bool:
+        """A pass the handshake's rows hold, that the wrapped executor runs split without uploads in
+        every layer (HybridExperts.splits): the captured pass computes what it computes."""
+        return 1 < T <= self.max_rows and self.hybrid.admission is None and self.hybrid.splits(T)
+
+    def before_step(self, rows: StepRows | None = None) -> None:
         """First thing of a graph step: the device-side step number moves on."""
         self.hs.bump(self.seq)
-        self.in_step = True
+        self.in_step, self.rows = True, rows
+        self.hybrid.before_step(rows)
 
     def after_step(self) -> None:
-        self.in_step = False
+        self.in_step, self.rows = False, None
+        self.hybrid.after_step()
 
     def after_capture(self) -> None:
         """The warm-up steps before a capture ran on token 0 at position 0: they are not decode."""
@@ -83,31 +103,44 @@ class GraphHybridExperts(HybridWrapper):
         # the counters only: a turn's figures are differences of two reads (bench/metrics.py placement_delta)
         worker = self.worker.stats()
         out |= {f"graph_{k}": worker[k] for k in self.worker.COUNTERS}
+        out["cpu_experts"] = out.get("cpu_experts", 0) + worker["cold_experts"]  # the captured steps' and passes'
         return out
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        if not (self.in_step and x.shape[0] == 1 and self.hybrid.has_cold[layer]):
+        T = x.shape[0]
+        if not (self.in_step and self.hybrid.has_cold[layer] and (T == 1 or self.rows is not None)):
             return self.hybrid(layer, x, topk)
+        if T > self.max_rows:
+            raise ValueError(f"a captured pass of {T} rows exceeds the handshake's {self.max_rows}")
         pool = self.hybrid.pools.of(layer)
         if torch.cuda.is_current_stream_capturing():
             self.hybrid.count_captured(layer, topk.ids)
-        borrow = self.hybrid.borrow  # the post kernel scores the routes as borrow.observe would
-        score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
-        h_ids, h_w, h_x, h_has, h_post, h_out, h_done = self.views[self.index[layer]]
-        self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post, score)
+        h_ids, h_w, h_x, h_has, h_post, h_out, h_done, h_tokens = self.views[self.index[layer]]
+        if self.rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
+            count = self.rows.count
+            self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x.t,
+                              h_has, h_post, h_tokens)
+        else:
+            borrow = self.hybrid.borrow  # the post kernel scores the routes as borrow.observe would
+            score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
+            self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post,
+                         h_tokens, score)
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
-        self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
+        if self.rows is not None:
+            self.hs.wait_add_rows(gpu, h_out.t, h_has, h_done, self.seq, count, y)
+        else:
+            self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
         return y
 
 
-def for_graphs(backend, core: int = -1):
+def for_graphs(backend, core: int = -1, max_rows: int = 1):
     """The backend a decode graph can capture: a cache (HybridExperts with an admission) is cut
     into graph segments at each MoE layer (layers/moe/segmented.py); a HybridExperts with cold
-    experts gets the mapped-memory handshake (native CPU backend only), its poller on `core`; any
-    other backend as it is."""
+    experts gets the mapped-memory handshake (native CPU backend only), its poller on `core`, for
+    captured passes of up to max_rows rows; any other backend as it is."""
     if isinstance(backend, HybridExperts) and backend.admission is not None:
         return SegmentedExperts(backend) if backend.on_cuda else backend
     if isinstance(backend, HybridExperts) and not backend.capturable and backend.cpu.backend == "native":
-        return GraphHybridExperts(backend, core)
+        return GraphHybridExperts(backend, core, max_rows)
     return backend

@@ -12,7 +12,8 @@ are bitwise those of CpuExperts.forward on the same routes; layers of quantized 
 (QuantExpertWeights) carry their block formats in their native arguments and run the
 quantized kernels there too.
 
-Legend: L MoE layers in execution order, K top-k, D hidden, E experts per layer.
+Legend: L MoE layers in execution order, T the most tokens one step posts (1: decode only; a short
+prefill pass captured as a graph posts up to T), K top-k, D hidden, E experts per layer.
 Flags are int32 at column 0 of [L, FLAG_STRIDE] tensors: one 64-byte line per layer.
 """
 from __future__ import annotations
@@ -28,14 +29,17 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class GraphHandshake:
-    """Buffers shared by the decode graph and the worker; seq counts decode steps from 1."""
+    """Buffers shared by the captured steps and the worker; seq counts steps from 1 (decode steps
+    and captured prefill passes alike)."""
 
     def __init__(self, num_layers: int, top_k: int, hidden: int, x_dtype: torch.dtype = torch.bfloat16,
-                 pin: bool | None = None):
+                 pin: bool | None = None, tokens: int = 1):
         if x_dtype not in _DTYPES:
             raise ValueError(f"x_dtype must be bf16 or fp32, not {x_dtype}")
         pin = torch.cuda.is_available() if pin is None else pin
-        L, K, D = num_layers, top_k, hidden
+        L, K, D, T = num_layers, top_k, hidden, tokens
+        if T < 1:
+            raise ValueError(f"tokens must be at least 1, not {T}")
 
         def buf(shape, dtype):
             t = torch.zeros(shape, dtype=dtype, pin_memory=pin)
@@ -45,11 +49,13 @@ class GraphHandshake:
         self.post_flag = buf((L, FLAG_STRIDE), torch.int32)  # [L, 16] GPU -> CPU: seq published
         self.has_cold = buf((L, FLAG_STRIDE), torch.int32)  # [L, 16] GPU -> CPU: 0, or seq
         self.done_flag = buf((L, FLAG_STRIDE), torch.int32)  # [L, 16] CPU -> GPU: seq answered
-        self.ids = buf((L, K), torch.int32)  # [L, K] routed expert ids, top-k order
-        self.weights = buf((L, K), torch.float32)  # [L, K]
-        self.x = buf((L, D), x_dtype)  # [L, D] the token's activations entering each MoE
-        self.out = buf((L, D), torch.float32)  # [L, D] CPU partial: cold routes' weighted sum
-        self.num_layers, self.top_k, self.hidden, self.pinned = L, K, D, pin
+        self.tokens = buf((L, FLAG_STRIDE), torch.int32)  # [L, 16] GPU -> CPU: the step's tokens n
+        self.ids = buf((L, T, K), torch.int32)  # [L, T, K] routed expert ids, top-k order
+        self.weights = buf((L, T, K), torch.float32)  # [L, T, K]
+        self.x = buf((L, T, D), x_dtype)  # [L, T, D] the tokens' activations entering each MoE
+        self.out = buf((L, T, D), torch.float32)  # [L, T, D] CPU partial: cold routes' weighted sum
+        self.tokens.fill_(1)
+        self.num_layers, self.top_k, self.hidden, self.max_tokens, self.pinned = L, K, D, T, pin
 
     def clear_flags(self) -> None:
         """Zero the flags (only while no step is in flight), e.g. before seq starts over."""
@@ -60,8 +66,9 @@ class GraphHandshake:
         s = ext.GraphShared()
         s.post_flag, s.has_cold, s.done_flag = (t.data_ptr() for t in (self.post_flag, self.has_cold, self.done_flag))
         s.ids, s.weights, s.x, s.out = (t.data_ptr() for t in (self.ids, self.weights, self.x, self.out))
+        s.tokens = self.tokens.data_ptr()
         s.x_dtype, s.flag_stride = _DTYPES[self.x.dtype], FLAG_STRIDE
-        s.L, s.K, s.D = self.num_layers, self.top_k, self.hidden
+        s.L, s.K, s.D, s.T = self.num_layers, self.top_k, self.hidden, self.max_tokens
         return s
 
 
@@ -133,8 +140,8 @@ class GraphWorker:
 
     # what stats() counts since the worker started (a difference of two reads says what happened
     # between them); the rest are the state of the moment: the last step's figures, the means
-    COUNTERS = ("steps", "layers_served", "layers_skipped", "cold_routes", "desync", "bad_ids", "resyncs", "errors",
-                "wait_ns", "idle_ns", "compute_ns")
+    COUNTERS = ("steps", "layers_served", "layers_skipped", "cold_routes", "cold_experts", "desync", "bad_ids",
+                "bad_tokens", "resyncs", "errors", "wait_ns", "idle_ns", "compute_ns")
 
     def stats(self) -> dict:
         """Native counters (COUNTERS) and state (the step in progress, the last step's figures), plus

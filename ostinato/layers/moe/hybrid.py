@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.layers.moe.backend import MoEBackend
+from ostinato.layers.moe.backend import MoEBackend, StepRows
 from ostinato.layers.moe.pool import COLD, ExpertPool, ExpertPools, HostExperts
 from ostinato.layers.moe.types import TopKOutput
 
@@ -337,6 +337,7 @@ class HybridExperts(MoEBackend):
         # routes and cold routes of captured decode steps: device counters that every replay
         # updates (Python code runs once, at capture)
         self.graph_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.step_rows: StepRows | None = None  # a captured pass's real rows, while it is captured
         layers = sorted(host.compact) if layers is None else layers
         self.has_cold = {l: bool((host.compact[l] >= 0).any()) for l in layers}  # in layer order
         self.borrow = None  # Borrowing, when decode may lend the flex slots to cold experts
@@ -388,6 +389,17 @@ class HybridExperts(MoEBackend):
         if self.cpu is not None:
             self.cpu.settle()
 
+    def captures_pass(self, T: int) -> bool:
+        """Every expert resident: any pass is the GPU branch alone (with cold experts, the handshake's
+        wrapper says: graph_hybrid.py)."""
+        return self.capturable and self.admission is None
+
+    def splits(self, T: int) -> bool:
+        """A pass of T tokens takes the split path without uploads in every layer with cold experts:
+        below the upload threshold and outside the mixed passes' window."""
+        return ((self.upload_threshold is None or T < self.upload_threshold)
+                and not (self.mixed is not None and self.mixed.applies(T)))
+
     @property
     def capturable(self) -> bool:
         """A decode step can be captured as a graph when no layer needs the CPU (all experts
@@ -437,8 +449,7 @@ class HybridExperts(MoEBackend):
         out = Counter(self.counters)
         routes, cold = self.graph_counts.tolist()
         out["routes"] += routes
-        out["cold_routes"] += cold
-        out["cpu_experts"] += cold  # a graph step is one token: each cold route is one expert on the CPU
+        out["cold_routes"] += cold  # their CPU experts: the graph worker's count (graph_hybrid.py)
         out = dict(out)
         if self.borrow is not None:
             out |= self.borrow.stats()
@@ -446,14 +457,23 @@ class HybridExperts(MoEBackend):
             out |= self.admission.stats()
         return out
 
+    def before_step(self, rows: StepRows | None = None) -> None:
+        self.step_rows = rows
+
+    def after_step(self) -> None:
+        self.step_rows = None
+
     def count_captured(self, layer: int, ids: torch.Tensor) -> None:
-        """Count a captured step's routes on the device (capturable). A step runs every layer this
-        backend serves, each with the same routes per token: all of them are counted at the first,
-        one launch a step rather than one a layer."""
+        """Count a captured step's routes on the device (capturable): a decode step's, or the real
+        rows of a captured pass (step_rows). A step runs every layer this backend serves, each with
+        the same routes per token: all of them are counted at the first, one launch a step rather
+        than one a layer."""
+        rows, n = self.step_rows, len(self.has_cold)
         if layer == next(iter(self.has_cold)):
-            self.graph_counts[0] += ids.numel() * len(self.has_cold)
+            self.graph_counts[0] += ids.numel() * n if rows is None else (rows.count[0] * (ids.shape[1] * n)).long()
         if self.has_cold[layer]:
-            self.graph_counts[1] += (self.pools.of(layer).table[layer][ids] < 0).sum()
+            cold = self.pools.of(layer).table[layer][ids] < 0
+            self.graph_counts[1] += (cold if rows is None else cold & rows.valid[:, None]).sum()
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         T, K = topk.ids.shape
