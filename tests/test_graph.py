@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ostinato.engine.graph import pass_sizes, window_sizes
+from ostinato.engine.graph import PassGraphs, pass_sizes, window_sizes
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.loader.source import CheckpointSource
 from ostinato.models.common import DecodeWindow
@@ -64,6 +64,29 @@ def test_windowed_pass_matches_prefill(tiny_dir):
             end = start + n
             assert (layer.k[start:end] - k[start:end]).abs().max() < 1e-4 * k.abs().max()
             assert (layer.v[start:end] - v[start:end]).abs().max() < 1e-4 * v.abs().max()
+
+
+def test_pass_buffers_match_host_driven_pass(tiny_dir):
+    """PassGraphs' static buffers stepped eagerly on the CPU (the computation a capture records): the
+    padded pass's last logits equal the host-driven pass's, and the route tally counts its real rows
+    alone, as prefill."""
+    r = ModelRunner(CheckpointSource(tiny_dir), RunnerSettings(device="cpu", dtype="fp32", max_context=2048,
+                                                                count_routes=True))
+    passes = PassGraphs(r, pass_sizes(16))
+    ids = list(range(10, 70))
+    for start, n, B in ((40, 13, 16), (53, 5, 8), (58, 2, 8)):
+        r.forward(ids[:start], 0)
+        r.routes.reset()
+        want = r.forward(ids[start:start + n], start)
+        counts = r.routes.take()
+        r.forward(ids[:start], 0)
+        r.routes.reset()
+        got = passes.run(B, ids[start:start + n], start)
+        counted = r.routes.take()
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (start, n)
+        assert counted.tokens == {"prefill": n, "decode": 0} == counts.tokens
+        assert all(torch.equal(counted.prefill[l], counts.prefill[l]) for l in counts.prefill)
+    assert passes.size_for(5, 0) is None  # the reference backend captures no pass
 
 
 @pytest.mark.gpu

@@ -70,6 +70,7 @@ def environment(loaded, bs) -> dict:
                 "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory,
             "threads": loaded.runner.threads.as_dict(), "amx_quant_min_tokens": default_amx_quant_min_tokens(),
             "defer_combine": defer_combine() and loaded.runner.device.type == "cuda",  # it defers on CUDA only
+            "pass_graphs": loaded.runner.pass_graph_rows() if loaded.runner.device.type == "cuda" else 0,
             **routing_knobs(loaded.source)}
 
 
@@ -555,6 +556,9 @@ def _cpu_note(result: dict) -> list[str]:
     if result.get("defer_combine"):
         lines.append("- split passes that upload nothing join their CPU branch on the GPU stream, the host going on "
                      "(OSTINATO_DEFER_COMBINE, on unless 0)")
+    if result.get("pass_graphs"):
+        lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
+                     "uploads replayed as CUDA graphs, padded to powers of two (OSTINATO_PASS_GRAPHS)")
     if not str(result["device"]).startswith("cpu"):
         return lines
     return lines + ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical "

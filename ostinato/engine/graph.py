@@ -267,10 +267,11 @@ class DecodeGraphs:
 
 
 def pass_graph_rows() -> int:
-    """The most tokens a captured prefill pass holds (PassGraphs): OSTINATO_PASS_GRAPHS, else 256;
-    0 captures none (to time one against the other: scripts/device/run.sh ab_gguf with
-    AB_ENV="OSTINATO_PASS_GRAPHS=0")."""
-    v = os.environ.get("OSTINATO_PASS_GRAPHS", "256")
+    """The most tokens a captured prefill pass holds (PassGraphs): OSTINATO_PASS_GRAPHS, else 0 (none).
+    Off by default until it has run on a GPU: written in session 34, whose device time was not lent;
+    scripts/device/run.sh tests_passes checks it there, and ab_gguf with AB_ENV="OSTINATO_PASS_GRAPHS=256"
+    times it against the host-driven passes."""
+    v = os.environ.get("OSTINATO_PASS_GRAPHS", "0")
     if not v.isdigit():
         raise ConfigError(f"OSTINATO_PASS_GRAPHS must be a count of tokens (0: off), not {v!r}")
     return int(v)
@@ -295,8 +296,9 @@ class PassGraphs:
         self.model, self.kv, self.backend = runner.model, runner.kv.layers, runner.experts
         self.tally = runner.routes
         self.device = dev = runner.device
-        self.side = runner.side_stream(dev)
-        self.pool = torch.cuda.graph_pool_handle()
+        cuda = dev.type == "cuda"
+        self.side = runner.side_stream(dev) if cuda else None  # warm-up and capture
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.max_context, self.host_rows = runner.max_context, runner.host_rows
         self.sizes = sorted(sizes)
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
@@ -345,6 +347,13 @@ class PassGraphs:
                 self.tally.rows = None
 
     @torch.inference_mode()
+    def run(self, B: int, tokens: list[int], start: int) -> torch.Tensor:
+        """The pass stepped eagerly through size B's static buffers (the warm-up; on a CPU, where
+        nothing is captured, the check of them): logits [V] of its last token."""
+        self._load(B, tokens, start)
+        return self._step(B)
+
+    @torch.inference_mode()
     def capture(self) -> None:
         """Warm up (Triton compiles, allocators settle) and capture every size, before any request:
         the warm-up passes write cache rows 0..B-1."""
@@ -353,8 +362,7 @@ class PassGraphs:
                 self.side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.side):
                     for _ in range(2):
-                        self._load(B, [0] * B, 0)
-                        self._step(B)
+                        self.run(B, [0] * B, 0)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.side):

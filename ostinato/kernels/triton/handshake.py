@@ -17,9 +17,9 @@ host changes between replays. Every post also writes the step's token count (1 f
 
 A short prefill pass captured as a graph (engine/graph.py PassGraphs) posts n of its B rows (n on
 the device: the pass is padded to B, the rows past n are never read by the worker):
-  post_rows  the activations [B, D] cross as one copy into the mapped buffer (stream-ordered before
-             the kernel), then one program writes ids, weights, n and has_cold (over the n rows)
-             and publishes post_flag as `post` does;
+  post_rows  the activations [B, D] cross into the mapped buffer in a kernel of many programs,
+             then (stream-ordered after it) one program writes ids, weights, n and has_cold (over
+             the n rows) and publishes post_flag as `post` does;
   wait_rows  one program spins until done_flag == seq if has_cold (the spin of `wait_add`, once
              rather than in every program of a [B, D] grid);
   add_rows   the worker's fp32 partial of the n rows added to the GPU branch's, rounded once.
@@ -76,6 +76,13 @@ def _post(ids_ptr, w_ptr, x_ptr, table_ptr, seq_ptr,
     tl.store(h_has_cold, has_cold * seq)  # 0, or the step: lets the worker see it fell behind
     tl.debug_barrier()  # every thread's stores are done before the flag goes out
     tl.atomic_xchg(h_post, seq, sem="release", scope="sys")
+
+
+@triton.jit
+def _copy_rows(x_ptr, h_x, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tl.store(h_x + t * D + d, tl.load(x_ptr + t * D + d, mask=d < D), mask=d < D)
 
 
 @triton.jit
@@ -155,13 +162,16 @@ def post(ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post, h
                 flex_lo, K=K, D=D, BLOCK_D=1024, SCORE=score is not None, num_warps=4)
 
 
-def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x: torch.Tensor, h_has_cold, h_post,
-              h_tokens) -> None:
-    """A captured prefill pass's post: ids [B, K] int64, weights [B, K] fp32, x [B, D] (device), count
-    [1] int32 (device): the pass's real rows n <= B; h_x the layer's page-locked [>= B, D] tensor
-    itself (its rows arrive by one copy, ordered before the flag), the other h_* HostPointer views."""
+def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x, h_has_cold, h_post, h_tokens) -> None:
+    """A captured prefill pass's post: ids [B, K] int64, weights [B, K] fp32, x [B, D] (device, rows
+    contiguous), count [1] int32 (device): the pass's real rows n <= B; the h_* this layer's HostPointer
+    views of the shared buffers. The rows of x cross in a kernel of their own (a program per row and
+    block), which ends before the flag's kernel begins."""
     B, K = ids.shape
-    h_x[:B].copy_(x, non_blocking=True)
+    D = x.shape[1]
+    assert x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous(), "rows must be contiguous"
+    BLOCK_D = 1024
+    _copy_rows[(B, triton.cdiv(D, BLOCK_D))](x, h_x, D=D, BLOCK_D=BLOCK_D, num_warps=4)
     _post_rows[(1,)](ids, weights, table_row, seq, count, h_ids, h_w, h_has_cold, h_post, h_tokens,
                      K=K, BLOCK=triton.next_power_of_2(B * K), ROUTES=B * K, num_warps=4)
 
@@ -170,6 +180,7 @@ def wait_add_rows(gpu_out, h_out, h_has_cold, h_done, seq, count, y) -> None:
     """gpu_out [B, D] fp32 (device), h_out the layer's [>= B, D] fp32 (host), count [1] int32 (device),
     y [B, D] (device, the layer output): rows past count keep the GPU branch's sum alone."""
     B, D = gpu_out.shape
+    assert gpu_out.is_contiguous() and y.is_contiguous(), "rows must be contiguous"
     _wait_rows[(1,)](h_has_cold, h_done, seq, num_warps=1)
     BLOCK_D = 512
     _add_rows[(B, triton.cdiv(D, BLOCK_D))](gpu_out, h_out, h_has_cold, count, y, D=D, BLOCK_D=BLOCK_D,

@@ -118,7 +118,7 @@ class GraphHybridExperts(HybridWrapper):
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done, h_tokens = self.views[self.index[layer]]
         if self.rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
             count = self.rows.count
-            self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x.t,
+            self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x,
                               h_has, h_post, h_tokens)
         else:
             borrow = self.hybrid.borrow  # the post kernel scores the routes as borrow.observe would
@@ -128,7 +128,7 @@ class GraphHybridExperts(HybridWrapper):
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
         if self.rows is not None:
-            self.hs.wait_add_rows(gpu, h_out.t, h_has, h_done, self.seq, count, y)
+            self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count, y)
         else:
             self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
         return y
