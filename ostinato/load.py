@@ -124,7 +124,8 @@ def all_resident_fit(source, settings: RunnerSettings, cap: int, experts: str = 
     counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
     try:
         return plan_capacity(cfg, counts, cap, settings.context(cfg), dtype,
-                             CapacitySettings(prefill_chunk=settings.prefill_chunk),
+                             CapacitySettings(prefill_chunk=settings.prefill_chunk,
+                                              pass_graph_rows=settings.pass_graphs),
                              formats=weight_formats(source, experts)).max_hot_slots >= \
             len(cfg.moe_layers) * cfg.num_experts
     except CapacityError:

@@ -65,6 +65,10 @@ def test_split_plan_covers_the_window():
     assert split_plan(8192) == (128, 64)
     assert split_plan(32768) == (512, 64)
     assert split_plan(8292, max_splits=2) == (4160, 2)  # 256 tokens' 32 row blocks of Qwen3-30B-A3B
+    from ostinato.kernels.triton.decode_attention import MAX_SPLITS
+    from ostinato.planner.capacity import SPLIT_ROWS
+
+    assert MAX_SPLITS * 64 == SPLIT_ROWS  # the capacity test's bound on the partials of a captured pass
     for W in [1, 17, 100, 1000, 3000, 4096, 5000, 32768, 40000]:
         for chunk, block_n in [(None, 64), (None, 16), (32, 16)]:
             c, ns = split_plan(W, chunk, block_n)

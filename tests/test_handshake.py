@@ -57,3 +57,80 @@ print("INTERPRETER_OK")
 
 def test_post_rows_and_wait_add_rows_under_interpreter():
     run_interpreted(SCRIPT, timeout=300)
+
+
+WRAPPER_SCRIPT = """
+import atexit
+import torch
+from ostinato.kernels.triton import handshake as hs
+from ostinato.layers.moe.backend import StepRows
+from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+from ostinato.layers.moe.hybrid import cpu_routes
+from ostinato.layers.moe.types import TopKOutput
+from test_hybrid import LAYERS, E, K, D, _hybrid
+
+# The interpreter runs a kernel on copies of its arguments and writes them back at its end (the flag
+# last: post_rows passes it last), so a spin inside a kernel never sees the worker: the join's spin
+# runs here, on the live memory, and the add kernel after it as on the GPU.
+hs.HostPointer = lambda t: t
+
+
+class Spin:
+    def __getitem__(self, grid):
+        def spin(h_has_cold, h_done, seq, num_warps=1):
+            if int(h_has_cold[0]) != 0:
+                while int(h_done[0]) != int(seq[0]):
+                    pass
+        return spin
+
+
+hs._wait_rows = Spin()
+
+
+def toward_zero(t):
+    return (t.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+
+hybrid, _ = _hybrid(0.5, None, backend="native", dtype=torch.bfloat16)
+graphed = GraphHybridExperts(hybrid, max_rows=16)
+atexit.unregister(graphed.stop)  # its stop() synchronises CUDA; the worker alone is stopped here
+g = torch.Generator().manual_seed(3)
+try:
+    for B, n in ((16, 11), (8, 8), (16, 3), (4, 1)):
+        x = torch.randn(B, D, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)])
+        w = torch.rand(B, K, generator=g)
+        topk = TopKOutput(ids, w / w.sum(1, keepdim=True))
+        rows = StepRows(torch.tensor([n], dtype=torch.int32), torch.arange(B) < n)
+        graphed.before_step(rows)
+        got = [graphed(l, x, topk) for l in LAYERS]  # the handshake: post, the worker, the join
+        graphed.after_step()
+        for l, y in zip(LAYERS, got):
+            # the fp32 sum of both branches, as split_path forms it from the same pieces (the worker's
+            # partial of the n rows: CpuExperts on their cold routes), rounded as this interpreter rounds
+            # fp32 to bf16 (toward zero; a GPU rounds to nearest even, as split_path's cast does)
+            pool = hybrid.pools.of(l)
+            gpu = pool.forward(x, pool.slots_for(l, ids), topk.weights, out_dtype=torch.float32)[:n]
+            cid = hybrid._compact[l][ids[:n].numpy()]
+            cpu = hybrid.cpu.forward(l, x[:n].contiguous(), *cpu_routes(cid, cid >= 0, topk.weights[:n]))
+            assert torch.equal(y[:n], toward_zero(gpu + cpu)), (B, n, l)
+            split = hybrid.split_path(l, x, topk)[:n].float()
+            assert ((y[:n].float() - split).abs() <= 2**-7 * split.abs()).all(), (B, n, l)
+    s = graphed.worker.stats()
+    assert s["steps"] == 4 and s["bad_tokens"] == s["errors"] == s["desync"] == 0, s
+finally:
+    graphed.worker.stop()
+print("INTERPRETER_OK")
+"""
+
+
+def test_graph_wrapper_rows_match_split_path_under_interpreter():
+    """GraphHybridExperts' captured passes end to end on the CPU: its handshake kernels under the
+    interpreter beside the native worker (both on host memory; the join's spin in Python, see the
+    script), passes of n of B rows: each layer's real rows are the fp32 sum of the GPU branch over the B
+    rows and CpuExperts' partial of the n rows, bit for bit, rounded once (as split_path joins them), and
+    within a bf16 step of split_path itself; the worker's steps are counted."""
+    from ostinato.kernels.cpu import build
+
+    if build.load_cpu_extension() is None or not build.load_cpu_extension().cpu_features()["avx512"]:
+        pytest.skip("needs the native CPU experts (AVX-512)")
+    run_interpreted(WRAPPER_SCRIPT, timeout=600)

@@ -93,8 +93,25 @@ def test_dense_weights_and_activations_are_counted_from_the_config():
     from ostinato.planner.capacity import pass_bound
 
     counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
-    cap = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64))
+    cap = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64,
+                                                                                   pass_graph_rows=0))
     assert cap.activations == pass_bound(cfg, 64, 1000, torch.bfloat16)["total"] == fused["total"]
+    # captured prefill passes (engine/graph.py PassGraphs) keep a pool of their own: the largest's buffers
+    # attending to its own rows (the split-K kernel reads the cache in place) and the kernel's partials
+    from ostinato.planner.capacity import SPLIT_ROWS
+
+    graphed = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64,
+                                                                                       pass_graph_rows=32))
+    partials = cfg.num_key_value_heads * SPLIT_ROWS * (cfg.head_dim + 2) * 4
+    assert graphed.activation_parts["pass_graphs"] == pass_bound(cfg, 32, 32, torch.bfloat16, score_share=0.0)[
+        "total"] + partials
+    assert graphed.activations == cap.activations + graphed.activation_parts["pass_graphs"]
+    big = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64,
+                                                                                   pass_graph_rows=5000))
+    assert big.activation_parts["pass_graphs"] > graphed.activation_parts["pass_graphs"]  # at most the cache's rows
+    assert big.activation_parts["pass_graphs"] == plan_capacity(
+        cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64, pass_graph_rows=1000)
+    ).activation_parts["pass_graphs"]
 
 
 @FAST

@@ -137,7 +137,8 @@ def pool_size(loaded, bs: BenchSettings, counts):
     size = size_pool(cfg, total, loaded.runner.dtype, gpu_memory=bs.gpu_memory, hot_fraction=f,
                      expert_budget=bs.expert_budget, kv_tokens=loaded.engine.max_context,
                      capacity=CapacitySettings(prefill_chunk=bs.runner.prefill_chunk,
-                                               attention_score_share=bs.attention_scores), formats=formats)
+                                               attention_score_share=bs.attention_scores,
+                                               pass_graph_rows=bs.runner.pass_graphs), formats=formats)
     K, E = cfg.num_experts_per_tok, cfg.num_experts
     sizes = {l: v for l, v in expert_sizes(cfg, loaded.runner.dtype, formats.experts).items() if l in total}
     groups = pool_groups(total, size.hot, K, E, sizes, size.max_flex)

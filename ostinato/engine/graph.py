@@ -45,10 +45,9 @@ captured pass.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
-
-import os
 
 from ostinato.config import ConfigError
 from ostinato.engine.devices import Segment, backend_of, device_scope

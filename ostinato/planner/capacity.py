@@ -66,10 +66,13 @@ from ostinato.engine.sizes import (dense_dequant_bytes, dense_parts, dense_weigh
                                    itemsize, kv_bytes)
 from ostinato.loader.build import WeightFormats
 from ostinato.models.common import fused_attention_available
-from ostinato.models.registry import attention_shape
+from ostinato.models.registry import attention_shape, model_class
 from ostinato.planner.fill import fill, fill_more
 
 GiB = 2**30
+# the most rows of split-K attention partials per KV head: kernels/triton/decode_attention.py's MAX_SPLITS
+# splits of a 64-row block (more row blocks get fewer splits); not imported, the planner runs without triton
+SPLIT_ROWS = 64 * 64
 
 
 class CapacityError(ConfigError):
@@ -87,6 +90,10 @@ class CapacitySettings:
     # bytes, split evenly over the groups (flex_bound; the module docstring says why a quarter)
     max_flex: int | None = None
     flex_share: float = 0.25
+    # the most tokens of a prefill pass the runner captures as a graph (engine/graph.py PassGraphs),
+    # whose private memory pool holds that pass's buffers beside the allocator's; None: the engine's
+    # default (OSTINATO_PASS_GRAPHS); 0 or 1: none
+    pass_graph_rows: int | None = None
 
     def __post_init__(self):
         if self.max_flex is not None and self.max_flex < 0:
@@ -335,6 +342,26 @@ def pass_bound(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, formats: We
     return activation_bytes(cfg, T, N, dtype, score_share, _dequant_scratch(cfg, T, dtype, formats, sizes))
 
 
+def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: int, dtype: torch.dtype,
+                     formats: WeightFormats, sizes: dict) -> int:
+    """The private pool of the captured prefill passes (engine/graph.py PassGraphs): the buffers of the
+    largest, B rows, which the smaller ones captured after it reuse. Its attention reads the cache in
+    place (the split-K kernel): the bound of a B-token pass attending to its own B tokens, plus the
+    kernel's fp32 partials over the whole cache (kernels/triton/decode_attention.py: at most
+    MAX_SPLITS row blocks of 64 rows per KV head, or one split of each block where a pass has more, each
+    row's running max and sum and its Hd sums)."""
+    from ostinato.engine.graph import pass_graph_rows
+
+    rows = settings.pass_graph_rows if settings.pass_graph_rows is not None else pass_graph_rows()
+    B = min(rows, kv_tokens)
+    if B < 2 or not model_class(cfg).window_passes:
+        return 0
+    shape = attention_shape(cfg)
+    blocks = -(-B * (shape.heads // shape.kv_heads) // 64)  # 64-row blocks; beyond MAX_SPLITS of them, one split each
+    partials = shape.kv_heads * max(SPLIT_ROWS, 64 * blocks) * (shape.v_dim + 2) * 4
+    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials
+
+
 def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: WeightFormats, sizes: dict) -> int:
     """The dequantized paths' scratch in a T-token pass: the experts' where quantized experts meet a
     pass that path may serve (from the smallest threshold of any tuning: a device's own is not known
@@ -400,6 +427,9 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     who = f"{label}: " if label else ""
     sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats.experts).items() if l in counts}
     act = pass_bound(cfg, T, kv_tokens, dtype, formats, sizes, settings.attention_score_share)
+    graphs = pass_graph_bytes(cfg, settings, kv_tokens, dtype, formats, sizes)
+    if graphs:
+        act = {**act, "pass_graphs": graphs, "total": act["total"] + graphs}
     margin = int(settings.margin_bytes + settings.margin_fraction * budget)
     eb = round(sum(b for _, b in sizes.values()) / len(sizes)) if sizes else expert_bytes(cfg, dtype)
     E = cfg.num_experts

@@ -86,7 +86,7 @@ def _copy_rows(x_ptr, h_x, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _post_rows(ids_ptr, w_ptr, table_ptr, seq_ptr, count_ptr, h_ids, h_w, h_has_cold, h_post, h_tokens,
+def _post_rows(ids_ptr, w_ptr, table_ptr, seq_ptr, count_ptr, h_ids, h_w, h_has_cold, h_tokens, h_post,
                K: tl.constexpr, BLOCK: tl.constexpr, ROUTES: tl.constexpr):
     r = tl.arange(0, BLOCK)
     m = r < ROUTES
@@ -172,7 +172,7 @@ def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x, h_has_col
     assert x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous(), "rows must be contiguous"
     BLOCK_D = 1024
     _copy_rows[(B, triton.cdiv(D, BLOCK_D))](x, h_x, D=D, BLOCK_D=BLOCK_D, num_warps=4)
-    _post_rows[(1,)](ids, weights, table_row, seq, count, h_ids, h_w, h_has_cold, h_post, h_tokens,
+    _post_rows[(1,)](ids, weights, table_row, seq, count, h_ids, h_w, h_has_cold, h_tokens, h_post,
                      K=K, BLOCK=triton.next_power_of_2(B * K), ROUTES=B * K, num_warps=4)
 
 

@@ -113,7 +113,7 @@ class GraphHybridExperts(HybridWrapper):
         if T > self.max_rows:
             raise ValueError(f"a captured pass of {T} rows exceeds the handshake's {self.max_rows}")
         pool = self.hybrid.pools.of(layer)
-        if torch.cuda.is_current_stream_capturing():
+        if self.hybrid.on_cuda and torch.cuda.is_current_stream_capturing():
             self.hybrid.count_captured(layer, topk.ids)
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done, h_tokens = self.views[self.index[layer]]
         if self.rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
