@@ -294,7 +294,7 @@ def test_synthetic_source_and_regimes(ds_dir):
     assert spec.tensor(p + "self_attn.kv_b_proj.weight")[:, :R].abs().max() > 0  # reads the latent
 
 
-def test_glm4_moe_matches_transformers(tmp_path):
+def test_glm4_moe_matches_transformers(tmp_path, ds_dir):
     """GLM-4-MoE: q/k norms, q/k/v biases, rotary on half of each head, DeepSeek's MoE (n_group 2)."""
     from ostinato.synth.build import write_checkpoint
 
@@ -314,3 +314,17 @@ def test_glm4_moe_matches_transformers(tmp_path):
     assert _greedy(ours.decode_windowed, ours.forward(ids, 0), len(ids), n) == want
     ours.forward(ids, 0)
     assert _err(ours.decode_windowed(want[0], len(ids)), ref[len(ids)]) < TOL
+    # a short prefill pass through a window of 16 rows (its attention is Qwen3's: engine/graph.py PassGraphs
+    # captures such passes), 11 of them real, after 29 tokens
+    assert ours.model.window_passes
+    ours.forward(ids[:29], 0)
+    pos = torch.tensor([29])
+    window = DecodeWindow(pos, 256, 16)
+    tokens = torch.tensor(ids[29:40] + [0] * 5)
+    with torch.inference_mode():
+        got = ours.model.logits(ours.model(tokens, pos, ours.kv.layers, 0, window))[:11]
+    assert _err(got, ref[29:40]) < TOL
+    assert not MODELS["deepseek_v3"].window_passes  # MLA's windowed attention is one token's
+    mla = _ours(ds_dir)
+    with pytest.raises(ValueError, match="one token at a time"):
+        mla.model(torch.tensor(ids[:2]), pos, mla.kv.layers, 0, DecodeWindow(pos, 256, 2))

@@ -247,7 +247,10 @@ class MoECausalLM(nn.Module):
 
     fp32_params: tuple[str, ...] = ()  # parameter name endings kept in fp32 whatever the compute dtype
     # its attention takes a DecodeWindow of several tokens, so short prefill passes may be captured
-    # (engine/graph.py PassGraphs); a family whose windowed attention is one token's says False
+    # (engine/graph.py PassGraphs): Qwen3's, through the split-K kernel that reads the cache in place.
+    # gpt-oss's and MLA's windowed attention is one token's: over a whole-cache window, their torch
+    # expressions would hold fp32 scores of T x H x W (0.5 to 1 GiB at 256 tokens over 8k), so they
+    # need a kernel of that kind first
     window_passes: bool = False
 
     config: ModelConfig

@@ -69,6 +69,8 @@ class MLAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
         T = x.shape[0]
+        if window is not None and window.tokens != 1:  # window_passes is False: one token's windows only
+            raise ValueError(f"MLA attends a decode window one token at a time, not {window.tokens}")
         q_nope, q_rope = self._query(x).view(T, self.h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
         q_rope = self.rotate(q_rope, cos, sin)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.dr], dim=-1)

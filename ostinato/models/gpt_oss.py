@@ -73,6 +73,8 @@ class SinkAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
         T = x.shape[0]
+        if window is not None and window.tokens != 1:  # window_passes is False: one token's windows only
+            raise ValueError(f"gpt-oss attends a decode window one token at a time, not {window.tokens}")
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         v = v.view(T, self.hkv, self.hd)
         store = None if window is None else (v, kv.k, kv.v, window.position)  # a decode step's KV row
