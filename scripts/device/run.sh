@@ -167,7 +167,8 @@ phase_tests() {  # decode graphs bitwise equal to the synchronous path; the embe
 }
 phase_tests_passes() {  # short prefill passes as graphs: the multi-token attention, the worker's rows (native),
   # the captured passes against the host-driven ones
-  run 120 "$R/tests_passes.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_graph_worker.py
+  run 150 "$R/tests_passes.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_graph_worker.py \
+    tests/test_handshake.py
   run 240 "$R/tests_passes.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
     tests/test_decode_attention.py
 }
