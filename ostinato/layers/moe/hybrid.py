@@ -334,8 +334,8 @@ class HybridExperts(MoEBackend):
         self.out_host = torch.empty((max_tokens, D), dtype=torch.float32, pin_memory=pin)
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.counters: Counter = Counter()
-        # routes and cold routes of captured decode steps: device counters that every replay
-        # updates (Python code runs once, at capture)
+        # routes and cold routes of captured decode steps and passes: device counters that every
+        # replay updates (Python code runs once, at capture)
         self.graph_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.step_rows: StepRows | None = None  # a captured pass's real rows, while it is captured
         layers = sorted(host.compact) if layers is None else layers
