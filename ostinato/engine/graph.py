@@ -265,7 +265,7 @@ class DecodeGraphs:
         return out[0]
 
 
-def pass_graph_rows() -> int:
+def env_pass_rows() -> int:
     """The most tokens a captured prefill pass holds (PassGraphs): OSTINATO_PASS_GRAPHS, else 0 (none).
     Off by default until it has run on a GPU: written in session 34, whose device time was not lent;
     scripts/device/run.sh tests_passes checks it there, and ab_gguf with AB_ENV="OSTINATO_PASS_GRAPHS=256"
@@ -277,15 +277,9 @@ def pass_graph_rows() -> int:
 
 
 def pass_sizes(largest: int, smallest: int = 8) -> list[int]:
-    """The row counts passes are captured at: powers of two from `smallest` up to `largest` (itself
-    the last, if not a power of two); none below 2."""
-    if largest < 2:
-        return []
-    sizes, b = [], smallest
-    while b < largest:
-        sizes.append(b)
-        b *= 2
-    return sizes + [largest]
+    """The row counts passes are captured at: doubling from `smallest` up to `largest` (itself the
+    last), as decode windows double (window_sizes); none below 2."""
+    return window_sizes(largest, smallest) if largest >= 2 else []
 
 
 class PassGraphs:

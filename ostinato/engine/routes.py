@@ -92,6 +92,7 @@ class RouteTally:
         self.passes: dict[int, int] = {}  # prefill passes by size, counted on the host at the first MoE layer
         self._one: dict[torch.device, torch.Tensor] = {}  # a 1 per device, expanded to each pass's ids
         self.rows = None  # a captured prefill pass's real rows (StepRows) while it is captured: only they count
+        self._valid: tuple = (None, None)  # (those rows, a 1 per real route): made at the pass's first layer
 
     def wrap(self, backend):
         return _Counting(backend, self)
@@ -103,7 +104,9 @@ class RouteTally:
         T, K = topk.ids.shape
         ids = topk.ids.reshape(-1)
         if self.rows is not None:  # a captured pass (engine/graph.py PassGraphs counts it at each replay)
-            c[0].index_add_(0, ids, self.rows.valid[:, None].expand(T, K).reshape(-1).long())
+            if self._valid[0] is not self.rows:
+                self._valid = (self.rows, self.rows.valid[:, None].expand(T, K).reshape(-1).long())
+            c[0].index_add_(0, ids, self._valid[1])
             return
         if T > 1 and layer == self.layers[0]:  # a host-driven prefill pass
             self.count_pass(T)

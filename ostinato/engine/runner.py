@@ -19,7 +19,7 @@ import torch
 
 from ostinato.engine import devices as split
 from ostinato.engine.gpu_memory import allocator_counters
-from ostinato.engine.graph import DecodeGraphs, PassGraphs, pass_graph_rows, pass_sizes, window_sizes
+from ostinato.engine.graph import DecodeGraphs, PassGraphs, env_pass_rows, pass_sizes, window_sizes
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.routes import RouteTally
 from ostinato.kernels.triton import compiles as triton_compiles
@@ -42,7 +42,7 @@ class RunnerSettings:
     prefill_chunk: int = 2048
     cuda_graph: bool = True  # decode as captured graphs (one per device), when the experts backend allows it
     # the most tokens of a prefill pass captured as a graph too (engine/graph.py PassGraphs; one device,
-    # with cuda_graph); None: OSTINATO_PASS_GRAPHS (pass_graph_rows: 0, none, unless set)
+    # with cuda_graph); None: OSTINATO_PASS_GRAPHS (env_pass_rows: 0, none, unless set)
     pass_graphs: int | None = None
     devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": MoE layers split across them, in order
     cpu_threads: int | None = None  # CPU expert workers; default: every physical core the layout leaves
@@ -184,10 +184,10 @@ class ModelRunner:
 
     def pass_graph_rows(self) -> int:
         """The most tokens of a prefill pass captured as a graph (0: none): one device, a model whose
-        attention takes several tokens in a window, the settings' count (pass_graph_rows's default)."""
+        attention takes several tokens in a window, the settings' count (env_pass_rows's default)."""
         if self.layer_devices is not None or not self.model.window_passes:
             return 0
-        rows = self.settings.pass_graphs if self.settings.pass_graphs is not None else pass_graph_rows()
+        rows = self.settings.pass_graphs if self.settings.pass_graphs is not None else env_pass_rows()
         return min(rows, self.max_context)
 
     def enable_graphs(self) -> None:
@@ -240,28 +240,29 @@ class ModelRunner:
         if not decode:
             self.experts.before_prefill()  # borrowed slots go back to the upload path first
         if decode and self.graphs is not None and self.graphs.window_for(start) is not None:
-            self.experts.settle()  # the graph's worker takes the CPU pool
-            logits = self.graphs.replay(tokens[0], start).to(self.device, copy=True)  # from the last device
-            if self._step_done is not None:  # sleep, not spin, beside the poller on its core
-                self._step_done.record()
-                self._step_done.synchronize()
+            logits = self._replayed(lambda: self.graphs.replay(tokens[0], start))
             self._after_decode_step()
             return logits
         size = self.passes.size_for(len(tokens), start) if self.passes is not None and not decode and \
             not all_logits else None
         if size is not None:
-            self.experts.settle()
-            logits = self.passes.replay(size, tokens, start).to(self.device, copy=True)
-            if self._step_done is not None:
-                self._step_done.record()
-                self._step_done.synchronize()
-            return logits
+            return self._replayed(lambda: self.passes.replay(size, tokens, start))
         chunk = self.settings.prefill_chunk  # several chunks run layer by layer (devices.forward_layer_major says why)
         hidden = split.forward_layer_major(self.model, self.segments, [
             self._chunk(tokens[s:s + chunk], start + s) for s in range(0, len(tokens), chunk)], self.kv.layers)
         logits = torch.cat([self._logits(h) for h in hidden]) if all_logits else self._logits(hidden[-1][-1:])[0]
         if decode:
             self._after_decode_step()
+        return logits
+
+    def _replayed(self, replay) -> torch.Tensor:
+        """A captured step or pass: the graph's worker takes the CPU pool, replay() launches it; -> its
+        logits, copied from the graph's static buffer on the last device."""
+        self.experts.settle()
+        logits = replay().to(self.device, copy=True)
+        if self._step_done is not None:  # sleep, not spin, beside the poller on its core
+            self._step_done.record()
+            self._step_done.synchronize()
         return logits
 
     def _after_decode_step(self) -> None:

@@ -80,7 +80,7 @@ class Attention(nn.Module):
         kv.k[start:end] = k
         kv.v[start:end] = v
         if T == 1 and q.is_cuda:  # eager decode (the baselines' steps): the decode kernel too
-            return self._attend_one(q, kv, torch.full((1,), start, device=q.device), end)
+            return self._attend_split_k(q, kv, torch.full((1,), start, device=q.device), end)
         q_ = q.transpose(0, 1)  # [H, T, Hd]
         k_ = kv.k[:end].transpose(0, 1)  # [Hkv, L, Hd]
         v_ = kv.v[:end].transpose(0, 1)
@@ -90,7 +90,7 @@ class Attention(nn.Module):
             o = causal_attention(q_, k_, v_)
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.hd))
 
-    def _attend_one(self, q, kv: LayerKV, position: torch.Tensor, size: int) -> torch.Tensor:
+    def _attend_split_k(self, q, kv: LayerKV, position: torch.Tensor, size: int) -> torch.Tensor:
         """CUDA: token t of q [T, H, Hd] over cache rows 0..position + t (< size), position on the
         device (T = 1: a decode step; more: a captured short prefill pass). SDPA's
         fused kernels parallelise over heads only (Hkv programs for one query), so most of the
@@ -109,7 +109,7 @@ class Attention(nn.Module):
         over rows 0..position + t, masking what lies beyond. No host value depends on the position,
         so a captured graph replays it for every position within the window."""
         if q.is_cuda:
-            return self._attend_one(q, kv, window.position, window.size)
+            return self._attend_split_k(q, kv, window.position, window.size)
         # CPU: SDPA with the window's mask. The query heads of a KV head are its queries (query
         # head h reads KV head h // G), so the window is read once per KV head, never repeated.
         T, G = q.shape[0], self.h // self.hkv

@@ -350,9 +350,9 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     kernel's fp32 partials over the whole cache (kernels/triton/decode_attention.py: at most
     MAX_SPLITS row blocks of 64 rows per KV head, or one split of each block where a pass has more, each
     row's running max and sum and its Hd sums)."""
-    from ostinato.engine.graph import pass_graph_rows
+    from ostinato.engine.graph import env_pass_rows
 
-    rows = settings.pass_graph_rows if settings.pass_graph_rows is not None else pass_graph_rows()
+    rows = settings.pass_graph_rows if settings.pass_graph_rows is not None else env_pass_rows()
     B = min(rows, kv_tokens)
     if B < 2 or not model_class(cfg).window_passes:
         return 0

@@ -53,7 +53,6 @@ class GraphHybridExperts(HybridWrapper):
                       for i in range(len(layers))}
         assert sh.post_flag.stride(0) == S
         self.in_step = False
-        self.rows: StepRows | None = None  # the captured pass's real rows (None: a decode step)
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
         self.worker.start(1)
@@ -71,11 +70,11 @@ class GraphHybridExperts(HybridWrapper):
     def before_step(self, rows: StepRows | None = None) -> None:
         """First thing of a graph step: the device-side step number moves on."""
         self.hs.bump(self.seq)
-        self.in_step, self.rows = True, rows
-        self.hybrid.before_step(rows)
+        self.in_step = True
+        self.hybrid.before_step(rows)  # the pass's real rows are the executor's step_rows
 
     def after_step(self) -> None:
-        self.in_step, self.rows = False, None
+        self.in_step = False
         self.hybrid.after_step()
 
     def after_capture(self) -> None:
@@ -107,8 +106,8 @@ class GraphHybridExperts(HybridWrapper):
         return out
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        T = x.shape[0]
-        if not (self.in_step and self.hybrid.has_cold[layer] and (T == 1 or self.rows is not None)):
+        T, rows = x.shape[0], self.hybrid.step_rows  # rows: a captured pass's (None: a decode step)
+        if not (self.in_step and self.hybrid.has_cold[layer] and (T == 1 or rows is not None)):
             return self.hybrid(layer, x, topk)
         if T > self.max_rows:
             raise ValueError(f"a captured pass of {T} rows exceeds the handshake's {self.max_rows}")
@@ -116,8 +115,8 @@ class GraphHybridExperts(HybridWrapper):
         if self.hybrid.on_cuda and torch.cuda.is_current_stream_capturing():
             self.hybrid.count_captured(layer, topk.ids)
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done, h_tokens = self.views[self.index[layer]]
-        if self.rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
-            count = self.rows.count
+        if rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
+            count = rows.count
             self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x,
                               h_has, h_post, h_tokens)
         else:
@@ -127,7 +126,7 @@ class GraphHybridExperts(HybridWrapper):
                          h_tokens, score)
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
-        if self.rows is not None:
+        if rows is not None:
             self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count, y)
         else:
             self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
