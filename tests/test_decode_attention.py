@@ -8,7 +8,9 @@ under TRITON_INTERPRET=1 in a subprocess (the variable must be set before triton
 fp32 and fp16 (the interpreter gets bf16 tl.dot wrong), with NaN in every cache row past the
 last token's position (proof they are never read). CUDA (marked gpu) runs it in bf16 against
 SDPA's masked call and the oracle, under CUDA-graph replay with only the position changed
-(T = 1 and T > 1), and through the model's windowed decode.
+(T = 1 and T > 1), and through the model's windowed decode. With gpt-oss's attention sinks
+(one logit per query head in each softmax's denominator) the oracle is the model's own
+sink_attention, interpreted and on CUDA.
 """
 from __future__ import annotations
 
@@ -44,6 +46,26 @@ def oracle_tokens(q, k, v, position, window):
     """[T, H, Hd]: token t of q [T, H, Hd] over keys 0..min(position + t, window - 1)."""
     return torch.stack([oracle(q[t], k, v, min(position + t, window - 1))
                         for t in range(q.shape[0])])
+
+
+def sink_oracle(q, k, v, sinks, position, window):
+    """[T, H, Hd]: gpt-oss's sink_attention (models/gpt_oss.py, fp32) of q [T, H, Hd], token t over
+    keys 0..min(position + t, W - 1), the head's sink joining each softmax."""
+    from ostinato.models.gpt_oss import sink_attention
+
+    T, Hd = q.shape[0], q.shape[-1]
+    mask = torch.arange(window)[None, :] <= position + torch.arange(T)[:, None]  # [T, W]
+    kv = [c[:window].float().cpu().transpose(0, 1) for c in (k, v)]  # [Hkv, W, Hd]
+    o = sink_attention(q.float().cpu().transpose(0, 1), *kv, sinks.float().cpu(), Hd ** -0.5, mask)
+    return o.transpose(0, 1)
+
+
+def make_sinks(H, seed=0):
+    """[H] logits about the scores' size, but head 0's far above them (its output ~0) and head
+    H - 1's far below (a sink that adds nothing)."""
+    s = torch.randn(H, generator=torch.Generator().manual_seed(seed)) * 2
+    s[0], s[-1] = 100.0, -1e4
+    return s
 
 
 def sdpa_window(q, k, v, position, window):
@@ -193,6 +215,48 @@ def test_prefill_tokens_under_interpreter():
     run_interpreted(PREFILL_SCRIPT, timeout=300)
 
 
+SINKS_SCRIPT = """
+    import torch
+    import test_decode_attention as t
+    from ostinato.kernels.triton.decode_attention import decode_attention
+
+    def check(H, Hkv, Hd, W, T, positions, dtype, chunk=None, block_n=64):
+        q, k, v = t.make_case(H, Hkv, Hd, W, dtype, seed=W + H + T, T=T)
+        sinks = t.make_sinks(H, seed=T).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 3e-3
+        for p in positions:
+            kc, vc = k.clone(), v.clone()
+            kc[min(p + T, W):] = float("nan")  # past the last token (or the window)
+            vc[min(p + T, W):] = float("nan")
+            pos = torch.tensor([p])
+            got = decode_attention(q, kc, vc, pos, W, sinks=sinks, chunk=chunk, block_n=block_n)
+            assert got.shape == q.shape and got.dtype == dtype, (got.shape, got.dtype)
+            err = (got.float() - t.sink_oracle(q, k, v, sinks, p, W)).abs().max().item()
+            assert err < tol, (H, Hkv, Hd, W, T, chunk, block_n, dtype, p, err)
+            plain = decode_attention(q, kc, vc, pos, W, chunk=chunk, block_n=block_n)
+            assert (plain.float() - got.float()).abs().max() > 100 * tol  # the sinks count
+            assert got[:, 0].abs().max() < 1e-6  # a sink far above every score takes the whole softmax
+            assert torch.equal(got[:, -1], plain[:, -1])  # one far below adds nothing, bit for bit
+
+    f32, f16 = torch.float32, torch.float16
+    # G = 8 (Qwen's 32 / 4 heads of 128) at decode (T = 1) and for 5 tokens: positions at 0, mid-window
+    # on a split's boundary, and the window's end; gpt-oss's G = 8, Hd = 64 (its 64 / 8 heads) over
+    # small chunks, 16 tokens whose last keys span several splits
+    check(32, 4, 128, 256, 1, [0, 1, 130, 255], f32)
+    check(32, 4, 128, 256, 5, [0, 3, 128, 251], f32)
+    check(16, 2, 64, 64, 16, [0, 20, 48], f32, chunk=16, block_n=16)
+    # G = 3, Hd = 40 (padded to 64), W = 100 not a multiple of the chunk; in fp16 (sinks in fp16 too)
+    check(6, 2, 40, 100, 5, [0, 47, 95], f32, chunk=32, block_n=16)
+    check(16, 2, 64, 128, 5, [0, 60, 123], f16)
+    print("INTERPRETER_OK")
+"""
+
+
+def test_sinks_under_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(SINKS_SCRIPT, timeout=300)
+
+
 def assert_bf16_close(got, want):
     err = (got.float().cpu() - want.float().cpu()).abs().max().item()
     assert err <= 1e-2 * want.abs().max().item() + 2e-3, err
@@ -263,6 +327,22 @@ def test_cuda_bf16_tokens_match_oracle(window, T):
             assert_bf16_close(got[t], one[0])
         runs = [decode_attention(q, k, v, pos, window) for _ in range(3)]
         assert all(torch.equal(got, r) for r in runs)  # deterministic
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_cuda_bf16_sinks_match_oracle(T):
+    """gpt-oss-120b's heads (64 query heads on 8 KV heads of 64) with its sinks, bf16."""
+    from ostinato.kernels.triton.decode_attention import decode_attention
+
+    H, Hkv, Hd, window = 64, 8, 64, 1024
+    q, k, v = make_case(H, Hkv, Hd, window, torch.bfloat16, "cuda", seed=T, T=T)
+    sinks = make_sinks(H, seed=T).to("cuda", torch.bfloat16)
+    for p in [0, 1, 63, 500, window - T]:
+        pos = torch.tensor([p], device="cuda")
+        got = decode_attention(q, k, v, pos, window, sinks=sinks)
+        assert_bf16_close(got, sink_oracle(q, k, v, sinks, p, window))
 
 
 @pytest.mark.gpu

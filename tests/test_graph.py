@@ -148,16 +148,22 @@ def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold):
     the worker's rows) against the host-driven passes of an engine without graphs: the same greedy
     token after every pass, logits within bf16 rounding (the attention kernels differ: split-K
     against SDPA's), the same routes counted and as many cold ones, and the same tokens decoded after."""
+    pass_graphs_vs_host_driven(tiny_dir, tmp_path, cold)
+
+
+def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float) -> None:
+    """test_pass_graphs_match_host_driven_passes on the checkpoint ckpt, a fraction `cold` of its
+    experts on the CPU."""
     from ostinato.engine.placement import PlacementSettings
     from ostinato.load import load_engine
     from tests.test_hybrid import _residency_for
 
-    _residency_for(CheckpointSource(tiny_dir), 1.0 - cold).save(tmp_path / "res.json")
+    _residency_for(CheckpointSource(ckpt), 1.0 - cold).save(tmp_path / "res.json")
     place = PlacementSettings(residency=str(tmp_path / "res.json"))
-    graphed = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
-                                                        pass_graphs=64), place)
-    sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
-                                                     cuda_graph=False), place)
+    graphed = load_engine(str(ckpt), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
+                                                    pass_graphs=64), place)
+    sync = load_engine(str(ckpt), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
+                                                 cuda_graph=False), place)
     passes = graphed.runner.passes
     assert passes is not None and passes.sizes == [8, 16, 32, 64]
     prompt = list(range(5, 105))

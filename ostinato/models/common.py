@@ -247,10 +247,10 @@ class MoECausalLM(nn.Module):
 
     fp32_params: tuple[str, ...] = ()  # parameter name endings kept in fp32 whatever the compute dtype
     # its attention takes a DecodeWindow of several tokens, so short prefill passes may be captured
-    # (engine/graph.py PassGraphs): Qwen3's, through the split-K kernel that reads the cache in place.
-    # gpt-oss's and MLA's windowed attention is one token's: over a whole-cache window, their torch
-    # expressions would hold fp32 scores of T x H x W (0.5 to 1 GiB at 256 tokens over 8k), so they
-    # need a kernel of that kind first
+    # (engine/graph.py PassGraphs): Qwen3's and gpt-oss's, through the split-K kernel that reads the
+    # cache in place. MLA's windowed attention is one token's: over a whole-cache window, its torch
+    # expression would hold fp32 scores of T x H x W (0.5 to 1 GiB at 256 tokens over 8k), so it
+    # needs a kernel of that kind first
     window_passes: bool = False
 
     config: ModelConfig

@@ -9,9 +9,11 @@ experts a backend the runner plugs in. What differs:
   so a head may attend to nothing. Sliding-window layers (`layer_types`) let a query see
   the `sliding_window` most recent keys, itself included; the others attend to all.
   Attention here is plain torch (scores in fp32, queries in chunks that bound the score
-  tensor); a decode step whose position lives on the device (DecodeWindow) attends to the
-  window's cache rows, or, on a sliding layer, gathers its `sliding_window` rows by an index
-  computed on the device: capturable, and independent of the window's size;
+  tensor). A captured pass of T tokens whose position lives on the device (DecodeWindow)
+  attends, on a full layer, to the window's cache rows (on CUDA for T > 1 through the split-K
+  kernel with the sinks, kernels/triton/decode_attention.py, which holds no T x H x W scores),
+  or, on a sliding layer, gathers the `sliding_window` + T - 1 rows ending at its last token by
+  an index computed on the device: capturable, and independent of the window's size;
 * the router is a linear with a bias; top-k on its logits, softmax over the k chosen
   (layers/moe/router.py `route_topk_softmax`);
 * the experts have biases and the clamped SwiGLU (ModelConfig.expert_act); the checkpoint
@@ -73,14 +75,12 @@ class SinkAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
         T = x.shape[0]
-        if window is not None and window.tokens != 1:  # window_passes is False: one token's windows only
-            raise ValueError(f"gpt-oss attends a decode window one token at a time, not {window.tokens}")
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         v = v.view(T, self.hkv, self.hd)
-        store = None if window is None else (v, kv.k, kv.v, window.position)  # a decode step's KV row
+        store = None if window is None else (v, kv.k, kv.v, window.positions)  # a captured pass's KV rows
         q, k = norm_rotate_qk(q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), cos, sin, store=store)
         if window is not None:
-            o = self._decode(q, kv, window)
+            o = self._decode_window(q, kv, window)
         else:
             kv.k[start:start + T] = k
             kv.v[start:start + T] = v
@@ -106,15 +106,28 @@ class SinkAttention(nn.Module):
             out.append(sink_attention(q[:, t0:t1], k_, v_, self.sinks, self.scale, mask))
         return torch.cat(out, dim=1)
 
-    def _decode(self, q, kv, window: DecodeWindow) -> torch.Tensor:
-        """One token whose position lives on the device, its KV written there (forward's store):
-        attention over the window's rows (full layers) or the `sliding_window` rows that end at
-        the position (sliding layers, gathered by a device-side index). -> [H, 1, Hd]."""
+    def _decode_window(self, q, kv, window: DecodeWindow) -> torch.Tensor:
+        """q [T, H, Hd]: the T tokens of a captured pass (one at decode) at position + t, the position
+        on the device, their KV written there (forward's store) -> [H, T, Hd]. Full layers: token t
+        over the window's rows 0..position + t; sliding layers: over the `sliding_window` rows that end
+        at position + t, out of the window + T - 1 rows gathered by a device-side index (capturable,
+        and independent of the window's size)."""
+        T = q.shape[0]
         if self.window is None:
-            k_, v_, mask = kv.k[:window.size], kv.v[:window.size], window.mask  # mask [1, W]
+            if q.is_cuda and T > 1:  # the split-K kernel reads the cache in place: no T x H x W scores
+                # (T = 1, decode, keeps the torch expression its captured step always had)
+                from ostinato.kernels.triton.decode_attention import decode_attention  # triton: CUDA only
+
+                o = decode_attention(q, kv.k, kv.v, window.position, window.size, self.scale, sinks=self.sinks)
+                return o.transpose(0, 1)
+            k_, v_, mask = kv.k[:window.size], kv.v[:window.size], window.mask  # mask [T, W]
         else:
-            rows = window.position - (self.window - 1) + torch.arange(self.window, device=q.device)  # [W]
+            span = self.window + T - 1
+            rows = window.position - (self.window - 1) + torch.arange(span, device=q.device)  # [span]
             mask = (rows >= 0)[None, :]
+            if T > 1:  # token t reads gathered rows t..t + window - 1
+                band = torch.arange(span, device=q.device)[None, :] - torch.arange(T, device=q.device)[:, None]
+                mask = mask & (band >= 0) & (band < self.window)  # [T, span]
             rows = rows.clamp(min=0)
             k_, v_ = kv.k.index_select(0, rows), kv.v.index_select(0, rows)
         return sink_attention(q.transpose(0, 1), k_.transpose(0, 1), v_.transpose(0, 1), self.sinks, self.scale,
@@ -134,6 +147,8 @@ class GptOssMoE(RoutedBlock):
 
 
 class GptOssForCausalLM(MoECausalLM):
+    window_passes = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=True)  # noqa: E731

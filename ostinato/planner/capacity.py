@@ -349,7 +349,9 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     place (the split-K kernel): the bound of a B-token pass attending to its own B tokens, plus the
     kernel's fp32 partials over the whole cache (kernels/triton/decode_attention.py: at most
     MAX_SPLITS row blocks of 64 rows per KV head, or one split of each block where a pass has more, each
-    row's running max and sum and its Hd sums)."""
+    row's running max and sum and its Hd sums), plus what sliding-window layers attend in torch
+    (gpt-oss's, models/gpt_oss.py): the fp32 scores of B tokens over the w + B - 1 rows they gather, and
+    their cast."""
     from ostinato.engine.graph import env_pass_rows
 
     rows = settings.pass_graph_rows if settings.pass_graph_rows is not None else env_pass_rows()
@@ -359,7 +361,9 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     shape = attention_shape(cfg)
     blocks = -(-B * (shape.heads // shape.kv_heads) // 64)  # 64-row blocks; beyond MAX_SPLITS of them, one split each
     partials = shape.kv_heads * max(SPLIT_ROWS, 64 * blocks) * (shape.v_dim + 2) * 4
-    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials
+    w = max(cfg.window_of(i) or 0 for i in range(cfg.num_hidden_layers))
+    sliding = shape.heads * B * (w + B - 1) * (4 + itemsize(dtype)) if w else 0
+    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding
 
 
 def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: WeightFormats, sizes: dict) -> int:

@@ -28,7 +28,8 @@ and the splits combined after (timed against SDPA by scripts/bench_decode_attent
 - _reduce_kernel, grid (H, T): one query head of one token, its splits up to the token's
   last key (the first last // CHUNK + 1: every later one returned early or masked all its
   keys for this row, and is never read) combined by log-sum-exp rescaling in a fixed order
-  (deterministic, no atomics); out [T, H, Hd] in q's dtype.
+  (deterministic, no atomics); out [T, H, Hd] in q's dtype. With sinks (gpt-oss), the
+  head's sink logit adds exp(sink - max) to the denominator.
 The position is read on the device only and NS, CHUNK, BLOCK_R depend on W, T, G alone, so
 the launch shapes are fixed and a captured CUDA graph replays for every position in its window.
 Splits (split_plan): the window in chunks of at least MIN_CHUNK keys, at most MAX_SPLITS
@@ -116,10 +117,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
 
 
 @triton.jit
-def _reduce_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, T, W, CHUNK, NS,
+def _reduce_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, sink_ptr, out_ptr, T, W, CHUNK, NS,
                    stride_ot, stride_oh, stride_od,
                    G: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     qh = tl.program_id(0)  # query head h*G + g
     t = tl.program_id(1)  # token
     h = qh // G
@@ -147,7 +148,12 @@ def _reduce_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, T, W, CHUNK, NS,
         a = tl.load(acc_ptr + (rows + ss * R)[:, None] * HD + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
         num += a * w[:, None]
-    o = tl.sum(num, axis=0) / tl.sum(den, axis=0)
+    den_all = tl.sum(den, axis=0)
+    if SINKS:  # a key no value comes with; its logit in natural-log units, as the scaled scores:
+        # to the log2 domain (one far above the scores overflows to inf: out 0, its limit)
+        sink = tl.load(sink_ptr + qh).to(tl.float32) * 1.4426950408889634
+        den_all += tl.exp2(sink - m_all)
+    o = tl.sum(num, axis=0) / den_all
     tl.store(out_ptr + t * stride_ot + qh * stride_oh + offs_d * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=mask_d)
 
@@ -174,11 +180,12 @@ def row_block(T: int, G: int) -> int:
     return max(16, min(64, triton.next_power_of_2(T * G)))
 
 
-def decode_attention(q, k_cache, v_cache, position, window, scale=None, out=None, *,
+def decode_attention(q, k_cache, v_cache, position, window, scale=None, out=None, *, sinks=None,
                      chunk=None, block_n=BLOCK_N, block_r=None, num_warps=NUM_WARPS,
                      num_stages=NUM_STAGES):
     """softmax(q k^T * scale) v, token t over cache rows 0..position + t (and < window) -> q's
-    shape.
+    shape. sinks [H] (gpt-oss): one logit per query head that joins each softmax's denominator
+    as a key with no value, softmax over [q k^T * scale, sink]; None: no such term.
 
     q [T, H, Hd] (T >= 1 tokens at positions position..position + T - 1, their K and V
     already in the cache) or [H, Hd] (T = 1); k_cache, v_cache [>= window, Hkv, Hd] of q's
@@ -196,6 +203,7 @@ def decode_attention(q, k_cache, v_cache, position, window, scale=None, out=None
     assert min(k_cache.shape[0], v_cache.shape[0]) >= window >= 1, "the cache is shorter than W"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "tl.dot: a power of two >= 16"
+    assert sinks is None or (sinks.shape == (H,) and sinks.is_contiguous()), "sinks [H]"
     G = H // Hkv
     if block_r is None:
         block_r = row_block(T, G)
@@ -223,7 +231,8 @@ def decode_attention(q, k_cache, v_cache, position, window, scale=None, out=None
         G=G, HD=Hd, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, CAUSAL=T > 1,
         PRECISION=precision, NUM_STAGES=num_stages, num_warps=num_warps)
     _reduce_kernel[(H, T)](
-        m, l_, acc, position, o3, T, window, chunk, splits, o3.stride(0), o3.stride(1),
-        o3.stride(2), G=G, HD=Hd, BLOCK_S=min(32, triton.next_power_of_2(splits)),
-        BLOCK_D=block_d, num_warps=4)
+        m, l_, acc, position, m if sinks is None else sinks, o3, T, window, chunk, splits,
+        o3.stride(0), o3.stride(1), o3.stride(2), G=G, HD=Hd,
+        BLOCK_S=min(32, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        SINKS=sinks is not None, num_warps=4)
     return out
