@@ -165,12 +165,12 @@ phase_tests() {  # decode graphs bitwise equal to the synchronous path; the embe
   run 200 "$R/tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
     tests/test_model.py tests/test_multi_device.py
 }
-phase_tests_passes() {  # short prefill passes as graphs: the multi-token attention, the worker's rows (native),
-  # the captured passes against the host-driven ones
+phase_tests_passes() {  # short prefill passes as graphs: the multi-token attention (gpt-oss's sinks too), the
+  # worker's rows (native), the captured passes against the host-driven ones (Qwen3 and gpt-oss)
   run 150 "$R/tests_passes.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_graph_worker.py \
     tests/test_handshake.py
   run 240 "$R/tests_passes.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
-    tests/test_decode_attention.py
+    tests/test_decode_attention.py tests/test_gpt_oss.py
 }
 phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
