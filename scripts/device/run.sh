@@ -444,7 +444,7 @@ phase_ab_gguf() {  # A, B, A on one calibration: drift between the replays shows
   fi
   local v args="--policies ostinato --calibration $cal"
   rm -rf "$R/ab"  # an earlier call's A/B/A is in its res.tgz
-  for v in a1 b a2; do
+  for v in ${AB_RUNS:-a1 b a2}; do  # AB_RUNS="a1 b": no second A where the device time is short (no drift check)
     if [[ $v == b && -n ${AB_ENV:-} ]]; then
       say "ab_gguf: B is this tree with $AB_ENV"
       (export $AB_ENV; QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args" phase_bench_gguf)
