@@ -187,9 +187,9 @@ def test_windowed_pass_matches_prefill(bf16_dir, device):
         tokens = torch.tensor(ids[start:start + n] + [0] * (B - n))
         with torch.inference_mode():
             got = r.model.logits(r._hidden(tokens, pos, 0, window))[:n]
-        assert _rel(got, ref[start:start + n]) < (1e-5 if device == "cpu" else 1e-4), (B, start, n)
+        end = start + n
+        assert _rel(got, ref[start:end]) < (1e-5 if device == "cpu" else 1e-4), (B, start, n)
         for (k, v), layer in zip(kv_ref, r.kv.layers):
-            end = start + n
             assert _rel(layer.k[start:end], k[start:end]) < 1e-5 and _rel(layer.v[start:end], v[start:end]) < 1e-5
 
 
