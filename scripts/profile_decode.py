@@ -60,7 +60,7 @@ from ostinato.loader.build import expert_formats  # noqa: E402
 
 # first match wins; names of our Triton kernels, cuBLAS/CUTLASS GEMMs and torch's own kernels
 CLASSES = (
-    ("handshake", r"_post|_wait_add|_bump"),
+    ("handshake", r"_post|_wait|_add_rows|_bump"),
     ("upload", r"memcpy htod"),
     ("experts", r"_w13_kernel|_w2_kernel|_align_|_combine_kernel|_dequant_kernel"),
     ("attention", r"_split_kernel|_reduce_kernel|flash|attention|sdpa|fmha"),
@@ -425,6 +425,16 @@ def write_md(path: Path, out: dict) -> None:
         lines.append(f"- pass: median {s['median_ms']:.1f} ms (p90 {s['p90_ms']:.1f}) over {s['steps']} passes, "
                      f"{how}, host clock; the profile below is of the host-driven pass: kernels of every stream "
                      f"{s['kernel_ms']:.1f} ms, of which uploads {s['upload_ms']:.1f} ms")
+        rp = out.get("replay")
+        if rp:
+            wait = rp["classes"].get("handshake", {}).get("us_per_step", 0.0) / 1e3
+            lines.append(f"- the captured pass's replay: kernels {rp['kernel_ms']:.1f} ms a pass, of which the "
+                         f"handshake's {wait:.1f} ms (its wait kernel spins while the CPU worker serves a layer)")
+            w = rp.get("worker")
+            if w:
+                lines.append(f"- the CPU worker a replayed pass: {w['compute_ms']:.1f} ms computing over "
+                             f"{w['layers_served']:.0f} layers ({w['cold_routes']:.0f} cold routes, "
+                             f"{w['cold_experts']:.0f} experts), {w['wait_ms']:.1f} ms waiting for the GPU")
     else:
         lines.append(f"- step: median {s['median_ms']:.3f} ms (p90 {s['p90_ms']:.3f}) over {s['steps']} steps; "
                      f"kernels (graph replays) {s['kernel_ms_graph']:.3f} ms, idle GPU {s['idle_ms_graph']:.3f} ms")
@@ -449,12 +459,14 @@ def write_md(path: Path, out: dict) -> None:
                      f"{hb['dense_bytes'] / 1e9:.2f} GB ({hb['dense_bound_ms']:.3f} ms), with the routed "
                      f"experts {hb['all_bytes'] / 1e9:.2f} GB ({hb['all_bound_ms']:.3f} ms)")
     unit = "pass" if n else "step"
-    for title, key in (("By class, graph replays", "classes_graph"), ("By class, eager", "classes_eager"),
-                       ("By class", "classes")):
-        if key not in out:
-            continue
+    tables = [(title, out[key]) for title, key in (("By class, graph replays", "classes_graph"),
+                                                   ("By class, eager", "classes_eager"), ("By class", "classes"))
+              if key in out]
+    if out.get("replay"):
+        tables.append(("By class, the captured pass's replays", out["replay"]["classes"]))
+    for title, classes in tables:
         lines += ["", f"## {title}", "", f"| class | launches / {unit} | us / {unit} |", "|---|---|---|"]
-        lines += [f"| {c} | {v['launches_per_step']:.1f} | {v['us_per_step']:.1f} |" for c, v in out[key].items()]
+        lines += [f"| {c} | {v['launches_per_step']:.1f} | {v['us_per_step']:.1f} |" for c, v in classes.items()]
     lines += ["", f"## Kernels{'' if n else ', graph replays'} (top 40)", "",
               f"| kernel | class | launches / {unit} | us / {unit} |", "|---|---|---|---|"]
     lines += [f"| `{r['kernel'][:90]}` | {r['class']} | {r['launches_per_step']:.1f} | {r['us_per_step']:.1f} |"
@@ -559,6 +571,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def replay_profile(runner, tokens: list[int], start: int, passes: int) -> dict:
+    """The captured pass's replays kernel by kernel (CUPTI traces the kernels inside graph replays), with
+    the CPU worker's own clock: the handshake's wait kernel spins until the worker has served the
+    layer, so its time is the GPU's wait for the CPU branch, and the worker's compute time says
+    whether the CPU branch itself or the hand-over is slow."""
+    worker = getattr(runner.experts, "worker", None)
+    before = worker.stats() if worker is not None else None
+
+    def one_pass():
+        runner.forward(tokens, start)
+        sync(runner.device)
+
+    rows = kernel_table(one_pass, passes, True)
+    out = {"kernel_ms": sum(r["us_per_step"] for r in rows) / 1e3, "classes": by_class(rows), "kernels": rows}
+    if before is not None:
+        after = worker.stats()
+        out["worker"] = {k: (after[k] - before[k]) / passes for k in ("layers_served", "cold_routes", "cold_experts")}
+        out["worker"] |= {k.replace("_ns", "_ms"): (after[k] - before[k]) / passes / 1e6
+                          for k in ("compute_ns", "wait_ns")}
+    return out
+
+
 def profile_prefill(a, loaded, tokens: list[int]) -> None:
     runner, dev = loaded.runner, loaded.runner.device
     on_cuda = dev.type == "cuda"
@@ -579,6 +613,8 @@ def profile_prefill(a, loaded, tokens: list[int]) -> None:
         undo()
     rows = kernel_rows(prof, a.profile_steps, on_cuda)
     classes = by_class(rows)
+    graph = runner.passes.size_for(len(tokens), a.context) if runner.passes is not None else None
+    replay = replay_profile(runner, tokens, a.context, a.profile_steps) if graph and on_cuda else None
     with runner.experts_swapped(runner.experts):  # host-driven, as the profile above (no captured pass)
         python = python_profile(lambda: pass_times_ms(runner, tokens, a.context, 1), a.profile_steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -589,8 +625,7 @@ def profile_prefill(a, loaded, tokens: list[int]) -> None:
            "device": torch.cuda.get_device_name(dev) if on_cuda else "cpu", "torch": torch.__version__,
            "threads": runner.threads.describe(), "context": a.context, "prefill_tokens": len(tokens),
            "placement": a.residency or "every expert resident", "graph": runner.graphs is not None,
-           "pass_graph": runner.passes.size_for(len(tokens), a.context) if runner.passes is not None else None,
-           "fused_dense": on_cuda and fused_dense(),
+           "pass_graph": graph, "replay": replay, "fused_dense": on_cuda and fused_dense(),
            "step": {"steps": a.steps, "median_ms": statistics.median(times),
                     "p90_ms": sorted(times)[int(0.9 * (len(times) - 1))],
                     "kernel_ms": sum(r["us_per_step"] for r in rows) / 1e3,

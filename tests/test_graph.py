@@ -151,6 +151,14 @@ def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold):
     pass_graphs_vs_host_driven(tiny_dir, tmp_path, cold)
 
 
+def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    """Logits a and b [V] pick the same greedy token up to a tie within tol: each one's pick scores within
+    tol of the other's best. The tiny random model's top two logits may lie a bf16 step apart, where
+    two attention kernels' rounding picks either (session 36's H100 run: 102 against 1948)."""
+    for x, y in ((a, b), (b, a)):
+        assert float(x[int(y.argmax())]) >= float(x.max()) - tol, (int(a.argmax()), int(b.argmax()))
+
+
 def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float) -> None:
     """test_pass_graphs_match_host_driven_passes on the checkpoint ckpt, a fraction `cold` of its
     experts on the CPU."""
@@ -175,8 +183,8 @@ def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float) -> None:
         assert passes.size_for(n, pos) is not None
         tokens = [(pos * 7 + i) % 200 + 3 for i in range(n)]
         a, b = graphed.runner.forward(tokens, pos), sync.runner.forward(tokens, pos)
-        assert int(a.argmax()) == int(b.argmax())
         assert (a - b).abs().max() <= 0.05 * b.abs().max(), n
+        assert_same_greedy(a, b, 0.02 * b.abs().max())
         pos += n
     after = graphed.runner.placement_stats(), sync.runner.placement_stats()
     assert after[0]["routes"] - before[0]["routes"] == after[1]["routes"] - before[1]["routes"]
@@ -188,8 +196,8 @@ def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float) -> None:
     token = 7
     for _ in range(4):
         a, b = graphed.runner.forward([token], pos), sync.runner.forward([token], pos)
-        assert int(a.argmax()) == int(b.argmax())
-        token, pos = int(a.argmax()), pos + 1
+        assert_same_greedy(a, b, 0.02 * b.abs().max())
+        token, pos = int(b.argmax()), pos + 1
     assert passes.size_for(65, 200) is None and passes.size_for(8, 2045) is None  # too many rows; past the cache
     graphed.runner.experts.close()
 

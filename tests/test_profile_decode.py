@@ -49,6 +49,27 @@ def test_host_to_device_copies_are_uploads():
     k = _script().kernel_class
     assert k("Memcpy HtoD (Pinned -> Device)") == "upload" and k("Memcpy DtoD (Device -> Device)") == "copy"
     assert k("_wait_add") == "handshake" and k("_w13_kernel") == "experts"
+    assert k("_wait_rows") == k("_add_rows") == k("_post_rows") == "handshake"
+
+
+def test_prefill_md_shows_the_replay_and_its_worker(tmp_path):
+    """A replayed pass's profile states the replay's kernels, the handshake's wait among them, and the
+    CPU worker's own time, and tabulates the replay by class."""
+    m = _script()
+    rows = [{"kernel": "_wait_rows", "class": "handshake", "launches_per_step": 48.0, "us_per_step": 30000.0},
+            {"kernel": "_w13_kernel", "class": "experts", "launches_per_step": 48.0, "us_per_step": 9000.0}]
+    replay = {"kernel_ms": 39.0, "classes": m.by_class(rows), "kernels": rows,
+              "worker": {"layers_served": 48.0, "cold_routes": 900.0, "cold_experts": 400.0, "compute_ms": 31.5,
+                         "wait_ms": 2.0}}
+    out = {"model": "m", "commit": "c", "device": "d", "context": 40, "placement": "p", "graph": True,
+           "prefill_tokens": 64, "pass_graph": 64, "replay": replay, "classes": {}, "kernels_graph": [],
+           "step": {"steps": 3, "median_ms": 50.0, "p90_ms": 51.0, "kernel_ms": 20.0, "upload_ms": 0.0}}
+    m.write_md(tmp_path / "p.md", out)
+    md = (tmp_path / "p.md").read_text()
+    assert "replayed as a captured graph of 64 rows" in md
+    assert "kernels 39.0 ms a pass, of which the handshake's 30.0 ms" in md
+    assert "31.5 ms computing over 48 layers (900 cold routes, 400 experts), 2.0 ms waiting" in md
+    assert "## By class, the captured pass's replays" in md and "| handshake | 48.0 | 30000.0 |" in md
 
 
 def test_pass_timeline_splits_host_and_streams():
