@@ -265,12 +265,18 @@ class DecodeGraphs:
         return out[0]
 
 
+DEFAULT_PASS_ROWS = 32
+
+
 def env_pass_rows() -> int:
-    """The most tokens a captured prefill pass holds (PassGraphs): OSTINATO_PASS_GRAPHS, else 0 (none).
-    Off by default until it has run on a GPU: written in session 34, whose device time was not lent;
-    scripts/device/run.sh tests_passes checks it there, and ab_gguf with AB_ENV="OSTINATO_PASS_GRAPHS=256"
-    times it against the host-driven passes."""
-    v = os.environ.get("OSTINATO_PASS_GRAPHS", "0")
+    """The most tokens a captured prefill pass holds (PassGraphs): OSTINATO_PASS_GRAPHS (0: none), else
+    DEFAULT_PASS_ROWS. Why 32 (results/2026-12-06-h100-s36/, the Q4_K_M 30B shape under 12 GiB on an
+    H100, after a 4096-token context): replayed, a pass of 8 / 16 / 32 tokens took 25.6 / 41.3 / 61.9 ms
+    against 68.2 / 79.3 / 88.5 ms host-driven, but one of 48 / 64 / 128 / 255 took 96.4 / 126.5 / 239.8 /
+    421.9 ms against 87.9 / 90.4 / 178.9 / 242.2 ms. In the held-out replay, graphs up to 32 rows took the
+    turns of 1-63 new tokens in 0.72 and 0.78x the time of the first host-driven run (the other two: 1.16
+    and 0.90x), the larger turns as long; up to 256 rows, those of 64-255 took 1.8-2.3x as long."""
+    v = os.environ.get("OSTINATO_PASS_GRAPHS", str(DEFAULT_PASS_ROWS))
     if not v.isdigit():
         raise ConfigError(f"OSTINATO_PASS_GRAPHS must be a count of tokens (0: off), not {v!r}")
     return int(v)

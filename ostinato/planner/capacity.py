@@ -92,7 +92,7 @@ class CapacitySettings:
     flex_share: float = 0.25
     # the most tokens of a prefill pass the runner captures as a graph (engine/graph.py PassGraphs),
     # whose private memory pool holds that pass's buffers beside the allocator's; None: the engine's
-    # default (OSTINATO_PASS_GRAPHS); 0 or 1: none
+    # default (env_pass_rows: OSTINATO_PASS_GRAPHS, else 32); 0 or 1: none
     pass_graph_rows: int | None = None
 
     def __post_init__(self):
