@@ -1,8 +1,11 @@
 """Benchmark the split-K decode attention kernel against the masked SDPA call it replaces.
 
-Legend: H query heads, Hkv KV heads, Hd head dim, W window, c context (cached tokens with
-the new one), L layers measured. Default shapes are Qwen3-30B-A3B's: H=32, Hkv=4, Hd=128,
-bf16, 48 layers per decode step.
+Legend: H query heads, Hkv KV heads, Dk / Dv key and value widths, W window, c context (cached
+tokens with the new one), L layers measured. Shapes (--shape): Qwen3-30B-A3B's by default, H=32,
+Hkv=4, Dk=Dv=128, 48 layers a decode step; deepseek-v3, MLA in the latent space as
+models/deepseek_v3.py attends a window: H=128 query rows of one KV head, the latent cache row
+[c | kr] of Dk=576 its key and its first Dv=512 columns its value (a view, read in place), 61
+layers. bf16.
 
 For each context c the window is the decode graph's: the next power of two >= c (at least
 1024), and the position c - 1 (the token being decoded). Per method, a CUDA graph of L
@@ -10,13 +13,15 @@ attention calls, each over its own layer's cache (so one call's K and V are not 
 the one before), replayed with CUDA events; us = replay time / L, the time of one layer's
 attention in a captured decode step (the KV writes, the same for all methods, excluded).
 - kernel: kernels/triton/decode_attention.decode_attention (what _decode_window runs on CUDA).
-- sdpa: _decode_window's former CUDA call, q [1, Hkv, G, Hd] with the [1, W] bool mask.
-- sdpa_gqa: the form before it, q [1, H, 1, Hd] with enable_gqa (the 2.2 ms per 1k tokens
+- sdpa: _decode_window's former CUDA call, q [1, Hkv, G, Dk] with the [1, W] bool mask (for
+  deepseek-v3, MLAttention._attend_latent's call: its former windowed decode).
+- sdpa_gqa: the form before it, q [1, H, 1, Dk] with enable_gqa (the 2.2 ms per 1k tokens
   per step of results/2026-11-29-h200x2/).
 The masks are computed once per graph, as DecodeWindow.refresh does once per pass. GB/s:
-K and V bytes of the c valid keys over the kernel's time. --sweep also times block and split
-variants of the kernel per context. Prints a table; the last line is one JSON document.
-Usage: python scripts/bench_decode_attention.py [--contexts 1024 4096 8192 16384] [--sweep]
+the cache bytes of the c valid keys (K and V; MLA's row once) over the kernel's time. --sweep
+also times block and split variants of the kernel per context. Prints a table; the last line
+is one JSON document.
+Usage: python scripts/bench_decode_attention.py [--shape deepseek-v3] [--contexts 1024 4096 8192 16384] [--sweep]
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
 
-H, HKV, HD = 32, 4, 128
-STEP_LAYERS = 48  # layers of a Qwen3-30B-A3B decode step, for the per-step column
+SHAPES = {  # H, Hkv, Dk, Dv, layers of a decode step (for the per-step column)
+    "qwen3-30b-a3b": dict(H=32, Hkv=4, Dk=128, Dv=128, layers=48),
+    "deepseek-v3": dict(H=128, Hkv=1, Dk=576, Dv=512, layers=61),
+}
 
 
 def window_for(context: int) -> int:
@@ -73,13 +80,18 @@ def graph_us(calls, reps: int, per: int) -> float:
 
 
 class Rig:
-    """L layers' caches [W, Hkv, Hd] (bf16), one query per layer, the position on the device."""
+    """L layers' caches k [W, Hkv, Dk] and v [W, Hkv, Dv] (bf16; Dv < Dk: v the first Dv columns
+    of k, as MLA's latent cache), one query per layer, the position on the device."""
 
-    def __init__(self, window: int, context: int, layers: int):
+    def __init__(self, shape: dict, window: int, context: int, layers: int):
         self.window, self.layers = window, layers
-        self.k = [torch.randn(window, HKV, HD, device="cuda").bfloat16() for _ in range(layers)]
-        self.v = [torch.randn(window, HKV, HD, device="cuda").bfloat16() for _ in range(layers)]
-        self.q = [torch.randn(1, H, HD, device="cuda").bfloat16() for _ in range(layers)]
+        self.h, self.hkv, self.dk, self.dv = shape["H"], shape["Hkv"], shape["Dk"], shape["Dv"]
+        self.k = [torch.randn(window, self.hkv, self.dk, device="cuda").bfloat16() for _ in range(layers)]
+        if self.dv < self.dk:
+            self.v = [k[..., :self.dv] for k in self.k]
+        else:
+            self.v = [torch.randn(window, self.hkv, self.dv, device="cuda").bfloat16() for _ in range(layers)]
+        self.q = [torch.randn(1, self.h, self.dk, device="cuda").bfloat16() for _ in range(layers)]
         self.position = torch.tensor([context - 1], device="cuda")
         self.cols = torch.arange(window, device="cuda")[None, :]
         self.mask = None
@@ -94,13 +106,13 @@ class Rig:
         self.mask = self.cols <= self.position  # [1, W]
 
     def sdpa(self, i):
-        q_ = self.q[i].reshape(1, HKV, H // HKV, HD)
-        k_ = self.k[i].transpose(0, 1)[None]  # [1, Hkv, W, Hd]
+        q_ = self.q[i].reshape(1, self.hkv, self.h // self.hkv, self.dk)
+        k_ = self.k[i].transpose(0, 1)[None]  # [1, Hkv, W, Dk]
         v_ = self.v[i].transpose(0, 1)[None]
-        return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=self.mask).reshape(1, H, HD)
+        return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=self.mask).reshape(1, self.h, self.dv)
 
     def sdpa_gqa(self, i):
-        q_ = self.q[i].transpose(0, 1)[None]  # [1, H, 1, Hd]
+        q_ = self.q[i].transpose(0, 1)[None]  # [1, H, 1, Dk]
         k_ = self.k[i].transpose(0, 1)[None]
         v_ = self.v[i].transpose(0, 1)[None]
         return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=self.mask,
@@ -122,7 +134,7 @@ def max_err(rig: Rig) -> float:
 def sweep(rig: Rig, reps: int) -> list[dict]:
     import triton
 
-    from ostinato.kernels.triton.decode_attention import split_plan
+    from ostinato.kernels.triton.decode_plan import split_plan
 
     rows = []
     for block_n, warps, stages, splits in itertools.product([32, 64, 128], [2, 4, 8], [2, 3],
@@ -142,8 +154,9 @@ def sweep(rig: Rig, reps: int) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
-    ap.add_argument("--layers", type=int, default=STEP_LAYERS, help="layers (caches) per graph")
+    ap.add_argument("--layers", type=int, help="layers (caches) per graph (default: the shape's decode step's)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sweep", action="store_true", help="also time kernel block/split variants")
     ap.add_argument("--no-gqa", action="store_true", help="skip the enable_gqa SDPA baseline")
@@ -155,29 +168,33 @@ def main():
         import triton
     except ImportError:
         sys.exit("bench_decode_attention: needs triton")
-    from ostinato.kernels.triton.decode_attention import (BLOCK_N, NUM_STAGES, NUM_WARPS,
-                                                          split_plan)
+    from ostinato.kernels.triton.decode_plan import launch_plan
 
+    shape = SHAPES[args.shape]
+    H, Hkv, Dk, Dv, step_layers = shape["H"], shape["Hkv"], shape["Dk"], shape["Dv"], shape["layers"]
+    layers = args.layers or step_layers
     torch.manual_seed(0)
     rows, sweeps = [], {}
-    print(f"decode attention, H={H} Hkv={HKV} Hd={HD} bf16, {args.layers} layers per graph, "
+    print(f"decode attention, {args.shape}: H={H} Hkv={Hkv} Dk={Dk} Dv={Dv} bf16, {layers} layers per graph, "
           f"{torch.cuda.get_device_name()}")
     head = (f"{'context':>8} {'window':>7} {'splits':>6} {'kernel us':>10} {'sdpa us':>9} "
             f"{'gqa us':>8} {'speedup':>8} {'GB/s':>7} {'step ms':>8} {'sdpa ms':>8} {'err':>8}")
     print(head)
     for c in args.contexts:
         w = window_for(c)
-        rig = Rig(w, c, args.layers)
-        chunk, splits = split_plan(w)
+        rig = Rig(shape, w, c, layers)
+        plan = launch_plan(1, H // Hkv, Dv, w)
+        chunk, splits = plan.chunk, plan.splits
         err = max_err(rig)
-        kernel = graph_us(rig.kernel_calls(), args.reps, args.layers)
-        sdpa = graph_us(rig.sdpa_calls(gqa=False), args.reps, args.layers)
-        gqa = None if args.no_gqa else graph_us(rig.sdpa_calls(gqa=True), args.reps, args.layers)
-        gbps = c * HKV * HD * 2 * 2 / kernel / 1e3  # K and V, bf16
+        kernel = graph_us(rig.kernel_calls(), args.reps, layers)
+        sdpa = graph_us(rig.sdpa_calls(gqa=False), args.reps, layers)
+        gqa = None if args.no_gqa else graph_us(rig.sdpa_calls(gqa=True), args.reps, layers)
+        row_bytes = Hkv * (Dk if Dv < Dk else Dk + Dv) * 2  # bf16; MLA's value is its key row's
+        gbps = c * row_bytes / kernel / 1e3
         row = {"context": c, "window": w, "position": c - 1, "chunk": chunk, "splits": splits,
                "kernel_us": kernel, "sdpa_us": sdpa, "sdpa_gqa_us": gqa, "kernel_gbps": gbps,
-               "step_kernel_ms": kernel * STEP_LAYERS / 1e3,
-               "step_sdpa_ms": sdpa * STEP_LAYERS / 1e3, "max_rel_err": err}
+               "step_kernel_ms": kernel * step_layers / 1e3,
+               "step_sdpa_ms": sdpa * step_layers / 1e3, "max_rel_err": err}
         rows.append(row)
         print(f"{c:>8} {w:>7} {splits:>6} {kernel:>10.2f} {sdpa:>9.2f} "
               f"{'-' if gqa is None else f'{gqa:.2f}':>8} {sdpa / kernel:>7.1f}x {gbps:>7.0f} "
@@ -192,9 +209,10 @@ def main():
     result = {"bench": "decode_attention", **source_state(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__,
-              "shape": {"H": H, "Hkv": HKV, "Hd": HD, "dtype": "bf16"},
-              "layers_per_graph": args.layers,
-              "defaults": {"block_n": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+              "shape": {"name": args.shape, "H": H, "Hkv": Hkv, "Dk": Dk, "Dv": Dv, "dtype": "bf16"},
+              "layers_per_graph": layers,
+              "defaults": {"block_r": plan.block_r, "block_n": plan.block_n, "num_warps": plan.num_warps,
+                           "num_stages": plan.num_stages},
               "rows": rows}
     if sweeps:
         result["sweep"] = sweeps

@@ -1,9 +1,11 @@
 """DeepSeek-V3 (issue [O] part 2) against transformers' DeepseekV3ForCausalLM on the same
 synthetic checkpoint: logits of a prefill, of a prefill after cached tokens and of decode
 steps (eager and through a DecodeWindow), greedy tokens, under a hybrid residency and split
-over two devices; the grouped router against transformers' router, ties included; the
-compressed (latent) KV cache the planner sizes; and GLM-4-MoE, DeepSeek-V3's MoE under
-grouped-query attention, against transformers' Glm4MoeForCausalLM."""
+over two devices; short prefill passes through a DecodeWindow (latent attention; on CUDA the
+split-K kernel, under graph replay too) against the host-driven prefill; the grouped router
+against transformers' router, ties included; the compressed (latent) KV cache and the split-K
+partials the planner sizes; and GLM-4-MoE, DeepSeek-V3's MoE under grouped-query attention,
+against transformers' Glm4MoeForCausalLM."""
 from __future__ import annotations
 
 import json
@@ -169,6 +171,26 @@ def test_capacity_counts_the_model():
     assert big.moe_layers == [3, 4, 5, 6] and 90 * 2**30 < size < 100 * 2**30
 
 
+def test_pass_graphs_count_the_latent_partials():
+    """A captured pass of B tokens attends in the latent space (split-K over one KV head of H rows a
+    token, R values): beside the bound over its own rows, the planner counts that kernel's fp32
+    partials, R + 2 a row and split, not those of the expanded prefill's H heads of Dv."""
+    from ostinato.engine.sizes import expert_sizes
+    from ostinato.planner.capacity import CapacitySettings, WeightFormats, pass_bound, pass_graph_bytes
+
+    cfg = ModelConfig.from_dict(presets.preset_config("deepseek-v3-shaped"))
+    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    assert (H, R) == (128, 512)
+    sizes = expert_sizes(cfg, torch.bfloat16, {})
+
+    def partials(B):
+        got = pass_graph_bytes(cfg, CapacitySettings(pass_graph_rows=B), 8192, torch.bfloat16, WeightFormats(), sizes)
+        return got - pass_bound(cfg, B, B, torch.bfloat16, score_share=0.0)["total"]
+
+    assert partials(64) == 64 * H * (R + 2) * 4  # 8192 rows in 256 blocks of 32: one split each
+    assert partials(2) == 32 * 2 * H * (R + 2) * 4  # 8 blocks share decode's 4 blocks x 64 splits
+
+
 def test_logits_and_greedy_match_transformers(ds_dir, ref):
     ids, want, logits_ref = ref
     ours = _ours(ds_dir, chunk=20)  # chunks after cached tokens inside the prefill too
@@ -203,6 +225,42 @@ def test_one_window_for_every_position(ds_dir):
             pos.fill_(p)
             got.append(r.model.logits(r.model(torch.tensor([ids[p]]), pos, r.kv.layers, 0, window))[0])
     assert _err(torch.stack(got), ref[40:60]) < 1e-5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_windowed_pass_matches_prefill(ds_dir, device):
+    """Short prefill passes through a window of B rows, the first position on the device (the computation
+    PassGraphs captures: MLA in the latent space, on CUDA through the split-K kernel with the latent
+    cache as one KV head), fp32: the real rows' logits and the latent rows they write equal the
+    host-driven prefill's (the expanded MLA); the padding rows past n change no real row."""
+    from tests.test_graph import windowed_passes_vs_prefill
+
+    windowed_passes_vs_prefill(ds_dir, device)
+
+
+@pytest.mark.gpu
+def test_cuda_windowed_decode_matches_sdpa(ds_dir):
+    """A decode step through the window on CUDA (the split-K kernel over the latent cache) against the
+    host-driven step at the same position (SDPA in the latent space, over the same cache: both write
+    the same row), fp32, at 20 positions."""
+    r = ModelRunner(CheckpointSource(ds_dir), RunnerSettings(device="cuda", dtype="fp32", max_context=256,
+                                                             cuda_graph=False))
+    ids = _prompt(60, seed=4)
+    r.forward(ids[:40], 0)
+    for p in range(40, 60):
+        want = r.forward([ids[p]], p)
+        assert _err(r.decode_windowed(ids[p], p), want) < 1e-4, p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cold", [0.0, 0.5], ids=["all-resident", "half-cold"])
+def test_pass_graphs_match_host_driven_passes(ds_dir, tmp_path, cold):
+    """Short prefill passes replayed as captured graphs (MLA in the latent space through the split-K
+    kernel) against an engine's host-driven passes (the expanded MLA), bf16 (tests/test_graph.py's test
+    of the tiny Qwen3)."""
+    from tests.test_graph import pass_graphs_vs_host_driven
+
+    pass_graphs_vs_host_driven(ds_dir, tmp_path, cold)
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # transformers' empty shared experts
@@ -316,7 +374,6 @@ def test_glm4_moe_matches_transformers(tmp_path, ds_dir):
     assert _err(ours.decode_windowed(want[0], len(ids)), ref[len(ids)]) < TOL
     # a short prefill pass through a window of 16 rows (its attention is Qwen3's: engine/graph.py PassGraphs
     # captures such passes), 11 of them real, after 29 tokens
-    assert ours.model.window_passes
     ours.forward(ids[:29], 0)
     pos = torch.tensor([29])
     window = DecodeWindow(pos, 256, 16)
@@ -324,7 +381,3 @@ def test_glm4_moe_matches_transformers(tmp_path, ds_dir):
     with torch.inference_mode():
         got = ours.model.logits(ours.model(tokens, pos, ours.kv.layers, 0, window))[:11]
     assert _err(got, ref[29:40]) < TOL
-    assert not MODELS["deepseek_v3"].window_passes  # MLA's windowed attention is one token's
-    mla = _ours(ds_dir)
-    with pytest.raises(ValueError, match="one token at a time"):
-        mla.model(torch.tensor(ids[:2]), pos, mla.kv.layers, 0, DecodeWindow(pos, 256, 2))

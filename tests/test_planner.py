@@ -97,12 +97,12 @@ def test_dense_weights_and_activations_are_counted_from_the_config():
                                                                                    pass_graph_rows=0))
     assert cap.activations == pass_bound(cfg, 64, 1000, torch.bfloat16)["total"] == fused["total"]
     # captured prefill passes (engine/graph.py PassGraphs) keep a pool of their own: the largest's buffers
-    # attending to its own rows (the split-K kernel reads the cache in place) and the kernel's partials
-    from ostinato.planner.capacity import SPLIT_ROWS
-
+    # attending to its own rows (the split-K kernel reads the cache in place) and the kernel's partials: 32
+    # tokens' 64 rows a KV head (G = 2) in one block, its window of at most 1000 keys in 16 splits of 64
     graphed = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64,
                                                                                        pass_graph_rows=32))
-    partials = cfg.num_key_value_heads * SPLIT_ROWS * (cfg.head_dim + 2) * 4
+    assert cfg.num_attention_heads // cfg.num_key_value_heads == 2
+    partials = cfg.num_key_value_heads * 16 * 64 * (cfg.head_dim + 2) * 4
     assert graphed.activation_parts["pass_graphs"] == pass_bound(cfg, 32, 32, torch.bfloat16, score_share=0.0)[
         "total"] + partials
     assert graphed.activations == cap.activations + graphed.activation_parts["pass_graphs"]

@@ -183,9 +183,9 @@ class ModelRunner:
             self.enable_graphs()  # may wrap a HybridExperts (each device's) in its graph backend
 
     def pass_graph_rows(self) -> int:
-        """The most tokens of a prefill pass captured as a graph (0: none): one device, a model whose
-        attention takes several tokens in a window, the settings' count (env_pass_rows's default)."""
-        if self.layer_devices is not None or not self.model.window_passes:
+        """The most tokens of a prefill pass captured as a graph (0: none): on one device, the settings'
+        count (env_pass_rows's default)."""
+        if self.layer_devices is not None:
             return 0
         rows = self.settings.pass_graphs if self.settings.pass_graphs is not None else env_pass_rows()
         return min(rows, self.max_context)

@@ -88,7 +88,8 @@ class AttentionShape(NamedTuple):
     where the model computes its attention in chunks of queries (0: the whole H x T x N), and
     whether a pass attends through `causal_attention` (a causal flag or the lower-right causal
     bias, no explicit mask), which on a GPU in half precision SDPA's fused kernels run without a
-    score matrix where they take the head dims (fused_attention_available, asked on the GPU)."""
+    score matrix where they take the head dims (fused_attention_available, asked on the GPU); and
+    for MLA the latent width R a captured pass attends in (0: the heads above; split_k_heads)."""
 
     heads: int
     kv_heads: int
@@ -98,6 +99,15 @@ class AttentionShape(NamedTuple):
     expanded_per_token: int = 0
     max_scores: int = 0
     fused_on_gpu: bool = False
+    latent_dim: int = 0
+
+    def split_k_heads(self) -> tuple[int, int, int]:
+        """(Hkv, G, Dv) as a captured pass's split-K kernel (kernels/triton/decode_attention.py)
+        attends: MLA's latent cache is one KV head whose H query rows read R values; otherwise
+        the heads above."""
+        if self.latent_dim:
+            return 1, self.heads, self.latent_dim
+        return self.kv_heads, self.heads // self.kv_heads, self.v_dim
 
 
 class ExpertsBackend(Protocol):
@@ -246,12 +256,6 @@ class MoECausalLM(nn.Module):
     layers, norm), `self.lm_head` and `self.rotary`, and says what the engine allocates for it."""
 
     fp32_params: tuple[str, ...] = ()  # parameter name endings kept in fp32 whatever the compute dtype
-    # its attention takes a DecodeWindow of several tokens, so short prefill passes may be captured
-    # (engine/graph.py PassGraphs): Qwen3's and gpt-oss's, through the split-K kernel that reads the
-    # cache in place. MLA's windowed attention is one token's: over a whole-cache window, its torch
-    # expression would hold fp32 scores of T x H x W (0.5 to 1 GiB at 256 tokens over 8k), so it
-    # needs a kernel of that kind first
-    window_passes: bool = False
 
     config: ModelConfig
 
@@ -295,8 +299,9 @@ class MoECausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, D] (after the last norm); `rows`:
         the embedding's rows of input_ids [T, D] where the runner looked them up (host_embedding).
 
-        With a DecodeWindow (one token), the position is read from the device only, so the
-        pass can be captured once and replayed (see engine/graph.py). The pass is embed, then
+        With a DecodeWindow (a decode step's one token, or a short pass's tokens: every family's
+        attention takes several), the position is read from the device only, so the pass can be
+        captured once and replayed (see engine/graph.py). The pass is embed, then
         run_layers over every layer, then the norm: the runner may run the layers in ranges
         (one per device, engine/devices.py)."""
         x, cos, sin = self.embed(input_ids, positions, start, window, rows)

@@ -6,13 +6,15 @@ from the backend the runner plugs in. What differs:
 * multi-head latent attention (MLA). Each token's keys and values are compressed to one
   latent c [R] (after kv_a_layernorm) plus one rotary key kr [Dr] shared by all heads; the
   cache stores only those, `ckv` = [c | kr], R + Dr values a token and layer (576 for V3,
-  against H (Dn + Dr + Dv) = 40960 of per-head K and V). A pass of several tokens expands the cached
-  latents to per-head keys and values (kv_b_proj) and attends as multi-head attention; a
-  one-token step attends in the latent space instead ("absorbed" MLA): the query's
-  no-rope part goes through kv_b_proj's key half, q_lat = W_uk^T q_nope [R], it scores
-  q_lat . c + q_rope . kr against the cache itself and the latent average goes out through
-  the value half, so a step reads R + Dr values per cached token and expands nothing. The
-  two are the same function up to the order of rounding;
+  against H (Dn + Dr + Dv) = 40960 of per-head K and V). A host-driven pass of several tokens
+  expands the cached latents to per-head keys and values (kv_b_proj) and attends as multi-head
+  attention; a one-token step, and every captured pass (a DecodeWindow of T tokens), attends in
+  the latent space instead ("absorbed" MLA): the query's no-rope part goes through kv_b_proj's
+  key half, q_lat = W_uk^T q_nope [R], it scores q_lat . c + q_rope . kr against the cache itself
+  and the latent average goes out through the value half, so a pass reads R + Dr values per
+  cached token and expands nothing: one KV head of R + Dr key columns whose first R are the
+  values, under H query heads (on CUDA the split-K kernel, kernels/triton/decode_attention.py).
+  The two are the same function up to the order of rounding;
 * queries through a low-rank q_a_proj / q_a_layernorm / q_b_proj (or one q_proj when
   q_lora_rank is None); rotary on the last Dr dims of queries and keys, pairs interleaved
   (`rope_interleave`); yarn's mscale folded into the softmax scale;
@@ -69,15 +71,13 @@ class MLAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv, start: int, window: DecodeWindow | None = None) -> torch.Tensor:
         T = x.shape[0]
-        if window is not None and window.tokens != 1:  # window_passes is False: one token's windows only
-            raise ValueError(f"MLA attends a decode window one token at a time, not {window.tokens}")
         q_nope, q_rope = self._query(x).view(T, self.h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
         q_rope = self.rotate(q_rope, cos, sin)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.dr], dim=-1)
         row = torch.cat((self.kv_a_layernorm(c), self.rotate(k_rope[:, None, :], cos, sin)[:, 0]), dim=-1)  # [T, R+Dr]
         if window is not None:  # position on the device: capturable, one graph per window
-            kv.ckv.index_copy_(0, window.position, row)
-            return self._attend_latent(q_nope, q_rope, kv.ckv[:window.size], window.mask)
+            kv.ckv.index_copy_(0, window.positions, row)
+            return self._attend_window(q_nope, q_rope, kv.ckv, window)
         end = start + T
         kv.ckv[start:end] = row
         if T == 1:
@@ -95,16 +95,45 @@ class MLAttention(nn.Module):
         o = causal_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.scale)  # [H, T, Dv]
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.dv))
 
+    def _absorb(self, q_nope, q_rope) -> torch.Tensor:
+        """[T, H, R+Dr]: each head's query in the latent space, q_lat = W_uk^T q_nope [R], then its
+        rope part: scored against a cache row [c | kr] it is the expanded key's score."""
+        w_uk = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.rank)[:, :self.dn]
+        return torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1)
+
+    def _emit(self, o: torch.Tensor) -> torch.Tensor:
+        """o [T, H, R], each head's average latent -> its value through W_uv [Dv], then o_proj."""
+        w_uv = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.rank)[:, self.dn:]
+        T = o.shape[0]
+        return self.o_proj(torch.einsum("thr,hvr->thv", o, w_uv).reshape(T, self.h * self.dv))
+
     def _attend_latent(self, q_nope, q_rope, ckv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """One token over cache rows ckv [W, R+Dr] (mask [1, W] or None: all), in the latent
-        space: the H queries are H query rows of one shared key head, so nothing is repeated."""
-        w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.rank)
-        q_lat = torch.einsum("hn,hnr->hr", q_nope[0], w[:, :self.dn])  # [H, R]
-        q = torch.cat((q_lat, q_rope[0]), dim=-1)[None, None]  # [1, 1, H, R+Dr]
+        """T tokens over cache rows ckv [W, R+Dr] (mask [T, W], or None: all), in the latent space: the
+        T*H queries are rows of one shared key head (row t*H + h: token t's head h), so nothing is
+        repeated; values are the rows' first R columns."""
+        T = q_nope.shape[0]
+        q = self._absorb(q_nope, q_rope).view(1, 1, T * self.h, self.rank + self.dr)
+        if mask is not None:
+            mask = mask.repeat_interleave(self.h, dim=0)  # [T*H, W]
         o = F.scaled_dot_product_attention(q, ckv[None, None], ckv[None, None, :, :self.rank], attn_mask=mask,
-                                           scale=self.scale)  # [1, 1, H, R]
-        o = torch.einsum("hr,hvr->hv", o[0, 0], w[:, self.dn:])  # [H, Dv]
-        return self.o_proj(o.reshape(1, self.h * self.dv))
+                                           scale=self.scale)  # [1, 1, T*H, R]
+        return self._emit(o.view(T, self.h, self.rank))
+
+    def _attend_window(self, q_nope, q_rope, ckv: torch.Tensor, window: DecodeWindow) -> torch.Tensor:
+        """The T tokens of a captured pass (one at decode) at window.position + t, their rows written
+        (forward): token t over cache rows 0..position + t of the window, in the latent space. CUDA:
+        the split-K kernel, the latent cache as one KV head of R + Dr columns whose first R are the
+        values (read in place, never copied); it holds no T x H x W scores, which SDPA's expression
+        would (fp32: 1 GiB for 256 tokens of V3's 128 heads over 8k), and spreads the window over the
+        GPU, where SDPA parallelises over the one shared head. CPU: SDPA with the window's mask."""
+        if q_nope.is_cuda:
+            from ostinato.kernels.triton.decode_attention import decode_attention  # triton: CUDA only
+
+            lat = ckv[:, None]  # [L, 1, R+Dr]
+            o = decode_attention(self._absorb(q_nope, q_rope), lat, lat[..., :self.rank], window.position,
+                                 window.size, self.scale)  # [T, H, R]
+            return self._emit(o)
+        return self._attend_latent(q_nope, q_rope, ckv[:window.size], window.mask)
 
 
 class GroupedRouter(nn.Module):
@@ -164,4 +193,5 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     @staticmethod
     def attention_shape(cfg: ModelConfig) -> AttentionShape:
         H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        return AttentionShape(H, H, dn + dr, dv, dr, H * (dn + dv) + H * (dn + dr), fused_on_gpu=True)
+        return AttentionShape(H, H, dn + dr, dv, dr, H * (dn + dv) + H * (dn + dr), fused_on_gpu=True,
+                              latent_dim=cfg.kv_lora_rank)

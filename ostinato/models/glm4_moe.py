@@ -24,8 +24,6 @@ def rotary_dim(cfg: ModelConfig) -> int:
 
 
 class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
-    window_passes = Qwen3MoeForCausalLM.window_passes  # its attention is Qwen3's
-
     @staticmethod
     def attention(cfg: ModelConfig) -> nn.Module:
         return Attention(cfg, qk_norm=cfg.qk_norm, o_bias=False, rotary_dim=rotary_dim(cfg))

@@ -147,8 +147,6 @@ class GptOssMoE(RoutedBlock):
 
 
 class GptOssForCausalLM(MoECausalLM):
-    window_passes = True
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=True)  # noqa: E731

@@ -137,8 +137,6 @@ class SparseMoeBlock(RoutedBlock):
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
-    window_passes = True
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731

@@ -64,15 +64,13 @@ import torch
 from ostinato.config import ConfigError, ModelConfig
 from ostinato.engine.sizes import (dense_dequant_bytes, dense_parts, dense_weight_bytes, expert_bytes, expert_sizes,
                                    itemsize, kv_bytes)
+from ostinato.kernels.triton.decode_plan import partials_bytes
 from ostinato.loader.build import WeightFormats
 from ostinato.models.common import fused_attention_available
-from ostinato.models.registry import attention_shape, model_class
+from ostinato.models.registry import attention_shape
 from ostinato.planner.fill import fill, fill_more
 
 GiB = 2**30
-# the most rows of split-K attention partials per KV head: kernels/triton/decode_attention.py's MAX_SPLITS
-# splits of a 64-row block (more row blocks get fewer splits); not imported, the planner runs without triton
-SPLIT_ROWS = 64 * 64
 
 
 class CapacityError(ConfigError):
@@ -346,21 +344,23 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
                      formats: WeightFormats, sizes: dict) -> int:
     """The private pool of the captured prefill passes (engine/graph.py PassGraphs): the buffers of the
     largest, B rows, which the smaller ones captured after it reuse. Its attention reads the cache in
-    place (the split-K kernel): the bound of a B-token pass attending to its own B tokens, plus the
-    kernel's fp32 partials over the whole cache (kernels/triton/decode_attention.py: at most
-    MAX_SPLITS row blocks of 64 rows per KV head, or one split of each block where a pass has more, each
-    row's running max and sum and its Hd sums), plus what sliding-window layers attend in torch
-    (gpt-oss's, models/gpt_oss.py): the fp32 scores of B tokens over the w + B - 1 rows they gather, and
-    their cast."""
+    place (the split-K kernel): the bound of a B-token pass attending to its own B tokens (MLA's pass
+    attends in the latent space: its absorbed queries, latent outputs and values, B H (3R + Dr + Dv) b,
+    lie within that bound's fp32 K, V and query terms over N = B), plus the kernel's fp32 partials over
+    any window of the cache (kernels/triton/decode_plan.py partials_bytes: each of the B*G rows of a KV
+    head as the kernel reads it, AttentionShape.split_k_heads: Qwen3's Hkv heads of G = H / Hkv, MLA's
+    one latent head of G = H, keeps its running max and sum and its Dv sums in each of its splits), plus
+    what sliding-window layers attend in torch (gpt-oss's, models/gpt_oss.py): the fp32 scores of B
+    tokens over the w + B - 1 rows they gather, and their cast."""
     from ostinato.engine.graph import env_pass_rows
 
     rows = settings.pass_graph_rows if settings.pass_graph_rows is not None else env_pass_rows()
     B = min(rows, kv_tokens)
-    if B < 2 or not model_class(cfg).window_passes:
+    if B < 2:
         return 0
     shape = attention_shape(cfg)
-    blocks = -(-B * (shape.heads // shape.kv_heads) // 64)  # 64-row blocks; beyond MAX_SPLITS of them, one split each
-    partials = shape.kv_heads * max(SPLIT_ROWS, 64 * blocks) * (shape.v_dim + 2) * 4
+    kv_heads, G, dv = shape.split_k_heads()
+    partials = partials_bytes(B, G, kv_heads, dv, kv_tokens)
     w = max(cfg.window_of(i) or 0 for i in range(cfg.num_hidden_layers))
     sliding = shape.heads * B * (w + B - 1) * (4 + itemsize(dtype)) if w else 0
     return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding

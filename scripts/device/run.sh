@@ -165,12 +165,13 @@ phase_tests() {  # decode graphs bitwise equal to the synchronous path; the embe
   run 200 "$R/tests.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
     tests/test_model.py tests/test_multi_device.py
 }
-phase_tests_passes() {  # short prefill passes as graphs: the multi-token attention (gpt-oss's sinks too), the
-  # worker's rows (native), the captured passes against the host-driven ones (Qwen3 and gpt-oss)
+phase_tests_passes() {  # short prefill passes as graphs: the multi-token attention (gpt-oss's sinks, MLA's
+  # latent too), the worker's rows (native), the captured passes against the host-driven ones (Qwen3, gpt-oss
+  # and DeepSeek-V3)
   run 150 "$R/tests_passes.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_graph_worker.py \
     tests/test_handshake.py
-  run 240 "$R/tests_passes.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
-    tests/test_decode_attention.py tests/test_gpt_oss.py
+  run 300 "$R/tests_passes.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
+    tests/test_decode_attention.py tests/test_gpt_oss.py tests/test_deepseek_v3.py
 }
 phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
@@ -241,7 +242,10 @@ phase_generate() {
     --prompt "Check the order status for order #W2378156 and tell me the delivery date."
 }
 phase_micro() { run 150 "$R/b_bench_gpu.txt" python3 scripts/bench_gpu_experts.py; }
-phase_micro_attn() { run 90 "$R/f_bench_attention.txt" python3 scripts/bench_decode_attention.py; }
+phase_micro_attn() {  # Qwen3-30B-A3B's heads, then DeepSeek-V3's latent attention
+  run 90 "$R/f_bench_attention.txt" python3 scripts/bench_decode_attention.py
+  run 90 "$R/f_bench_attention_mla.txt" python3 scripts/bench_decode_attention.py --shape deepseek-v3
+}
 phase_micro_cpu() {
   run 120 "$R/b_bench_cpu.txt" python3 scripts/bench_cpu_experts.py --layers 24 ${THREADS:+--threads $THREADS}
 }
