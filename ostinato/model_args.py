@@ -31,6 +31,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "attention projections and head on the GPU; bf16: everything dequantized at load")
 
 
+def add_margin_args(p: argparse.ArgumentParser) -> None:
+    """The capacity test's margin (planner/capacity.py CapacitySettings), for the subcommands that size a pool
+    under --gpu-memory by it: plan and bench."""
+    p.add_argument("--margin", help="fixed part of the capacity test's memory margin: the CUDA context and what "
+                   "else the process holds outside torch's allocator (default 1GiB)")
+    p.add_argument("--margin-fraction", type=float, help="plus this share of the budget (default 0.05)")
+
+
+def margin_settings(a) -> dict:
+    """CapacitySettings' margin fields from add_margin_args' flags: only those given (the rest keep its defaults)."""
+    from ostinato.config import parse_bytes
+
+    out = {"margin_bytes": parse_bytes(a.margin)} if getattr(a, "margin", None) else {}
+    if getattr(a, "margin_fraction", None) is not None:
+        out["margin_fraction"] = a.margin_fraction
+    return out
+
+
 def runner_settings(a):
     from ostinato.engine.runner import RunnerSettings
 

@@ -596,3 +596,22 @@ def test_calibrating_a_plan_again_starts_from_its_fill_by_routes(tiny_dir, tiny_
     again = Residency.load(res_path)
     assert again.calibration["fill"]["moved"] == first.calibration["fill"]["moved"]
     assert again.frequency_plan().hot == by_routes and again.upload_plan().hot == first.upload_plan().hot
+
+
+def test_plan_and_bench_share_the_margin_flags():
+    """--margin and --margin-fraction reach the capacity test from plan and from bench alike; left out,
+    CapacitySettings' defaults hold (1 GiB plus 5% of the budget)."""
+    from ostinato.bench.cli import _bench_settings
+    from ostinato.cli import build_parser
+    from ostinato.jobs.plan import _capacity_settings
+
+    p = build_parser()
+    flags = ["--margin", "512MiB", "--margin-fraction", "0.02"]
+    bench = _bench_settings(p.parse_args(["bench", "--model", "synth:tiny", *flags]))
+    assert bench.margin == {"margin_bytes": 512 * 2**20, "margin_fraction": 0.02}
+    planned = _capacity_settings(p.parse_args(["plan", "--model", "synth:tiny", "-o", "r.json", *flags]))
+    assert (planned.margin_bytes, planned.margin_fraction) == (512 * 2**20, 0.02)
+    assert _bench_settings(p.parse_args(["bench", "--model", "synth:tiny"])).margin == {}
+    default = _capacity_settings(p.parse_args(["plan", "--model", "synth:tiny", "-o", "r.json"]))
+    assert (default.margin_bytes, default.margin_fraction) == (2**30, 0.05) == (CapacitySettings().margin_bytes,
+                                                                                 CapacitySettings().margin_fraction)

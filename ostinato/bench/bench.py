@@ -71,6 +71,7 @@ class BenchSettings:
     expert_budget: int | None = None  # bytes for expert slots (overrides sizing from the cap)
     hot_fraction: float | None = None  # budget as a share of all experts (when no bytes are given)
     attention_scores: float | None = None  # capacity test: share of a pass's scores materialised (None: the model's)
+    margin: dict = field(default_factory=dict)  # capacity test: CapacitySettings' margin fields given (model_args)
     max_sessions: int | None = None  # per side (development, held-out), spread over the sources
     max_turns: int | None = None  # per session
     max_output: int | None = None  # forced output tokens per turn (None: the whole recorded output)
@@ -136,7 +137,7 @@ def pool_size(loaded, bs: BenchSettings, counts):
     total = counts.total("all")
     size = size_pool(cfg, total, loaded.runner.dtype, gpu_memory=bs.gpu_memory, hot_fraction=f,
                      expert_budget=bs.expert_budget, kv_tokens=loaded.engine.max_context,
-                     capacity=CapacitySettings(prefill_chunk=bs.runner.prefill_chunk,
+                     capacity=CapacitySettings(**bs.margin, prefill_chunk=bs.runner.prefill_chunk,
                                                attention_score_share=bs.attention_scores,
                                                pass_graph_rows=bs.runner.pass_graphs), formats=formats)
     K, E = cfg.num_experts_per_tok, cfg.num_experts

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ostinato.bench.report import source_state
 from ostinato.config import ConfigError, parse_bytes
-from ostinato.model_args import add_model_args, placement_settings, runner_settings
+from ostinato.model_args import add_margin_args, add_model_args, margin_settings, placement_settings, runner_settings
 from ostinato.policies.settings import OFFLOAD_THRESHOLDS, POLICIES, PolicySettings
 
 
@@ -123,7 +123,7 @@ def _bench_settings(a):
         model=a.model, runner=runner_settings(a), sessions=a.sessions, policies=tuple(a.policies),
         gpu_memory=parse_bytes(a.gpu_memory) if a.gpu_memory else None,
         expert_budget=parse_bytes(a.expert_budget) if a.expert_budget else None, hot_fraction=a.hot_fraction,
-        attention_scores=a.attention_scores,
+        attention_scores=a.attention_scores, margin=margin_settings(a),
         max_sessions=a.max_sessions, max_turns=a.max_turns, max_output=a.max_output,
         profiles=tuple(a.profiles) if a.profiles else None, tune=not a.no_tune, tune_sessions=a.tune_sessions,
         tune_max_turns=a.tune_max_turns,
@@ -248,6 +248,7 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--hot-fraction", type=float, help="budget as a share of all experts")
     p.add_argument("--attention-scores", type=float, help="capacity test: share of a pass's attention scores "
                    "materialised at once (as `ostinato plan`; default: the model's)")
+    add_margin_args(p)
     p.add_argument("--max-sessions", type=int, help="at most this many development and held-out sessions each")
     p.add_argument("--max-turns", type=int, help="at most this many turns per session")
     _max_output_arg(p)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.model_args import add_model_args, placement_settings, runner_settings
+from ostinato.model_args import add_margin_args, add_model_args, margin_settings, placement_settings, runner_settings
 
 
 def _sessions(spec: str | None, limit: int | None):
@@ -165,11 +165,9 @@ def _pool_size(a, cfg, counts, prof, device, formats):
 
 
 def _capacity_settings(a):
-    from ostinato.config import parse_bytes
     from ostinato.planner.capacity import CapacitySettings
 
-    return CapacitySettings(margin_bytes=parse_bytes(a.margin), margin_fraction=a.margin_fraction,
-                            prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores,
+    return CapacitySettings(**margin_settings(a), prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores,
                             max_flex=a.max_flex, flex_share=a.flex_share)
 
 
@@ -474,8 +472,7 @@ def add_planner_commands(sub) -> None:
     p.add_argument("--max-context", type=int, help="KV cache tokens to plan for (default: the profile's longest "
                    "request)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="the runner's largest forward pass")
-    p.add_argument("--margin", default="1GiB", help="fixed memory margin (default 1GiB)")
-    p.add_argument("--margin-fraction", type=float, default=0.05, help="plus this share of the budget")
+    add_margin_args(p)
     p.add_argument("--attention-scores", type=float, help="share of a pass's attention scores materialised at "
                    "once (default: the model's; 0 where its prefill attends in a fused kernel on the GPU, Qwen3's, "
                    "else 1: torch's math kernel)")
