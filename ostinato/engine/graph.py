@@ -274,8 +274,8 @@ def env_pass_rows() -> int:
     H100, after a 4096-token context): replayed, a pass of 8 / 16 / 32 tokens took 25.6 / 41.3 / 61.9 ms
     against 68.2 / 79.3 / 88.5 ms host-driven, but one of 48 / 64 / 128 / 255 took 96.4 / 126.5 / 239.8 /
     421.9 ms against 87.9 / 90.4 / 178.9 / 242.2 ms. In the held-out replay, graphs up to 32 rows took the
-    turns of 1-63 new tokens in 0.72 and 0.78x the time of the first host-driven run (the other two: 1.16
-    and 0.90x), the larger turns as long; up to 256 rows, those of 64-255 took 1.8-2.3x as long."""
+    turns of 1-63 new tokens in 0.71 and 0.76x the time of the first host-driven run (the other two: 1.11
+    and 0.95x), the larger turns as long; up to 256 rows, those of 64-255 took 1.7-2.3x as long (sums of TTFT by band)."""
     v = os.environ.get("OSTINATO_PASS_GRAPHS", str(DEFAULT_PASS_ROWS))
     if not v.isdigit():
         raise ConfigError(f"OSTINATO_PASS_GRAPHS must be a count of tokens (0: off), not {v!r}")
