@@ -17,11 +17,16 @@ attention in a captured decode step (the KV writes, the same for all methods, ex
   deepseek-v3, MLAttention._attend_latent's call: its former windowed decode).
 - sdpa_gqa: the form before it, q [1, H, 1, Dk] with enable_gqa (the 2.2 ms per 1k tokens
   per step of results/2026-11-29-h200x2/).
+--tokens T > 1 times a short prefill pass's attention instead (PassGraphs: T tokens at c - T ..
+c - 1 over a window of --window keys, the runner's max context, default 8292) against the host-driven
+pass's call, models/common.causal_attention over the c valid keys (SDPA's fused kernels, enable_gqa;
+Qwen3's shape: MLA's host-driven pass attends expanded heads, not timed here).
 The masks are computed once per graph, as DecodeWindow.refresh does once per pass. GB/s:
 the cache bytes of the c valid keys (K and V; MLA's row once) over the kernel's time. --sweep
 also times block and split variants of the kernel per context. Prints a table; the last line
 is one JSON document.
 Usage: python scripts/bench_decode_attention.py [--shape deepseek-v3] [--contexts 1024 4096 8192 16384] [--sweep]
+       python scripts/bench_decode_attention.py --tokens 64 [--window 8292] [--contexts 4096]
 """
 from __future__ import annotations
 
@@ -83,16 +88,16 @@ class Rig:
     """L layers' caches k [W, Hkv, Dk] and v [W, Hkv, Dv] (bf16; Dv < Dk: v the first Dv columns
     of k, as MLA's latent cache), one query per layer, the position on the device."""
 
-    def __init__(self, shape: dict, window: int, context: int, layers: int):
-        self.window, self.layers = window, layers
+    def __init__(self, shape: dict, window: int, context: int, layers: int, tokens: int = 1):
+        self.window, self.layers, self.context, self.tokens = window, layers, context, tokens
         self.h, self.hkv, self.dk, self.dv = shape["H"], shape["Hkv"], shape["Dk"], shape["Dv"]
         self.k = [torch.randn(window, self.hkv, self.dk, device="cuda").bfloat16() for _ in range(layers)]
         if self.dv < self.dk:
             self.v = [k[..., :self.dv] for k in self.k]
         else:
             self.v = [torch.randn(window, self.hkv, self.dv, device="cuda").bfloat16() for _ in range(layers)]
-        self.q = [torch.randn(1, self.h, self.dk, device="cuda").bfloat16() for _ in range(layers)]
-        self.position = torch.tensor([context - 1], device="cuda")
+        self.q = [torch.randn(tokens, self.h, self.dk, device="cuda").bfloat16() for _ in range(layers)]
+        self.position = torch.tensor([context - tokens], device="cuda")  # the first token's
         self.cols = torch.arange(window, device="cuda")[None, :]
         self.mask = None
 
@@ -118,16 +123,28 @@ class Rig:
         return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=self.mask,
                                               enable_gqa=True).transpose(1, 2)
 
+    def causal(self, i):
+        """The host-driven pass's attention: the T tokens over the c valid keys, lower-right causal."""
+        from ostinato.models.common import causal_attention
+
+        c = self.context
+        return causal_attention(self.q[i].transpose(0, 1), self.k[i][:c].transpose(0, 1),
+                                self.v[i][:c].transpose(0, 1)).transpose(0, 1)
+
     def sdpa_calls(self, gqa: bool):
         fn = self.sdpa_gqa if gqa else self.sdpa
         return [self.refresh] + [lambda i=i: fn(i) for i in range(len(self.q))]
 
 
 def max_err(rig: Rig) -> float:
-    """Kernel against the masked SDPA call, both bf16, relative to the output's scale."""
+    """Kernel against the masked SDPA call (T > 1: the host-driven causal call), both bf16, relative to
+    the output's scale."""
     got = rig.kernel_calls()[0]()
-    rig.refresh()
-    want = rig.sdpa(0)
+    if rig.tokens > 1:
+        want = rig.causal(0)
+    else:
+        rig.refresh()
+        want = rig.sdpa(0)
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
@@ -155,12 +172,17 @@ def sweep(rig: Rig, reps: int) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    ap.add_argument("--contexts", type=int, nargs="+", help="default 1024 4096 8192 16384 (with --tokens: those "
+                    "within --window)")
     ap.add_argument("--layers", type=int, help="layers (caches) per graph (default: the shape's decode step's)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sweep", action="store_true", help="also time kernel block/split variants")
     ap.add_argument("--no-gqa", action="store_true", help="skip the enable_gqa SDPA baseline")
+    ap.add_argument("--tokens", type=int, default=1, help="T > 1: a short prefill pass of T tokens (Qwen3's shape)")
+    ap.add_argument("--window", type=int, default=8292, help="with --tokens: the pass's window (the max context)")
     args = ap.parse_args()
+    if args.tokens > 1 and args.shape != "qwen3-30b-a3b":
+        sys.exit("bench_decode_attention: --tokens times Qwen3's shape only (MLA's host-driven pass expands its heads)")
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention: needs a CUDA device (torch.cuda.is_available() is "
                  "False); the kernel's CPU check is tests/test_decode_attention.py")
@@ -175,23 +197,30 @@ def main():
     layers = args.layers or step_layers
     torch.manual_seed(0)
     rows, sweeps = [], {}
-    print(f"decode attention, {args.shape}: H={H} Hkv={Hkv} Dk={Dk} Dv={Dv} bf16, {layers} layers per graph, "
+    T = args.tokens
+    print(f"decode attention, {args.shape}: H={H} Hkv={Hkv} Dk={Dk} Dv={Dv} bf16, {T} token(s), {layers} layers per graph, "
           f"{torch.cuda.get_device_name()}")
     head = (f"{'context':>8} {'window':>7} {'splits':>6} {'kernel us':>10} {'sdpa us':>9} "
             f"{'gqa us':>8} {'speedup':>8} {'GB/s':>7} {'step ms':>8} {'sdpa ms':>8} {'err':>8}")
     print(head)
-    for c in args.contexts:
-        w = window_for(c)
-        rig = Rig(shape, w, c, layers)
-        plan = launch_plan(1, H // Hkv, Dv, w)
+    contexts = args.contexts or [c for c in (1024, 4096, 8192, 16384) if T == 1 or c <= args.window]
+    for c in contexts:
+        w = window_for(c) if T == 1 else args.window
+        if T > c or c > w:
+            sys.exit(f"bench_decode_attention: context {c} must hold the {T} tokens and fit the window {w}")
+        rig = Rig(shape, w, c, layers, T)
+        plan = launch_plan(T, H // Hkv, Dv, w)
         chunk, splits = plan.chunk, plan.splits
         err = max_err(rig)
         kernel = graph_us(rig.kernel_calls(), args.reps, layers)
-        sdpa = graph_us(rig.sdpa_calls(gqa=False), args.reps, layers)
-        gqa = None if args.no_gqa else graph_us(rig.sdpa_calls(gqa=True), args.reps, layers)
+        if T > 1:  # the host-driven pass's call in the sdpa column; no masked or gqa form
+            sdpa, gqa = graph_us([lambda i=i, r=rig: r.causal(i) for i in range(layers)], args.reps, layers), None
+        else:
+            sdpa = graph_us(rig.sdpa_calls(gqa=False), args.reps, layers)
+            gqa = None if args.no_gqa else graph_us(rig.sdpa_calls(gqa=True), args.reps, layers)
         row_bytes = Hkv * (Dk if Dv < Dk else Dk + Dv) * 2  # bf16; MLA's value is its key row's
         gbps = c * row_bytes / kernel / 1e3
-        row = {"context": c, "window": w, "position": c - 1, "chunk": chunk, "splits": splits,
+        row = {"context": c, "window": w, "tokens": T, "position": c - T, "chunk": chunk, "splits": splits,
                "kernel_us": kernel, "sdpa_us": sdpa, "sdpa_gqa_us": gqa, "kernel_gbps": gbps,
                "step_kernel_ms": kernel * step_layers / 1e3,
                "step_sdpa_ms": sdpa * step_layers / 1e3, "max_rel_err": err}

@@ -242,9 +242,12 @@ phase_generate() {
     --prompt "Check the order status for order #W2378156 and tell me the delivery date."
 }
 phase_micro() { run 150 "$R/b_bench_gpu.txt" python3 scripts/bench_gpu_experts.py; }
-phase_micro_attn() {  # Qwen3-30B-A3B's heads, then DeepSeek-V3's latent attention
+phase_micro_attn() {  # Qwen3-30B-A3B's heads, then DeepSeek-V3's latent attention, then Qwen3's passes
   run 90 "$R/f_bench_attention.txt" python3 scripts/bench_decode_attention.py
   run 90 "$R/f_bench_attention_mla.txt" python3 scripts/bench_decode_attention.py --shape deepseek-v3
+  local t; for t in 64 255; do  # a captured prefill pass's attention against the host-driven pass's
+    run 90 "$R/f_bench_attention_pass$t.txt" python3 scripts/bench_decode_attention.py --tokens $t --contexts 1024 4096
+  done
 }
 phase_micro_cpu() {
   run 120 "$R/b_bench_cpu.txt" python3 scripts/bench_cpu_experts.py --layers 24 ${THREADS:+--threads $THREADS}
