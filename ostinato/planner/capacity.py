@@ -431,7 +431,8 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     who = f"{label}: " if label else ""
     sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats.experts).items() if l in counts}
     act = pass_bound(cfg, T, kv_tokens, dtype, formats, sizes, settings.attention_score_share)
-    graphs = pass_graph_bytes(cfg, settings, kv_tokens, dtype, formats, sizes)
+    # one device of a split model (layers) captures no passes (ModelRunner.pass_graph_rows)
+    graphs = pass_graph_bytes(cfg, settings, kv_tokens, dtype, formats, sizes) if layers is None else 0
     if graphs:
         act = {**act, "pass_graphs": graphs, "total": act["total"] + graphs}
     margin = int(settings.margin_bytes + settings.margin_fraction * budget)
