@@ -44,15 +44,13 @@ def split_kernel_binary(T: int, G: int, Dk: int, Dv: int, window: int, arch: int
     from triton.backends.compiler import GPUTarget
 
     from ostinato.kernels.triton import decode_attention as da
-    from ostinato.kernels.triton.decode_plan import launch_plan, next_power_of_2
+    from ostinato.kernels.triton.decode_plan import launch_plan
 
     plan = launch_plan(T, G, Dv, window, num_warps=warps, block_r=block_r)
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "m_ptr": "*fp32",
            "l_ptr": "*fp32", "acc_ptr": "*fp32", "qk_scale": "fp32", "T": "i32", "W": "i32", "CHUNK": "i32",
            "NS": "i32", **{s: "i32" for s in STRIDES}}
-    const = dict(G=G, DV=Dv, DT=Dk - Dv, BLOCK_R=plan.block_r, BLOCK_DV=max(16, next_power_of_2(Dv)),
-                 BLOCK_DT=max(16, next_power_of_2(max(1, Dk - Dv))), BLOCK_N=plan.block_n, CAUSAL=T > 1,
-                 PRECISION=None, NUM_STAGES=plan.num_stages)
+    const = da.split_constexprs(T, G, Dk, Dv, plan, fp32=False)
     sig |= {k: "constexpr" for k in const}
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in POINTERS}

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.triton.decode_plan import launch_plan, next_power_of_2
+from ostinato.kernels.triton.decode_plan import LaunchPlan, launch_plan, next_power_of_2
 
 REDUCE_ELEMS = 4096  # fp32 sums a reduce program holds: BLOCK_S splits x BLOCK_DV
 
@@ -211,20 +211,27 @@ def decode_attention(q, k_cache, v_cache, position, window, scale=None, out=None
         out = torch.empty(q.shape[:-1] + (Dv,), dtype=q.dtype, device=dev)
     assert out.is_contiguous() and out.numel() == T * H * Dv, "out must be contiguous, T*H*Dv elements"
     o3 = out.view(T, H, Dv)
-    block_dv = max(16, next_power_of_2(Dv))
-    precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no tf32 rounding
+    meta = split_constexprs(T, G, Dk, Dv, plan, q.dtype == torch.float32)
     _split_kernel[(Hkv, plan.splits, triton.cdiv(T * G, plan.block_r))](
         q3, k_cache, v_cache, position, m, l_, acc, scale * math.log2(math.e),
         T, window, plan.chunk, plan.splits,
         q3.stride(0), q3.stride(1), q3.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=G, DV=Dv, DT=Dk - Dv, BLOCK_R=plan.block_r, BLOCK_DV=block_dv,
-        BLOCK_DT=max(16, next_power_of_2(Dk - Dv)), BLOCK_N=plan.block_n, CAUSAL=T > 1,
-        PRECISION=precision, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps)
+        **meta, num_warps=plan.num_warps)
+    block_dv = meta["BLOCK_DV"]
     _reduce_kernel[(H, T)](
         m, l_, acc, position, m if sinks is None else sinks, o3, T, window, plan.chunk, plan.splits,
         o3.stride(0), o3.stride(1), o3.stride(2), G=G, DV=Dv,
         BLOCK_S=min(32, next_power_of_2(plan.splits), REDUCE_ELEMS // block_dv), BLOCK_DV=block_dv,
         SINKS=sinks is not None, num_warps=4)
     return out
+
+
+def split_constexprs(T: int, G: int, Dk: int, Dv: int, plan: LaunchPlan, fp32: bool) -> dict:
+    """_split_kernel's compile-time arguments for T tokens' G rows a KV head, keys Dk and values Dv wide,
+    under `plan` (decode_attention's launch; scripts/kernel_resources.py compiles the same): fp32 inputs
+    take the ieee dot (no tf32 rounding)."""
+    return dict(G=G, DV=Dv, DT=Dk - Dv, BLOCK_R=plan.block_r, BLOCK_DV=max(16, next_power_of_2(Dv)),
+                BLOCK_DT=max(16, next_power_of_2(Dk - Dv)), BLOCK_N=plan.block_n, CAUSAL=T > 1,
+                PRECISION="ieee" if fp32 else None, NUM_STAGES=plan.num_stages)
