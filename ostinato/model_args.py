@@ -40,12 +40,15 @@ def add_margin_args(p: argparse.ArgumentParser) -> None:
 
 
 def margin_settings(a) -> dict:
-    """CapacitySettings' margin fields from add_margin_args' flags: only those given (the rest keep its defaults)."""
+    """CapacitySettings' margin fields from add_margin_args' flags: only those given (the rest keep its defaults),
+    checked as CapacitySettings checks them, so a bad value is refused before any model loads."""
     from ostinato.config import parse_bytes
+    from ostinato.planner.capacity import CapacitySettings
 
     out = {"margin_bytes": parse_bytes(a.margin)} if getattr(a, "margin", None) else {}
     if getattr(a, "margin_fraction", None) is not None:
         out["margin_fraction"] = a.margin_fraction
+    CapacitySettings(**out)
     return out
 
 

@@ -181,6 +181,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=1, help="T > 1: a short prefill pass of T tokens (Qwen3's shape)")
     ap.add_argument("--window", type=int, default=8292, help="with --tokens: the pass's window (the max context)")
     args = ap.parse_args()
+    if args.tokens < 1:
+        sys.exit(f"bench_decode_attention: --tokens must be at least 1, not {args.tokens}")
     if args.tokens > 1 and args.shape != "qwen3-30b-a3b":
         sys.exit("bench_decode_attention: --tokens times Qwen3's shape only (MLA's host-driven pass expands its heads)")
     if not torch.cuda.is_available():

@@ -619,3 +619,8 @@ def test_plan_and_bench_share_the_margin_flags():
     default = _capacity_settings(p.parse_args(["plan", "--model", "synth:tiny", "-o", "r.json"]))
     assert (default.margin_bytes, default.margin_fraction) == (2**30, 0.05) == (CapacitySettings().margin_bytes,
                                                                                  CapacitySettings().margin_fraction)
+    from ostinato.config import ConfigError
+
+    for bad in (["--margin-fraction", "-0.1"], ["--margin-fraction", "1"], ["--margin", "lots"]):  # refused when read
+        with pytest.raises(ConfigError, match="margin|size"):
+            _bench_settings(p.parse_args(["bench", "--model", "synth:tiny", *bad]))

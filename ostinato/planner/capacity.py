@@ -98,6 +98,9 @@ class CapacitySettings:
             raise ConfigError(f"max_flex must be >= 0, got {self.max_flex}")
         if not 0.0 <= self.flex_share <= 1.0:
             raise ConfigError(f"flex_share must be in [0, 1], got {self.flex_share}")
+        if self.margin_bytes < 0 or not 0.0 <= self.margin_fraction < 1.0:
+            raise ConfigError(f"the margin must be >= 0 bytes plus a share in [0, 1) of the budget, got "
+                              f"{self.margin_bytes} bytes and {self.margin_fraction}")
 
 
 @dataclass(frozen=True)
