@@ -13,6 +13,7 @@
 #   micro      [B] GPU branch kernels (scripts/bench_gpu_experts.py)
 #   micro_cpu  [B] CPU branch kernel against host read bandwidth (scripts/bench_cpu_experts.py)
 #   micro_attn [F] decode attention over a device-side length: Triton split-K against SDPA
+#   micro_handshake [Q] the handshake's join of the CPU worker's partial, .cv against volatile loads
 #   plans      residencies from the profiles: all, cold, 40% hot, and 40% over two GPUs
 #   check      [B][F] whole model: all-GPU reference, 40% hot under $CAP (+ decode ablation), all CPU
 #   calib      [C] plan under $CAP (capacity test), a half-size pool, calibrate in the engine
@@ -248,6 +249,9 @@ phase_micro_attn() {  # Qwen3-30B-A3B's heads, then DeepSeek-V3's latent attenti
   local t; for t in 64 255; do  # a captured prefill pass's attention against the host-driven pass's
     run 90 "$R/f_bench_attention_pass$t.txt" python3 scripts/bench_decode_attention.py --tokens $t --contexts 1024 4096
   done
+}
+phase_micro_handshake() {  # [Q] the join of the CPU worker's partial (mapped host memory) per pass size
+  run 60 "$R/q_bench_handshake.txt" python3 scripts/bench_handshake.py
 }
 phase_micro_cpu() {
   run 120 "$R/b_bench_cpu.txt" python3 scripts/bench_cpu_experts.py --layers 24 ${THREADS:+--threads $THREADS}

@@ -1,0 +1,118 @@
+"""Time the handshake's join of the CPU worker's partial (kernels/triton/handshake.py wait_add_rows
+and wait_add) on the GPU: the worker's fp32 rows [T, D] sit in page-locked, device-mapped host
+memory, the kernel adds them to the GPU branch's rows after the done flag.
+
+Per T, a CUDA graph of L joins, each over its own layer's buffers (as in a captured pass: one
+join per MoE layer), with the flags set so that nothing spins; us = replay time / L. GB/s: the
+partial's bytes (T * D * 4) over that time. Beside the engine's kernel (`.cv` loads), the same
+kernel with volatile loads, the form before session 37 (kept here only to time against), and a
+plain copy of the partial by cudaMemcpyAsync for the link's pace. T = 1 also times wait_add, the
+decode step's join. Prints a table; the last line is one JSON document.
+Usage: python scripts/bench_handshake.py [--tokens 1 8 32 64 255] [--hidden 2048] [--layers 48]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ostinato.bench.report import source_state  # noqa: E402
+from ostinato.kernels.triton import handshake as hs  # noqa: E402
+
+
+@triton.jit
+def _add_rows_volatile(gpu_ptr, h_out, h_has_cold, count_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = d < D
+    acc = tl.load(gpu_ptr + t * D + d, mask=m, other=0.0)
+    if (tl.load(h_has_cold, volatile=True) != 0) & (t < tl.load(count_ptr)):
+        acc += tl.load(h_out + t * D + d, mask=m, other=0.0, volatile=True)
+    tl.store(y_ptr + t * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, layers: int, reps: int = 20) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / layers)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 255])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=48)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_handshake times CUDA kernels: no GPU here")
+    if min(a.tokens) < 1 or a.hidden < 1 or a.layers < 1:
+        raise SystemExit("--tokens, --hidden and --layers must be at least 1")
+    D, L, dev = a.hidden, a.layers, "cuda"
+    rows = []
+    print(f"handshake join, D={D}, {L} layers a graph, {torch.cuda.get_device_name()}")
+    print(f"{'T':>5} {'method':>10} {'us':>9} {'GB/s':>7} {'err':>8}")
+    for T in a.tokens:
+        seq = torch.tensor([7], dtype=torch.int32, device=dev)
+        count = torch.tensor([T], dtype=torch.int32, device=dev)
+        flags = torch.zeros(L, 2, 16, dtype=torch.int32, pin_memory=True)
+        flags[:, 0, 0] = 7  # has_cold = seq
+        flags[:, 1, 0] = 7  # done = seq: nothing spins
+        h_out = torch.randn(L, T, D, pin_memory=True)
+        gpu = torch.randn(L, T, D, device=dev)
+        y = torch.empty(L, T, D, device=dev, dtype=torch.bfloat16)
+        staged = torch.empty(L, T, D, device=dev)
+        want = (gpu + h_out.to(dev)).to(torch.bfloat16)
+        H = [hs.HostPointer(h_out[i]) for i in range(L)]
+        has = [hs.HostPointer(flags[i, 0, :1]) for i in range(L)]
+        done = [hs.HostPointer(flags[i, 1, :1]) for i in range(L)]
+
+        def engine(i):
+            if T == 1:
+                hs.wait_add(gpu[i], H[i], has[i], done[i], seq, y[i])
+            else:
+                hs.wait_add_rows(gpu[i], H[i], has[i], done[i], seq, count, y[i])
+
+        def volatile(i):
+            _add_rows_volatile[(T, triton.cdiv(D, 512))](gpu[i], H[i], has[i], count, y[i], D=D, BLOCK_D=512,
+                                                         num_warps=4)
+
+        def memcpy(i):
+            staged[i].copy_(h_out[i], non_blocking=True)
+
+        for name, fn in (("engine", engine), ("volatile", volatile), ("memcpy", memcpy)):
+            y.zero_()
+            fn(0)  # compile outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i in range(L):
+                    fn(i)
+            us = replay_us(g, L)
+            got = staged.to(torch.bfloat16) if name == "memcpy" else y
+            ref = h_out.to(dev).to(torch.bfloat16) if name == "memcpy" else want
+            err = (got.float() - ref.float()).abs().max().item()
+            gbps = T * D * 4 / us / 1e3
+            rows.append(dict(tokens=T, method=name, us=us, gbps=gbps, max_abs_err=err))
+            print(f"{T:>5} {name:>10} {us:>9.2f} {gbps:>7.2f} {err:>8.1e}")
+    print(json.dumps({"bench": "handshake_join", **source_state(), "device": torch.cuda.get_device_name(),
+                      "torch": torch.__version__, "triton": triton.__version__, "hidden": D, "layers": L,
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
