@@ -24,11 +24,6 @@ the device: the pass is padded to B, the rows past n are never read by the worke
              rather than in every program of a [B, D] grid);
   add_rows   the worker's fp32 partial of the n rows added to the GPU branch's, rounded once.
 
-The partial is read with the `.cv` cache operator (fetch again, never a cached line), not as a
-volatile load: after the acquire, the loads need only be fresh, and volatile ones crossed PCIe
-one word at a time. Measured in replayed passes on an H100 (session 37, `profile_decode --prefill`):
-`_add_rows` read the mapped partial at about 0.57 GB/s, 183 ms of a 255-token pass's 368.
-
 Outside graphs, a prefill pass's split layers may join their CPU branch the same way
 (`wait_value`, hybrid.py's deferred combine): the stream spins until the CPU pool has stored
 the call's number into a page-locked word, so the host goes on launching the next layer instead
@@ -123,7 +118,7 @@ def _add_rows(gpu_ptr, h_out, h_has_cold, count_ptr, y_ptr, D: tl.constexpr, BLO
     m = d < D
     acc = tl.load(gpu_ptr + t * D + d, mask=m, other=0.0)
     if (tl.load(h_has_cold, volatile=True) != 0) & (t < tl.load(count_ptr)):
-        acc += tl.load(h_out + t * D + d, mask=m, other=0.0, cache_modifier=".cv")
+        acc += tl.load(h_out + t * D + d, mask=m, other=0.0, volatile=True)
     tl.store(y_ptr + t * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -136,7 +131,7 @@ def _wait_add(gpu_ptr, h_out, h_has_cold, h_done, seq_ptr, y_ptr, D: tl.constexp
         seq = tl.load(seq_ptr)
         while tl.atomic_add(h_done, 0, sem="acquire", scope="sys") != seq:
             pass
-        acc += tl.load(h_out + d, mask=m, other=0.0, cache_modifier=".cv")
+        acc += tl.load(h_out + d, mask=m, other=0.0, volatile=True)
     tl.store(y_ptr + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
