@@ -1,13 +1,18 @@
 """Time the handshake's join of the CPU worker's partial (kernels/triton/handshake.py wait_add_rows
 and wait_add) on the GPU: the worker's fp32 rows [T, D] sit in page-locked, device-mapped host
-memory, the kernel adds them to the GPU branch's rows after the done flag.
+memory, and the join adds them to the GPU branch's rows after the done flag.
 
 Per T, a CUDA graph of L joins, each over its own layer's buffers (as in a captured pass: one
 join per MoE layer), with the flags set so that nothing spins; us = replay time / L. GB/s: the
-partial's bytes (T * D * 4) over that time. Beside the engine's kernel (`.cv` loads), the same
-kernel with volatile loads, the form before session 37 (kept here only to time against), and a
-plain copy of the partial by cudaMemcpyAsync for the link's pace. T = 1 also times wait_add, the
-decode step's join. Prints a table; the last line is one JSON document.
+partial's bytes (T * D * 4) over that time. Methods (layers/moe/graph_hybrid.py handshake_join):
+- load: the add kernel reads the partial in mapped memory (volatile loads; T = 1: wait_add, the
+  decode step's fused wait and add);
+- copy: the copy engine brings the T rows into device memory after the wait, then the add;
+- memcpy: that copy alone, for the link's pace.
+The host wrote the partial long before the graph runs, so its lines are in no CPU cache; in a step
+the worker stores them just before the join. Session 37's profile of replayed passes on an H100 had
+the load form's add at about 0.57 GB/s.
+Prints a table; the last line is one JSON document.
 Usage: python scripts/bench_handshake.py [--tokens 1 8 32 64 255] [--hidden 2048] [--layers 48]
 """
 from __future__ import annotations
@@ -20,22 +25,10 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.kernels.triton import handshake as hs  # noqa: E402
-
-
-@triton.jit
-def _add_rows_volatile(gpu_ptr, h_out, h_has_cold, count_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = d < D
-    acc = tl.load(gpu_ptr + t * D + d, mask=m, other=0.0)
-    if (tl.load(h_has_cold, volatile=True) != 0) & (t < tl.load(count_ptr)):
-        acc += tl.load(h_out + t * D + d, mask=m, other=0.0, volatile=True)
-    tl.store(y_ptr + t * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, layers: int, reps: int = 20) -> float:
@@ -81,20 +74,19 @@ def main() -> None:
         has = [hs.HostPointer(flags[i, 0, :1]) for i in range(L)]
         done = [hs.HostPointer(flags[i, 1, :1]) for i in range(L)]
 
-        def engine(i):
+        def load(i):
             if T == 1:
                 hs.wait_add(gpu[i], H[i], has[i], done[i], seq, y[i])
             else:
                 hs.wait_add_rows(gpu[i], H[i], has[i], done[i], seq, count, y[i])
 
-        def volatile(i):
-            _add_rows_volatile[(T, triton.cdiv(D, 512))](gpu[i], H[i], has[i], count, y[i], D=D, BLOCK_D=512,
-                                                         num_warps=4)
+        def copy(i):
+            hs.wait_add_rows(gpu[i], H[i], has[i], done[i], seq, count, y[i], staged[i])
 
         def memcpy(i):
             staged[i].copy_(h_out[i], non_blocking=True)
 
-        for name, fn in (("engine", engine), ("volatile", volatile), ("memcpy", memcpy)):
+        for name, fn in (("load", load), ("copy", copy), ("memcpy", memcpy)):
             y.zero_()
             fn(0)  # compile outside the capture
             torch.cuda.synchronize()

@@ -116,12 +116,14 @@ def test_graph_replay_bitwise_equals_eager_all_gpu(tiny_dir, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("borrow", [False, True])
-def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_path, borrow):
+@pytest.mark.parametrize("borrow,join", [(False, "load"), (True, "load"), (False, "copy")])
+def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_path, borrow, join, monkeypatch):
     """Half the experts cold: the graph step (mapped-memory handshake with the native worker)
     equals the host-driven synchronous path under the same placement, over 256 steps, with
     and without borrowed experts (copies applied at the boundary they start, so both engines
-    switch at the same token)."""
+    switch at the same token), and with the worker's partial joined through a device copy
+    (OSTINATO_HANDSHAKE_JOIN=copy)."""
+    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
     from ostinato.engine.placement import PlacementSettings
     from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
     from ostinato.load import load_engine
@@ -135,6 +137,7 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                      cuda_graph=False), place)
     assert isinstance(graphed.runner.experts, GraphHybridExperts) and graphed.runner.graphs is not None
+    assert (graphed.runner.experts.staged is not None) == (join == "copy")
     replay_vs_eager(graphed, sync, steps=256)
     stats = graphed.runner.placement_stats()
     assert stats["graph_cold_routes"] > 0
@@ -147,12 +150,14 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cold", [0.0, 0.5])
-def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold):
+@pytest.mark.parametrize("cold,join", [(0.0, "load"), (0.5, "load"), (0.5, "copy")])
+def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold, join, monkeypatch):
     """Short prefill passes replayed as captured graphs (padded to their size, the CPU branch through
-    the worker's rows) against the host-driven passes of an engine without graphs: the same greedy
-    token after every pass, logits within bf16 rounding (the attention kernels differ: split-K
-    against SDPA's), the same routes counted and as many cold ones, and the same tokens decoded after."""
+    the worker's rows, read in place or copied: OSTINATO_HANDSHAKE_JOIN) against the host-driven passes
+    of an engine without graphs: the same greedy token after every pass, logits within bf16 rounding
+    (the attention kernels differ: split-K against SDPA's), the same routes counted and as many cold
+    ones, and the same tokens decoded after."""
+    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
     pass_graphs_vs_host_driven(tiny_dir, tmp_path, cold)
 
 

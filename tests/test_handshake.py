@@ -1,7 +1,8 @@
 """The GPU half of the handshake's captured passes (kernels/triton/handshake.py post_rows,
 wait_add_rows) under TRITON_INTERPRET=1 on the CPU, against what the worker's protocol expects:
 the B rows' routing and activations in the shared buffers, n and has_cold over the n real rows
-only, the flag last; then the worker's partial added to the n rows alone. (On CUDA they run inside
+only, the flag last; then the worker's partial added to the n rows alone, read in place and
+through the "copy" join's device rows. (On CUDA they run inside
 tests/test_graph.py's captured passes.)
 
 Legend: B rows of the pass, n real ones, T rows of the shared buffers, K top-k, D hidden, E experts.
@@ -51,6 +52,11 @@ for case in ("cold", "cold only in padding", "hot"):
     if cold:
         want[:n] += h_out[:n]
     assert torch.equal(y, want), case
+    staged = torch.full((T, D), float("nan"))  # the "copy" join: the B rows copied first, then added
+    y2 = torch.empty(B, D)
+    hs.wait_add_rows(gpu, hs.HostPointer(h_out), h_has, h_done, seq, count, y2, staged)
+    assert torch.equal(y2, want) and torch.equal(staged[:B], h_out[:B]), case
+    assert staged[B:].isnan().all(), case  # rows past B are not copied
 print("INTERPRETER_OK")
 """
 
@@ -134,3 +140,38 @@ def test_graph_wrapper_rows_match_split_path_under_interpreter():
     if build.load_cpu_extension() is None or not build.load_cpu_extension().cpu_features()["avx512"]:
         pytest.skip("needs the native CPU experts (AVX-512)")
     run_interpreted(WRAPPER_SCRIPT, timeout=600)
+
+
+def test_handshake_join_switch(monkeypatch):
+    from ostinato.config import ConfigError
+    from ostinato.layers.moe.graph_hybrid import handshake_join
+
+    monkeypatch.delenv("OSTINATO_HANDSHAKE_JOIN", raising=False)
+    assert handshake_join() == "load"
+    for value, want in (("", "load"), ("load", "load"), ("copy", "copy")):
+        monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", value)
+        assert handshake_join() == want
+    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", "dma")
+    with pytest.raises(ConfigError, match="OSTINATO_HANDSHAKE_JOIN must be one of load, copy, not 'dma'"):
+        handshake_join()
+
+
+def test_copy_join_rows_are_counted(monkeypatch):
+    """The "copy" join's device rows (B fp32 rows of the hidden size) are in the pass graphs' bytes the
+    capacity test reserves."""
+    import torch
+
+    from ostinato.config import ModelConfig
+    from ostinato.engine.sizes import expert_sizes
+    from ostinato.planner.capacity import CapacitySettings, WeightFormats, pass_graph_bytes
+    from ostinato.synth import presets
+
+    cfg = ModelConfig.from_dict(presets.preset_config("qwen3-30b-a3b"))
+    sizes = expert_sizes(cfg, torch.bfloat16, {})
+
+    def graph_bytes(join):
+        monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
+        return pass_graph_bytes(cfg, CapacitySettings(pass_graph_rows=32), 8192, torch.bfloat16, WeightFormats(),
+                                sizes)
+
+    assert graph_bytes("copy") - graph_bytes("load") == 32 * cfg.hidden_size * 4

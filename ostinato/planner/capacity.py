@@ -354,8 +354,10 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     head as the kernel reads it, AttentionShape.split_k_heads: Qwen3's Hkv heads of G = H / Hkv, MLA's
     one latent head of G = H, keeps its running max and sum and its Dv sums in each of its splits), plus
     what sliding-window layers attend in torch (gpt-oss's, models/gpt_oss.py): the fp32 scores of B
-    tokens over the w + B - 1 rows they gather, and their cast."""
+    tokens over the w + B - 1 rows they gather, and their cast; with the "copy" join
+    (layers/moe/graph_hybrid.py handshake_join), the B fp32 rows the worker's partial is copied into."""
     from ostinato.engine.graph import env_pass_rows
+    from ostinato.layers.moe.graph_hybrid import handshake_join
 
     rows = settings.pass_graph_rows if settings.pass_graph_rows is not None else env_pass_rows()
     B = min(rows, kv_tokens)
@@ -366,7 +368,8 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     partials = partials_bytes(B, G, kv_heads, dv, kv_tokens)
     w = max(cfg.window_of(i) or 0 for i in range(cfg.num_hidden_layers))
     sliding = shape.heads * B * (w + B - 1) * (4 + itemsize(dtype)) if w else 0
-    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding
+    staged = B * cfg.hidden_size * 4 if handshake_join() == "copy" else 0
+    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding + staged
 
 
 def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: WeightFormats, sizes: dict) -> int:
