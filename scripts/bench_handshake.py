@@ -7,7 +7,8 @@ join per MoE layer), with the flags set so that nothing spins; us = replay time 
 partial's bytes (T * D * 4) over that time. Methods (layers/moe/graph_hybrid.py handshake_join):
 - load: the add kernel reads the partial in mapped memory (volatile loads; T = 1: wait_add, the
   decode step's fused wait and add);
-- copy: the copy engine brings the T rows into device memory after the wait, then the add;
+- copy: the wait keeps has_cold in a device word, the copy engine brings the T rows into device
+  memory, then the add;
 - memcpy: that copy alone, for the link's pace.
 The host wrote the partial long before the graph runs, so its lines are in no CPU cache; in a step
 the worker stores them just before the join. Session 37's profile of replayed passes on an H100 had
@@ -80,8 +81,10 @@ def main() -> None:
             else:
                 hs.wait_add_rows(gpu[i], H[i], has[i], done[i], seq, count, y[i])
 
+        joins = [hs.CopyJoin(T, D, dev) for _ in range(L)]
+
         def copy(i):
-            hs.wait_add_rows(gpu[i], H[i], has[i], done[i], seq, count, y[i], staged[i])
+            hs.wait_add_rows(gpu[i], H[i], has[i], done[i], seq, count, y[i], joins[i])
 
         def memcpy(i):
             staged[i].copy_(h_out[i], non_blocking=True)
@@ -95,7 +98,7 @@ def main() -> None:
                 for i in range(L):
                     fn(i)
             us = replay_us(g, L)
-            got = staged.to(torch.bfloat16) if name == "memcpy" else y
+            got = staged.to(torch.bfloat16) if name == "memcpy" else y  # memcpy: into staged, as copy's rows
             ref = h_out.to(dev).to(torch.bfloat16) if name == "memcpy" else want
             err = (got.float() - ref.float()).abs().max().item()
             gbps = T * D * 4 / us / 1e3

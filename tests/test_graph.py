@@ -137,7 +137,7 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                      cuda_graph=False), place)
     assert isinstance(graphed.runner.experts, GraphHybridExperts) and graphed.runner.graphs is not None
-    assert (graphed.runner.experts.staged is not None) == (join == "copy")
+    assert (graphed.runner.experts.copy is not None) == (join == "copy")
     replay_vs_eager(graphed, sync, steps=256)
     stats = graphed.runner.placement_stats()
     assert stats["graph_cold_routes"] > 0

@@ -52,11 +52,14 @@ for case in ("cold", "cold only in padding", "hot"):
     if cold:
         want[:n] += h_out[:n]
     assert torch.equal(y, want), case
-    staged = torch.full((T, D), float("nan"))  # the "copy" join: the B rows copied first, then added
+    copy = hs.CopyJoin(T, D, "cpu")  # the "copy" join: the B rows copied first, then added
+    copy.rows.fill_(float("nan"))
+    copy.cold.fill_(-1)
     y2 = torch.empty(B, D)
-    hs.wait_add_rows(gpu, hs.HostPointer(h_out), h_has, h_done, seq, count, y2, staged)
-    assert torch.equal(y2, want) and torch.equal(staged[:B], h_out[:B]), case
-    assert staged[B:].isnan().all(), case  # rows past B are not copied
+    hs.wait_add_rows(gpu, hs.HostPointer(h_out), h_has, h_done, seq, count, y2, copy)
+    assert torch.equal(y2, want) and torch.equal(copy.rows[:B], h_out[:B]), case
+    assert copy.rows[B:].isnan().all(), case  # rows past B are not copied
+    assert int(copy.cold) == int(h_has), case  # has_cold as the wait read it
 print("INTERPRETER_OK")
 """
 
@@ -83,7 +86,9 @@ hs.HostPointer = lambda t: t
 
 class Spin:
     def __getitem__(self, grid):
-        def spin(h_has_cold, h_done, seq, num_warps=1):
+        def spin(h_has_cold, h_done, seq, cold, KEEP, num_warps=1):
+            if KEEP:
+                cold[0] = h_has_cold[0]
             if int(h_has_cold[0]) != 0:
                 while int(h_done[0]) != int(seq[0]):
                     pass
@@ -97,7 +102,8 @@ def toward_zero(t):
     return (t.view(torch.int32) & -65536).view(torch.float32).bfloat16()
 
 hybrid, _ = _hybrid(0.5, None, backend="native", dtype=torch.bfloat16)
-graphed = GraphHybridExperts(hybrid, max_rows=16)
+graphed = GraphHybridExperts(hybrid, max_rows=16)  # the join as OSTINATO_HANDSHAKE_JOIN says
+assert (graphed.copy is not None) == (os.environ.get("OSTINATO_HANDSHAKE_JOIN") == "copy")
 atexit.unregister(graphed.stop)  # its stop() synchronises CUDA; the worker alone is stopped here
 g = torch.Generator().manual_seed(3)
 try:
@@ -129,12 +135,15 @@ print("INTERPRETER_OK")
 """
 
 
-def test_graph_wrapper_rows_match_split_path_under_interpreter():
+@pytest.mark.parametrize("join", ["load", "copy"])
+def test_graph_wrapper_rows_match_split_path_under_interpreter(join, monkeypatch):
     """GraphHybridExperts' captured passes end to end on the CPU: its handshake kernels under the
     interpreter beside the native worker (both on host memory; the join's spin in Python, see the
     script), passes of n of B rows: each layer's real rows are the fp32 sum of the GPU branch over the B
     rows and CpuExperts' partial of the n rows, bit for bit, rounded once (as split_path joins them), and
-    within a bf16 step of split_path itself; the worker's steps are counted."""
+    within a bf16 step of split_path itself; the worker's steps are counted. Both joins: the partial
+    read in place, and copied first (OSTINATO_HANDSHAKE_JOIN)."""
+    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
     from ostinato.kernels.cpu import build
 
     if build.load_cpu_extension() is None or not build.load_cpu_extension().cpu_features()["avx512"]:

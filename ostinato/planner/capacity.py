@@ -368,8 +368,8 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     partials = partials_bytes(B, G, kv_heads, dv, kv_tokens)
     w = max(cfg.window_of(i) or 0 for i in range(cfg.num_hidden_layers))
     sliding = shape.heads * B * (w + B - 1) * (4 + itemsize(dtype)) if w else 0
-    staged = B * cfg.hidden_size * 4 if handshake_join() == "copy" else 0
-    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding + staged
+    copy_rows = B * cfg.hidden_size * 4 if handshake_join() == "copy" else 0
+    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding + copy_rows
 
 
 def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: WeightFormats, sizes: dict) -> int:

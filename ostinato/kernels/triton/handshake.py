@@ -24,13 +24,14 @@ the device: the pass is padded to B, the rows past n are never read by the worke
              rather than in every program of a [B, D] grid);
   add_rows   the worker's fp32 partial of the n rows added to the GPU branch's, rounded once.
 
-How the partial crosses (`staged`, layers/moe/graph_hybrid.py handshake_join): the add kernels read
-it from mapped memory with volatile loads ("load", the default), or a copy of the B rows by the
-copy engine after the wait brings it into a device buffer first, and the add reads that ("copy").
+How the partial crosses (layers/moe/graph_hybrid.py handshake_join): the add kernels read it from
+mapped memory with volatile loads, each program reading has_cold there too ("load", the default);
+or ("copy", `CopyJoin`) the wait keeps has_cold in a device word, the copy engine brings the B rows
+into a device buffer, and the add reads both from device memory.
 In replayed 255-token passes on an H100 (session 37, `profile_decode --prefill`), `_add_rows`
 read the mapped partial at about 0.57 GB/s at every pass size (183 ms of a 368 ms pass), where the
-copy engine moves host memory at 49 GB/s on the same machine: scripts/bench_handshake.py times the
-two forms apart.
+copy engine moved experts from host memory at 49 GB/s in session 28's calibration (an H200 machine):
+scripts/bench_handshake.py times the two forms apart.
 
 Outside graphs, a prefill pass's split layers may join their CPU branch the same way
 (`wait_value`, hybrid.py's deferred combine): the stream spins until the CPU pool has stored
@@ -112,21 +113,24 @@ def _post_rows(ids_ptr, w_ptr, table_ptr, seq_ptr, count_ptr, h_ids, h_w, h_has_
 
 
 @triton.jit
-def _wait_rows(h_has_cold, h_done, seq_ptr):
-    if tl.load(h_has_cold, volatile=True) != 0:
+def _wait_rows(h_has_cold, h_done, seq_ptr, cold_ptr, KEEP: tl.constexpr):
+    has = tl.load(h_has_cold, volatile=True)
+    if KEEP:  # the flag in device memory for the add: one read of mapped memory, not one a program
+        tl.store(cold_ptr, has)
+    if has != 0:
         seq = tl.load(seq_ptr)
         while tl.atomic_add(h_done, 0, sem="acquire", scope="sys") != seq:
             pass
 
 
 @triton.jit
-def _add_rows(gpu_ptr, src, h_has_cold, count_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _add_rows(gpu_ptr, src, cold_ptr, count_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
               MAPPED: tl.constexpr):
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = d < D
     acc = tl.load(gpu_ptr + t * D + d, mask=m, other=0.0)
-    if (tl.load(h_has_cold, volatile=True) != 0) & (t < tl.load(count_ptr)):
+    if (tl.load(cold_ptr, volatile=True) != 0) & (t < tl.load(count_ptr)):
         if MAPPED:  # the worker's buffer itself: every load goes to host memory
             acc += tl.load(src + t * D + d, mask=m, other=0.0, volatile=True)
         else:  # a device copy made after the wait
@@ -188,22 +192,32 @@ def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x, h_has_col
                      K=K, BLOCK=triton.next_power_of_2(B * K), ROUTES=B * K, num_warps=4)
 
 
-def wait_add_rows(gpu_out, h_out, h_has_cold, h_done, seq, count, y, staged: torch.Tensor | None = None) -> None:
+class CopyJoin:
+    """The "copy" join's device buffers: `rows` [R, D] fp32, which the worker's partial of up to R rows is
+    copied into after the wait, and `cold` [1] int32, the layer's has_cold as the wait read it."""
+
+    def __init__(self, max_rows: int, hidden: int, device):
+        self.rows = torch.empty(max_rows, hidden, dtype=torch.float32, device=device)
+        self.cold = torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def wait_add_rows(gpu_out, h_out, h_has_cold, h_done, seq, count, y, copy: CopyJoin | None = None) -> None:
     """gpu_out [B, D] fp32 (device), h_out the layer's [>= B, D] fp32 (host: a HostPointer, or the
     tensor), count [1] int32 (device), y [B, D] (device, the layer output): rows past count keep the
-    GPU branch's sum alone. staged: a device [>= B, D] fp32 buffer the B rows are copied into after
-    the wait (the "copy" join), or None to read them in place."""
+    GPU branch's sum alone. copy: the "copy" join's buffers (the B rows copied into device memory after
+    the wait, then added), or None to read them in place."""
     B, D = gpu_out.shape
     assert gpu_out.is_contiguous() and y.is_contiguous(), "rows must be contiguous"
-    _wait_rows[(1,)](h_has_cold, h_done, seq, num_warps=1)
-    src = h_out
-    if staged is not None:  # stream-ordered after the wait: the copy engine reads what the worker stored
-        host = h_out.t if isinstance(h_out, HostPointer) else h_out
-        src = staged[:B]
+    _wait_rows[(1,)](h_has_cold, h_done, seq, copy.cold if copy is not None else seq, KEEP=copy is not None,
+                     num_warps=1)
+    src, cold = h_out, h_has_cold
+    if copy is not None:  # stream-ordered after the wait: the copy engine reads what the worker stored
+        host = h_out if isinstance(h_out, torch.Tensor) else h_out.t  # a HostPointer's tensor
+        src, cold = copy.rows[:B], copy.cold
         src.copy_(host[:B], non_blocking=True)
     BLOCK_D = 512
-    _add_rows[(B, triton.cdiv(D, BLOCK_D))](gpu_out, src, h_has_cold, count, y, D=D, BLOCK_D=BLOCK_D,
-                                           MAPPED=staged is None, num_warps=4)
+    _add_rows[(B, triton.cdiv(D, BLOCK_D))](gpu_out, src, cold, count, y, D=D, BLOCK_D=BLOCK_D,
+                                           MAPPED=copy is None, num_warps=4)
 
 
 def wait_add(gpu_out, h_out, h_has_cold, h_done, seq, y) -> None:

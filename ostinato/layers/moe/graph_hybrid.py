@@ -65,8 +65,7 @@ class GraphHybridExperts(HybridWrapper):
         self.seq = torch.zeros(1, dtype=torch.int32, device=hybrid.device)
         # the "copy" join's device rows (max_rows x D fp32: 256 KiB for Qwen3-30B-A3B's 32-row passes) and the
         # count of a decode step's one row
-        self.staged = (torch.empty(max_rows, pools.hidden, dtype=torch.float32, device=hybrid.device)
-                       if handshake_join() == "copy" else None)
+        self.copy = hs.CopyJoin(max_rows, pools.hidden, hybrid.device) if handshake_join() == "copy" else None
         self.one = torch.ones(1, dtype=torch.int32, device=hybrid.device)
         P = hs.HostPointer
         sh, S = self.shared, 16  # flag stride (int32 elements)
@@ -148,9 +147,9 @@ class GraphHybridExperts(HybridWrapper):
                          h_tokens, score)
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
-        if rows is not None or self.staged is not None:
+        if rows is not None or self.copy is not None:
             self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if rows is not None else self.one, y,
-                                  self.staged)
+                                  self.copy)
         else:
             self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
         return y
