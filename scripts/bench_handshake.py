@@ -11,8 +11,10 @@ partial's bytes (T * D * 4) over that time. Methods (layers/moe/graph_hybrid.py 
   memory, then the add;
 - memcpy: that copy alone, for the link's pace.
 The host wrote the partial long before the graph runs, so its lines are in no CPU cache; in a step
-the worker stores them just before the join. Session 37's profile of replayed passes on an H100 had
-the load form's add at about 0.57 GB/s.
+the worker stores them just before the join. So each method is timed a second time ("dirty"): a graph
+of one join, the host rewriting that layer's partial before every replay (its lines then sit modified
+in the CPU's caches, as the worker leaves them), the time per replay. Session 37's profile of replayed
+passes on an H100 had the load form's add at about 0.57 GB/s.
 Prints a table; the last line is one JSON document.
 Usage: python scripts/bench_handshake.py [--tokens 1 8 32 64 255] [--hidden 2048] [--layers 48]
 """
@@ -32,12 +34,15 @@ from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.kernels.triton import handshake as hs  # noqa: E402
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, layers: int, reps: int = 20) -> float:
+def replay_us(graph: torch.cuda.CUDAGraph, layers: int, reps: int = 20, before=None) -> float:
+    """The median replay time over reps, divided by layers; before(): run on the host ahead of each."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start.record()
         graph.replay()
         end.record()
@@ -59,7 +64,7 @@ def main() -> None:
     D, L, dev = a.hidden, a.layers, "cuda"
     rows = []
     print(f"handshake join, D={D}, {L} layers a graph, {torch.cuda.get_device_name()}")
-    print(f"{'T':>5} {'method':>10} {'us':>9} {'GB/s':>7} {'err':>8}")
+    print(f"{'T':>5} {'method':>10} {'lines':>6} {'us':>9} {'GB/s':>7} {'err':>8}")
     for T in a.tokens:
         seq = torch.tensor([7], dtype=torch.int32, device=dev)
         count = torch.tensor([T], dtype=torch.int32, device=dev)
@@ -90,20 +95,23 @@ def main() -> None:
             staged[i].copy_(h_out[i], non_blocking=True)
 
         for name, fn in (("load", load), ("copy", copy), ("memcpy", memcpy)):
-            y.zero_()
-            fn(0)  # compile outside the capture
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(L):
-                    fn(i)
-            us = replay_us(g, L)
-            got = staged.to(torch.bfloat16) if name == "memcpy" else y  # memcpy: into staged, as copy's rows
-            ref = h_out.to(dev).to(torch.bfloat16) if name == "memcpy" else want
-            err = (got.float() - ref.float()).abs().max().item()
-            gbps = T * D * 4 / us / 1e3
-            rows.append(dict(tokens=T, method=name, us=us, gbps=gbps, max_abs_err=err))
-            print(f"{T:>5} {name:>10} {us:>9.2f} {gbps:>7.2f} {err:>8.1e}")
+            for lines in ("clean", "dirty"):
+                n = L if lines == "clean" else 1  # dirty: one join a replay, its partial rewritten before
+                y.zero_()
+                fn(0)  # compile outside the capture
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for i in range(n):
+                        fn(i)
+                us = replay_us(g, n, before=(lambda: h_out[0].mul_(1.0)) if lines == "dirty" else None)
+                m = slice(0, n)
+                got = staged[m].to(torch.bfloat16) if name == "memcpy" else y[m]  # memcpy: into staged
+                ref = h_out[m].to(dev).to(torch.bfloat16) if name == "memcpy" else want[m]
+                err = (got.float() - ref.float()).abs().max().item()
+                gbps = T * D * 4 / us / 1e3
+                rows.append(dict(tokens=T, method=name, lines=lines, us=us, gbps=gbps, max_abs_err=err))
+                print(f"{T:>5} {name:>10} {lines:>6} {us:>9.2f} {gbps:>7.2f} {err:>8.1e}")
     print(json.dumps({"bench": "handshake_join", **source_state(), "device": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "triton": triton.__version__, "hidden": D, "layers": L,
                       "rows": rows}))
