@@ -282,6 +282,16 @@ def env_pass_rows() -> int:
     return int(v)
 
 
+def pass_rows(setting: int | None, split: bool, max_context: int) -> int:
+    """The most tokens of a prefill pass captured as a graph (0: none): the setting (None: env_pass_rows's
+    count), at most max_context; none on a model split over devices (split), whose backends capture decode
+    steps only. The runner's count (ModelRunner.pass_graph_rows) and the capacity test's
+    (planner/capacity.py pass_graph_bytes)."""
+    if split:
+        return 0
+    return min(setting if setting is not None else env_pass_rows(), max_context)
+
+
 def pass_sizes(largest: int, smallest: int = 8) -> list[int]:
     """The row counts passes are captured at: doubling from `smallest` up to `largest` (itself the
     last), as decode windows double (window_sizes); none below 2."""

@@ -19,7 +19,7 @@ import torch
 
 from ostinato.engine import devices as split
 from ostinato.engine.gpu_memory import allocator_counters
-from ostinato.engine.graph import DecodeGraphs, PassGraphs, env_pass_rows, pass_sizes, window_sizes
+from ostinato.engine.graph import DecodeGraphs, PassGraphs, pass_rows, pass_sizes, window_sizes
 from ostinato.engine.kv_cache import KVCache
 from ostinato.engine.routes import RouteTally
 from ostinato.kernels.triton import compiles as triton_compiles
@@ -183,12 +183,8 @@ class ModelRunner:
             self.enable_graphs()  # may wrap a HybridExperts (each device's) in its graph backend
 
     def pass_graph_rows(self) -> int:
-        """The most tokens of a prefill pass captured as a graph (0: none): on one device, the settings'
-        count (env_pass_rows's default)."""
-        if self.layer_devices is not None:
-            return 0
-        rows = self.settings.pass_graphs if self.settings.pass_graphs is not None else env_pass_rows()
-        return min(rows, self.max_context)
+        """The most tokens of a prefill pass captured as a graph (0: none; graph.pass_rows)."""
+        return pass_rows(self.settings.pass_graphs, self.layer_devices is not None, self.max_context)
 
     def enable_graphs(self) -> None:
         """Capture decode steps when the placement allows it: every expert resident, or the

@@ -344,9 +344,10 @@ def pass_bound(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, formats: We
 
 
 def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: int, dtype: torch.dtype,
-                     formats: WeightFormats, sizes: dict) -> int:
-    """The private pool of the captured prefill passes (engine/graph.py PassGraphs): the buffers of the
-    largest, B rows, which the smaller ones captured after it reuse. Its attention reads the cache in
+                     formats: WeightFormats, sizes: dict, split: bool = False) -> int:
+    """The private pool of the captured prefill passes (engine/graph.py PassGraphs; B = graph.pass_rows:
+    none on one device of a split model): the buffers of the largest, B rows, which the smaller ones
+    captured after it reuse. Its attention reads the cache in
     place (the split-K kernel): the bound of a B-token pass attending to its own B tokens (MLA's pass
     attends in the latent space: its absorbed queries, latent outputs and values, B H (3R + Dr + Dv) b,
     lie within that bound's fp32 K, V and query terms over N = B), plus the kernel's fp32 partials over
@@ -356,11 +357,10 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     what sliding-window layers attend in torch (gpt-oss's, models/gpt_oss.py): the fp32 scores of B
     tokens over the w + B - 1 rows they gather, and their cast; with the "copy" join
     (layers/moe/graph_hybrid.py handshake_join), the B fp32 rows the worker's partial is copied into."""
-    from ostinato.engine.graph import env_pass_rows
+    from ostinato.engine.graph import pass_rows
     from ostinato.layers.moe.graph_hybrid import handshake_join
 
-    rows = settings.pass_graph_rows if settings.pass_graph_rows is not None else env_pass_rows()
-    B = min(rows, kv_tokens)
+    B = pass_rows(settings.pass_graph_rows, split, kv_tokens)  # split: one device of a split model, none
     if B < 2:
         return 0
     shape = attention_shape(cfg)
@@ -437,8 +437,7 @@ def plan_capacity(cfg: ModelConfig, counts: dict[int, torch.Tensor], budget: int
     who = f"{label}: " if label else ""
     sizes = {l: v for l, v in expert_sizes(cfg, dtype, formats.experts).items() if l in counts}
     act = pass_bound(cfg, T, kv_tokens, dtype, formats, sizes, settings.attention_score_share)
-    # one device of a split model (layers) captures no passes (ModelRunner.pass_graph_rows)
-    graphs = pass_graph_bytes(cfg, settings, kv_tokens, dtype, formats, sizes) if layers is None else 0
+    graphs = pass_graph_bytes(cfg, settings, kv_tokens, dtype, formats, sizes, split=layers is not None)
     if graphs:
         act = {**act, "pass_graphs": graphs, "total": act["total"] + graphs}
     margin = int(settings.margin_bytes + settings.margin_fraction * budget)
