@@ -150,37 +150,3 @@ def test_graph_wrapper_rows_match_split_path_under_interpreter(join, monkeypatch
         pytest.skip("needs the native CPU experts (AVX-512)")
     run_interpreted(WRAPPER_SCRIPT, timeout=600)
 
-
-def test_handshake_join_switch(monkeypatch):
-    from ostinato.config import ConfigError
-    from ostinato.layers.moe.graph_hybrid import handshake_join
-
-    monkeypatch.delenv("OSTINATO_HANDSHAKE_JOIN", raising=False)
-    assert handshake_join() == "load"
-    for value, want in (("", "load"), ("load", "load"), ("copy", "copy")):
-        monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", value)
-        assert handshake_join() == want
-    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", "dma")
-    with pytest.raises(ConfigError, match="OSTINATO_HANDSHAKE_JOIN must be one of load, copy, not 'dma'"):
-        handshake_join()
-
-
-def test_copy_join_rows_are_counted(monkeypatch):
-    """The "copy" join's device rows (B fp32 rows of the hidden size) are in the pass graphs' bytes the
-    capacity test reserves."""
-    import torch
-
-    from ostinato.config import ModelConfig
-    from ostinato.engine.sizes import expert_sizes
-    from ostinato.planner.capacity import CapacitySettings, WeightFormats, pass_graph_bytes
-    from ostinato.synth import presets
-
-    cfg = ModelConfig.from_dict(presets.preset_config("qwen3-30b-a3b"))
-    sizes = expert_sizes(cfg, torch.bfloat16, {})
-
-    def graph_bytes(join):
-        monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
-        return pass_graph_bytes(cfg, CapacitySettings(pass_graph_rows=32), 8192, torch.bfloat16, WeightFormats(),
-                                sizes)
-
-    assert graph_bytes("copy") - graph_bytes("load") == 32 * cfg.hidden_size * 4
