@@ -82,9 +82,9 @@ def graph_time_ms(fn, reps=20):
     return times[len(times) // 2], graph
 
 
-def replay_times(fn, reps):
+def replay_times(fn, reps, before=None):
     """The sorted times (ms) of reps replays of a graph holding fn (warmed up on a side stream),
-    and the graph."""
+    and the graph; before(): host work ahead of each timed replay, outside its time."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -97,6 +97,8 @@ def replay_times(fn, reps):
     graph.replay()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

@@ -32,23 +32,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.kernels.triton import handshake as hs  # noqa: E402
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, layers: int, reps: int = 20, before=None) -> float:
-    """The median replay time over reps, divided by layers; before(): run on the host ahead of each."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(times)
+from scripts.bench_gpu_experts import replay_times  # noqa: E402
 
 
 def main() -> None:
@@ -98,13 +82,9 @@ def main() -> None:
             for lines in ("clean", "dirty"):
                 n = L if lines == "clean" else 1  # dirty: one join a replay, its partial rewritten before
                 y.zero_()
-                fn(0)  # compile outside the capture
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for i in range(n):
-                        fn(i)
-                us = replay_us(g, n, before=(lambda: h_out[0].mul_(1.0)) if lines == "dirty" else None)
+                times, _ = replay_times(lambda: [fn(i) for i in range(n)], 20,
+                                        before=(lambda: h_out[0].mul_(1.0)) if lines == "dirty" else None)
+                us = statistics.median(times) * 1e3 / n
                 m = slice(0, n)
                 got = staged[m].to(torch.bfloat16) if name == "memcpy" else y[m]  # memcpy: into staged
                 ref = h_out[m].to(dev).to(torch.bfloat16) if name == "memcpy" else want[m]

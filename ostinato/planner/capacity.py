@@ -347,8 +347,7 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
                      formats: WeightFormats, sizes: dict, split: bool = False) -> int:
     """The private pool of the captured prefill passes (engine/graph.py PassGraphs; B = graph.pass_rows:
     none on one device of a split model): the buffers of the largest, B rows, which the smaller ones
-    captured after it reuse. Its attention reads the cache in
-    place (the split-K kernel): the bound of a B-token pass attending to its own B tokens (MLA's pass
+    captured after it reuse. Its attention reads the cache in place (the split-K kernel): the bound of a B-token pass attending to its own B tokens (MLA's pass
     attends in the latent space: its absorbed queries, latent outputs and values, B H (3R + Dr + Dv) b,
     lie within that bound's fp32 K, V and query terms over N = B), plus the kernel's fp32 partials over
     any window of the cache (kernels/triton/decode_plan.py partials_bytes: each of the B*G rows of a KV
