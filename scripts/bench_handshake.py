@@ -1,20 +1,18 @@
-"""Time the handshake's join of the CPU worker's partial (kernels/triton/handshake.py wait_add_rows
-and wait_add) on the GPU: the worker's fp32 rows [T, D] sit in page-locked, device-mapped host
-memory, and the join adds them to the GPU branch's rows after the done flag.
+"""Time the handshake's join of the CPU worker's partial (kernels/triton/handshake.py wait_add_rows) on
+the GPU: the worker's fp32 rows [T, D] sit in page-locked, device-mapped host memory, and the join
+waits for the done flag, copies them into device memory and adds them to the GPU branch's rows.
 
 Per T, a CUDA graph of L joins, each over its own layer's buffers (as in a captured pass: one
 join per MoE layer), with the flags set so that nothing spins; us = replay time / L. GB/s: the
-partial's bytes (T * D * 4) over that time. Methods (layers/moe/graph_hybrid.py handshake_join):
-- load: the add kernel reads the partial in mapped memory (volatile loads; T = 1: wait_add, the
-  decode step's fused wait and add);
-- copy: the wait keeps has_cold in a device word, the copy engine brings the T rows into device
-  memory, then the add;
-- memcpy: that copy alone, for the link's pace.
+partial's bytes (T * D * 4) over that time. Methods:
+- join: wait_add_rows (the wait, the copy, the add);
+- memcpy: its copy alone, for the link's pace.
 The host wrote the partial long before the graph runs, so its lines are in no CPU cache; in a step
 the worker stores them just before the join. So each method is timed a second time ("dirty"): a graph
 of one join, the host rewriting that layer's partial before every replay (its lines then sit modified
-in the CPU's caches, as the worker leaves them), the time per replay. Session 37's profile of replayed
-passes on an H100 had the load form's add at about 0.57 GB/s.
+in the CPU's caches, as the worker leaves them), the time per replay.
+Session 38 (results/2026-12-06-h100-s38/, an H100) timed the join it replaced, an add kernel reading the
+partial in mapped memory: 0.23-0.51 GB/s, 4.3-6.0 ms a layer at 255 rows, where this join took 0.06-0.10 ms.
 Prints a table; the last line is one JSON document.
 Usage: python scripts/bench_handshake.py [--tokens 1 8 32 64 255] [--hidden 2048] [--layers 48]
 """
@@ -64,21 +62,15 @@ def main() -> None:
         has = [hs.HostPointer(flags[i, 0, :1]) for i in range(L)]
         done = [hs.HostPointer(flags[i, 1, :1]) for i in range(L)]
 
-        def load(i):
-            if T == 1:
-                hs.wait_add(gpu[i], H[i], has[i], done[i], seq, y[i])
-            else:
-                hs.wait_add_rows(gpu[i], H[i], has[i], done[i], seq, count, y[i])
-
         joins = [hs.CopyJoin(T, D, dev) for _ in range(L)]
 
-        def copy(i):
+        def join(i):
             hs.wait_add_rows(gpu[i], H[i], has[i], done[i], seq, count, y[i], joins[i])
 
         def memcpy(i):
             staged[i].copy_(h_out[i], non_blocking=True)
 
-        for name, fn in (("load", load), ("copy", copy), ("memcpy", memcpy)):
+        for name, fn in (("join", join), ("memcpy", memcpy)):
             for lines in ("clean", "dirty"):
                 n = L if lines == "clean" else 1  # dirty: one join a replay, its partial rewritten before
                 y.zero_()

@@ -585,6 +585,9 @@ def replay_profile(runner, tokens: list[int], start: int, passes: int) -> dict:
         sync(runner.device)
 
     rows = kernel_table(one_pass, passes, True)
+    for r in rows:  # a captured pass uploads nothing (GraphHybridExperts.captures_pass): its host-to-device
+        if r["class"] == "upload":  # copies are the join's, the worker's partial into device rows
+            r["class"] = "handshake"
     out = {"kernel_ms": sum(r["us_per_step"] for r in rows) / 1e3, "classes": by_class(rows), "kernels": rows}
     if before is not None:
         after = worker.stats()

@@ -174,7 +174,8 @@ def test_capacity_counts_the_model():
 def test_pass_graphs_count_the_latent_partials():
     """A captured pass of B tokens attends in the latent space (split-K over one KV head of H rows a
     token, R values): beside the bound over its own rows, the planner counts that kernel's fp32
-    partials, R + 2 a row and split, not those of the expanded prefill's H heads of Dv."""
+    partials, R + 2 a row and split, not those of the expanded prefill's H heads of Dv (and the handshake's
+    B fp32 join rows)."""
     from ostinato.engine.sizes import expert_sizes
     from ostinato.planner.capacity import CapacitySettings, WeightFormats, pass_bound, pass_graph_bytes
 
@@ -185,7 +186,7 @@ def test_pass_graphs_count_the_latent_partials():
 
     def partials(B):
         got = pass_graph_bytes(cfg, CapacitySettings(pass_graph_rows=B), 8192, torch.bfloat16, WeightFormats(), sizes)
-        return got - pass_bound(cfg, B, B, torch.bfloat16, score_share=0.0)["total"]
+        return got - pass_bound(cfg, B, B, torch.bfloat16, score_share=0.0)["total"] - B * cfg.hidden_size * 4  # join
 
     assert partials(64) == 64 * H * (R + 2) * 4  # 8192 rows in 256 blocks of 32: one split each
     assert partials(2) == 32 * 2 * H * (R + 2) * 4  # 8 blocks share decode's 4 blocks x 64 splits

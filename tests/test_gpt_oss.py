@@ -372,7 +372,8 @@ def test_the_capacity_test_counts_the_scores_of_one_chunk_of_queries():
 def test_pass_graphs_count_the_sliding_layers_scores():
     """A captured pass of B tokens (PassGraphs) on gpt-oss: beside the bound over its own rows and the
     split-K kernel's partials (the full layers'), the sliding layers' torch attention holds fp32 scores
-    of B tokens over the w + B - 1 rows they gather, and their cast (models/gpt_oss.py)."""
+    of B tokens over the w + B - 1 rows they gather, and their cast (models/gpt_oss.py); and the
+    handshake's B fp32 join rows."""
     from ostinato.engine.sizes import expert_sizes
     from ostinato.planner.capacity import CapacitySettings, WeightFormats, pass_bound, pass_graph_bytes
 
@@ -381,4 +382,5 @@ def test_pass_graphs_count_the_sliding_layers_scores():
     sizes = expert_sizes(cfg, torch.bfloat16, {})
     got = pass_graph_bytes(cfg, CapacitySettings(pass_graph_rows=B), 8192, torch.bfloat16, WeightFormats(), sizes)
     partials = Hkv * 2 * (B * H // Hkv) * (Hd + 2) * 4  # 256 tokens' 2048 rows a KV head: 32 blocks of 2 splits
-    assert got == pass_bound(cfg, B, B, torch.bfloat16, score_share=0.0)["total"] + partials + H * B * (w + B - 1) * 6
+    join = B * cfg.hidden_size * 4  # the CPU worker's partial copied into device rows (CopyJoin)
+    assert got == pass_bound(cfg, B, B, torch.bfloat16, score_share=0.0)["total"] + partials + H * B * (w + B - 1) * 6 + join

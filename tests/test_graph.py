@@ -116,14 +116,12 @@ def test_graph_replay_bitwise_equals_eager_all_gpu(tiny_dir, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("borrow,join", [(False, "load"), (True, "load"), (False, "copy")])
-def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_path, borrow, join, monkeypatch):
+@pytest.mark.parametrize("borrow", [False, True])
+def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_path, borrow):
     """Half the experts cold: the graph step (mapped-memory handshake with the native worker)
     equals the host-driven synchronous path under the same placement, over 256 steps, with
     and without borrowed experts (copies applied at the boundary they start, so both engines
-    switch at the same token), and with the worker's partial joined through a device copy
-    (OSTINATO_HANDSHAKE_JOIN=copy)."""
-    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
+    switch at the same token)."""
     from ostinato.engine.placement import PlacementSettings
     from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
     from ostinato.load import load_engine
@@ -137,7 +135,6 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
     sync = load_engine(str(tiny_dir), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                      cuda_graph=False), place)
     assert isinstance(graphed.runner.experts, GraphHybridExperts) and graphed.runner.graphs is not None
-    assert (graphed.runner.experts.copy is not None) == (join == "copy")
     replay_vs_eager(graphed, sync, steps=256)
     stats = graphed.runner.placement_stats()
     assert stats["graph_cold_routes"] > 0
@@ -150,14 +147,13 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cold,join", [(0.0, "load"), (0.5, "load"), (0.5, "copy")])
-def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold, join, monkeypatch):
+@pytest.mark.parametrize("cold", [0.0, 0.5])
+def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold):
     """Short prefill passes replayed as captured graphs (padded to their size, the CPU branch through
-    the worker's rows, read in place or copied: OSTINATO_HANDSHAKE_JOIN) against the host-driven passes
+    the worker's rows) against the host-driven passes
     of an engine without graphs: the same greedy token after every pass, logits within bf16 rounding
     (the attention kernels differ: split-K against SDPA's), the same routes counted and as many cold
     ones, and the same tokens decoded after."""
-    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
     pass_graphs_vs_host_driven(tiny_dir, tmp_path, cold)
 
 
@@ -329,34 +325,3 @@ def test_static_baselines_decode_as_one_graph_bitwise(tiny_dir, name):
     graphed.runner.experts.close()
 
 
-def test_handshake_join_switch(monkeypatch):
-    from ostinato.config import ConfigError
-    from ostinato.layers.moe.graph_hybrid import handshake_join
-
-    monkeypatch.delenv("OSTINATO_HANDSHAKE_JOIN", raising=False)
-    assert handshake_join() == "load"
-    for value, want in (("", "load"), ("load", "load"), ("copy", "copy")):
-        monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", value)
-        assert handshake_join() == want
-    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", "dma")
-    with pytest.raises(ConfigError, match="OSTINATO_HANDSHAKE_JOIN must be one of load, copy, not 'dma'"):
-        handshake_join()
-
-
-def test_copy_join_rows_are_counted(monkeypatch):
-    """The "copy" join's device rows (B fp32 rows of the hidden size) are in the pass graphs' bytes the
-    capacity test reserves."""
-    from ostinato.config import ModelConfig
-    from ostinato.engine.sizes import expert_sizes
-    from ostinato.planner.capacity import CapacitySettings, WeightFormats, pass_graph_bytes
-    from ostinato.synth import presets
-
-    cfg = ModelConfig.from_dict(presets.preset_config("qwen3-30b-a3b"))
-    sizes = expert_sizes(cfg, torch.bfloat16, {})
-
-    def graph_bytes(join):
-        monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
-        return pass_graph_bytes(cfg, CapacitySettings(pass_graph_rows=32), 8192, torch.bfloat16, WeightFormats(),
-                                sizes)
-
-    assert graph_bytes("copy") - graph_bytes("load") == 32 * cfg.hidden_size * 4

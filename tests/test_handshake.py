@@ -1,8 +1,8 @@
 """The GPU half of the handshake's captured passes (kernels/triton/handshake.py post_rows,
 wait_add_rows) under TRITON_INTERPRET=1 on the CPU, against what the worker's protocol expects:
 the B rows' routing and activations in the shared buffers, n and has_cold over the n real rows
-only, the flag last; then the worker's partial added to the n rows alone, read in place and
-through the "copy" join's device rows. (On CUDA they run inside
+only, the flag last; then the worker's partial copied into the join's device rows and added to the n
+rows alone. (On CUDA they run inside
 tests/test_graph.py's captured passes.)
 
 Legend: B rows of the pass, n real ones, T rows of the shared buffers, K top-k, D hidden, E experts.
@@ -46,20 +46,18 @@ for case in ("cold", "cold only in padding", "hot"):
     assert int(h_tok) == n and int(h_post) == 7 and int(h_has) == (7 if cold else 0), (case, flags)
     h_done.fill_(7)  # the worker answered step 7
     gpu = torch.randn(B, D, generator=g)
-    y = torch.empty(B, D)
-    hs.wait_add_rows(gpu, h_out, h_has, h_done, seq, count, y)
     want = gpu.clone()
     if cold:
         want[:n] += h_out[:n]
-    assert torch.equal(y, want), case
-    copy = hs.CopyJoin(T, D, "cpu")  # the "copy" join: the B rows copied first, then added
-    copy.rows.fill_(float("nan"))
-    copy.cold.fill_(-1)
-    y2 = torch.empty(B, D)
-    hs.wait_add_rows(gpu, hs.HostPointer(h_out), h_has, h_done, seq, count, y2, copy)
-    assert torch.equal(y2, want) and torch.equal(copy.rows[:B], h_out[:B]), case
-    assert copy.rows[B:].isnan().all(), case  # rows past B are not copied
-    assert int(copy.cold) == int(h_has), case  # has_cold as the wait read it
+    for h in (h_out, hs.HostPointer(h_out)):  # the worker's buffer as a tensor, or as the kernels' pointer
+        join = hs.CopyJoin(T, D, "cpu")  # the B rows copied first, then added
+        join.rows.fill_(float("nan"))
+        join.cold.fill_(-1)
+        y = torch.empty(B, D)
+        hs.wait_add_rows(gpu, h, h_has, h_done, seq, count, y, join)
+        assert torch.equal(y, want) and torch.equal(join.rows[:B], h_out[:B]), case
+        assert join.rows[B:].isnan().all(), case  # rows past B are not copied
+        assert int(join.cold) == int(h_has), case  # has_cold as the wait read it
 print("INTERPRETER_OK")
 """
 
@@ -86,9 +84,8 @@ hs.HostPointer = lambda t: t
 
 class Spin:
     def __getitem__(self, grid):
-        def spin(h_has_cold, h_done, seq, cold, KEEP, num_warps=1):
-            if KEEP:
-                cold[0] = h_has_cold[0]
+        def spin(h_has_cold, h_done, seq, cold, num_warps=1):
+            cold[0] = h_has_cold[0]
             if int(h_has_cold[0]) != 0:
                 while int(h_done[0]) != int(seq[0]):
                     pass
@@ -102,8 +99,7 @@ def toward_zero(t):
     return (t.view(torch.int32) & -65536).view(torch.float32).bfloat16()
 
 hybrid, _ = _hybrid(0.5, None, backend="native", dtype=torch.bfloat16)
-graphed = GraphHybridExperts(hybrid, max_rows=16)  # the join as OSTINATO_HANDSHAKE_JOIN says
-assert (graphed.copy is not None) == (os.environ.get("OSTINATO_HANDSHAKE_JOIN") == "copy")
+graphed = GraphHybridExperts(hybrid, max_rows=16)
 atexit.unregister(graphed.stop)  # its stop() synchronises CUDA; the worker alone is stopped here
 g = torch.Generator().manual_seed(3)
 try:
@@ -135,15 +131,12 @@ print("INTERPRETER_OK")
 """
 
 
-@pytest.mark.parametrize("join", ["load", "copy"])
-def test_graph_wrapper_rows_match_split_path_under_interpreter(join, monkeypatch):
+def test_graph_wrapper_rows_match_split_path_under_interpreter():
     """GraphHybridExperts' captured passes end to end on the CPU: its handshake kernels under the
     interpreter beside the native worker (both on host memory; the join's spin in Python, see the
     script), passes of n of B rows: each layer's real rows are the fp32 sum of the GPU branch over the B
     rows and CpuExperts' partial of the n rows, bit for bit, rounded once (as split_path joins them), and
-    within a bf16 step of split_path itself; the worker's steps are counted. Both joins: the partial
-    read in place, and copied first (OSTINATO_HANDSHAKE_JOIN)."""
-    monkeypatch.setenv("OSTINATO_HANDSHAKE_JOIN", join)
+    within a bf16 step of split_path itself; the worker's steps are counted."""
     from ostinato.kernels.cpu import build
 
     if build.load_cpu_extension() is None or not build.load_cpu_extension().cpu_features()["avx512"]:

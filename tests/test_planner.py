@@ -103,8 +103,9 @@ def test_dense_weights_and_activations_are_counted_from_the_config():
                                                                                        pass_graph_rows=32))
     assert cfg.num_attention_heads // cfg.num_key_value_heads == 2
     partials = cfg.num_key_value_heads * 16 * 64 * (cfg.head_dim + 2) * 4
+    join_rows = 32 * cfg.hidden_size * 4  # the CPU worker's partial copied into device rows (CopyJoin)
     assert graphed.activation_parts["pass_graphs"] == pass_bound(cfg, 32, 32, torch.bfloat16, score_share=0.0)[
-        "total"] + partials
+        "total"] + partials + join_rows
     assert graphed.activations == cap.activations + graphed.activation_parts["pass_graphs"]
     big = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64,
                                                                                    pass_graph_rows=5000))

@@ -265,17 +265,19 @@ class DecodeGraphs:
         return out[0]
 
 
-DEFAULT_PASS_ROWS = 32
+DEFAULT_PASS_ROWS = 256
 
 
 def env_pass_rows() -> int:
     """The most tokens a captured prefill pass holds (PassGraphs): OSTINATO_PASS_GRAPHS (0: none), else
-    DEFAULT_PASS_ROWS. Why 32 (results/2026-12-06-h100-s36/, the Q4_K_M 30B shape under 12 GiB on an
-    H100, after a 4096-token context): replayed, a pass of 8 / 16 / 32 tokens took 25.6 / 41.3 / 61.9 ms
-    against 68.2 / 79.3 / 88.5 ms host-driven, but one of 48 / 64 / 128 / 255 took 96.4 / 126.5 / 239.8 /
-    421.9 ms against 87.9 / 90.4 / 178.9 / 242.2 ms. In the held-out replay, graphs up to 32 rows took the
-    turns of 1-63 new tokens in 0.71 and 0.76x the time of the first host-driven run (the other two: 1.11
-    and 0.95x), the larger turns as long; up to 256 rows, those of 64-255 took 1.7-2.3x as long (sums of TTFT by band)."""
+    DEFAULT_PASS_ROWS. Why 256 (results/2026-12-06-h100-s38/, the Q4_K_M 30B shape under 12 GiB on an
+    H100, after a 4096-token context, with the copy join of kernels/triton/handshake.py): replayed, a
+    pass of 8 / 32 / 64 / 128 / 255 tokens took 23.3 / 52.8 / 88.9 / 142.6 / 262.7 ms against 89.6 /
+    124.2 / 140.0 / 154.3 / 284.1 ms host-driven. In two held-out replays against three with graphs up to
+    32 rows, the turns of 1-63, 64-127 and 128-255 new tokens took 0.53-0.62x, 0.68-0.86x and 0.81-0.96x
+    as long (sums of TTFT by band), the larger ones as long. (Session 36's 32 was measured with the
+    join that read the worker's partial in mapped memory, under which passes of 48 tokens and more
+    lost to host-driven ones.)"""
     v = os.environ.get("OSTINATO_PASS_GRAPHS", str(DEFAULT_PASS_ROWS))
     if not v.isdigit():
         raise ConfigError(f"OSTINATO_PASS_GRAPHS must be a count of tokens (0: off), not {v!r}")

@@ -90,7 +90,7 @@ class CapacitySettings:
     flex_share: float = 0.25
     # the most tokens of a prefill pass the runner captures as a graph (engine/graph.py PassGraphs),
     # whose private memory pool holds that pass's buffers beside the allocator's; None: the engine's
-    # default (env_pass_rows: OSTINATO_PASS_GRAPHS, else 32); 0 or 1: none
+    # default (env_pass_rows: OSTINATO_PASS_GRAPHS, else 256); 0 or 1: none
     pass_graph_rows: int | None = None
 
     def __post_init__(self):
@@ -354,10 +354,9 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     head as the kernel reads it, AttentionShape.split_k_heads: Qwen3's Hkv heads of G = H / Hkv, MLA's
     one latent head of G = H, keeps its running max and sum and its Dv sums in each of its splits), plus
     what sliding-window layers attend in torch (gpt-oss's, models/gpt_oss.py): the fp32 scores of B
-    tokens over the w + B - 1 rows they gather, and their cast; with the "copy" join
-    (layers/moe/graph_hybrid.py handshake_join), the B fp32 rows the worker's partial is copied into."""
+    tokens over the w + B - 1 rows they gather, and their cast; and the B fp32 rows the CPU worker's
+    partial is copied into (kernels/triton/handshake.py CopyJoin)."""
     from ostinato.engine.graph import pass_rows
-    from ostinato.layers.moe.graph_hybrid import handshake_join
 
     B = pass_rows(settings.pass_graph_rows, split, kv_tokens)  # split: one device of a split model, none
     if B < 2:
@@ -367,7 +366,7 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     partials = partials_bytes(B, G, kv_heads, dv, kv_tokens)
     w = max(cfg.window_of(i) or 0 for i in range(cfg.num_hidden_layers))
     sliding = shape.heads * B * (w + B - 1) * (4 + itemsize(dtype)) if w else 0
-    copy_rows = B * cfg.hidden_size * 4 if handshake_join() == "copy" else 0
+    copy_rows = B * cfg.hidden_size * 4
     return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding + copy_rows
 
 

@@ -13,7 +13,7 @@
 #   micro      [B] GPU branch kernels (scripts/bench_gpu_experts.py)
 #   micro_cpu  [B] CPU branch kernel against host read bandwidth (scripts/bench_cpu_experts.py)
 #   micro_attn [F] decode attention over a device-side length: Triton split-K against SDPA
-#   micro_handshake [Q] the handshake's join of the CPU worker's partial: read in mapped memory, or copied first
+#   micro_handshake [Q] the handshake's join of the CPU worker's partial (wait, copy, add) per pass size, and its copy alone
 #   plans      residencies from the profiles: all, cold, 40% hot, and 40% over two GPUs
 #   check      [B][F] whole model: all-GPU reference, 40% hot under $CAP (+ decode ablation), all CPU
 #   calib      [C] plan under $CAP (capacity test), a half-size pool, calibrate in the engine
@@ -250,7 +250,7 @@ phase_micro_attn() {  # Qwen3-30B-A3B's heads, then DeepSeek-V3's latent attenti
     run 90 "$R/f_bench_attention_pass$t.txt" python3 scripts/bench_decode_attention.py --tokens $t --contexts 1024 4096
   done
 }
-phase_micro_handshake() {  # [Q] the join of the CPU worker's partial (mapped host memory) per pass size
+phase_micro_handshake() {  # [Q] the join of the CPU worker's partial per pass size (scripts/bench_handshake.py)
   run 60 "$R/q_bench_handshake.txt" python3 scripts/bench_handshake.py
 }
 phase_micro_cpu() {
@@ -472,7 +472,7 @@ for v in ("a1", "b", "a2"):
     if not os.path.exists(f):
         print(f"{v}: no result"); continue
     d = json.load(open(f)); r = d["policies"]["ostinato"]; s = r["summary"]
-    print(f"{v} {d['commit']} (OSTINATO_AMX_QUANT {d.get('amx_quant_min_tokens', 0)}, deferred combine {d.get('defer_combine', False)}, pass graphs {d.get('pass_graphs', 0)}, join {d.get('handshake_join')}): TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
+    print(f"{v} {d['commit']} (OSTINATO_AMX_QUANT {d.get('amx_quant_min_tokens', 0)}, deferred combine {d.get('defer_combine', False)}, pass graphs {d.get('pass_graphs', 0)}): TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
           f"TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s, host read {r.get('host_read_gbps')}")
 PY
 }

@@ -8,10 +8,13 @@ Inside the captured decode step, per MoE layer:
             with borrowed memory it also scores the layer's cold routes and counts its
             borrowed hits (Borrowing.observe's arithmetic, in the same kernel: no launch);
   (the GPU branch runs here, concurrently with the CPU worker)
-  wait_add  if has_cold: spin until done_flag == seq (acquire, system scope), then add the
-            worker's fp32 partial to the GPU branch's fp32 partial and round once to the
-            activation dtype; else only round. Every program spins on its own, so no
-            inter-program synchronisation is needed.
+  wait_add_rows  the join, in three operations of the stream:
+            wait  one program reads has_cold once into a device word, and if it is set spins
+                  until done_flag == seq (acquire, system scope);
+            copy  the copy engine brings the worker's fp32 partial into a device buffer
+                  (`CopyJoin`, shared by every layer in stream order);
+            add   the partial (where has_cold) added to the GPU branch's fp32 partial, rounded
+                  once to the activation dtype; reads device memory only.
 A step starts with `bump`, which increments the device-side sequence number; nothing on the
 host changes between replays. Every post also writes the step's token count (1 for decode).
 
@@ -20,18 +23,13 @@ the device: the pass is padded to B, the rows past n are never read by the worke
   post_rows  the activations [B, D] cross into the mapped buffer in a kernel of many programs,
              then (stream-ordered after it) one program writes ids, weights, n and has_cold (over
              the n rows) and publishes post_flag as `post` does;
-  wait_rows  one program spins until done_flag == seq if has_cold (the spin of `wait_add`, once
-             rather than in every program of a [B, D] grid);
-  add_rows   the worker's fp32 partial of the n rows added to the GPU branch's, rounded once.
+  wait_add_rows  as in a decode step, over B rows; the add keeps the GPU branch's sum alone in
+             the rows past n.
 
-How the partial crosses (layers/moe/graph_hybrid.py handshake_join): the add kernels read it from
-mapped memory with volatile loads, each program reading has_cold there too ("load", the default);
-or ("copy", `CopyJoin`) the wait keeps has_cold in a device word, the copy engine brings the B rows
-into a device buffer, and the add reads both from device memory.
-In replayed 255-token passes on an H100 (session 37, `profile_decode --prefill`), `_add_rows`
-read the mapped partial at about 0.57 GB/s at every pass size (183 ms of a 368 ms pass), where the
-copy engine moved experts from host memory at 49 GB/s in session 28's calibration (an H200 machine):
-scripts/bench_handshake.py times the two forms apart.
+Why the copy: an add kernel that read the partial in mapped host memory (volatile loads, the join
+until session 38) moved it at 0.23-0.51 GB/s on an H100, 4.3-6.0 ms a layer for 255 rows, where the
+copy and the add take 0.06-0.10 ms; replayed 255-token passes took 432 ms against 263 ms
+(results/2026-12-06-h100-s38/; scripts/bench_handshake.py times the join alone).
 
 Outside graphs, a prefill pass's split layers may join their CPU branch the same way
 (`wait_value`, hybrid.py's deferred combine): the stream spins until the CPU pool has stored
@@ -113,10 +111,9 @@ def _post_rows(ids_ptr, w_ptr, table_ptr, seq_ptr, count_ptr, h_ids, h_w, h_has_
 
 
 @triton.jit
-def _wait_rows(h_has_cold, h_done, seq_ptr, cold_ptr, KEEP: tl.constexpr):
+def _wait_rows(h_has_cold, h_done, seq_ptr, cold_ptr):
     has = tl.load(h_has_cold, volatile=True)
-    if KEEP:  # the flag in device memory for the add: one read of mapped memory, not one a program
-        tl.store(cold_ptr, has)
+    tl.store(cold_ptr, has)  # the flag in device memory for the add: one read of mapped memory
     if has != 0:
         seq = tl.load(seq_ptr)
         while tl.atomic_add(h_done, 0, sem="acquire", scope="sys") != seq:
@@ -124,31 +121,14 @@ def _wait_rows(h_has_cold, h_done, seq_ptr, cold_ptr, KEEP: tl.constexpr):
 
 
 @triton.jit
-def _add_rows(gpu_ptr, src, cold_ptr, count_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-              MAPPED: tl.constexpr):
+def _add_rows(gpu_ptr, src, cold_ptr, count_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = d < D
     acc = tl.load(gpu_ptr + t * D + d, mask=m, other=0.0)
-    if (tl.load(cold_ptr, volatile=True) != 0) & (t < tl.load(count_ptr)):
-        if MAPPED:  # the worker's buffer itself: every load goes to host memory
-            acc += tl.load(src + t * D + d, mask=m, other=0.0, volatile=True)
-        else:  # a device copy made after the wait
-            acc += tl.load(src + t * D + d, mask=m, other=0.0)
+    if (tl.load(cold_ptr) != 0) & (t < tl.load(count_ptr)):  # both written earlier in the stream
+        acc += tl.load(src + t * D + d, mask=m, other=0.0)
     tl.store(y_ptr + t * D + d, acc.to(y_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _wait_add(gpu_ptr, h_out, h_has_cold, h_done, seq_ptr, y_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = d < D
-    acc = tl.load(gpu_ptr + d, mask=m, other=0.0)
-    if tl.load(h_has_cold, volatile=True) != 0:
-        seq = tl.load(seq_ptr)
-        while tl.atomic_add(h_done, 0, sem="acquire", scope="sys") != seq:
-            pass
-        acc += tl.load(h_out + d, mask=m, other=0.0, volatile=True)
-    tl.store(y_ptr + d, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["value"])
@@ -193,36 +173,24 @@ def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x, h_has_col
 
 
 class CopyJoin:
-    """The "copy" join's device buffers: `rows` [R, D] fp32, which the worker's partial of up to R rows is
-    copied into after the wait, and `cold` [1] int32, the layer's has_cold as the wait read it."""
+    """The join's device buffers: `rows` [R, D] fp32, which the worker's partial of up to R rows is copied
+    into after the wait, and `cold` [1] int32, the layer's has_cold as the wait read it."""
 
     def __init__(self, max_rows: int, hidden: int, device):
         self.rows = torch.empty(max_rows, hidden, dtype=torch.float32, device=device)
         self.cold = torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def wait_add_rows(gpu_out, h_out, h_has_cold, h_done, seq, count, y, copy: CopyJoin | None = None) -> None:
+def wait_add_rows(gpu_out, h_out, h_has_cold, h_done, seq, count, y, join: CopyJoin) -> None:
     """gpu_out [B, D] fp32 (device), h_out the layer's [>= B, D] fp32 (host: a HostPointer, or the
-    tensor), count [1] int32 (device), y [B, D] (device, the layer output): rows past count keep the
-    GPU branch's sum alone. copy: the "copy" join's buffers (the B rows copied into device memory after
-    the wait, then added), or None to read them in place."""
+    tensor), count [1] int32 (device): the real rows, y [B, D] (device, the layer output): the wait, the
+    B rows copied into join.rows (stream-ordered after it: the copy engine reads what the worker stored),
+    then the add; rows past count keep the GPU branch's sum alone."""
     B, D = gpu_out.shape
     assert gpu_out.is_contiguous() and y.is_contiguous(), "rows must be contiguous"
-    _wait_rows[(1,)](h_has_cold, h_done, seq, copy.cold if copy is not None else seq, KEEP=copy is not None,
-                     num_warps=1)
-    src, cold = h_out, h_has_cold
-    if copy is not None:  # stream-ordered after the wait: the copy engine reads what the worker stored
-        host = h_out if isinstance(h_out, torch.Tensor) else h_out.t  # a HostPointer's tensor
-        src, cold = copy.rows[:B], copy.cold
-        src.copy_(host[:B], non_blocking=True)
+    _wait_rows[(1,)](h_has_cold, h_done, seq, join.cold, num_warps=1)
+    host = h_out if isinstance(h_out, torch.Tensor) else h_out.t  # a HostPointer's tensor
+    src = join.rows[:B]
+    src.copy_(host[:B], non_blocking=True)
     BLOCK_D = 512
-    _add_rows[(B, triton.cdiv(D, BLOCK_D))](gpu_out, src, cold, count, y, D=D, BLOCK_D=BLOCK_D,
-                                           MAPPED=copy is None, num_warps=4)
-
-
-def wait_add(gpu_out, h_out, h_has_cold, h_done, seq, y) -> None:
-    """gpu_out [1, D] fp32 (device), h_out [D] fp32 (host), y [1, D] (device, the layer output)."""
-    D = gpu_out.shape[1]
-    BLOCK_D = 256
-    _wait_add[(triton.cdiv(D, BLOCK_D),)](gpu_out, h_out, h_has_cold, h_done, seq, y, D=D, BLOCK_D=BLOCK_D,
-                                          num_warps=2)
+    _add_rows[(B, triton.cdiv(D, BLOCK_D))](gpu_out, src, join.cold, count, y, D=D, BLOCK_D=BLOCK_D, num_warps=4)

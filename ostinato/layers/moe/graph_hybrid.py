@@ -3,10 +3,9 @@ memory instead of a host sync, so the whole step replays as one CUDA graph.
 
 Per MoE layer of a graph step: `post` (routing and activations to the shared buffers, flag
 up), the GPU branch from the pool (the same slot kernel as the synchronous path), then
-`wait_add` (wait for the native worker's done flag if the layer has cold routes; add its
-fp32 partial; round once; with the "copy" join, handshake_join, the wait, a copy of the partial
-into device memory and the add are three operations, whose device buffers every layer shares in
-stream order). The native worker (layers/moe/graph_worker.py) computes the cold routes with the
+`wait_add_rows` (wait for the native worker's done flag if the layer has cold routes, copy its
+fp32 partial into device memory, add it, round once: three operations, whose device buffers every
+layer shares in stream order). The native worker (layers/moe/graph_worker.py) computes the cold routes with the
 same CPU kernel as the synchronous path, so a graph step equals the same step run with
 HybridExperts.split_path bit for bit.
 
@@ -21,30 +20,14 @@ Legend: K top-k, D hidden, B rows of a captured pass.
 from __future__ import annotations
 
 import atexit
-import os
 
 import torch
 
-from ostinato.config import ConfigError
 from ostinato.layers.moe.backend import StepRows
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
 from ostinato.layers.moe.segmented import SegmentedExperts
 from ostinato.layers.moe.types import TopKOutput
-
-
-JOINS = ("load", "copy")
-
-
-def handshake_join() -> str:
-    """How a captured step joins the worker's partial (kernels/triton/handshake.py): "load" (the default)
-    reads it in mapped host memory from the add kernel; "copy" has the copy engine bring it into a device
-    buffer after the wait first. OSTINATO_HANDSHAKE_JOIN, to time one against the other (scripts/device/run.sh
-    ab_gguf with AB_ENV="OSTINATO_HANDSHAKE_JOIN=copy"; scripts/bench_handshake.py for the join alone)."""
-    v = os.environ.get("OSTINATO_HANDSHAKE_JOIN", "") or "load"
-    if v not in JOINS:
-        raise ConfigError(f"OSTINATO_HANDSHAKE_JOIN must be one of {', '.join(JOINS)}, not {v!r}")
-    return v
 
 
 class GraphHybridExperts(HybridWrapper):
@@ -64,9 +47,9 @@ class GraphHybridExperts(HybridWrapper):
         self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype, tokens=max_rows)
         self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers, core=core)
         self.seq = torch.zeros(1, dtype=torch.int32, device=hybrid.device)
-        # the "copy" join's device rows (max_rows x D fp32: 256 KiB for Qwen3-30B-A3B's 32-row passes) and the
-        # count of a decode step's one row
-        self.copy = hs.CopyJoin(max_rows, pools.hidden, hybrid.device) if handshake_join() == "copy" else None
+        # the join's device rows (max_rows x D fp32: 2 MiB for Qwen3-30B-A3B's 256-row passes) and the count of
+        # a decode step's one row
+        self.join = hs.CopyJoin(max_rows, pools.hidden, hybrid.device)
         self.one = torch.ones(1, dtype=torch.int32, device=hybrid.device)
         P = hs.HostPointer
         sh, S = self.shared, 16  # flag stride (int32 elements)
@@ -148,11 +131,8 @@ class GraphHybridExperts(HybridWrapper):
                          h_tokens, score)
         gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
-        if rows is not None or self.copy is not None:
-            self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if rows is not None else self.one, y,
-                                  self.copy)
-        else:
-            self.hs.wait_add(gpu, h_out, h_has, h_done, self.seq, y)
+        self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if rows is not None else self.one, y,
+                              self.join)
         return y
 
 
