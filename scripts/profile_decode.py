@@ -430,7 +430,7 @@ def write_md(path: Path, out: dict) -> None:
             wait = rp["classes"].get("handshake", {}).get("us_per_step", 0.0) / 1e3
             lines.append(f"- the captured pass's replay: kernels {rp['kernel_ms']:.1f} ms a pass, of which the "
                          f"handshake's {wait:.1f} ms (its wait kernel spins while the CPU worker serves a layer; "
-                         "its add joins the worker's partial: the kernel table splits them)")
+                         "the copy and the add join the worker's partial: the kernel table splits them)")
             w = rp.get("worker")
             if w:
                 lines.append(f"- the CPU worker a replayed pass: {w['compute_ms']:.1f} ms computing over "
