@@ -207,7 +207,11 @@ class RoutedBlock(nn.Module):
 class DecodeWindow:
     """A captured pass's position as a device tensor and the cache window it attends over: a decode
     step's one token, or the `tokens` rows of a short prefill pass (engine/graph.py PassGraphs) at
-    position, position + 1, ... (token t attends cache rows 0..position + t)."""
+    position, position + 1, ... (token t attends cache rows 0..position + t).
+
+    The mask over the window and the sliding bands are made by the first layer of a pass that asks for
+    them and shared by the rest (inside a capture, recorded there once): attention that reads the cache
+    in place (the split-K kernel) never asks."""
 
     def __init__(self, position: torch.Tensor, size: int, tokens: int = 1):
         self.position = position  # [1] int64, on the model's device: the first token's
@@ -215,14 +219,37 @@ class DecodeWindow:
         self._cols = torch.arange(size, device=position.device)[None, :]
         self._rows = torch.arange(tokens, device=position.device)
         self.positions = position  # [tokens] int64: every token's, set by refresh
-        self.mask = None
+        self._mask: torch.Tensor | None = None
+        self._bands: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def refresh(self) -> None:
-        """Recompute the positions and the mask from the device position: once per pass, inside any
-        capture."""
+        """A new pass: the positions from the device position (once per pass, inside any capture); the
+        mask and bands of the last pass are dropped."""
         if self.tokens > 1:
             self.positions = self.position + self._rows
-        self.mask = self._cols <= self.positions[:, None]  # [tokens, W] bool
+        self._mask, self._bands = None, {}
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[tokens, W] bool: token t sees cache rows 0..position + t."""
+        if self._mask is None:
+            self._mask = self._cols <= self.positions[:, None]
+        return self._mask
+
+    def band(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sliding window of w rows: the w + tokens - 1 cache rows that end at the last token (rows
+        before 0 clamped to 0) as an int64 index [span], and the mask [tokens, span] (one row at decode)
+        of those that token t reads: rows t..t + w - 1, none before 0."""
+        if w not in self._bands:
+            T, dev = self.tokens, self.position.device
+            span = w + T - 1
+            rows = self.position - (w - 1) + torch.arange(span, device=dev)  # [span]
+            mask = (rows >= 0)[None, :]
+            if T > 1:
+                band = torch.arange(span, device=dev)[None, :] - self._rows[:, None]
+                mask = mask & (band >= 0) & (band < w)  # [T, span]
+            self._bands[w] = rows.clamp(min=0), mask
+        return self._bands[w]
 
 
 class DecoderLayer(nn.Module):

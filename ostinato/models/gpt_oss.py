@@ -121,14 +121,8 @@ class SinkAttention(nn.Module):
                 o = decode_attention(q, kv.k, kv.v, window.position, window.size, self.scale, sinks=self.sinks)
                 return o.transpose(0, 1)
             k_, v_, mask = kv.k[:window.size], kv.v[:window.size], window.mask  # mask [T, W]
-        else:
-            span = self.window + T - 1
-            rows = window.position - (self.window - 1) + torch.arange(span, device=q.device)  # [span]
-            mask = (rows >= 0)[None, :]
-            if T > 1:  # token t reads gathered rows t..t + window - 1
-                band = torch.arange(span, device=q.device)[None, :] - torch.arange(T, device=q.device)[:, None]
-                mask = mask & (band >= 0) & (band < self.window)  # [T, span]
-            rows = rows.clamp(min=0)
+        else:  # token t reads gathered rows t..t + window - 1 (the band every sliding layer of a pass shares)
+            rows, mask = window.band(self.window)
             k_, v_ = kv.k.index_select(0, rows), kv.v.index_select(0, rows)
         return sink_attention(q.transpose(0, 1), k_.transpose(0, 1), v_.transpose(0, 1), self.sinks, self.scale,
                               mask)
