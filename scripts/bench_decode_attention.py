@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
+from scripts.bench_gpu_experts import replay_times  # noqa: E402
 
 SHAPES = {  # H, Hkv, Dk, Dv, layers of a decode step (for the per-step column)
     "qwen3-30b-a3b": dict(H=32, Hkv=4, Dk=128, Dv=128, layers=48),
@@ -58,28 +59,7 @@ def window_for(context: int) -> int:
 
 def graph_us(calls, reps: int, per: int) -> float:
     """Median replay time of one graph holding `calls` (in order), over `per`, in us."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm the allocator outside the capture
-            for call in calls:
-                call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 5)
+    times, graph = replay_times(lambda: [call() for call in calls], reps)
     del graph
     return 1e3 * statistics.median(times) / per
 
