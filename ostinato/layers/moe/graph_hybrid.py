@@ -4,10 +4,10 @@ memory instead of a host sync, so the whole step replays as one CUDA graph.
 Per MoE layer of a graph step: `post` (routing and activations to the shared buffers, flag
 up), the GPU branch from the pool (the same slot kernel as the synchronous path), then
 `wait_add_rows` (wait for the native worker's done flag if the layer has cold routes, copy its
-fp32 partial into device memory, add it, round once: three operations, whose device buffers every
-layer shares in stream order). The native worker (layers/moe/graph_worker.py) computes the cold routes with the
-same CPU kernel as the synchronous path, so a graph step equals the same step run with
-HybridExperts.split_path bit for bit.
+fp32 partial into device memory, add it, round once: three operations, whose device buffers
+every layer shares in stream order). The native worker (layers/moe/graph_worker.py) computes
+the cold routes with the same CPU kernel as the synchronous path, so a graph step equals the
+same step run with HybridExperts.split_path bit for bit.
 
 A short prefill pass captured as a graph (engine/graph.py PassGraphs) is a step of B rows, n of
 them real (`StepRows`, on the device): `post_rows` sends the B rows' routing and activations and n,
