@@ -45,8 +45,8 @@ def margin_settings(a) -> dict:
     from ostinato.config import parse_bytes
     from ostinato.planner.capacity import CapacitySettings
 
-    out = {"margin_bytes": parse_bytes(a.margin)} if getattr(a, "margin", None) else {}
-    if getattr(a, "margin_fraction", None) is not None:
+    out = {"margin_bytes": parse_bytes(a.margin)} if a.margin else {}
+    if a.margin_fraction is not None:
         out["margin_fraction"] = a.margin_fraction
     CapacitySettings(**out)
     return out

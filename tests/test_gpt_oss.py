@@ -383,4 +383,5 @@ def test_pass_graphs_count_the_sliding_layers_scores():
     got = pass_graph_bytes(cfg, CapacitySettings(pass_graph_rows=B), 8192, torch.bfloat16, WeightFormats(), sizes)
     partials = Hkv * 2 * (B * H // Hkv) * (Hd + 2) * 4  # 256 tokens' 2048 rows a KV head: 32 blocks of 2 splits
     join = B * cfg.hidden_size * 4  # the CPU worker's partial copied into device rows (CopyJoin)
-    assert got == pass_bound(cfg, B, B, torch.bfloat16, score_share=0.0)["total"] + partials + H * B * (w + B - 1) * 6 + join
+    sliding = H * B * (w + B - 1) * 6
+    assert got == pass_bound(cfg, B, B, torch.bfloat16, score_share=0.0)["total"] + partials + sliding + join

@@ -150,10 +150,9 @@ def test_graph_with_cpu_worker_bitwise_equals_synchronous_path(tiny_dir, tmp_pat
 @pytest.mark.parametrize("cold", [0.0, 0.5])
 def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold):
     """Short prefill passes replayed as captured graphs (padded to their size, the CPU branch through
-    the worker's rows) against the host-driven passes
-    of an engine without graphs: the same greedy token after every pass, logits within bf16 rounding
-    (the attention kernels differ: split-K against SDPA's), the same routes counted and as many cold
-    ones, and the same tokens decoded after."""
+    the worker's rows) against the host-driven passes of an engine without graphs: the same greedy
+    token after every pass, logits within bf16 rounding (the attention kernels differ: split-K against
+    SDPA's), the same routes counted and as many cold ones, and the same tokens decoded after."""
     pass_graphs_vs_host_driven(tiny_dir, tmp_path, cold)
 
 
@@ -323,5 +322,3 @@ def test_static_baselines_decode_as_one_graph_bitwise(tiny_dir, name):
     assert cold > 0
     assert s1["cpu_experts"] - s0.get("cpu_experts", 0) >= cold  # a graph step's CPU experts are counted too
     graphed.runner.experts.close()
-
-

@@ -114,7 +114,8 @@ def test_dense_weights_and_activations_are_counted_from_the_config():
         cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64, pass_graph_rows=1000)
     ).activation_parts["pass_graphs"]
     # one device of a split model captures no passes: nothing counted for them
-    half = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16, CapacitySettings(prefill_chunk=64, pass_graph_rows=32),
+    half = plan_capacity(cfg, counts, 2**40, 1000, torch.bfloat16,
+                         CapacitySettings(prefill_chunk=64, pass_graph_rows=32),
                          layers=list(range(cfg.num_hidden_layers // 2)), last=False)
     assert "pass_graphs" not in half.activation_parts and half.activations == cap.activations
 

@@ -167,8 +167,8 @@ def _pool_size(a, cfg, counts, prof, device, formats):
 def _capacity_settings(a):
     from ostinato.planner.capacity import CapacitySettings
 
-    return CapacitySettings(**margin_settings(a), prefill_chunk=a.prefill_chunk, attention_score_share=a.attention_scores,
-                            max_flex=a.max_flex, flex_share=a.flex_share)
+    return CapacitySettings(**margin_settings(a), prefill_chunk=a.prefill_chunk,
+                            attention_score_share=a.attention_scores, max_flex=a.max_flex, flex_share=a.flex_share)
 
 
 def _verify(a, res, cap, device) -> None:

@@ -347,9 +347,10 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
                      formats: WeightFormats, sizes: dict, split: bool = False) -> int:
     """The private pool of the captured prefill passes (engine/graph.py PassGraphs; B = graph.pass_rows:
     none on one device of a split model): the buffers of the largest, B rows, which the smaller ones
-    captured after it reuse. Its attention reads the cache in place (the split-K kernel): the bound of a B-token pass attending to its own B tokens (MLA's pass
-    attends in the latent space: its absorbed queries, latent outputs and values, B H (3R + Dr + Dv) b,
-    lie within that bound's fp32 K, V and query terms over N = B), plus the kernel's fp32 partials over
+    captured after it reuse. Its attention reads the cache in place (the split-K kernel): the bound of a
+    B-token pass attending to its own B tokens (MLA's pass attends in the latent space: its absorbed
+    queries, latent outputs and values, B H (3R + Dr + Dv) b, lie within that bound's fp32 K, V and
+    query terms over N = B), plus the kernel's fp32 partials over
     any window of the cache (kernels/triton/decode_plan.py partials_bytes: each of the B*G rows of a KV
     head as the kernel reads it, AttentionShape.split_k_heads: Qwen3's Hkv heads of G = H / Hkv, MLA's
     one latent head of G = H, keeps its running max and sum and its Dv sums in each of its splits), plus
@@ -366,8 +367,8 @@ def pass_graph_bytes(cfg: ModelConfig, settings: CapacitySettings, kv_tokens: in
     partials = partials_bytes(B, G, kv_heads, dv, kv_tokens)
     w = max(cfg.window_of(i) or 0 for i in range(cfg.num_hidden_layers))
     sliding = shape.heads * B * (w + B - 1) * (4 + itemsize(dtype)) if w else 0
-    copy_rows = B * cfg.hidden_size * 4
-    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding + copy_rows
+    join_rows = B * cfg.hidden_size * 4
+    return pass_bound(cfg, B, B, dtype, formats, sizes, 0.0)["total"] + partials + sliding + join_rows
 
 
 def _dequant_scratch(cfg: ModelConfig, T: int, dtype: torch.dtype, formats: WeightFormats, sizes: dict) -> int:
