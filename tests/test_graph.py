@@ -40,6 +40,23 @@ def test_pass_sizes():
     assert pass_sizes(8) == [8] and pass_sizes(5) == [5] and pass_sizes(1) == pass_sizes(0) == []
 
 
+def test_pass_rows_setting(monkeypatch):
+    """The captured pass rows: the setting, else OSTINATO_PASS_GRAPHS, else 256; at most the context; none
+    on a split model; a value that is not a count is refused with a message."""
+    from ostinato.config import ConfigError
+    from ostinato.engine.graph import pass_rows
+
+    monkeypatch.delenv("OSTINATO_PASS_GRAPHS", raising=False)
+    assert pass_rows(None, False, 8192) == 256 and pass_rows(None, False, 100) == 100
+    assert pass_rows(64, False, 8192) == 64 and pass_rows(None, True, 8192) == pass_rows(64, True, 8192) == 0
+    monkeypatch.setenv("OSTINATO_PASS_GRAPHS", "0")
+    assert pass_rows(None, False, 8192) == 0
+    for bad in ("-1", "lots", "32.5"):
+        monkeypatch.setenv("OSTINATO_PASS_GRAPHS", bad)
+        with pytest.raises(ConfigError, match=f"OSTINATO_PASS_GRAPHS must be a count of tokens .*{bad!r}"):
+            pass_rows(None, False, 8192)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_windowed_pass_matches_prefill(tiny_dir, device):
     """windowed_passes_vs_prefill on the tiny Qwen3 (tests/test_gpt_oss.py and test_deepseek_v3.py: theirs)."""
