@@ -104,7 +104,6 @@ def main() -> None:
                         got = wrapped(int(out.long().sum()))
                         add(source, "contiguous" if contiguous else "strided", programs, chunk,
                             statistics.median(times), got == want)
-        del host, device, sink
     best = {}
     for r in rows:
         if r["source"] != "device" and r["ok"]:
