@@ -173,6 +173,15 @@ def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold):
     pass_graphs_vs_host_driven(tiny_dir, tmp_path, cold)
 
 
+@pytest.mark.gpu
+def test_pass_graphs_stage_cold_experts(tiny_dir, tmp_path, monkeypatch):
+    """Captured passes that stage their cold experts with at least 2 routes (layers/moe/staging.py):
+    against the host-driven passes as above, those experts now copied by the pass itself and computed
+    on the GPU, the worker leaving them out."""
+    monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "2")
+    pass_graphs_vs_host_driven(tiny_dir, tmp_path, 0.5, staged=True)
+
+
 def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
     """Logits a and b [V] pick the same greedy token up to a tie within tol: each one's pick scores within
     tol of the other's best. The tiny random model's top two logits may lie a bf16 step apart, where
@@ -181,9 +190,9 @@ def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
         assert float(x[int(y.argmax())]) >= float(x.max()) - tol, (int(a.argmax()), int(b.argmax()))
 
 
-def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float) -> None:
+def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool = False) -> None:
     """test_pass_graphs_match_host_driven_passes on the checkpoint ckpt, a fraction `cold` of its
-    experts on the CPU."""
+    experts on the CPU; staged: the graphed engine's passes stage cold experts (OSTINATO_STAGE_ROUTES set)."""
     from ostinato.engine.placement import PlacementSettings
     from ostinato.load import load_engine
     from tests.test_hybrid import _residency_for
@@ -194,6 +203,7 @@ def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float) -> None:
                                                     pass_graphs=64), place)
     sync = load_engine(str(ckpt), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                  cuda_graph=False), place)
+    assert (graphed.runner.experts.staging is not None) == staged
     passes = graphed.runner.passes
     assert passes is not None and passes.sizes == [8, 16, 32, 64]
     prompt = list(range(5, 105))
@@ -210,7 +220,10 @@ def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float) -> None:
         pos += n
     after = graphed.runner.placement_stats(), sync.runner.placement_stats()
     assert after[0]["routes"] - before[0]["routes"] == after[1]["routes"] - before[1]["routes"]
-    if cold:
+    if staged:  # some experts left the CPU for the GPU
+        got, want = (s["cpu_experts"] - b["cpu_experts"] for s, b in zip(after, before))
+        assert 0 < got < want and after[0]["uploaded_experts"] > before[0]["uploaded_experts"], (got, want)
+    elif cold:
         assert after[0]["graph_steps"] - before[0]["graph_steps"] >= 6  # every pass went through the worker
         for key in ("cold_routes", "cpu_experts"):  # routing may differ where bf16 rounding breaks a tie
             got, want = (s[key] - b[key] for s, b in zip(after, before))

@@ -209,6 +209,59 @@ def test_pass_steps_match_cpu_experts_bitwise(native):
         assert torch.equal(torch.from_numpy(out), want)
 
 
+def test_pass_steps_leave_staged_experts_out(native):
+    """With a staging rule (set_staging: 2 routes, at most 2 experts a layer), a pass's cold experts with
+    at least 2 routes among its n rows, the first 2 in expert order, are the GPU's: the worker computes
+    the other cold routes, bitwise as the synchronous path would, and counts the staged experts and their
+    routes. A layer whose cold routes are all staged is answered with zeros and no desync; decode steps
+    (n = 1) stage nothing."""
+    from ostinato.layers.moe.staging import plan
+
+    model = Model(seed=11)
+    T, m, cap = 6, 2, 2
+    cpu = CpuExperts(model.host.layers, num_threads=2, backend="native", spin_us=100)
+    hs = GraphHandshake(L, K, D, tokens=T)
+    worker = GraphWorker(hs, cpu, model.host.compact, LAYERS, spin_us=200, sleep_us=20, idle_sleep_us=500)
+    with pytest.raises(ValueError):
+        worker.set_staging(-1, {})
+    worker.set_staging(m, {l: cap for l in LAYERS})
+    gpu = FakeGpu(hs, row=slice(None))
+    g = torch.Generator().manual_seed(12)
+    records, staged, staged_routes = [], 0, 0
+    worker.start(1)
+    for seq, n in enumerate((1, 4, T, 3), start=1):
+        for i, layer in enumerate(LAYERS):
+            cold = model.cold[layer]
+            if seq == 4 and i == 0:  # every cold route on one expert, routed twice: staged, the rest zeros
+                hot = [e for e in range(E) if e not in cold]
+                rows = [routing(g, torch.bfloat16) for _ in range(n)]
+                rows = [(torch.tensor(([cold[0]] + hot[:K - 1]) if t < 2 else hot[t:t + K], dtype=torch.int32),
+                         *rows[t][1:]) for t in range(n)]
+            else:
+                rows = [routing(g, torch.bfloat16, (cold[t % 3],)) for t in range(n)]
+            ids, w, x = (torch.stack(c) for c in zip(*rows))
+            table = model.host.compact[layer]
+            out = gpu.layer(i, seq, ids, w, x, True, tokens=n)
+            gpu_table = torch.where(table >= 0, -1, 0).to(torch.int32)  # the pool's row: cold < 0
+            pick = plan(ids, n, gpu_table, m, cap, 0)[1] if n > 1 else torch.zeros(E, dtype=torch.bool)
+            staged += int(pick.sum())
+            cid = table[ids.long()]
+            staged_routes += int(((cid >= 0) & pick[ids.long()]).sum())
+            records.append((layer, table, ids, w, x, out, pick))
+    worker.stop()
+    stats = worker.stats()
+    assert stats["errors"] == stats["desync"] == stats["bad_tokens"] == 0, stats
+    assert stats["staged_experts"] == staged > 0 and stats["staged_routes"] == staged_routes
+    for layer, table, ids, w, x, out, pick in records:
+        cid = table[ids.long()]
+        cold = (cid >= 0) & ~pick[ids.long()]
+        tok = cold.nonzero()[:, 0].to(torch.int32)
+        want = cpu.forward(layer, x, tok, cid[cold], w[cold]) if cold.any() else torch.zeros(len(ids), D)
+        assert torch.equal(torch.from_numpy(out), want)
+    assert not any(r[6].any() for r in records[:L])  # the decode step's layers: nothing staged
+    assert records[-L][6].any() and (records[-L][5] == 0).all()  # seq 4, layer 0: all staged
+
+
 def test_table_switch_is_exact(native):
     """Each step's output must use the table of that step, never the neighbour's."""
     model = Model(seed=3)

@@ -19,6 +19,7 @@ import torch
 
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.layers.moe.cpu_experts import default_amx_quant_min_tokens
+from ostinato.layers.moe.staging import env_stage_routes
 from ostinato.layers.moe.hybrid import defer_combine
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.pipeline import fill_text
@@ -71,6 +72,7 @@ def environment(loaded, bs) -> dict:
             "threads": loaded.runner.threads.as_dict(), "amx_quant_min_tokens": default_amx_quant_min_tokens(),
             "defer_combine": defer_combine() and loaded.runner.device.type == "cuda",  # it defers on CUDA only
             "pass_graphs": loaded.runner.pass_graph_rows() if loaded.runner.device.type == "cuda" else 0,
+            "stage_routes": env_stage_routes() if loaded.runner.device.type == "cuda" else 0,
             **routing_knobs(loaded.source)}
 
 
@@ -559,6 +561,9 @@ def _cpu_note(result: dict) -> list[str]:
     if result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
                      "uploads replayed as CUDA graphs, padded to powers of two (OSTINATO_PASS_GRAPHS)")
+    if result.get("stage_routes"):
+        lines.append(f"- those passes copy each cold expert with at least {result['stage_routes']} of their routes "
+                     "into a flex slot and compute it on the GPU (OSTINATO_STAGE_ROUTES)")
     if not str(result["device"]).startswith("cpu"):
         return lines
     return lines + ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical "

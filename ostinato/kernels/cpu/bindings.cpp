@@ -79,6 +79,7 @@ void bind_graph_worker(py::module_& m) {
             self.set_compact(i, reinterpret_cast<const int32_t*>(table), at_seq);
           },
           py::arg("i"), py::arg("table"), py::arg("at_seq"))
+      .def("set_staging", &GraphWorker::set_staging, py::arg("min_routes"), py::arg("caps"))
       .def("start", &GraphWorker::start, py::call_guard<py::gil_scoped_release>())
       .def("stop", &GraphWorker::stop, py::call_guard<py::gil_scoped_release>())
       .def("reset", &GraphWorker::reset, py::call_guard<py::gil_scoped_release>())
@@ -93,6 +94,8 @@ void bind_graph_worker(py::module_& m) {
         d["layers_skipped"] = s.layers_skipped;
         d["cold_routes"] = s.cold_routes;
         d["cold_experts"] = s.cold_experts;
+        d["staged_experts"] = s.staged_experts;
+        d["staged_routes"] = s.staged_routes;
         d["bad_tokens"] = s.bad_tokens;
         d["desync"] = s.desync;
         d["bad_ids"] = s.bad_ids;

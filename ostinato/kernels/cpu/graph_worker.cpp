@@ -85,6 +85,9 @@ GraphWorker::GraphWorker(ColdExperts& runner, const GraphShared& shared, std::ve
   eid_.assign(size_t(s.K * s.T), 0);
   wts_.assign(size_t(s.K * s.T), 0.f);
   seen_.assign(size_t(maxE), 0);
+  stage_caps_.assign(size_t(s.L), 0);
+  routes_.assign(size_t(E_), 0);
+  staged_.assign(size_t(E_), 0);
   if (maxE > 0) runner_.reserve(s.K * s.T, s.T, maxE, s.D, maxF);  // the hot path then allocates nothing
 }
 
@@ -107,6 +110,15 @@ void GraphWorker::set_compact(int64_t i, const int32_t* table, int32_t at_seq) {
   pending_[i] = 1;
   pending_at_[i] = at_seq;
   pending_any_.store(true, std::memory_order_release);
+}
+
+void GraphWorker::set_staging(int64_t min_routes, const std::vector<int64_t>& caps) {
+  if (running_.load()) throw std::logic_error("graph_worker: set_staging() while running");
+  check(min_routes >= 0, "min_routes must be >= 0");
+  check(int64_t(caps.size()) == sh_.L, "one cap per layer position is required");
+  for (int64_t c : caps) check(c >= 0, "caps must be >= 0");
+  stage_min_ = min_routes;
+  stage_caps_ = caps;
 }
 
 std::vector<int32_t> GraphWorker::active_table(int64_t i) const {
@@ -153,6 +165,8 @@ GraphWorkerStats GraphWorker::stats() const {
   s.layers_skipped = c_.layers_skipped.load(r);
   s.cold_routes = c_.cold_routes.load(r);
   s.cold_experts = c_.cold_experts.load(r);
+  s.staged_experts = c_.staged_experts.load(r);
+  s.staged_routes = c_.staged_routes.load(r);
   s.bad_tokens = c_.bad_tokens.load(r);
   s.desync = c_.desync.load(r);
   s.bad_ids = c_.bad_ids.load(r);
@@ -253,9 +267,20 @@ void GraphWorker::serve(int64_t i, int32_t seq) {
   const int32_t* ids = sh_.ids + i * T * K;
   const float* w = sh_.weights + i * T * K;
   float* out = sh_.out + i * T * D;
-  int64_t R = 0, distinct = 0;
+  int64_t R = 0, distinct = 0, staged = 0, staged_routes = 0;
   const bool tokens_ok = n >= 1 && n <= T;
   if (!tokens_ok) bump(c_.bad_tokens, int64_t(1));
+  if (tokens_ok && n > 1 && stage_min_ > 0) {  // the staging rule, as the GPU applies it (layers/moe/staging.py)
+    for (int64_t r = 0; r < n * K; ++r)
+      if (ids[r] >= 0 && ids[r] < E_ && table[ids[r]] >= 0) ++routes_[size_t(ids[r])];
+    for (int64_t e = 0; e < E_ && staged < stage_caps_[size_t(i)]; ++e)
+      if (routes_[size_t(e)] >= stage_min_) {
+        staged_[size_t(e)] = 1;
+        ++staged;
+        staged_routes += routes_[size_t(e)];
+      }
+    std::fill(routes_.begin(), routes_.end(), 0);
+  }
   for (int64_t t = 0; tokens_ok && t < n; ++t) {
     for (int64_t k = 0; k < K; ++k) {  // token-major, top-k order, as the synchronous path gathers them
       const int32_t e = ids[t * K + k];
@@ -264,7 +289,7 @@ void GraphWorker::serve(int64_t i, int32_t seq) {
         continue;
       }
       const int32_t c = table[e];
-      if (c < 0) continue;
+      if (c < 0 || staged_[size_t(e)]) continue;
       tok_[R] = int32_t(t);
       eid_[R] = c;
       wts_[R] = w[t * K + k];
@@ -276,8 +301,9 @@ void GraphWorker::serve(int64_t i, int32_t seq) {
     }
   }
   for (int64_t r = 0; r < R; ++r) seen_[size_t(eid_[r])] = 0;
+  if (staged) std::fill(staged_.begin(), staged_.end(), uint8_t(0));
   if (R == 0) {
-    if (tokens_ok) bump(c_.desync, int64_t(1));
+    if (tokens_ok && !staged) bump(c_.desync, int64_t(1));
     std::memset(out, 0, size_t((tokens_ok ? n : T) * D) * sizeof(float));
   } else {
     ColdArgs a = layers_[size_t(i)];
@@ -309,6 +335,8 @@ void GraphWorker::serve(int64_t i, int32_t seq) {
   bump(c_.layers_served, int64_t(1));
   bump(c_.cold_routes, R);
   bump(c_.cold_experts, distinct);
+  bump(c_.staged_experts, staged);
+  bump(c_.staged_routes, staged_routes);
   step_compute_ns_ += spent;
   step_routes_ += R;
   ++step_layers_;

@@ -22,7 +22,7 @@
 //        post_flag[i] = seq; run the GPU branch; if has_cold[i] != 0, spin (acquire, system
 //        scope) until done_flag[i] == seq, then read out[i].
 //   CPU: spin until post_flag[i] >= seq (acquire); if has_cold[i] == 0, go on to i + 1;
-//        else map the n tokens' ids through the layer's compact table, compute, write rows
+//        else map the n tokens' ids through the layer's compact table (less the staged experts), compute, write rows
 //        [0, n) of out[i] (a row without a cold route is zero; all zeros when no route is cold: tables out of sync are counted, never a deadlock), and store
 //        done_flag[i] = seq (release). After layer L-1, seq + 1.
 // The worker may lag: the GPU does not wait at layers without cold routes, so it can post a
@@ -31,6 +31,12 @@
 // CPU, so the worker moves to that step at layer 0 (counted as a resync). Writing seq rather
 // than 1 into has_cold closes the one remaining window: a worker a whole step behind that
 // reads has_cold of the next step right before its post.
+//
+// Staged experts (set_staging): in a captured prefill pass (n > 1) the GPU copies a layer's cold
+// experts with at least min_routes routes among the n rows, the first caps[i] of them in expert
+// order, into flex slots of its pool and computes their routes itself (layers/moe/staging.py);
+// the worker applies the same rule to the same ids and table and leaves those routes out. A layer
+// whose cold routes were all staged is answered with zeros. Decode steps (n = 1) stage nothing.
 //
 // Compact tables (cold expert -> index in the host stack, -1 = hot) are double-buffered per
 // layer. set_compact() copies into the back buffer under a mutex and marks it pending for a
@@ -83,6 +89,8 @@ struct GraphWorkerStats {
   int64_t layers_skipped = 0;  // layers with has_cold == 0
   int64_t cold_routes = 0;
   int64_t cold_experts = 0;  // distinct cold experts of each served layer, summed
+  int64_t staged_experts = 0;  // cold experts left to the GPU by the staging rule, summed over layers
+  int64_t staged_routes = 0;  // and their routes
   int64_t bad_tokens = 0;  // tokens[i] outside [1, T] (zeros sent for all T rows)
   int64_t desync = 0;  // has_cold != 0 but the compact table left no cold route (zeros sent)
   int64_t bad_ids = 0;  // routed ids outside [0, E) (ignored)
@@ -113,6 +121,9 @@ class GraphWorker {
   // Copies table[E] (values -1 or [0, Ec)) as layer i's table from step at_seq (0: the next
   // step the worker begins). A second call before the switch replaces the pending table.
   void set_compact(int64_t i, const int32_t* table, int32_t at_seq);
+  // The staging rule of captured passes (see above): min_routes 0 stages nothing; caps[i], the
+  // most experts layer position i stages (its pool's flex slots). Only while stopped.
+  void set_staging(int64_t min_routes, const std::vector<int64_t>& caps);
   // Starts the thread expecting step first_seq at layer 0 (std::logic_error if running).
   void start(int32_t first_seq);
   // Stops and joins; prompt whether or not the GPU ever posts (a layer in compute finishes).
@@ -162,11 +173,15 @@ class GraphWorker {
   std::vector<int32_t> tok_, eid_;
   std::vector<float> wts_;
   std::vector<uint8_t> seen_;  // per cold expert of a layer: counted in this layer's distinct ones
+  int64_t stage_min_ = 0;  // set_staging's rule
+  std::vector<int64_t> stage_caps_;
+  std::vector<int32_t> routes_;  // per expert id: cold routes among a pass's rows (staging rule)
+  std::vector<uint8_t> staged_;  // per expert id: left to the GPU in this layer
   int64_t step_wait_ns_ = 0, step_compute_ns_ = 0, step_layers_ = 0, step_routes_ = 0;
 
   struct Counters {
     std::atomic<int64_t> steps{0}, layers_served{0}, layers_skipped{0}, cold_routes{0}, cold_experts{0},
-        bad_tokens{0}, desync{0}, bad_ids{0}, resyncs{0}, errors{0}, wait_ns{0}, idle_ns{0}, compute_ns{0};
+        staged_experts{0}, staged_routes{0}, bad_tokens{0}, desync{0}, bad_ids{0}, resyncs{0}, errors{0}, wait_ns{0}, idle_ns{0}, compute_ns{0};
     std::atomic<int32_t> last_seq{0}, seq{0};
     std::atomic<int64_t> last_wait_ns{0}, last_compute_ns{0}, last_layers{0}, last_routes{0},
         layer{0};

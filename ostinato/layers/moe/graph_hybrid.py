@@ -12,8 +12,10 @@ same step run with HybridExperts.split_path bit for bit.
 A short prefill pass captured as a graph (engine/graph.py PassGraphs) is a step of B rows, n of
 them real (`StepRows`, on the device): `post_rows` sends the B rows' routing and activations and n,
 the worker computes the cold routes of the n rows, and `wait_add_rows` joins them; the rows past n
-are padding that nothing reads. Other passes and steps outside a graph go to the wrapped
-HybridExperts unchanged.
+are padding that nothing reads. With a staging rule (OSTINATO_STAGE_ROUTES, layers/moe/staging.py)
+such a pass also copies its most-routed cold experts into flex slots and computes them on the GPU,
+and the worker, applying the same rule, leaves them out. Other passes and steps outside a graph go to
+the wrapped HybridExperts unchanged.
 
 Legend: K top-k, D hidden, B rows of a captured pass.
 """
@@ -27,15 +29,17 @@ from ostinato.layers.moe.backend import StepRows
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
 from ostinato.layers.moe.segmented import SegmentedExperts
+from ostinato.layers.moe.staging import PassStaging, env_stage_routes
 from ostinato.layers.moe.types import TopKOutput
 
 
 class GraphHybridExperts(HybridWrapper):
     capturable = True
 
-    def __init__(self, hybrid: HybridExperts, core: int = -1, max_rows: int = 1):
+    def __init__(self, hybrid: HybridExperts, core: int = -1, max_rows: int = 1, stage_routes: int | None = None):
         """core: the CPU of this GPU's poller (the thread layout's, ostinato/threads.py; -1 unpinned);
-        max_rows: the most rows a captured pass posts (1: decode steps only)."""
+        max_rows: the most rows a captured pass posts (1: decode steps only); stage_routes: the staging
+        rule's min_routes for captured passes (0: none; None: env_stage_routes)."""
         from ostinato.kernels.triton import handshake as hs
 
         super().__init__(hybrid)
@@ -60,6 +64,10 @@ class GraphHybridExperts(HybridWrapper):
         self.in_step = False
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
+        stage_routes = env_stage_routes() if stage_routes is None else stage_routes
+        self.staging = PassStaging(hybrid, stage_routes) if stage_routes and max_rows > 1 else None
+        if self.staging is not None:
+            self.worker.set_staging(stage_routes, self.staging.caps())
         self.worker.start(1)
         atexit.register(self.stop)
 
@@ -71,6 +79,13 @@ class GraphHybridExperts(HybridWrapper):
         """A pass the handshake's rows hold, that the wrapped executor runs split without uploads in
         every layer (HybridExperts.splits): the captured pass computes what it computes."""
         return 1 < T <= self.max_rows and self.hybrid.admission is None and self.hybrid.splits(T)
+
+    def before_prefill(self) -> None:
+        """Before every prefill pass (the runner's call, on the host): where captured passes stage,
+        any of them may overwrite the flex slots, so the upload path's record of what they hold goes."""
+        if self.staging is not None:
+            self.hybrid.forget_staged()
+        self.hybrid.before_prefill()
 
     def before_step(self, rows: StepRows | None = None) -> None:
         """First thing of a graph step: the device-side step number moves on."""
@@ -108,6 +123,9 @@ class GraphHybridExperts(HybridWrapper):
         worker = self.worker.stats()
         out |= {f"graph_{k}": worker[k] for k in self.worker.COUNTERS}
         out["cpu_experts"] = out.get("cpu_experts", 0) + worker["cold_experts"]  # the captured steps' and passes'
+        if self.staging is not None:  # staged experts crossed PCIe as uploads do
+            out["uploaded_experts"] = out.get("uploaded_experts", 0) + worker["staged_experts"]
+            out["bytes_uploaded"] = out.get("bytes_uploaded", 0) + int(self.staging.staged_bytes)
         return out
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
@@ -129,7 +147,11 @@ class GraphHybridExperts(HybridWrapper):
             score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
             self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post,
                          h_tokens, score)
-        gpu = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
+        if rows is not None and self.staging is not None:
+            slots = pool.slots_in(self.staging.row(layer, topk.ids, count), topk.ids)
+        else:
+            slots = pool.slots_for(layer, topk.ids)
+        gpu = pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
         self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if rows is not None else self.one, y,
                               self.join)

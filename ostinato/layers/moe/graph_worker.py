@@ -119,6 +119,15 @@ class GraphWorker:
             raise ValueError(f"layer {layer}: table must have {self.num_experts} entries, got {tuple(table.shape)}")
         self._native.set_compact(self.position[int(layer)], t.data_ptr(), int(at_seq))
 
+    def set_staging(self, min_routes: int, caps: Mapping[int, int]) -> None:
+        """The staging rule of captured passes (layers/moe/staging.py): in a pass of more than one token,
+        each layer's cold experts with at least min_routes routes, the first caps[layer] in expert order,
+        are the GPU's, and the worker leaves their routes out; min_routes 0: none. Only while stopped."""
+        if min_routes < 0 or any(c < 0 for c in caps.values()):
+            raise ValueError(f"min_routes and caps must be >= 0, got {min_routes} and {dict(caps)}")
+        order = sorted(self.position, key=self.position.get)
+        self._native.set_staging(int(min_routes), [int(caps.get(layer, 0)) for layer in order])
+
     def active_table(self, layer: int) -> torch.Tensor:
         return torch.tensor(self._native.active_table(self.position[int(layer)]), dtype=torch.int32)
 
@@ -140,8 +149,9 @@ class GraphWorker:
 
     # what stats() counts since the worker started (a difference of two reads says what happened
     # between them); the rest are the state of the moment: the last step's figures, the means
-    COUNTERS = ("steps", "layers_served", "layers_skipped", "cold_routes", "cold_experts", "desync", "bad_ids",
-                "bad_tokens", "resyncs", "errors", "wait_ns", "idle_ns", "compute_ns")
+    COUNTERS = ("steps", "layers_served", "layers_skipped", "cold_routes", "cold_experts", "staged_experts",
+                "staged_routes", "desync", "bad_ids", "bad_tokens", "resyncs", "errors", "wait_ns", "idle_ns",
+                "compute_ns")
 
     def stats(self) -> dict:
         """Native counters (COUNTERS) and state (the step in progress, the last step's figures), plus

@@ -1,0 +1,133 @@
+"""Cold experts that a captured prefill pass stages itself, by the device's own copies.
+
+A pass captured as a graph (engine/graph.py PassGraphs) takes no host decision, so the split with
+uploads (hybrid.py), which picks the pass's most-routed cold experts on the host, is not open to
+it: its CPU branch computes every cold route. At 255 tokens that was 245 ms of a 263 ms pass
+(results/2026-12-06-h100-s38/). Yet a kernel reads page-locked host memory at 51 GB/s, 92-94% of
+a copy engine's memcpy (scripts/bench_zero_copy.py, results/2026-12-06-h100-s39/). So in each MoE
+layer of a captured pass of n real rows, with a rule of `min_routes`:
+
+1. `plan`: the device counts each cold expert's routes among the n rows. The cold experts with at
+   least min_routes of them, the first `cap` in expert order (cap: the pool's flex slots), are
+   staged: expert e into flex slot flex_lo + rank(e), rank being its place among them. -> the
+   layer's index row with those experts in their flex slots.
+2. `copy`: a kernel copies each staged expert's blocks (and biases) from its page-locked host
+   stack (pool.py HostExperts, the upload path's source) into its flex slot.
+3. The GPU branch runs over that row: the hot routes and the staged ones.
+
+The CPU worker applies the same rule to the same ids and compact table (GraphWorker.set_staging)
+and leaves the staged experts' routes out: no expert is computed twice or never, and the two
+sides need no word between them.
+
+- A layer's copies overwrite the previous layer's flex slots once that layer's GEMM is done
+  (stream order). The host's record of which experts the flex slots hold (ExpertPool.stage) is
+  forgotten before each such pass (graph_hybrid.py).
+- Borrowed experts leave the flex slots before any prefill pass (HybridExperts.before_prefill).
+- Decode steps stage nothing: one token routes once to each expert.
+- Staged routes run on the GPU's kernels, in bf16 activations, where the CPU's quantized
+  kernels would have rounded theirs to int8 blocks: the sum moves by rounding, as it does under
+  the split with uploads.
+
+Off by default (OSTINATO_STAGE_ROUTES unset or 0): the rule is not yet measured on a GPU.
+
+Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ostinato.config import ConfigError
+
+
+def env_stage_routes() -> int:
+    """The rule's min_routes: OSTINATO_STAGE_ROUTES, default 0 (no staging)."""
+    v = os.environ.get("OSTINATO_STAGE_ROUTES", "0")
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ConfigError(f"OSTINATO_STAGE_ROUTES must be a whole number of routes (0: off), not {v!r}")
+    return n
+
+
+def plan(ids: torch.Tensor, count: torch.Tensor | int, table: torch.Tensor, min_routes: int, cap: int,
+         flex_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The staging rule on the device, with no host sync (capturable). ids [B, K] of a pass whose first
+    `count` rows are real (a 1-element tensor, or an int); table [E] int32, the layer's index row (< 0:
+    cold). -> (row [E] int32: table with each staged expert at its flex slot; pick [E] bool: staged;
+    rank [E] int32: a staged expert's place among them)."""
+    B, K = ids.shape
+    real = (torch.arange(B, device=ids.device) < count).to(torch.int32)
+    routes = torch.zeros(table.shape[0], dtype=torch.int32, device=ids.device)
+    routes.scatter_add_(0, ids.reshape(-1).long(), real[:, None].expand(B, K).reshape(-1))
+    pick = (table < 0) & (routes >= min_routes)
+    rank = torch.cumsum(pick.to(torch.int32), 0, dtype=torch.int32) - 1
+    pick &= rank < cap
+    return torch.where(pick, rank + flex_lo, table), pick, rank
+
+
+def copy(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor, rank: torch.Tensor,
+         flex_lo: int, host=None) -> None:
+    """dst[flex_lo + rank[e]] = src[rows[e]] for each staged expert e (pick [E]); src [Ec, ...] a layer's
+    host stack, dst [slots, ...] a pool tensor, of the same dtype and shape past the first dimension;
+    rows [E] int32 (an expert's row in src). On CUDA one kernel with no host sync, reading src through
+    `host` (its HostPointer, as a byte view: kernels/triton/stage.py); elsewhere torch's indexing."""
+    if dst.device.type != "cuda":
+        e = pick.nonzero().flatten()
+        dst[flex_lo + rank[e].long()] = src[rows[e].long()]
+        return
+    from ostinato.kernels.triton.stage import copy_experts
+
+    copy_experts(host, as_bytes(dst), rows, pick, rank, flex_lo)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, one row per entry of its first dimension: [N, bytes]."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def host_pointer(t: torch.Tensor):
+    """A page-locked host stack's bytes as a CUDA kernel's pointer (its UVA address)."""
+    from ostinato.kernels.triton.handshake import HostPointer
+
+    return HostPointer(as_bytes(t))
+
+
+class PassStaging:
+    """The staging of a HybridExperts' captured passes (the module docstring): per layer with cold
+    experts, its host stacks and pool tensors paired, and the experts' host rows on the device."""
+
+    def __init__(self, hybrid, min_routes: int):
+        if min_routes < 1:
+            raise ValueError(f"min_routes must be at least 1, not {min_routes}")
+        self.min_routes, self.pools = min_routes, hybrid.pools
+        self.layers = [l for l, cold in hybrid.has_cold.items() if cold]
+        self.rows, self.pairs = {}, {}
+        for layer in self.layers:
+            pool, w = hybrid.pools.of(layer), hybrid.host.layers[layer]
+            self.rows[layer] = hybrid.host.rows[layer].to(hybrid.device)
+            tensors = [(w.w13, pool.w13), (w.w2, pool.w2)]
+            if pool.b13 is not None:
+                tensors += [(w.b13, pool.b13), (w.b2, pool.b2)]
+            self.pairs[layer] = [(src, dst, host_pointer(src) if dst.is_cuda else None) for src, dst in tensors]
+        # bytes staged over all replays, on the device (a replay cannot count on the host)
+        self.staged_bytes = torch.zeros((), dtype=torch.int64, device=hybrid.device)
+
+    def caps(self) -> dict[int, int]:
+        """The most experts each layer stages: its pool's flex slots."""
+        return {l: self.pools.of(l).num_slots - self.pools.of(l).flex_lo for l in self.layers}
+
+    def row(self, layer: int, ids: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
+        """Stage the layer's cold experts of this pass by the rule -> the index row its GPU branch reads."""
+        pool = self.pools.of(layer)
+        cap = pool.num_slots - pool.flex_lo
+        if not cap:  # a pool without flex slots (its plan dropped the upload path) stages nothing
+            return pool.table[layer]
+        row, pick, rank = plan(ids, count, pool.table[layer], self.min_routes, cap, pool.flex_lo)
+        for src, dst, host in self.pairs[layer]:
+            copy(src, dst, self.rows[layer], pick, rank, pool.flex_lo, host)
+        self.staged_bytes += pick.sum() * pool.expert_bytes
+        return row

@@ -1,0 +1,113 @@
+"""The staging rule of captured passes (layers/moe/staging.py) against a plain statement of it, its
+copy by torch and by the Triton kernel under the interpreter (kernels/triton/stage.py), and the
+worker's side of the rule (tests/test_graph_worker.py). On CUDA: tests/test_graph.py
+test_pass_graphs_stage_cold_experts.
+
+Legend: B rows of a pass, n real ones, K top-k, E experts.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ostinato.config import ConfigError
+from ostinato.layers.moe.staging import copy, env_stage_routes, plan
+from tests.triton_interpreter import run_interpreted
+
+
+def rule(ids: torch.Tensor, n: int, table: torch.Tensor, min_routes: int, cap: int) -> list[int]:
+    """The staged experts, plainly: the cold experts with at least min_routes routes among the first n
+    rows, the first cap of them in expert order."""
+    routes = {}
+    for e in ids[:n].flatten().tolist():
+        routes[e] = routes.get(e, 0) + 1
+    cold = [e for e in range(table.numel()) if table[e] < 0 and routes.get(e, 0) >= min_routes]
+    return cold[:cap]
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 12), n=st.integers(1, 12), E=st.integers(8, 24), K=st.integers(1, 4),
+       cold=st.floats(0.0, 1.0), m=st.integers(1, 4), cap=st.integers(0, 6), seed=st.integers(0, 2**16))
+def test_plan_follows_the_rule(B, n, E, K, cold, m, cap, seed):
+    n = min(n, B)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)])  # int64, as the router's
+    table = torch.arange(E, dtype=torch.int32)
+    table[torch.rand(E, generator=g) < cold] = -1
+    flex_lo = 50
+    for count in (n, torch.tensor([n], dtype=torch.int32)):  # an int, or the captured pass's device count
+        row, pick, rank = plan(ids, count, table, m, cap, flex_lo)
+        want = rule(ids, n, table, m, cap)
+        assert pick.nonzero().flatten().tolist() == want
+        assert row.dtype == torch.int32 and [int(row[e]) for e in want] == list(range(flex_lo, flex_lo + len(want)))
+        others = [e for e in range(E) if e not in want]
+        assert torch.equal(row[others], table[others])  # hot experts and unstaged cold ones as they were
+
+
+def test_rows_past_the_count_stage_nothing():
+    """Padding rows of a captured pass route too: their routes count for nothing."""
+    ids = torch.tensor([[0, 1], [2, 3], [5, 6], [5, 6], [5, 6]])
+    table = torch.tensor([-1, -1, -1, 4, 5, -1, -1, 7], dtype=torch.int32)
+    _, pick, _ = plan(ids, 2, table, 1, 8, 10)
+    assert pick.nonzero().flatten().tolist() == [0, 1, 2]
+    _, pick, _ = plan(ids, 5, table, 2, 8, 10)
+    assert pick.nonzero().flatten().tolist() == [5, 6]
+
+
+def test_copy_puts_staged_experts_in_their_flex_slots():
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(5, 3, 4, generator=g).bfloat16()  # a layer's host stack: 5 cold experts
+    dst = torch.zeros(9, 3, 4, dtype=torch.bfloat16)  # a pool: 6 slots, then 3 flex slots
+    rows = torch.tensor([-1, 0, 1, -1, 2, 3, 4, -1], dtype=torch.int32)  # expert -> its host row
+    table = torch.where(rows >= 0, -1, 0).to(torch.int32)
+    ids = torch.tensor([[1, 4], [4, 6], [6, 2]])
+    row, pick, rank = plan(ids, 3, table, 2, 3, 6)
+    copy(src, dst, rows, pick, rank, 6)
+    assert pick.nonzero().flatten().tolist() == [4, 6]
+    assert torch.equal(dst[6], src[2]) and torch.equal(dst[7], src[4])
+    assert not dst[:6].any() and not dst[8].any()
+    assert row[4] == 6 and row[6] == 7
+
+
+def test_env_stage_routes(monkeypatch):
+    monkeypatch.delenv("OSTINATO_STAGE_ROUTES", raising=False)
+    assert env_stage_routes() == 0
+    monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "4")
+    assert env_stage_routes() == 4
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("OSTINATO_STAGE_ROUTES", bad)
+        with pytest.raises(ConfigError, match="OSTINATO_STAGE_ROUTES"):
+            env_stage_routes()
+
+
+KERNEL = """
+import torch
+from ostinato.kernels.triton import stage
+from ostinato.layers.moe.staging import as_bytes, plan
+
+g = torch.Generator().manual_seed(0)
+stage.CHUNK, stage.STEPS = 64, 2  # an expert of 600 bytes: 5 programs, and a partial last step
+src = torch.randint(0, 256, (6, 600), dtype=torch.uint8, generator=g)
+for rows_of in ("identity", "shuffled"):
+    rows = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5], dtype=torch.int32)
+    if rows_of == "shuffled":
+        rows = torch.tensor([5, -1, 3, 0, -1, 1, 4, 2], dtype=torch.int32)
+    table = torch.where(rows >= 0, -1, 7).to(torch.int32)
+    ids = torch.tensor([[0, 2], [2, 3], [3, 5], [7, 0]])
+    dst = torch.zeros(12, 600, dtype=torch.uint8)
+    _, pick, rank = plan(ids, 4, table, 2, 8, 9)
+    stage.copy_experts(src, as_bytes(dst), rows, pick, rank, 9)
+    staged = pick.nonzero().flatten().tolist()
+    assert staged == [0, 2, 3], staged
+    for i, e in enumerate(staged):
+        assert torch.equal(dst[9 + i], src[int(rows[e])]), (rows_of, e)
+    assert not dst[:9].any(), rows_of
+print("INTERPRETER_OK")
+"""
+
+
+def test_copy_kernel_under_the_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(KERNEL, timeout=300)
