@@ -332,8 +332,10 @@ def pin_in_place(t: torch.Tensor) -> weakref.finalize | None:
     """
     if not torch.cuda.is_available() or t.numel() == 0:
         return None
-    # cudaHostRegisterPortable: page-locked for every GPU's context (a split model uploads to each)
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1)
+    # cudaHostRegisterPortable (1): page-locked for every GPU's context (a split model uploads to each);
+    # cudaHostRegisterMapped (2): in the devices' address space, where a captured pass's staging kernel reads
+    # it through the host pointer (layers/moe/staging.py; the same address under UVA on x86-64 Linux)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1 | 2)
     if int(rc) != 0:
         raise RuntimeError(f"cudaHostRegister failed with error {int(rc)}")
     return weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
