@@ -111,3 +111,41 @@ print("INTERPRETER_OK")
 def test_copy_kernel_under_the_interpreter():
     pytest.importorskip("triton")
     run_interpreted(KERNEL, timeout=300)
+
+
+def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
+    """PassStaging on a CPU engine (the "GPU" branch through torch): a layer's pass whose staged experts
+    are copied into the flex slots and computed from there, the CPU computing the other cold routes as
+    the worker would, equals the host-driven split path of the same pass."""
+    from ostinato.engine.placement import PlacementSettings
+    from ostinato.engine.runner import RunnerSettings
+    from ostinato.layers.moe.staging import PassStaging
+    from ostinato.layers.moe.types import TopKOutput
+    from ostinato.load import load_engine
+    from tests.test_hybrid import _residency_for
+
+    settings = RunnerSettings(device="cpu", dtype="fp32", max_context=256)
+    probe = load_engine(str(tiny_dir), settings)
+    _residency_for(probe.source, 0.5).save(tmp_path / "r.json")
+    hyb = load_engine(str(tiny_dir), settings, PlacementSettings(residency=str(tmp_path / "r.json"))).runner.experts
+    staging = PassStaging(hyb, 2)
+    cfg = probe.source.config
+    g = torch.Generator().manual_seed(5)
+    n, B = 12, 16
+    for layer in staging.layers[:3]:
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok] for _ in range(B)])
+        w = torch.rand(B, ids.shape[1], generator=g)
+        x = torch.randn(B, cfg.hidden_size, generator=g)
+        pool, table = hyb.pools.of(layer), hyb.host.compact[layer]
+        row = staging.row(layer, ids, n)
+        pick = (row >= pool.flex_lo) & (pool.table[layer] < 0)
+        assert pick.any()
+        gpu = pool.forward(x[:n], pool.slots_in(row, ids[:n]), w[:n], out_dtype=torch.float32)
+        cid = table[ids[:n]]
+        cold = (cid >= 0) & ~pick[ids[:n]]
+        tok = cold.nonzero()[:, 0].to(torch.int32)
+        cpu = hyb.cpu.forward(layer, x[:n], tok, cid[cold], w[:n][cold])
+        want = hyb.split_path(layer, x[:n], TopKOutput(ids[:n], w[:n])).float()
+        assert torch.allclose(gpu + cpu, want, rtol=1e-4, atol=1e-5), (gpu + cpu - want).abs().max()
+    assert int(staging.staged_bytes) > 0
+    hyb.close()
