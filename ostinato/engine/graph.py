@@ -37,7 +37,9 @@ the same handshake and worker as decode (its rows, layers/moe/graph_hybrid.py), 
 row n - 1. Rows past n are padding: their keys lie past every real token's (never attended), the
 worker never computes their routes, the counters skip them. A pass replays its graph only where
 the backend would run it split without uploads in every layer (MoEBackend.captures_pass), so the
-graph computes what the host-driven pass computes, and only where the cache holds its B rows.
+graph computes what the host-driven pass computes, or, where the backend's captured passes stage
+their most-routed cold experts themselves (layers/moe/staging.py), where the host-driven pass would
+upload some; and only where the cache holds its B rows.
 
 Legend: V vocabulary, W window (cache positions attended), D hidden, Hd head dim, B rows of a
 captured pass.

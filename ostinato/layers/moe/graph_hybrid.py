@@ -77,8 +77,11 @@ class GraphHybridExperts(HybridWrapper):
 
     def captures_pass(self, T: int) -> bool:
         """A pass the handshake's rows hold, that the wrapped executor runs split without uploads in
-        every layer (HybridExperts.splits): the captured pass computes what it computes."""
-        return 1 < T <= self.max_rows and self.hybrid.admission is None and self.hybrid.splits(T)
+        every layer (HybridExperts.splits): the captured pass computes what it computes. Where captured
+        passes stage (self.staging), also the passes that the executor would run with uploads: a captured
+        pass then moves its own most-routed cold experts over PCIe."""
+        return (1 < T <= self.max_rows and self.hybrid.admission is None
+                and (self.staging is not None or self.hybrid.splits(T)))
 
     def before_prefill(self) -> None:
         """Before every prefill pass (the runner's call, on the host): where captured passes stage,
