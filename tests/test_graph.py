@@ -203,7 +203,7 @@ def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool = False
                                                     pass_graphs=64), place)
     sync = load_engine(str(ckpt), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                  cuda_graph=False), place)
-    assert (graphed.runner.experts.staging is not None) == staged
+    assert (getattr(graphed.runner.experts, "staging", None) is not None) == staged  # all resident: no handshake
     passes = graphed.runner.passes
     assert passes is not None and passes.sizes == [8, 16, 32, 64]
     prompt = list(range(5, 105))
