@@ -476,6 +476,14 @@ def test_targets_of_a_bench_result():
     assert got["held-out sessions sooner than under every baseline"] == ("1/2", False)
     assert got["total request time speed-up vs the best baseline"] == (1.3, True)
     assert got["total request time speed-up vs llama.cpp"] == (None, None)
+    # a bound modelled on another device's calibration is no bound of this run
+    result |= {"device": "cuda", "hardware": {"gpu": "NVIDIA H100 80GB HBM3"}}
+    result["np"]["calibration"] = {"device": "NVIDIA H200"}
+    got = {t["what"].split(" (")[0]: (t["measured"], t["met"]) for t in targets(result)}
+    assert got["decode TPOT vs its bound"] == (None, None)
+    result["np"]["calibration"]["device"] = "NVIDIA H100 80GB HBM3"
+    got = {t["what"].split(" (")[0]: (t["measured"], t["met"]) for t in targets(result)}
+    assert got["decode TPOT vs its bound"][0] == pytest.approx(20 / 17, abs=1e-3)
 
 
 def test_the_report_orders_the_ablation_from_nothing_resident():
