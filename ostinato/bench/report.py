@@ -10,7 +10,6 @@ import dataclasses
 
 import json
 import os
-import platform
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,9 +18,10 @@ import torch
 
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.layers.moe.cpu_experts import default_amx_quant_min_tokens
-from ostinato.layers.moe.staging import env_stage_routes
 from ostinato.layers.moe.hybrid import defer_combine
+from ostinato.layers.moe.staging import env_stage_routes
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
+from ostinato.planner.calibrate import cpu_model
 from ostinato.planner.pipeline import fill_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,22 +46,12 @@ def source_state() -> dict:
     return {"commit": commit, "dirty": bool(_git("status", "--porcelain")) if commit else None}
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def hardware() -> dict:
     from ostinato.threads import Topology
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"gpu": gpu, "gpu_memory": torch.cuda.get_device_properties(0).total_memory if gpu else None,
-            "cpu": cpu_name(), "logical_cpus": os.cpu_count(), "physical_cores": len(Topology.read().cores()),
+            "cpu": cpu_model(), "logical_cpus": os.cpu_count(), "physical_cores": len(Topology.read().cores()),
             "torch": torch.__version__}
 
 
