@@ -27,6 +27,15 @@ class ConfigError(ValueError):
     """A checkpoint or setting that Ostinato cannot use, with what to do about it."""
 
 
+def env_count(name: str, default: int, what: str) -> int:
+    """A switch of the environment that counts `what` (0: off), `default` where unset; anything but
+    digits is refused with the variable's name."""
+    v = os.environ.get(name, str(default))
+    if not v.isdigit():
+        raise ConfigError(f"{name} must be a count of {what} (0: off), not {v!r}")
+    return int(v)
+
+
 ACT_KINDS = ("silu", "clamped_swiglu")
 
 

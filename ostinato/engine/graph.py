@@ -47,11 +47,10 @@ captured pass.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from ostinato.config import ConfigError
+from ostinato.config import env_count
 from ostinato.engine.devices import Segment, backend_of, device_scope
 from ostinato.layers.moe.backend import MoEBackend, StepRows
 from ostinato.models.common import DecodeWindow
@@ -280,10 +279,7 @@ def env_pass_rows() -> int:
     as long (sums of TTFT by band), the larger ones as long. (Session 36's 32 was measured with the
     join that read the worker's partial in mapped memory, under which passes of 48 tokens and more
     lost to host-driven ones.)"""
-    v = os.environ.get("OSTINATO_PASS_GRAPHS", str(DEFAULT_PASS_ROWS))
-    if not v.isdigit():
-        raise ConfigError(f"OSTINATO_PASS_GRAPHS must be a count of tokens (0: off), not {v!r}")
-    return int(v)
+    return env_count("OSTINATO_PASS_GRAPHS", DEFAULT_PASS_ROWS, "tokens")
 
 
 def pass_rows(setting: int | None, split: bool, max_context: int) -> int:

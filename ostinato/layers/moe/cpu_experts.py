@@ -36,13 +36,12 @@ keeps bf16 activations, so the two branches of a layer agree to that order, not 
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ostinato.config import ConfigError
+from ostinato.config import ConfigError, env_count
 from ostinato.threads import process_layout
 from ostinato.config import SILU, ExpertAct
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights, check_biases
@@ -480,14 +479,7 @@ def default_amx_quant_min_tokens() -> int:
     (ColdArgs::amx_quant_min_tokens): OSTINATO_AMX_QUANT, default 0 (never: every route on the row
     kernels). A switch to measure the path in the engine, before and after in one process;
     scripts/bench_cpu_quant.py --amx-quant measures its break-even alone."""
-    v = os.environ.get("OSTINATO_AMX_QUANT", "0")
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ConfigError(f"OSTINATO_AMX_QUANT must be a whole number of routes (0: off), not {v!r}")
-    return n
+    return env_count("OSTINATO_AMX_QUANT", 0, "routes")
 
 
 def _quant_unavailable() -> str | None:

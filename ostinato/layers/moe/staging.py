@@ -34,23 +34,14 @@ Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ostinato.config import ConfigError
+from ostinato.config import env_count
 
 
 def env_stage_routes() -> int:
     """The rule's min_routes: OSTINATO_STAGE_ROUTES, default 0 (no staging)."""
-    v = os.environ.get("OSTINATO_STAGE_ROUTES", "0")
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ConfigError(f"OSTINATO_STAGE_ROUTES must be a whole number of routes (0: off), not {v!r}")
-    return n
+    return env_count("OSTINATO_STAGE_ROUTES", 0, "routes")
 
 
 def plan(ids: torch.Tensor, count: torch.Tensor | int, table: torch.Tensor, min_routes: int, cap: int,
