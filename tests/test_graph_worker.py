@@ -243,7 +243,8 @@ def test_pass_steps_leave_staged_experts_out(native):
             table = model.host.compact[layer]
             out = gpu.layer(i, seq, ids, w, x, True, tokens=n)
             gpu_table = torch.where(table >= 0, -1, 0).to(torch.int32)  # the pool's row: cold < 0
-            pick = plan(ids, n, gpu_table, m, cap, 0)[1] if n > 1 else torch.zeros(E, dtype=torch.bool)
+            real = torch.ones(n, dtype=torch.bool)
+            pick = plan(ids, real, gpu_table, m, cap, 0)[1] if n > 1 else torch.zeros(E, dtype=torch.bool)
             staged += int(pick.sum())
             cid = table[ids.long()]
             staged_routes += int(((cid >= 0) & pick[ids.long()]).sum())

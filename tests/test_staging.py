@@ -37,8 +37,8 @@ def test_plan_follows_the_rule(B, n, E, K, cold, m, cap, seed):
     table = torch.arange(E, dtype=torch.int32)
     table[torch.rand(E, generator=g) < cold] = -1
     flex_lo = 50
-    for count in (n, torch.tensor([n], dtype=torch.int32)):  # an int, or the captured pass's device count
-        row, pick, rank = plan(ids, count, table, m, cap, flex_lo)
+    for real in (torch.arange(B) < n, torch.arange(B) < torch.tensor([n], dtype=torch.int32)):  # StepRows.valid
+        row, pick, rank = plan(ids, real, table, m, cap, flex_lo)
         want = rule(ids, n, table, m, cap)
         assert pick.nonzero().flatten().tolist() == want
         assert row.dtype == torch.int32 and [int(row[e]) for e in want] == list(range(flex_lo, flex_lo + len(want)))
@@ -50,9 +50,9 @@ def test_rows_past_the_count_stage_nothing():
     """Padding rows of a captured pass route too: their routes count for nothing."""
     ids = torch.tensor([[0, 1], [2, 3], [5, 6], [5, 6], [5, 6]])
     table = torch.tensor([-1, -1, -1, 4, 5, -1, -1, 7], dtype=torch.int32)
-    _, pick, _ = plan(ids, 2, table, 1, 8, 10)
+    _, pick, _ = plan(ids, torch.arange(5) < 2, table, 1, 8, 10)
     assert pick.nonzero().flatten().tolist() == [0, 1, 2]
-    _, pick, _ = plan(ids, 5, table, 2, 8, 10)
+    _, pick, _ = plan(ids, torch.arange(5) < 5, table, 2, 8, 10)
     assert pick.nonzero().flatten().tolist() == [5, 6]
 
 
@@ -63,7 +63,7 @@ def test_copy_puts_staged_experts_in_their_flex_slots():
     rows = torch.tensor([-1, 0, 1, -1, 2, 3, 4, -1], dtype=torch.int32)  # expert -> its host row
     table = torch.where(rows >= 0, -1, 0).to(torch.int32)
     ids = torch.tensor([[1, 4], [4, 6], [6, 2]])
-    row, pick, rank = plan(ids, 3, table, 2, 3, 6)
+    row, pick, rank = plan(ids, torch.arange(3) < 3, table, 2, 3, 6)
     copy(src, dst, rows, pick, rank, 6)
     assert pick.nonzero().flatten().tolist() == [4, 6]
     assert torch.equal(dst[6], src[2]) and torch.equal(dst[7], src[4])
@@ -97,7 +97,7 @@ for rows_of in ("identity", "shuffled"):
     table = torch.where(rows >= 0, -1, 7).to(torch.int32)
     ids = torch.tensor([[0, 2], [2, 3], [3, 5], [7, 0]])
     dst = torch.zeros(12, 600, dtype=torch.uint8)
-    _, pick, rank = plan(ids, 4, table, 2, 8, 9)
+    _, pick, rank = plan(ids, torch.arange(4) < 4, table, 2, 8, 9)
     stage.copy_experts(src, as_bytes(dst), rows, pick, rank, 9)
     staged = pick.nonzero().flatten().tolist()
     assert staged == [0, 2, 3], staged
@@ -137,7 +137,7 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
         w = torch.rand(B, ids.shape[1], generator=g)
         x = torch.randn(B, cfg.hidden_size, generator=g)
         pool, table = hyb.pools.of(layer), hyb.host.compact[layer]
-        row = staging.row(layer, ids, n)
+        row = staging.row(layer, ids, torch.arange(B) < n)
         pick = (row >= pool.flex_lo) & (pool.table[layer] < 0)
         assert pick.any()
         gpu = pool.forward(x[:n], pool.slots_in(row, ids[:n]), w[:n], out_dtype=torch.float32)

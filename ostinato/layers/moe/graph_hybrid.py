@@ -151,7 +151,7 @@ class GraphHybridExperts(HybridWrapper):
             self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post,
                          h_tokens, score)
         if rows is not None and self.staging is not None:
-            slots = pool.slots_in(self.staging.row(layer, topk.ids, count), topk.ids)
+            slots = pool.slots_in(self.staging.row(layer, topk.ids, rows.valid), topk.ids)
         else:
             slots = pool.slots_for(layer, topk.ids)
         gpu = pool.forward(x, slots, topk.weights, out_dtype=torch.float32)

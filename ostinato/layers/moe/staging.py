@@ -44,16 +44,15 @@ def env_stage_routes() -> int:
     return env_count("OSTINATO_STAGE_ROUTES", 0, "routes")
 
 
-def plan(ids: torch.Tensor, count: torch.Tensor | int, table: torch.Tensor, min_routes: int, cap: int,
+def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, min_routes: int, cap: int,
          flex_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The staging rule on the device, with no host sync (capturable). ids [B, K] of a pass whose first
-    `count` rows are real (a 1-element tensor, or an int); table [E] int32, the layer's index row (< 0:
-    cold). -> (row [E] int32: table with each staged expert at its flex slot; pick [E] bool: staged;
-    rank [E] int32: a staged expert's place among them)."""
+    """The staging rule on the device, with no host sync (capturable). ids [B, K] of a pass whose real
+    rows `real` [B] bool marks (a captured pass's StepRows.valid); table [E] int32, the layer's index
+    row (< 0: cold). -> (row [E] int32: table with each staged expert at its flex slot; pick [E] bool:
+    staged; rank [E] int32: a staged expert's place among them)."""
     B, K = ids.shape
-    real = (torch.arange(B, device=ids.device) < count).to(torch.int32)
     routes = torch.zeros(table.shape[0], dtype=torch.int32, device=ids.device)
-    routes.scatter_add_(0, ids.reshape(-1).long(), real[:, None].expand(B, K).reshape(-1))
+    routes.scatter_add_(0, ids.reshape(-1).long(), real.to(torch.int32)[:, None].expand(B, K).reshape(-1))
     pick = (table < 0) & (routes >= min_routes)
     rank = torch.cumsum(pick.to(torch.int32), 0, dtype=torch.int32) - 1
     pick &= rank < cap
@@ -111,13 +110,13 @@ class PassStaging:
         """The most experts each layer stages: its pool's flex slots."""
         return {l: self.pools.of(l).num_slots - self.pools.of(l).flex_lo for l in self.layers}
 
-    def row(self, layer: int, ids: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
+    def row(self, layer: int, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Stage the layer's cold experts of this pass by the rule -> the index row its GPU branch reads."""
         pool = self.pools.of(layer)
         cap = pool.num_slots - pool.flex_lo
         if not cap:  # a pool without flex slots (its plan dropped the upload path) stages nothing
             return pool.table[layer]
-        row, pick, rank = plan(ids, count, pool.table[layer], self.min_routes, cap, pool.flex_lo)
+        row, pick, rank = plan(ids, real, pool.table[layer], self.min_routes, cap, pool.flex_lo)
         for src, dst, host in self.pairs[layer]:
             copy(src, dst, self.rows[layer], pick, rank, pool.flex_lo, host)
         self.staged_bytes += pick.sum() * pool.expert_bytes
