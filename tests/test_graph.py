@@ -41,13 +41,17 @@ def test_pass_sizes():
 
 
 def test_pass_rows_setting(monkeypatch):
-    """The captured pass rows: the setting, else OSTINATO_PASS_GRAPHS, else 256; at most the context; none
-    on a split model; a value that is not a count is refused with a message."""
+    """The captured pass rows: the setting, else OSTINATO_PASS_GRAPHS, else 512 where captured passes stage
+    their cold experts (the default) and 256 where they do not; at most the context; none on a split model;
+    a value that is not a count is refused with a message."""
     from ostinato.config import ConfigError
     from ostinato.engine.graph import pass_rows
 
     monkeypatch.delenv("OSTINATO_PASS_GRAPHS", raising=False)
-    assert pass_rows(None, False, 8192) == 256 and pass_rows(None, False, 100) == 100
+    monkeypatch.delenv("OSTINATO_STAGE_ROUTES", raising=False)
+    assert pass_rows(None, False, 8192) == 512 and pass_rows(None, False, 100) == 100
+    monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "0")
+    assert pass_rows(None, False, 8192) == 256
     assert pass_rows(64, False, 8192) == 64 and pass_rows(None, True, 8192) == pass_rows(64, True, 8192) == 0
     monkeypatch.setenv("OSTINATO_PASS_GRAPHS", "0")
     assert pass_rows(None, False, 8192) == 0
@@ -174,11 +178,10 @@ def test_pass_graphs_match_host_driven_passes(tiny_dir, tmp_path, cold):
 
 
 @pytest.mark.gpu
-def test_pass_graphs_stage_cold_experts(tiny_dir, tmp_path, monkeypatch):
+def test_pass_graphs_stage_cold_experts(tiny_dir, tmp_path):
     """Captured passes that stage their cold experts with at least 2 routes (layers/moe/staging.py):
     against the host-driven passes as above, those experts now copied by the pass itself and computed
     on the GPU, the worker leaving them out."""
-    monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "2")
     pass_graphs_vs_host_driven(tiny_dir, tmp_path, 0.5, staged=True)
 
 
@@ -192,7 +195,14 @@ def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
 
 def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool = False) -> None:
     """test_pass_graphs_match_host_driven_passes on the checkpoint ckpt, a fraction `cold` of its
-    experts on the CPU; staged: the graphed engine's passes stage cold experts (OSTINATO_STAGE_ROUTES set)."""
+    experts on the CPU; staged: the graphed engine's passes stage their cold experts of 2 routes or more
+    (OSTINATO_STAGE_ROUTES=2), else none (0, whatever the default)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OSTINATO_STAGE_ROUTES", "2" if staged else "0")
+        _pass_graphs_vs_host_driven(ckpt, tmp_path, cold, staged)
+
+
+def _pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool) -> None:
     from ostinato.engine.placement import PlacementSettings
     from ostinato.load import load_engine
     from tests.test_hybrid import _residency_for

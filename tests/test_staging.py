@@ -73,9 +73,10 @@ def test_copy_puts_staged_experts_in_their_flex_slots():
 
 def test_env_stage_routes(monkeypatch):
     monkeypatch.delenv("OSTINATO_STAGE_ROUTES", raising=False)
-    assert env_stage_routes() == 0
-    monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "4")
-    assert env_stage_routes() == 4
+    assert env_stage_routes() == 8
+    for value in (0, 4):
+        monkeypatch.setenv("OSTINATO_STAGE_ROUTES", str(value))
+        assert env_stage_routes() == value
     for bad in ("-1", "two"):
         monkeypatch.setenv("OSTINATO_STAGE_ROUTES", bad)
         with pytest.raises(ConfigError, match="OSTINATO_STAGE_ROUTES"):

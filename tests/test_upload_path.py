@@ -356,6 +356,10 @@ def test_engine_without_upload_path_has_no_flex_slots_and_no_np(tiny_dir, tmp_pa
     # on a GPU too (the split with uploads runs only there): neither Np nor the split with uploads
     gpu = apply_calibration(SimpleNamespace(on_cuda=True, mixed=None, upload_threshold=None), place, res)
     assert gpu.upload_threshold is None and gpu.mixed is None
+    # captured passes stage by their own rule (layers/moe/staging.py), with no flex slots to stage into here;
+    # Ostinato's placements only, on a GPU
+    assert gpu.stage_passes and not h.stage_passes
+    assert not apply_calibration(SimpleNamespace(on_cuda=True), dataclasses.replace(place, mixed=False), res).stage_passes
     flexed_gpu = apply_calibration(SimpleNamespace(on_cuda=True, mixed=None, upload_threshold=None),
                                    dataclasses.replace(place, borrow=True), res)
     assert flexed_gpu.upload_threshold == 16 and flexed_gpu.mixed.min_tokens == 64

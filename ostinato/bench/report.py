@@ -560,12 +560,13 @@ def _cpu_note(result: dict) -> list[str]:
     if result.get("defer_combine"):
         lines.append("- split passes that upload nothing join their CPU branch on the GPU stream, the host going on "
                      "(OSTINATO_DEFER_COMBINE, on unless 0)")
-    if result.get("pass_graphs"):
+    if result.get("pass_graphs") and result.get("stage_routes"):
+        lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens replayed as CUDA graphs, padded to powers "
+                     f"of two (OSTINATO_PASS_GRAPHS); each copies its cold experts of at least {result['stage_routes']} "
+                     "routes into flex slots and computes them on the GPU (OSTINATO_STAGE_ROUTES)")
+    elif result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
                      "uploads replayed as CUDA graphs, padded to powers of two (OSTINATO_PASS_GRAPHS)")
-    if result.get("stage_routes"):
-        lines.append(f"- those passes copy each cold expert with at least {result['stage_routes']} of their routes "
-                     "into a flex slot and compute it on the GPU (OSTINATO_STAGE_ROUTES)")
     if not str(result["device"]).startswith("cpu"):
         return lines
     return lines + ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical "

@@ -267,19 +267,29 @@ class DecodeGraphs:
 
 
 DEFAULT_PASS_ROWS = 256
+STAGED_PASS_ROWS = 512
 
 
 def env_pass_rows() -> int:
     """The most tokens a captured prefill pass holds (PassGraphs): OSTINATO_PASS_GRAPHS (0: none), else
-    DEFAULT_PASS_ROWS. Why 256 (results/2026-12-06-h100-s38/, the Q4_K_M 30B shape under 12 GiB on an
+    STAGED_PASS_ROWS where captured passes stage their cold experts (layers/moe/staging.py, on by
+    default), DEFAULT_PASS_ROWS where they do not.
+
+    Why 256 without staging (results/2026-12-06-h100-s38/, the Q4_K_M 30B shape under 12 GiB on an
     H100, after a 4096-token context, with the copy join of kernels/triton/handshake.py): replayed, a
     pass of 8 / 32 / 64 / 128 / 255 tokens took 23.3 / 52.8 / 88.9 / 142.6 / 262.7 ms against 89.6 /
     124.2 / 140.0 / 154.3 / 284.1 ms host-driven. In two held-out replays against three with graphs up to
     32 rows, the turns of 1-63, 64-127 and 128-255 new tokens took 0.53-0.62x, 0.68-0.86x and 0.81-0.96x
-    as long (sums of TTFT by band), the larger ones as long. (Session 36's 32 was measured with the
-    join that read the worker's partial in mapped memory, under which passes of 48 tokens and more
-    lost to host-driven ones.)"""
-    return env_count("OSTINATO_PASS_GRAPHS", DEFAULT_PASS_ROWS, "tokens")
+    as long (sums of TTFT by band), the larger ones as long.
+
+    Why 512 with staging (results/2026-12-06-h100-s40/, the same shape): the turns of 256-511 new tokens
+    then replay too, each moving its own most-routed cold experts. In three held-out replays the median
+    TTFT after tool outputs was 143-147 ms against 161 with 256 rows (and 170-181 unstaged); the larger
+    graphs' memory left 2593 experts resident instead of 2669, and TPOT (8.17-8.53 ms) did not move."""
+    from ostinato.layers.moe.staging import env_stage_routes
+
+    default = STAGED_PASS_ROWS if env_stage_routes() else DEFAULT_PASS_ROWS
+    return env_count("OSTINATO_PASS_GRAPHS", default, "tokens")
 
 
 def pass_rows(setting: int | None, split: bool, max_context: int) -> int:

@@ -124,6 +124,7 @@ def apply_calibration(hybrid: HybridExperts, place: PlacementSettings, residency
     # a CPU-only machine has no second link to balance
     mixed = place.mixed and hybrid.on_cuda and residency.upload_path
     hybrid.mixed = MixedPass.from_calibration(residency.calibration) if mixed else None
+    hybrid.stage_passes = place.mixed and hybrid.on_cuda  # a rule of its own, measured apart (staging.py)
     return hybrid
 
 

@@ -42,7 +42,7 @@ class RunnerSettings:
     prefill_chunk: int = 2048
     cuda_graph: bool = True  # decode as captured graphs (one per device), when the experts backend allows it
     # the most tokens of a prefill pass captured as a graph too (engine/graph.py PassGraphs; one device,
-    # with cuda_graph); None: env_pass_rows (OSTINATO_PASS_GRAPHS, else 256)
+    # with cuda_graph); None: env_pass_rows (engine/graph.py)
     pass_graphs: int | None = None
     devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": MoE layers split across them, in order
     cpu_threads: int | None = None  # CPU expert workers; default: every physical core the layout leaves

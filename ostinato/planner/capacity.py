@@ -90,7 +90,7 @@ class CapacitySettings:
     flex_share: float = 0.25
     # the most tokens of a prefill pass the runner captures as a graph (engine/graph.py PassGraphs),
     # whose private memory pool holds that pass's buffers beside the allocator's; None: the engine's
-    # default (env_pass_rows: OSTINATO_PASS_GRAPHS, else 256); 0 or 1: none
+    # default (engine/graph.py env_pass_rows); 0 or 1: none
     pass_graph_rows: int | None = None
 
     def __post_init__(self):

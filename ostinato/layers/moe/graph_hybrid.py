@@ -12,10 +12,10 @@ same step run with HybridExperts.split_path bit for bit.
 A short prefill pass captured as a graph (engine/graph.py PassGraphs) is a step of B rows, n of
 them real (`StepRows`, on the device): `post_rows` sends the B rows' routing and activations and n,
 the worker computes the cold routes of the n rows, and `wait_add_rows` joins them; the rows past n
-are padding that nothing reads. With a staging rule (OSTINATO_STAGE_ROUTES, layers/moe/staging.py)
-such a pass also copies its most-routed cold experts into flex slots and computes them on the GPU,
-and the worker, applying the same rule, leaves them out. Other passes and steps outside a graph go to
-the wrapped HybridExperts unchanged.
+are padding that nothing reads. With a staging rule (OSTINATO_STAGE_ROUTES, layers/moe/staging.py; on
+by default, for Ostinato's placements) such a pass also copies its most-routed cold experts into flex
+slots and computes them on the GPU, and the worker, applying the same rule, leaves them out. Other
+passes and steps outside a graph go to the wrapped HybridExperts unchanged.
 
 Legend: K top-k, D hidden, B rows of a captured pass.
 """
@@ -39,7 +39,8 @@ class GraphHybridExperts(HybridWrapper):
     def __init__(self, hybrid: HybridExperts, core: int = -1, max_rows: int = 1, stage_routes: int | None = None):
         """core: the CPU of this GPU's poller (the thread layout's, ostinato/threads.py; -1 unpinned);
         max_rows: the most rows a captured pass posts (1: decode steps only); stage_routes: the staging
-        rule's min_routes for captured passes (0: none; None: env_stage_routes)."""
+        rule's min_routes for captured passes (0: none; None: env_stage_routes), where the hybrid's placement
+        stages (HybridExperts.stage_passes: Ostinato's, not a baseline's, which keep their own rules)."""
         from ostinato.kernels.triton import handshake as hs
 
         super().__init__(hybrid)
@@ -65,7 +66,8 @@ class GraphHybridExperts(HybridWrapper):
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
         stage_routes = env_stage_routes() if stage_routes is None else stage_routes
-        self.staging = PassStaging(hybrid, stage_routes) if stage_routes and max_rows > 1 else None
+        stages = stage_routes and max_rows > 1 and hybrid.stage_passes  # Ostinato's placements only
+        self.staging = PassStaging(hybrid, stage_routes) if stages else None
         if self.staging is not None:
             self.worker.set_staging(stage_routes, self.staging.caps())
         self.worker.start(1)

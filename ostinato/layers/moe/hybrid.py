@@ -342,6 +342,9 @@ class HybridExperts(MoEBackend):
         self.has_cold = {l: bool((host.compact[l] >= 0).any()) for l in layers}  # in layer order
         self.borrow = None  # Borrowing, when decode may lend the flex slots to cold experts
         self.mixed: MixedPass | None = None  # split passes may upload their most-routed cold experts
+        # captured passes may stage their most-routed cold experts (the split with uploads as a graph does it,
+        # layers/moe/staging.py): Ostinato's placements (engine/placement.py apply_calibration), no baseline
+        self.stage_passes = False
         self.admission: Admission | None = None  # a cache's run-time residency (policies/caches.py)
         # numpy views of the index table rows and the compact tables (the same memory): the host
         # work of a cache's pass switches and reads them per expert
