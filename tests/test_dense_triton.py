@@ -172,10 +172,15 @@ def check(device, exact):
         table[1, hot] = torch.arange(hot.numel(), dtype=torch.int32) + 7
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
         zero_lo = 500
-        slot = table[1][ids]  # pool.py slots_for's torch expression
-        want = torch.where(slot >= 0, slot, torch.arange(zero_lo, zero_lo + K, dtype=torch.int32))
+        slot = table[1][ids]  # pool.py slots_in's torch expression
+        zero = torch.arange(zero_lo, zero_lo + K, dtype=torch.int32)
+        want = torch.where(slot >= 0, slot, zero)
         got = lookup_slots(table.to(device)[1], ids.to(device), zero_lo)
         assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+        for n in {0, T // 2, T}:  # the rows from a count on (a captured pass's padding): zero slots
+            count = torch.tensor([n], dtype=torch.int32, device=device)
+            got = lookup_slots(table.to(device)[1], ids.to(device), zero_lo, count)
+            assert torch.equal(got.cpu(), torch.where((torch.arange(T) < n)[:, None], want, zero)), n
     assert lookup_slots(table.to(device)[1], torch.zeros(0, 4, dtype=torch.int64, device=device), 9).shape == (0, 4)
     return True
 """

@@ -38,12 +38,13 @@ def test_plan_follows_the_rule(B, n, E, K, cold, m, cap, seed):
     table[torch.rand(E, generator=g) < cold] = -1
     flex_lo = 50
     for real in (torch.arange(B) < n, torch.arange(B) < torch.tensor([n], dtype=torch.int32)):  # StepRows.valid
-        row, pick, rank = plan(ids, real, table, m, cap, flex_lo)
+        staged, pick, rank = plan(ids, real, table, m, cap, flex_lo)
         want = rule(ids, n, table, m, cap)
         assert pick.nonzero().flatten().tolist() == want
-        assert row.dtype == torch.int32 and [int(row[e]) for e in want] == list(range(flex_lo, flex_lo + len(want)))
+        assert staged.dtype == torch.int32
+        assert [int(staged[e]) for e in want] == list(range(flex_lo, flex_lo + len(want)))
         others = [e for e in range(E) if e not in want]
-        assert torch.equal(row[others], table[others])  # hot experts and unstaged cold ones as they were
+        assert (staged[others] == -1).all()  # hot experts and unstaged cold ones: not in the staged row
 
 
 def test_rows_past_the_count_stage_nothing():
@@ -115,9 +116,10 @@ def test_copy_kernel_under_the_interpreter():
 
 
 def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
-    """PassStaging on a CPU engine (the "GPU" branch through torch): a layer's pass whose staged experts
-    are copied into the flex slots and computed from there, the CPU computing the other cold routes as
-    the worker would, equals the host-driven split path of the same pass."""
+    """PassStaging on a CPU engine (the "GPU" branch through torch): a layer's pass of n real rows padded
+    to B, the pool's experts over the layer's own row, the staged ones copied into the flex slots and
+    computed from there, the CPU computing the other cold routes as the worker would, equals the
+    host-driven split path of the n rows; the padding rows compute no expert."""
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
     from ostinato.layers.moe.staging import PassStaging
@@ -133,20 +135,24 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
     cfg = probe.source.config
     g = torch.Generator().manual_seed(5)
     n, B = 12, 16
+    count = torch.tensor([n], dtype=torch.int32)
     for layer in staging.layers[:3]:
         ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok] for _ in range(B)])
         w = torch.rand(B, ids.shape[1], generator=g)
         x = torch.randn(B, cfg.hidden_size, generator=g)
         pool, table = hyb.pools.of(layer), hyb.host.compact[layer]
-        row = staging.row(layer, ids, torch.arange(B) < n)
-        pick = (row >= pool.flex_lo) & (pool.table[layer] < 0)
-        assert pick.any()
-        gpu = pool.forward(x[:n], pool.slots_in(row, ids[:n]), w[:n], out_dtype=torch.float32)
+        staged = staging.stage(layer, ids, torch.arange(B) < n)
+        pick = staged >= 0
+        assert pick.any() and (pool.table[layer][pick] < 0).all()
+        gpu = pool.forward(x, pool.slots_in(pool.table[layer], ids, count), w, out_dtype=torch.float32)
+        staging.landed()
+        gpu = gpu + pool.forward(x, pool.slots_in(staged, ids, count), w, out_dtype=torch.float32)
+        assert not gpu[n:].any()
         cid = table[ids[:n]]
         cold = (cid >= 0) & ~pick[ids[:n]]
         tok = cold.nonzero()[:, 0].to(torch.int32)
         cpu = hyb.cpu.forward(layer, x[:n], tok, cid[cold], w[:n][cold])
         want = hyb.split_path(layer, x[:n], TopKOutput(ids[:n], w[:n])).float()
-        assert torch.allclose(gpu + cpu, want, rtol=1e-4, atol=1e-5), (gpu + cpu - want).abs().max()
+        assert torch.allclose(gpu[:n] + cpu, want, rtol=1e-4, atol=1e-5), (gpu[:n] + cpu - want).abs().max()
     assert int(staging.staged_bytes) > 0
     hyb.close()

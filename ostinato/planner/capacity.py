@@ -295,9 +295,12 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
       router     T E (b + 8) + T K 12     logits, fp32 softmax, top-k ids (int64) and weights;
                  + T E 13 + T D 4         sigmoid routing: fp32 input, scores, biased and masked
                                           scores, the group mask
-      experts    T K (2F 4 + D 4 + 8) + T D (4 + b)
+      experts    T K (2F 4 + D 4 + 8) + T D (3 4 + b)
                                           per route gate/up (fp32), per-route outputs (fp32),
-                                          sorted route ids; the fp32 layer sum and its cast
+                                          sorted route ids; the fp32 sums of the pool's experts
+                                          and of those a pass uploads or stages (a second GPU
+                                          branch, hybrid.py split_path, staging.py), their sum,
+                                          and its cast
       dequant    given                    quantized experts: a large pass's dequantized chunk
                                           (layers/moe/gpu_quant.py dequant_scratch_bytes), or a
                                           block-format dense weight's (sizes.dense_dequant_bytes)
@@ -323,7 +326,7 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
         "rope": 2 * T * Dr * (4 + b),
         "chunk_states": max(0, N - T) * (D + 2 * Dr) * b,
         "router": T * E * (b + 8) + T * K * 12 + (T * E * 13 + T * D * 4 if cfg.scoring_func == "sigmoid" else 0),
-        "experts": T * K * (2 * F * 4 + D * 4 + 8) + T * D * (4 + b),
+        "experts": T * K * (2 * F * 4 + D * 4 + 8) + T * D * (3 * 4 + b),
         "dequant_scratch": dequant_scratch,
         "shared_experts": 3 * T * cfg.n_shared_experts * F * b,
         "dense_mlp": 3 * T * I * b if len(cfg.moe_layers) < cfg.num_hidden_layers else 0,

@@ -70,20 +70,26 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm_topk_prob: bool,
 
 
 @triton.jit(do_not_specialize=["N"])
-def _lookup_slots_kernel(table_ptr, ids_ptr, out_ptr, zero_lo, N, K, BLOCK: tl.constexpr):
+def _lookup_slots_kernel(table_ptr, ids_ptr, count_ptr, out_ptr, zero_lo, N, K, BLOCK: tl.constexpr,
+                         COUNTED: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     slot = tl.load(table_ptr + tl.load(ids_ptr + offs, mask=mask, other=0), mask=mask, other=0)
-    tl.store(out_ptr + offs, tl.where(slot >= 0, slot, zero_lo + offs % K), mask=mask)
+    use = slot >= 0
+    if COUNTED:  # the routes of rows at or past the count (a captured pass's padding) go to the zero slots
+        use = use & (offs < tl.load(count_ptr) * K)
+    tl.store(out_ptr + offs, tl.where(use, slot, zero_lo + offs % K), mask=mask)
 
 
-def lookup_slots(table: torch.Tensor, ids: torch.Tensor, zero_lo: int) -> torch.Tensor:
-    """The pool's index table after the router, in one launch (layers/moe/pool.py slots_for; the
+def lookup_slots(table: torch.Tensor, ids: torch.Tensor, zero_lo: int, count: torch.Tensor | None = None) -> torch.Tensor:
+    """The pool's index table after the router, in one launch (layers/moe/pool.py slots_in; the
     gather, the test and the choice were three): table [E] int32 (a layer's row: slot, or < 0 for a
     cold expert), ids [T, K] -> slots [T, K] int32, a cold route the zero slot of its top-k place
-    (zero_lo + k)."""
+    (zero_lo + k); count [1] int32 on the device: the rows from it on get the zero slots too."""
     if table.dtype != torch.int32 or not table.is_contiguous():
         raise ValueError("lookup_slots reads a contiguous int32 table row")
+    if count is not None and (count.dtype != torch.int32 or count.numel() != 1):
+        raise ValueError("lookup_slots reads the row count as one int32")
     ids = ids.contiguous()
     out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     n = ids.numel()
@@ -91,7 +97,8 @@ def lookup_slots(table: torch.Tensor, ids: torch.Tensor, zero_lo: int) -> torch.
         # two block sizes, whatever n: a decode step's and a prefill pass's (each block size is a compile
         # of its own, and a size first met in a measured turn is paid for there; load.warm_up)
         block = 256 if n <= 256 else 1024
-        _lookup_slots_kernel[(triton.cdiv(n, block),)](table, ids, out, zero_lo, n, ids.shape[-1], BLOCK=block,
+        _lookup_slots_kernel[(triton.cdiv(n, block),)](table, ids, table if count is None else count, out, zero_lo,
+                                                       n, ids.shape[-1], BLOCK=block, COUNTED=count is not None,
                                                        num_warps=1 if block <= 256 else 4)
     return out
 

@@ -152,11 +152,14 @@ class GraphHybridExperts(HybridWrapper):
             score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
             self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post,
                          h_tokens, score)
-        if rows is not None and self.staging is not None:
-            slots = pool.slots_in(self.staging.row(layer, topk.ids, rows.valid), topk.ids)
-        else:
-            slots = pool.slots_for(layer, topk.ids)
-        gpu = pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
+        staged = None
+        if rows is not None and self.staging is not None:  # the copies run beside the pool's experts
+            staged = self.staging.stage(layer, topk.ids, rows.valid)
+        count = rows.count if rows is not None else None  # a pass's padding rows compute no expert
+        gpu = pool.forward(x, pool.slots_in(pool.table[layer], topk.ids, count), topk.weights, out_dtype=torch.float32)
+        if staged is not None:
+            self.staging.landed()
+            gpu = gpu + pool.forward(x, pool.slots_in(staged, topk.ids, count), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
         self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if rows is not None else self.one, y,
                               self.join)

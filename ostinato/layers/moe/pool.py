@@ -224,15 +224,20 @@ class ExpertPool:
         their top-k position. No host sync: capturable. On CUDA in one launch (kernels/triton/route.py)."""
         return self.slots_in(self.table[layer], ids)
 
-    def slots_in(self, row: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def slots_in(self, row: torch.Tensor, ids: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
         """slots_for through another index row [E] int32 (a slot, or < 0 for the zero slot): the
-        upload path's row of the experts it copied into flex slots."""
+        upload path's row of the experts it copied into flex slots. count [1] int32 on the device (a
+        captured pass's StepRows.count): the rows from it on, padding, get the zero slots, so the
+        kernels skip them."""
         if ids.is_cuda and fused_dense():
             from ostinato.kernels.triton.route import lookup_slots
 
-            return lookup_slots(row, ids, self.zero_lo)
+            return lookup_slots(row, ids, self.zero_lo, count)
         slot = row[ids]
-        return torch.where(slot >= 0, slot, self.zero_of_position[: ids.shape[1]])
+        use = slot >= 0
+        if count is not None:
+            use &= (torch.arange(ids.shape[0], device=ids.device) < count)[:, None]
+        return torch.where(use, slot, self.zero_of_position[: ids.shape[1]])
 
 
 def group_layers(layers, qtypes: dict[int, Qtypes] | None) -> dict[Qtypes, list[int]]:

@@ -10,18 +10,24 @@ layer of a captured pass of n real rows, with a rule of `min_routes`:
 1. `plan`: the device counts each cold expert's routes among the n rows. The cold experts with at
    least min_routes of them, the first `cap` in expert order (cap: the pool's flex slots), are
    staged: expert e into flex slot flex_lo + rank(e), rank being its place among them. -> the
-   layer's index row with those experts in their flex slots.
-2. `copy`: a kernel copies each staged expert's blocks (and biases) from its page-locked host
-   stack (pool.py HostExperts, the upload path's source) into its flex slot.
-3. The GPU branch runs over that row: the hot routes and the staged ones.
+   staged row: those experts' flex slots, every other expert < 0.
+2. `copy`: on the executor's copy stream, a kernel copies each staged expert's blocks (and biases)
+   from its page-locked host stack (pool.py HostExperts, the upload path's source) into its flex slot.
+3. Meanwhile the GPU branch runs over the layer's own index row: the hot routes. Then the stream
+   waits for the copies and the GPU branch runs over the staged row, and the two sums add. That is
+   the order of the host-driven split with uploads (HybridExperts.split_path): the pool's experts
+   never wait for copies they do not read.
+
+In both GPU branches the pass's padding rows (from n on) take the zero slots (pool.py slots_in's
+count), so the expert kernels skip them.
 
 The CPU worker applies the same rule to the same ids and compact table (GraphWorker.set_staging)
 and leaves the staged experts' routes out: no expert is computed twice or never, and the two
 sides need no word between them.
 
-- A layer's copies overwrite the previous layer's flex slots once that layer's GEMM is done
-  (stream order). The host's record of which experts the flex slots hold (ExpertPool.stage) is
-  forgotten before each such pass (graph_hybrid.py).
+- A layer's copies overwrite the previous layer's flex slots once that layer's GEMM is done: the copy
+  stream waits for the current stream's work before each layer's copies. The host's record of which
+  experts the flex slots hold (ExpertPool.stage) is forgotten before each such pass (graph_hybrid.py).
 - Borrowed experts leave the flex slots before any prefill pass (HybridExperts.before_prefill).
 - Decode steps stage nothing: one token routes once to each expert.
 - Staged routes run on the GPU's kernels, in bf16 activations, where the CPU's quantized
@@ -34,11 +40,15 @@ under 12 GiB on an H100 (results/2026-12-06-h100-s40/): replayed passes of 128 /
 copies the longer side: its worker waited 57-141 ms a pass), 102.8 / 122.2 / 134.6 with m = 8, and
 155.9 / 195.7 / 209.9 with m = 16 (the CPU's side the longer). In held-out replays the median TTFT after
 tool outputs went from 170-181 ms to 161 (m = 8), and to 143-147 with passes captured up to 512 rows
-(engine/graph.py env_pass_rows), TPOT and total time unchanged.
+(engine/graph.py env_pass_rows), TPOT and total time unchanged. That was with the copies before one
+GPU branch over all the layer's routes, padding rows included; the order of 3. and the padding's zero
+slots came after it and are not yet timed on a GPU.
 
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -57,15 +67,15 @@ def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, min_routes:
          flex_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The staging rule on the device, with no host sync (capturable). ids [B, K] of a pass whose real
     rows `real` [B] bool marks (a captured pass's StepRows.valid); table [E] int32, the layer's index
-    row (< 0: cold). -> (row [E] int32: table with each staged expert at its flex slot; pick [E] bool:
-    staged; rank [E] int32: a staged expert's place among them)."""
+    row (< 0: cold). -> (staged [E] int32: a staged expert's flex slot, -1 for every other expert;
+    pick [E] bool: staged; rank [E] int32: a staged expert's place among them)."""
     B, K = ids.shape
     routes = torch.zeros(table.shape[0], dtype=torch.int32, device=ids.device)
     routes.scatter_add_(0, ids.reshape(-1).long(), real.to(torch.int32)[:, None].expand(B, K).reshape(-1))
     pick = (table < 0) & (routes >= min_routes)
     rank = torch.cumsum(pick.to(torch.int32), 0, dtype=torch.int32) - 1
     pick &= rank < cap
-    return torch.where(pick, rank + flex_lo, table), pick, rank
+    return torch.where(pick, rank + flex_lo, -1).to(torch.int32), pick, rank
 
 
 def copy(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor, rank: torch.Tensor,
@@ -97,12 +107,14 @@ def host_pointer(t: torch.Tensor):
 
 class PassStaging:
     """The staging of a HybridExperts' captured passes (the module docstring): per layer with cold
-    experts, its host stacks and pool tensors paired, and the experts' host rows on the device."""
+    experts, its host stacks and pool tensors paired, and the experts' host rows on the device; the
+    copies on the executor's copy stream (None on the CPU: in order)."""
 
     def __init__(self, hybrid, min_routes: int):
         if min_routes < 1:
             raise ValueError(f"min_routes must be at least 1, not {min_routes}")
         self.min_routes, self.pools = min_routes, hybrid.pools
+        self.stream, self.device = hybrid.copy_stream, hybrid.device
         self.layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.rows, self.pairs = {}, {}
         for layer in self.layers:
@@ -119,14 +131,27 @@ class PassStaging:
         """The most experts each layer stages: its pool's flex slots."""
         return {l: self.pools.of(l).num_slots - self.pools.of(l).flex_lo for l in self.layers}
 
-    def row(self, layer: int, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """Stage the layer's cold experts of this pass by the rule -> the index row its GPU branch reads."""
+    def stage(self, layer: int, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
+        """Stage the layer's cold experts of this pass by the rule: the plan on the current stream, the
+        copies on the copy stream after all of the current stream's work so far (the flex slots' earlier
+        readers among it). -> the staged row [E] int32 (plan's) that the GPU branch reads once `landed`;
+        None for a pool without flex slots (its plan dropped the upload path), which stages nothing."""
         pool = self.pools.of(layer)
         cap = pool.num_slots - pool.flex_lo
-        if not cap:  # a pool without flex slots (its plan dropped the upload path) stages nothing
-            return pool.table[layer]
-        row, pick, rank = plan(ids, real, pool.table[layer], self.min_routes, cap, pool.flex_lo)
-        for src, dst, host in self.pairs[layer]:
-            copy(src, dst, self.rows[layer], pick, rank, pool.flex_lo, host)
+        if not cap:
+            return None
+        staged, pick, rank = plan(ids, real, pool.table[layer], self.min_routes, cap, pool.flex_lo)
         self.staged_bytes += pick.sum() * pool.expert_bytes
-        return row
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in (pick, rank):  # read there: the allocator must not hand them out before
+                t.record_stream(self.stream)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for src, dst, host in self.pairs[layer]:
+                copy(src, dst, self.rows[layer], pick, rank, pool.flex_lo, host)
+        return staged
+
+    def landed(self) -> None:
+        """The current stream waits for the copies staged so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
