@@ -210,22 +210,22 @@ def test_pass_steps_match_cpu_experts_bitwise(native):
 
 
 def test_pass_steps_leave_staged_experts_out(native):
-    """With a staging rule (set_staging: 2 routes, at most 2 experts a layer), a pass's cold experts with
-    at least 2 routes among its n rows, the first 2 in expert order, are the GPU's: the worker computes
-    the other cold routes, bitwise as the synchronous path would, and counts the staged experts and their
-    routes. A layer whose cold routes are all staged is answered with zeros and no desync; decode steps
-    (n = 1) stage nothing."""
+    """The experts a captured pass stages, marked in the shared staged[L, E] before the flag (here by the
+    staging rule with 2 routes and at most 2 experts a layer, layers/moe/staging.py plan), are the GPU's:
+    the worker computes the other cold routes, bitwise as the synchronous path would, and counts the staged
+    experts and their routes. A layer whose cold routes are all staged is answered with zeros and no
+    desync; decode steps (n = 1) read no marks, whatever they hold."""
     from ostinato.layers.moe.staging import plan
 
     model = Model(seed=11)
     T, m, cap = 6, 2, 2
     cpu = CpuExperts(model.host.layers, num_threads=2, backend="native", spin_us=100)
-    hs = GraphHandshake(L, K, D, tokens=T)
+    hs = GraphHandshake(L, K, D, tokens=T, staged_experts=E)
+    with pytest.raises(ValueError, match="stages 3 experts a layer"):
+        GraphWorker(GraphHandshake(L, K, D, tokens=T, staged_experts=3), cpu, model.host.compact, LAYERS)
     worker = GraphWorker(hs, cpu, model.host.compact, LAYERS, spin_us=200, sleep_us=20, idle_sleep_us=500)
-    with pytest.raises(ValueError):
-        worker.set_staging(-1, {})
-    worker.set_staging(m, {l: cap for l in LAYERS})
     gpu = FakeGpu(hs, row=slice(None))
+    marks = hs.staged.numpy()
     g = torch.Generator().manual_seed(12)
     records, staged, staged_routes = [], 0, 0
     worker.start(1)
@@ -241,10 +241,11 @@ def test_pass_steps_leave_staged_experts_out(native):
                 rows = [routing(g, torch.bfloat16, (cold[t % 3],)) for t in range(n)]
             ids, w, x = (torch.stack(c) for c in zip(*rows))
             table = model.host.compact[layer]
-            out = gpu.layer(i, seq, ids, w, x, True, tokens=n)
             gpu_table = torch.where(table >= 0, -1, 0).to(torch.int32)  # the pool's row: cold < 0
             real = torch.ones(n, dtype=torch.bool)
             pick = plan(ids, real, gpu_table, m, cap, 0)[1] if n > 1 else torch.zeros(E, dtype=torch.bool)
+            marks[i] = pick.numpy() if n > 1 else 1  # a decode step's marks: all set, and unread
+            out = gpu.layer(i, seq, ids, w, x, True, tokens=n)
             staged += int(pick.sum())
             cid = table[ids.long()]
             staged_routes += int(((cid >= 0) & pick[ids.long()]).sum())

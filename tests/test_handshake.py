@@ -1,7 +1,7 @@
 """The GPU half of the handshake's captured passes (kernels/triton/handshake.py post_rows,
 wait_add_rows) under TRITON_INTERPRET=1 on the CPU, against what the worker's protocol expects:
-the B rows' routing and activations in the shared buffers, n and has_cold over the n real rows
-only, the flag last; then the worker's partial copied into the join's device rows and added to the n
+the B rows' routing and activations in the shared buffers (with a staging pass's marks of the experts
+it computes on the GPU), n and has_cold over the n real rows only, the flag last; then the worker's partial copied into the join's device rows and added to the n
 rows alone. (On CUDA they run inside
 tests/test_graph.py's captured passes.)
 
@@ -39,8 +39,15 @@ for case in ("cold", "cold only in padding", "hot"):
     h_x, h_out = torch.zeros(T, D), torch.randn(T, D, generator=g)
     flags = torch.zeros(4, 16, dtype=torch.int32)  # has_cold, post, tokens, done
     h_has, h_post, h_tok, h_done = (flags[i, :1] for i in range(4))
-    hs.post_rows(ids, w, x, table, seq, count, h_ids, h_w, h_x, h_has, h_post, h_tok)
+    pick = torch.rand(E, generator=g) < 0.5  # the experts a staging pass computes on the GPU
+    h_staged = torch.full((E + 3,), 9, dtype=torch.uint8)
+    marks = (pick.view(torch.uint8), h_staged) if case == "cold" else ()
+    hs.post_rows(ids, w, x, table, seq, count, h_ids, h_w, h_x, h_has, h_post, h_tok, *marks)
     assert torch.equal(h_ids[:B], ids.int()) and torch.equal(h_w[:B], w) and torch.equal(h_x[:B], x), case
+    if marks:  # posted as they are; past E untouched
+        assert torch.equal(h_staged[:E], pick.to(torch.uint8)) and (h_staged[E:] == 9).all(), h_staged
+    else:
+        assert (h_staged == 9).all(), case
     assert (h_ids[B:] == -5).all(), case  # rows past B untouched
     cold = case == "cold"
     assert int(h_tok) == n and int(h_post) == 7 and int(h_has) == (7 if cold else 0), (case, flags)

@@ -141,12 +141,13 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
         w = torch.rand(B, ids.shape[1], generator=g)
         x = torch.randn(B, cfg.hidden_size, generator=g)
         pool, table = hyb.pools.of(layer), hyb.host.compact[layer]
-        staged = staging.stage(layer, ids, torch.arange(B) < n)
-        pick = staged >= 0
-        assert pick.any() and (pool.table[layer][pick] < 0).all()
+        staged = staging.choose(layer, ids, torch.arange(B) < n)
+        pick = staged.pick
+        assert pick.any() and (pool.table[layer][pick] < 0).all() and torch.equal(staged.row >= 0, pick)
+        staging.stage(layer, staged)
         gpu = pool.forward(x, pool.slots_in(pool.table[layer], ids, count), w, out_dtype=torch.float32)
         staging.landed()
-        gpu = gpu + pool.forward(x, pool.slots_in(staged, ids, count), w, out_dtype=torch.float32)
+        gpu = gpu + pool.forward(x, pool.slots_in(staged.row, ids, count), w, out_dtype=torch.float32)
         assert not gpu[n:].any()
         cid = table[ids[:n]]
         cold = (cid >= 0) & ~pick[ids[:n]]

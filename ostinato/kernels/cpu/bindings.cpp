@@ -53,6 +53,7 @@ void bind_graph_worker(py::module_& m) {
   def_addr(sh, "x", &GraphShared::x);
   def_addr(sh, "out", &GraphShared::out);
   def_addr(sh, "tokens", &GraphShared::tokens);
+  def_addr(sh, "staged", &GraphShared::staged);
   sh.def_property(
       "x_dtype", [](const GraphShared& a) { return int(a.x_dtype); },
       [](GraphShared& a, int v) { a.x_dtype = DType(v); });
@@ -79,7 +80,6 @@ void bind_graph_worker(py::module_& m) {
             self.set_compact(i, reinterpret_cast<const int32_t*>(table), at_seq);
           },
           py::arg("i"), py::arg("table"), py::arg("at_seq"))
-      .def("set_staging", &GraphWorker::set_staging, py::arg("min_routes"), py::arg("caps"))
       .def("start", &GraphWorker::start, py::call_guard<py::gil_scoped_release>())
       .def("stop", &GraphWorker::stop, py::call_guard<py::gil_scoped_release>())
       .def("reset", &GraphWorker::reset, py::call_guard<py::gil_scoped_release>())

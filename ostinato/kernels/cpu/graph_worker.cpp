@@ -85,8 +85,6 @@ GraphWorker::GraphWorker(ColdExperts& runner, const GraphShared& shared, std::ve
   eid_.assign(size_t(s.K * s.T), 0);
   wts_.assign(size_t(s.K * s.T), 0.f);
   seen_.assign(size_t(maxE), 0);
-  stage_caps_.assign(size_t(s.L), 0);
-  routes_.assign(size_t(E_), 0);
   staged_.assign(size_t(E_), 0);
   if (maxE > 0) runner_.reserve(s.K * s.T, s.T, maxE, s.D, maxF);  // the hot path then allocates nothing
 }
@@ -110,15 +108,6 @@ void GraphWorker::set_compact(int64_t i, const int32_t* table, int32_t at_seq) {
   pending_[i] = 1;
   pending_at_[i] = at_seq;
   pending_any_.store(true, std::memory_order_release);
-}
-
-void GraphWorker::set_staging(int64_t min_routes, const std::vector<int64_t>& caps) {
-  if (running_.load()) throw std::logic_error("graph_worker: set_staging() while running");
-  check(min_routes >= 0, "min_routes must be >= 0");
-  check(int64_t(caps.size()) == sh_.L, "one cap per layer position is required");
-  for (int64_t c : caps) check(c >= 0, "caps must be >= 0");
-  stage_min_ = min_routes;
-  stage_caps_ = caps;
 }
 
 std::vector<int32_t> GraphWorker::active_table(int64_t i) const {
@@ -270,17 +259,8 @@ void GraphWorker::serve(int64_t i, int32_t seq) {
   int64_t R = 0, distinct = 0, staged = 0, staged_routes = 0;
   const bool tokens_ok = n >= 1 && n <= T;
   if (!tokens_ok) bump(c_.bad_tokens, int64_t(1));
-  if (tokens_ok && n > 1 && stage_min_ > 0) {  // the staging rule, as the GPU applies it (layers/moe/staging.py)
-    for (int64_t r = 0; r < n * K; ++r)
-      if (ids[r] >= 0 && ids[r] < E_ && table[ids[r]] >= 0) ++routes_[size_t(ids[r])];
-    for (int64_t e = 0; e < E_ && staged < stage_caps_[size_t(i)]; ++e)
-      if (routes_[size_t(e)] >= stage_min_) {
-        staged_[size_t(e)] = 1;
-        ++staged;
-        staged_routes += routes_[size_t(e)];
-      }
-    std::fill(routes_.begin(), routes_.end(), 0);
-  }
+  // the experts the GPU computes in this pass (layers/moe/staging.py), posted before post_flag[i]
+  const uint8_t* gpu_side = (tokens_ok && n > 1 && sh_.staged) ? sh_.staged + i * E_ : nullptr;
   for (int64_t t = 0; tokens_ok && t < n; ++t) {
     for (int64_t k = 0; k < K; ++k) {  // token-major, top-k order, as the synchronous path gathers them
       const int32_t e = ids[t * K + k];
@@ -289,7 +269,15 @@ void GraphWorker::serve(int64_t i, int32_t seq) {
         continue;
       }
       const int32_t c = table[e];
-      if (c < 0 || staged_[size_t(e)]) continue;
+      if (c < 0) continue;
+      if (gpu_side && gpu_side[e]) {
+        ++staged_routes;
+        if (!staged_[size_t(e)]) {
+          staged_[size_t(e)] = 1;
+          ++staged;
+        }
+        continue;
+      }
       tok_[R] = int32_t(t);
       eid_[R] = c;
       wts_[R] = w[t * K + k];

@@ -32,11 +32,11 @@
 // than 1 into has_cold closes the one remaining window: a worker a whole step behind that
 // reads has_cold of the next step right before its post.
 //
-// Staged experts (set_staging): in a captured prefill pass (n > 1) the GPU copies a layer's cold
-// experts with at least min_routes routes among the n rows, the first caps[i] of them in expert
-// order, into flex slots of its pool and computes their routes itself (layers/moe/staging.py);
-// the worker applies the same rule to the same ids and table and leaves those routes out. A layer
-// whose cold routes were all staged is answered with zeros. Decode steps (n = 1) stage nothing.
+// Staged experts (staged[L, E], when shared): in a captured prefill pass (n > 1) the GPU copies some of
+// a layer's cold experts into flex slots of its pool and computes their routes itself; it marks them
+// (1) in staged[i] before post_flag[i] (layers/moe/staging.py decides which). The worker leaves their
+// routes out. A layer whose cold routes were all staged is answered with zeros. Decode steps (n = 1)
+// stage nothing: the worker reads staged[i] only for n > 1.
 //
 // Compact tables (cold expert -> index in the host stack, -1 = hot) are double-buffered per
 // layer. set_compact() copies into the back buffer under a mutex and marks it pending for a
@@ -71,6 +71,7 @@ struct GraphShared {
   const void* x = nullptr;  // [L, T, D]
   DType x_dtype = DType::kBFloat16;
   float* out = nullptr;  // [L, T, D]
+  const uint8_t* staged = nullptr;  // [L, E]: the experts a captured pass computes on the GPU (null: none)
   int64_t L = 0, K = 0, D = 0, T = 1;
 };
 
@@ -121,9 +122,6 @@ class GraphWorker {
   // Copies table[E] (values -1 or [0, Ec)) as layer i's table from step at_seq (0: the next
   // step the worker begins). A second call before the switch replaces the pending table.
   void set_compact(int64_t i, const int32_t* table, int32_t at_seq);
-  // The staging rule of captured passes (see above): min_routes 0 stages nothing; caps[i], the
-  // most experts layer position i stages (its pool's flex slots). Only while stopped.
-  void set_staging(int64_t min_routes, const std::vector<int64_t>& caps);
   // Starts the thread expecting step first_seq at layer 0 (std::logic_error if running).
   void start(int32_t first_seq);
   // Stops and joins; prompt whether or not the GPU ever posts (a layer in compute finishes).
@@ -173,10 +171,7 @@ class GraphWorker {
   std::vector<int32_t> tok_, eid_;
   std::vector<float> wts_;
   std::vector<uint8_t> seen_;  // per cold expert of a layer: counted in this layer's distinct ones
-  int64_t stage_min_ = 0;  // set_staging's rule
-  std::vector<int64_t> stage_caps_;
-  std::vector<int32_t> routes_;  // per expert id: cold routes among a pass's rows (staging rule)
-  std::vector<uint8_t> staged_;  // per expert id: left to the GPU in this layer
+  std::vector<uint8_t> staged_;  // per expert id: counted among this layer's staged experts
   int64_t step_wait_ns_ = 0, step_compute_ns_ = 0, step_layers_ = 0, step_routes_ = 0;
 
   struct Counters {

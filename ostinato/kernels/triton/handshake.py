@@ -94,7 +94,8 @@ def _copy_rows(x_ptr, h_x, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _post_rows(ids_ptr, w_ptr, table_ptr, seq_ptr, count_ptr, h_ids, h_w, h_has_cold, h_tokens, h_post,
-               K: tl.constexpr, BLOCK: tl.constexpr, ROUTES: tl.constexpr):
+               pick_ptr, h_staged, K: tl.constexpr, BLOCK: tl.constexpr, ROUTES: tl.constexpr,
+               E: tl.constexpr, BLOCK_E: tl.constexpr, STAGED: tl.constexpr):
     r = tl.arange(0, BLOCK)
     m = r < ROUTES
     n = tl.load(count_ptr)
@@ -104,6 +105,9 @@ def _post_rows(ids_ptr, w_ptr, table_ptr, seq_ptr, count_ptr, h_ids, h_w, h_has_
     slot = tl.load(table_ptr + ids, mask=m, other=0)
     seq = tl.load(seq_ptr)
     has_cold = tl.max(((slot < 0) & m & (r // K < n)).to(tl.int32), axis=0)
+    if STAGED:  # the experts this pass computes on the GPU: the worker leaves them out
+        e = tl.arange(0, BLOCK_E)
+        tl.store(h_staged + e, tl.load(pick_ptr + e, mask=e < E, other=0).to(tl.uint8), mask=e < E)
     tl.store(h_tokens, n)
     tl.store(h_has_cold, has_cold * seq)
     tl.debug_barrier()
@@ -158,18 +162,24 @@ def post(ids, weights, x, table_row, seq, h_ids, h_w, h_x, h_has_cold, h_post, h
                 flex_lo, K=K, D=D, BLOCK_D=1024, SCORE=score is not None, num_warps=4)
 
 
-def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x, h_has_cold, h_post, h_tokens) -> None:
+def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x, h_has_cold, h_post, h_tokens,
+              pick=None, h_staged=None) -> None:
     """A captured prefill pass's post: ids [B, K] int64, weights [B, K] fp32, x [B, D] (device, rows
     contiguous), count [1] int32 (device): the pass's real rows n <= B; the h_* this layer's HostPointer
-    views of the shared buffers. The rows of x cross in a kernel of their own (a program per row and
-    block), which ends before the flag's kernel begins."""
+    views of the shared buffers; pick [E] bool (device) with h_staged, the layer's row of the shared
+    marks: the experts the pass stages (layers/moe/staging.py), posted with the rest. The rows of x cross
+    in a kernel of their own (a program per row and block), which ends before the flag's kernel begins."""
     B, K = ids.shape
     D = x.shape[1]
     assert x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous(), "rows must be contiguous"
+    assert (pick is None) == (h_staged is None), "the staged marks need both pick and h_staged"
     BLOCK_D = 1024
+    E = pick.shape[0] if pick is not None else 1
     _copy_rows[(B, triton.cdiv(D, BLOCK_D))](x, h_x, D=D, BLOCK_D=BLOCK_D, num_warps=4)
     _post_rows[(1,)](ids, weights, table_row, seq, count, h_ids, h_w, h_has_cold, h_tokens, h_post,
-                     K=K, BLOCK=triton.next_power_of_2(B * K), ROUTES=B * K, num_warps=4)
+                     pick if pick is not None else table_row, h_staged if h_staged is not None else h_tokens,
+                     K=K, BLOCK=triton.next_power_of_2(B * K), ROUTES=B * K, E=E,
+                     BLOCK_E=triton.next_power_of_2(E), STAGED=pick is not None, num_warps=4)
 
 
 class CopyJoin:

@@ -14,8 +14,8 @@ them real (`StepRows`, on the device): `post_rows` sends the B rows' routing and
 the worker computes the cold routes of the n rows, and `wait_add_rows` joins them; the rows past n
 are padding that nothing reads. With a staging rule (OSTINATO_STAGE_ROUTES, layers/moe/staging.py; on
 by default, for Ostinato's placements) such a pass also copies its most-routed cold experts into flex
-slots and computes them on the GPU, and the worker, applying the same rule, leaves them out. Other
-passes and steps outside a graph go to the wrapped HybridExperts unchanged.
+slots and computes them on the GPU; their marks go to the worker with the routing, and it leaves them
+out. Other passes and steps outside a graph go to the wrapped HybridExperts unchanged.
 
 Legend: K top-k, D hidden, B rows of a captured pass.
 """
@@ -49,7 +49,10 @@ class GraphHybridExperts(HybridWrapper):
         # only layers with cold experts post a step: the worker waits at each of its layers
         layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
-        self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype, tokens=max_rows)
+        stage_routes = env_stage_routes() if stage_routes is None else stage_routes
+        stages = stage_routes and max_rows > 1 and hybrid.stage_passes  # Ostinato's placements only
+        self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype, tokens=max_rows,
+                                     staged_experts=pools.groups[0].table.shape[1] if stages else 0)
         self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers, core=core)
         self.seq = torch.zeros(1, dtype=torch.int32, device=hybrid.device)
         # the join's device rows (max_rows x D fp32: 2 MiB for Qwen3-30B-A3B's 256-row passes) and the count of
@@ -61,15 +64,12 @@ class GraphHybridExperts(HybridWrapper):
         self.views = {i: (P(sh.ids[i]), P(sh.weights[i]), P(sh.x[i]), P(sh.has_cold[i, :1]),
                           P(sh.post_flag[i, :1]), P(sh.out[i]), P(sh.done_flag[i, :1]), P(sh.tokens[i, :1]))
                       for i in range(len(layers))}
+        self.staged_views = {i: P(sh.staged[i]) for i in range(len(layers))} if sh.staged is not None else None
         assert sh.post_flag.stride(0) == S
         self.in_step = False
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
-        stage_routes = env_stage_routes() if stage_routes is None else stage_routes
-        stages = stage_routes and max_rows > 1 and hybrid.stage_passes  # Ostinato's placements only
         self.staging = PassStaging(hybrid, stage_routes) if stages else None
-        if self.staging is not None:
-            self.worker.set_staging(stage_routes, self.staging.caps())
         self.worker.start(1)
         atexit.register(self.stop)
 
@@ -143,25 +143,31 @@ class GraphHybridExperts(HybridWrapper):
         if self.hybrid.on_cuda and torch.cuda.is_current_stream_capturing():
             self.hybrid.count_captured(layer, topk.ids)
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done, h_tokens = self.views[self.index[layer]]
+        staged = None
         if rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
             count = rows.count
+            if self.staging is not None:  # chosen first: the worker reads the marks with the routing
+                staged = self.staging.choose(layer, topk.ids, rows.valid)
+            marks = ((staged.pick.view(torch.uint8), self.staged_views[self.index[layer]]) if staged is not None
+                     else (None, None))  # a pool without flex slots never stages: its marks stay zero
             self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x,
-                              h_has, h_post, h_tokens)
+                              h_has, h_post, h_tokens, *marks)
+            if staged is not None:  # the copies run beside the GPU branch over the pool's own experts
+                self.staging.stage(layer, staged)
         else:
+            count = None
             borrow = self.hybrid.borrow  # the post kernel scores the routes as borrow.observe would
             score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
             self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post,
                          h_tokens, score)
-        staged = None
-        if rows is not None and self.staging is not None:  # the copies run beside the pool's experts
-            staged = self.staging.stage(layer, topk.ids, rows.valid)
-        count = rows.count if rows is not None else None  # a pass's padding rows compute no expert
+        # a pass's padding rows (from count on) compute no expert
         gpu = pool.forward(x, pool.slots_in(pool.table[layer], topk.ids, count), topk.weights, out_dtype=torch.float32)
         if staged is not None:
             self.staging.landed()
-            gpu = gpu + pool.forward(x, pool.slots_in(staged, topk.ids, count), topk.weights, out_dtype=torch.float32)
+            gpu = gpu + pool.forward(x, pool.slots_in(staged.row, topk.ids, count), topk.weights,
+                                     out_dtype=torch.float32)
         y = torch.empty_like(x)
-        self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if rows is not None else self.one, y,
+        self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if count is not None else self.one, y,
                               self.join)
         return y
 

@@ -33,7 +33,9 @@ class GraphHandshake:
     and captured prefill passes alike)."""
 
     def __init__(self, num_layers: int, top_k: int, hidden: int, x_dtype: torch.dtype = torch.bfloat16,
-                 pin: bool | None = None, tokens: int = 1):
+                 pin: bool | None = None, tokens: int = 1, staged_experts: int = 0):
+        """tokens: the most rows a step posts; staged_experts: E, where captured passes stage (staging.py):
+        the [L, E] marks of the experts a pass computes on the GPU (0: none shared)."""
         if x_dtype not in _DTYPES:
             raise ValueError(f"x_dtype must be bf16 or fp32, not {x_dtype}")
         pin = torch.cuda.is_available() if pin is None else pin
@@ -54,6 +56,8 @@ class GraphHandshake:
         self.weights = buf((L, T, K), torch.float32)  # [L, T, K]
         self.x = buf((L, T, D), x_dtype)  # [L, T, D] the tokens' activations entering each MoE
         self.out = buf((L, T, D), torch.float32)  # [L, T, D] CPU partial: cold routes' weighted sum
+        # [L, E] GPU -> CPU: 1 for the experts a captured pass computes on the GPU, written before post_flag
+        self.staged = buf((L, staged_experts), torch.uint8) if staged_experts and T > 1 else None
         self.tokens.fill_(1)
         self.num_layers, self.top_k, self.hidden, self.max_tokens, self.pinned = L, K, D, T, pin
 
@@ -67,6 +71,7 @@ class GraphHandshake:
         s.post_flag, s.has_cold, s.done_flag = (t.data_ptr() for t in (self.post_flag, self.has_cold, self.done_flag))
         s.ids, s.weights, s.x, s.out = (t.data_ptr() for t in (self.ids, self.weights, self.x, self.out))
         s.tokens = self.tokens.data_ptr()
+        s.staged = self.staged.data_ptr() if self.staged is not None else 0
         s.x_dtype, s.flag_stride = _DTYPES[self.x.dtype], FLAG_STRIDE
         s.L, s.K, s.D, s.T = self.num_layers, self.top_k, self.hidden, self.max_tokens
         return s
@@ -101,6 +106,9 @@ class GraphWorker:
         self.handshake, self.cpu_experts = handshake, cpu_experts
         self.position = {int(layer): i for i, layer in enumerate(layer_order)}
         self.num_experts = next(iter(compact_tables.values())).numel()
+        if handshake.staged is not None and handshake.staged.shape[1] != self.num_experts:
+            raise ValueError(f"the handshake stages {handshake.staged.shape[1]} experts a layer, the tables have "
+                             f"{self.num_experts}")
         args = [cpu_experts._args.get(int(layer)) or ext.ColdArgs() for layer in layer_order]  # E = 0: no host stack
         opts = ext.GraphWorkerOptions()
         opts.cpu = int(core)
@@ -118,15 +126,6 @@ class GraphWorker:
         if t.shape != (self.num_experts,):
             raise ValueError(f"layer {layer}: table must have {self.num_experts} entries, got {tuple(table.shape)}")
         self._native.set_compact(self.position[int(layer)], t.data_ptr(), int(at_seq))
-
-    def set_staging(self, min_routes: int, caps: Mapping[int, int]) -> None:
-        """The staging rule of captured passes (layers/moe/staging.py): in a pass of more than one token,
-        each layer's cold experts with at least min_routes routes, the first caps[layer] in expert order,
-        are the GPU's, and the worker leaves their routes out; min_routes 0: none. Only while stopped."""
-        if min_routes < 0 or any(c < 0 for c in caps.values()):
-            raise ValueError(f"min_routes and caps must be >= 0, got {min_routes} and {dict(caps)}")
-        order = sorted(self.position, key=self.position.get)
-        self._native.set_staging(int(min_routes), [int(caps.get(layer, 0)) for layer in order])
 
     def active_table(self, layer: int) -> torch.Tensor:
         return torch.tensor(self._native.active_table(self.position[int(layer)]), dtype=torch.int32)

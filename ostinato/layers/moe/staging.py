@@ -21,9 +21,9 @@ layer of a captured pass of n real rows, with a rule of `min_routes`:
 In both GPU branches the pass's padding rows (from n on) take the zero slots (pool.py slots_in's
 count), so the expert kernels skip them.
 
-The CPU worker applies the same rule to the same ids and compact table (GraphWorker.set_staging)
-and leaves the staged experts' routes out: no expert is computed twice or never, and the two
-sides need no word between them.
+The pass posts the staged experts' marks to the CPU worker with its routing (handshake.py post_rows,
+GraphHandshake.staged), and the worker leaves their routes out: no expert is computed twice or never,
+and the rule lives here alone.
 
 - A layer's copies overwrite the previous layer's flex slots once that layer's GEMM is done: the copy
   stream waits for the current stream's work before each layer's copies. The host's record of which
@@ -41,14 +41,16 @@ copies the longer side: its worker waited 57-141 ms a pass), 102.8 / 122.2 / 134
 155.9 / 195.7 / 209.9 with m = 16 (the CPU's side the longer). In held-out replays the median TTFT after
 tool outputs went from 170-181 ms to 161 (m = 8), and to 143-147 with passes captured up to 512 rows
 (engine/graph.py env_pass_rows), TPOT and total time unchanged. That was with the copies before one
-GPU branch over all the layer's routes, padding rows included; the order of 3. and the padding's zero
-slots came after it and are not yet timed on a GPU.
+GPU branch over all the layer's routes, padding rows included, and the worker applying the rule itself;
+the order of 3., the padding's zero slots and the posted marks came after it and are not yet timed on a
+GPU.
 
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
@@ -105,6 +107,14 @@ def host_pointer(t: torch.Tensor):
     return HostPointer(as_bytes(t))
 
 
+class Staged(NamedTuple):
+    """A layer's staged experts in a pass (plan's three tensors, on the device)."""
+
+    row: torch.Tensor  # [E] int32: a staged expert's flex slot, -1 for every other expert
+    pick: torch.Tensor  # [E] bool: staged
+    rank: torch.Tensor  # [E] int32: a staged expert's place among them
+
+
 class PassStaging:
     """The staging of a HybridExperts' captured passes (the module docstring): per layer with cold
     experts, its host stacks and pool tensors paired, and the experts' host rows on the device; the
@@ -127,29 +137,29 @@ class PassStaging:
         # bytes staged over all replays, on the device (a replay cannot count on the host)
         self.staged_bytes = torch.zeros((), dtype=torch.int64, device=hybrid.device)
 
-    def caps(self) -> dict[int, int]:
-        """The most experts each layer stages: its pool's flex slots."""
-        return {l: self.pools.of(l).num_slots - self.pools.of(l).flex_lo for l in self.layers}
-
-    def stage(self, layer: int, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
-        """Stage the layer's cold experts of this pass by the rule: the plan on the current stream, the
-        copies on the copy stream after all of the current stream's work so far (the flex slots' earlier
-        readers among it). -> the staged row [E] int32 (plan's) that the GPU branch reads once `landed`;
-        None for a pool without flex slots (its plan dropped the upload path), which stages nothing."""
+    def choose(self, layer: int, ids: torch.Tensor, real: torch.Tensor) -> Staged | None:
+        """The layer's experts this pass stages, by the rule, on the current stream (no host sync); None
+        for a pool without flex slots (its plan dropped the upload path), which stages nothing."""
         pool = self.pools.of(layer)
         cap = pool.num_slots - pool.flex_lo
         if not cap:
             return None
-        staged, pick, rank = plan(ids, real, pool.table[layer], self.min_routes, cap, pool.flex_lo)
-        self.staged_bytes += pick.sum() * pool.expert_bytes
+        staged = Staged(*plan(ids, real, pool.table[layer], self.min_routes, cap, pool.flex_lo))
+        self.staged_bytes += staged.pick.sum() * pool.expert_bytes
+        return staged
+
+    def stage(self, layer: int, staged: Staged) -> None:
+        """Copy the chosen experts into their flex slots on the copy stream, after all of the current
+        stream's work so far (the flex slots' earlier readers among it). The GPU branch reads them over
+        staged.row once `landed`."""
+        pool = self.pools.of(layer)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            for t in (pick, rank):  # read there: the allocator must not hand them out before
+            for t in (staged.pick, staged.rank):  # read there: the allocator must not hand them out before
                 t.record_stream(self.stream)
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for src, dst, host in self.pairs[layer]:
-                copy(src, dst, self.rows[layer], pick, rank, pool.flex_lo, host)
-        return staged
+                copy(src, dst, self.rows[layer], staged.pick, staged.rank, pool.flex_lo, host)
 
     def landed(self) -> None:
         """The current stream waits for the copies staged so far."""
