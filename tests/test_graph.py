@@ -185,6 +185,14 @@ def test_pass_graphs_stage_cold_experts(tiny_dir, tmp_path):
     pass_graphs_vs_host_driven(tiny_dir, tmp_path, 0.5, staged=True)
 
 
+@pytest.mark.gpu
+def test_pass_graphs_stage_by_the_calibrated_costs(tiny_dir, tmp_path):
+    """The same with the rule "balance" (OSTINATO_STAGE_ROUTES=balance): as many of a layer's most-routed
+    cold experts as the split with uploads would upload, by a calibration's costs (an upload 0.01 ms, the
+    CPU 0.005 ms an expert and a route)."""
+    pass_graphs_vs_host_driven(tiny_dir, tmp_path, 0.5, staged="balance")
+
+
 def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
     """Logits a and b [V] pick the same greedy token up to a tie within tol: each one's pick scores within
     tol of the other's best. The tiny random model's top two logits may lie a bf16 step apart, where
@@ -193,27 +201,35 @@ def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
         assert float(x[int(y.argmax())]) >= float(x.max()) - tol, (int(a.argmax()), int(b.argmax()))
 
 
-def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool = False) -> None:
+def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool | str = False) -> None:
     """test_pass_graphs_match_host_driven_passes on the checkpoint ckpt, a fraction `cold` of its
     experts on the CPU; staged: the graphed engine's passes stage their cold experts of 2 routes or more
-    (OSTINATO_STAGE_ROUTES=2), else none (0, whatever the default)."""
+    (True: OSTINATO_STAGE_ROUTES=2), or by the rule "balance" and a calibration's costs, else none (0,
+    whatever the default)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OSTINATO_STAGE_ROUTES", "2" if staged else "0")
-        _pass_graphs_vs_host_driven(ckpt, tmp_path, cold, staged)
+        mp.setenv("OSTINATO_STAGE_ROUTES", "balance" if staged == "balance" else "2" if staged else "0")
+        _pass_graphs_vs_host_driven(ckpt, tmp_path, cold, bool(staged), staged == "balance")
 
 
-def _pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool) -> None:
+def _pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool, costs: bool) -> None:
     from ostinato.engine.placement import PlacementSettings
+    from ostinato.layers.moe.staging import StageCosts
     from ostinato.load import load_engine
     from tests.test_hybrid import _residency_for
 
-    _residency_for(CheckpointSource(ckpt), 1.0 - cold).save(tmp_path / "res.json")
+    res = _residency_for(CheckpointSource(ckpt), 1.0 - cold)
+    if costs:  # MixedPass.from_calibration(measured=False): an upload 1e6 bytes at 100 GB/s, 0.01 ms
+        res.calibration = {"cpu_pass": {"alpha_ms": 0.0, "beta_expert_ms": 0.005, "beta_route_ms": 0.005},
+                           "upload_gbps": 100.0, "expert_bytes": 1_000_000}
+    res.save(tmp_path / "res.json")
     place = PlacementSettings(residency=str(tmp_path / "res.json"))
     graphed = load_engine(str(ckpt), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                     pass_graphs=64), place)
     sync = load_engine(str(ckpt), RunnerSettings(device="cuda", dtype="bf16", max_context=2048,
                                                  cuda_graph=False), place)
-    assert (getattr(graphed.runner.experts, "staging", None) is not None) == staged  # all resident: no handshake
+    staging = getattr(graphed.runner.experts, "staging", None)
+    assert (staging is not None) == staged  # all resident: no handshake
+    assert not costs or staging.rule == StageCosts(10_000, 0, 5_000, 5_000)
     passes = graphed.runner.passes
     assert passes is not None and passes.sizes == [8, 16, 32, 64]
     prompt = list(range(5, 105))

@@ -47,6 +47,33 @@ def test_plan_follows_the_rule(B, n, E, K, cold, m, cap, seed):
         assert (staged[others] == -1).all()  # hot experts and unstaged cold ones: not in the staged row
 
 
+@settings(max_examples=80, deadline=None)
+@given(B=st.integers(1, 24), n=st.integers(1, 24), E=st.integers(8, 24), K=st.integers(1, 4),
+       cold=st.floats(0.0, 1.0), cap=st.integers(0, 8), costs=st.tuples(*[st.integers(0, 40)] * 4),
+       seed=st.integers(0, 2**16))
+def test_balanced_plan_is_the_split_with_uploads_choice(B, n, E, K, cold, cap, costs, seed):
+    """The "balance" rule stages what HybridExperts' split with uploads would upload of the same routes
+    (hybrid.py upload_plan with MixedPass.choose): the same experts, most-routed first, a tie the lower id.
+    Whole costs, so that the host's float sums are exact too."""
+    import numpy as np
+
+    from ostinato.layers.moe.hybrid import MixedPass, upload_plan
+    from ostinato.layers.moe.staging import StageCosts
+
+    n = min(n, B)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)])
+    table = torch.arange(E, dtype=torch.int32)
+    table[torch.rand(E, generator=g) < cold] = -1
+    staged, pick, rank = plan(ids, torch.arange(B) < n, table, StageCosts(*costs), cap, 50)
+    mixed = MixedPass(*(float(c) for c in costs))
+    cold_routes = (table[ids[:n]] < 0).numpy()
+    want = upload_plan(ids[:n].numpy(), cold_routes, E, mixed.choose, cap) if cold_routes.any() else np.array([])
+    assert sorted(pick.nonzero().flatten().tolist()) == sorted(want.tolist())
+    assert [int(staged[e]) for e in want] == list(range(50, 50 + len(want)))  # slots in the upload order
+    assert (staged[~pick] == -1).all() and staged.dtype == torch.int32
+
+
 def test_rows_past_the_count_stage_nothing():
     """Padding rows of a captured pass route too: their routes count for nothing."""
     ids = torch.tensor([[0, 1], [2, 3], [5, 6], [5, 6], [5, 6]])
@@ -78,7 +105,9 @@ def test_env_stage_routes(monkeypatch):
     for value in (0, 4):
         monkeypatch.setenv("OSTINATO_STAGE_ROUTES", str(value))
         assert env_stage_routes() == value
-    for bad in ("-1", "two"):
+    monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "balance")
+    assert env_stage_routes() == "balance"
+    for bad in ("-1", "two", "Balance"):
         monkeypatch.setenv("OSTINATO_STAGE_ROUTES", bad)
         with pytest.raises(ConfigError, match="OSTINATO_STAGE_ROUTES"):
             env_stage_routes()

@@ -561,9 +561,12 @@ def _cpu_note(result: dict) -> list[str]:
         lines.append("- split passes that upload nothing join their CPU branch on the GPU stream, the host going on "
                      "(OSTINATO_DEFER_COMBINE, on unless 0)")
     if result.get("pass_graphs") and result.get("stage_routes"):
+        rule = result["stage_routes"]
+        which = ("as many of its most-routed cold experts as the calibrated costs balance against the CPU branch"
+                 if rule == "balance" else f"its cold experts of at least {rule} routes")
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens replayed as CUDA graphs, padded to powers "
-                     f"of two (OSTINATO_PASS_GRAPHS); each copies its cold experts of at least {result['stage_routes']} "
-                     "routes into flex slots and computes them on the GPU (OSTINATO_STAGE_ROUTES)")
+                     f"of two (OSTINATO_PASS_GRAPHS); each copies {which} into flex slots and computes them on the "
+                     "GPU (OSTINATO_STAGE_ROUTES)")
     elif result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
                      "uploads replayed as CUDA graphs, padded to powers of two (OSTINATO_PASS_GRAPHS)")

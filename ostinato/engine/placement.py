@@ -125,6 +125,9 @@ def apply_calibration(hybrid: HybridExperts, place: PlacementSettings, residency
     mixed = place.mixed and hybrid.on_cuda and residency.upload_path
     hybrid.mixed = MixedPass.from_calibration(residency.calibration) if mixed else None
     hybrid.stage_passes = place.mixed and hybrid.on_cuda  # a rule of its own, measured apart (staging.py)
+    # the costs of the split with uploads at any size, for the staging rule "balance"
+    hybrid.stage_costs = (MixedPass.from_calibration(residency.calibration, measured=False)
+                          if hybrid.stage_passes and residency.calibration else None)
     return hybrid
 
 

@@ -29,18 +29,19 @@ from ostinato.layers.moe.backend import StepRows
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
 from ostinato.layers.moe.segmented import SegmentedExperts
-from ostinato.layers.moe.staging import PassStaging, env_stage_routes
+from ostinato.layers.moe.staging import BALANCE, DEFAULT_STAGE_ROUTES, PassStaging, StageCosts, env_stage_routes
 from ostinato.layers.moe.types import TopKOutput
 
 
 class GraphHybridExperts(HybridWrapper):
     capturable = True
 
-    def __init__(self, hybrid: HybridExperts, core: int = -1, max_rows: int = 1, stage_routes: int | None = None):
+    def __init__(self, hybrid: HybridExperts, core: int = -1, max_rows: int = 1, stage_routes: int | str | None = None):
         """core: the CPU of this GPU's poller (the thread layout's, ostinato/threads.py; -1 unpinned);
-        max_rows: the most rows a captured pass posts (1: decode steps only); stage_routes: the staging
-        rule's min_routes for captured passes (0: none; None: env_stage_routes), where the hybrid's placement
-        stages (HybridExperts.stage_passes: Ostinato's, not a baseline's, which keep their own rules)."""
+        max_rows: the most rows a captured pass posts (1: decode steps only); stage_routes: the staging rule
+        for captured passes, a count m or "balance" (0: none; None: env_stage_routes), where the hybrid's
+        placement stages (HybridExperts.stage_passes: Ostinato's, not a baseline's, which keep their own
+        rules)."""
         from ostinato.kernels.triton import handshake as hs
 
         super().__init__(hybrid)
@@ -49,8 +50,10 @@ class GraphHybridExperts(HybridWrapper):
         # only layers with cold experts post a step: the worker waits at each of its layers
         layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
-        stage_routes = env_stage_routes() if stage_routes is None else stage_routes
-        stages = stage_routes and max_rows > 1 and hybrid.stage_passes  # Ostinato's placements only
+        rule = env_stage_routes() if stage_routes is None else stage_routes
+        if rule == BALANCE:  # by the calibrated costs, where the placement has them
+            rule = StageCosts.of(hybrid.stage_costs) if hybrid.stage_costs is not None else DEFAULT_STAGE_ROUTES
+        stages = rule and max_rows > 1 and hybrid.stage_passes  # Ostinato's placements only
         self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype, tokens=max_rows,
                                      staged_experts=pools.groups[0].table.shape[1] if stages else 0)
         self.worker = GraphWorker(self.shared, hybrid.cpu, hybrid.host.compact, layers, core=core)
@@ -69,7 +72,7 @@ class GraphHybridExperts(HybridWrapper):
         self.in_step = False
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
-        self.staging = PassStaging(hybrid, stage_routes) if stages else None
+        self.staging = PassStaging(hybrid, rule) if stages else None
         self.worker.start(1)
         atexit.register(self.stop)
 

@@ -345,6 +345,7 @@ class HybridExperts(MoEBackend):
         # captured passes may stage their most-routed cold experts (the split with uploads as a graph does it,
         # layers/moe/staging.py): Ostinato's placements (engine/placement.py apply_calibration), no baseline
         self.stage_passes = False
+        self.stage_costs: MixedPass | None = None  # the calibrated costs, for the "balance" rule (staging.py)
         self.admission: Admission | None = None  # a cache's run-time residency (policies/caches.py)
         # numpy views of the index table rows and the compact tables (the same memory): the host
         # work of a cache's pass switches and reads them per expert

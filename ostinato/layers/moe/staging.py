@@ -5,12 +5,15 @@ uploads (hybrid.py), which picks the pass's most-routed cold experts on the host
 it: its CPU branch computes every cold route. At 255 tokens that was 245 ms of a 263 ms pass
 (results/2026-12-06-h100-s38/). Yet a kernel reads page-locked host memory at 51 GB/s, 92-94% of
 a copy engine's memcpy (scripts/bench_zero_copy.py, results/2026-12-06-h100-s39/). So in each MoE
-layer of a captured pass of n real rows, with a rule of `min_routes`:
+layer of a captured pass of n real rows:
 
-1. `plan`: the device counts each cold expert's routes among the n rows. The cold experts with at
-   least min_routes of them, the first `cap` in expert order (cap: the pool's flex slots), are
-   staged: expert e into flex slot flex_lo + rank(e), rank being its place among them. -> the
-   staged row: those experts' flex slots, every other expert < 0.
+1. `plan`: the device counts each cold expert's routes among the n rows and stages, by the rule, at
+   most `cap` of them (the pool's flex slots): expert e into flex slot flex_lo + rank(e), rank being
+   its place among them. -> the staged row: those experts' flex slots, every other expert < 0. The
+   rule (OSTINATO_STAGE_ROUTES): the cold experts with at least m routes (default m = 8), or
+   "balance": as many of the most-routed as the split with uploads would upload (MixedPass.choose's
+   count, by the calibrated costs: the copies against the CPU branch's time), where the placement has
+   a calibration (HybridExperts.stage_costs; without one, m = 8).
 2. `copy`: on the executor's copy stream, a kernel copies each staged expert's blocks (and biases)
    from its page-locked host stack (pool.py HostExperts, the upload path's source) into its flex slot.
 3. Meanwhile the GPU branch runs over the layer's own index row: the hot routes. Then the stream
@@ -50,33 +53,79 @@ Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import NamedTuple
 
 import torch
 
-from ostinato.config import env_count
+from ostinato.config import ConfigError, env_count
 
 
 DEFAULT_STAGE_ROUTES = 8
+BALANCE = "balance"
 
 
-def env_stage_routes() -> int:
-    """The rule's min_routes: OSTINATO_STAGE_ROUTES (0: no staging), else DEFAULT_STAGE_ROUTES."""
+class StageCosts(NamedTuple):
+    """The split with uploads' costs (hybrid.py MixedPass) in whole nanoseconds, so that the device's
+    comparisons are exact: an upload per expert; the CPU branch's alpha, per distinct expert, per route."""
+
+    upload: int
+    alpha: int
+    expert: int
+    route: int
+
+    @classmethod
+    def of(cls, mixed) -> "StageCosts":
+        return cls(*(round(v * 1e6) for v in (mixed.upload_ms, mixed.alpha_ms, mixed.beta_expert_ms,
+                                             mixed.beta_route_ms)))
+
+
+def env_stage_routes() -> int | str:
+    """The rule: OSTINATO_STAGE_ROUTES, a count m (0: no staging) or "balance" (the split with uploads'
+    choice, by the calibrated costs: `plan`), else DEFAULT_STAGE_ROUTES."""
+    v = os.environ.get("OSTINATO_STAGE_ROUTES")
+    if v == BALANCE:
+        return BALANCE
+    if v is not None and not v.isdigit():
+        raise ConfigError(f"OSTINATO_STAGE_ROUTES must be a count of routes (0: off) or {BALANCE!r}, not {v!r}")
     return env_count("OSTINATO_STAGE_ROUTES", DEFAULT_STAGE_ROUTES, "routes")
 
 
-def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, min_routes: int, cap: int,
+def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int | StageCosts, cap: int,
          flex_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The staging rule on the device, with no host sync (capturable). ids [B, K] of a pass whose real
     rows `real` [B] bool marks (a captured pass's StepRows.valid); table [E] int32, the layer's index
-    row (< 0: cold). -> (staged [E] int32: a staged expert's flex slot, -1 for every other expert;
-    pick [E] bool: staged; rank [E] int32: a staged expert's place among them)."""
+    row (< 0: cold). The rule:
+      m (int)     the cold experts with at least m routes among the real rows, the first `cap` in expert
+                  order;
+      StageCosts  the split with uploads' choice (MixedPass.choose): of the cold experts routed, the k
+                  most routed (a tie: the lower id), k of least cost max(k upload, alpha + expert (n - k)
+                  + route * their routes left) over k <= min(n, cap) (the uploads alone at k = n), the
+                  smallest k on a tie.
+    -> (staged [E] int32: a staged expert's flex slot, -1 for every other expert; pick [E] bool: staged;
+    rank [E] int32: a staged expert's place among them)."""
     B, K = ids.shape
-    routes = torch.zeros(table.shape[0], dtype=torch.int32, device=ids.device)
+    E = table.shape[0]
+    routes = torch.zeros(E, dtype=torch.int32, device=ids.device)
     routes.scatter_add_(0, ids.reshape(-1).long(), real.to(torch.int32)[:, None].expand(B, K).reshape(-1))
-    pick = (table < 0) & (routes >= min_routes)
-    rank = torch.cumsum(pick.to(torch.int32), 0, dtype=torch.int32) - 1
-    pick &= rank < cap
+    if isinstance(rule, StageCosts):
+        routes = torch.where(table < 0, routes, 0).long()
+        experts = torch.arange(E, device=ids.device)
+        order = torch.argsort(routes * (E + 1) + (E - experts), descending=True)  # keys distinct: one order
+        rank = torch.empty_like(experts)
+        rank[order] = experts
+        left = routes.sum() - torch.cat([routes.new_zeros(1), torch.cumsum(routes[order], 0)])  # [E + 1]
+        n = (routes > 0).sum()
+        k = torch.arange(E + 1, device=ids.device)
+        up = k * rule.upload
+        cost = torch.where(k >= n, up, torch.maximum(up, rule.alpha + rule.expert * (n - k) + rule.route * left))
+        cost = torch.where(k <= torch.clamp(n, max=cap), cost, torch.iinfo(torch.int64).max)
+        pick = rank < torch.argmin(cost)  # argmin: the first of equal costs
+        rank = rank.to(torch.int32)
+    else:
+        pick = (table < 0) & (routes >= rule)
+        rank = torch.cumsum(pick.to(torch.int32), 0, dtype=torch.int32) - 1
+        pick &= rank < cap
     return torch.where(pick, rank + flex_lo, -1).to(torch.int32), pick, rank
 
 
@@ -120,10 +169,11 @@ class PassStaging:
     experts, its host stacks and pool tensors paired, and the experts' host rows on the device; the
     copies on the executor's copy stream (None on the CPU: in order)."""
 
-    def __init__(self, hybrid, min_routes: int):
-        if min_routes < 1:
-            raise ValueError(f"min_routes must be at least 1, not {min_routes}")
-        self.min_routes, self.pools = min_routes, hybrid.pools
+    def __init__(self, hybrid, rule: int | StageCosts):
+        """rule: plan's, a count m >= 1 or the calibrated costs."""
+        if not isinstance(rule, StageCosts) and rule < 1:
+            raise ValueError(f"the staging rule's count must be at least 1, not {rule}")
+        self.rule, self.pools = rule, hybrid.pools
         self.stream, self.device = hybrid.copy_stream, hybrid.device
         self.layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.rows, self.pairs = {}, {}
@@ -144,7 +194,7 @@ class PassStaging:
         cap = pool.num_slots - pool.flex_lo
         if not cap:
             return None
-        staged = Staged(*plan(ids, real, pool.table[layer], self.min_routes, cap, pool.flex_lo))
+        staged = Staged(*plan(ids, real, pool.table[layer], self.rule, cap, pool.flex_lo))
         self.staged_bytes += staged.pick.sum() * pool.expert_bytes
         return staged
 
