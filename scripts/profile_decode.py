@@ -61,6 +61,7 @@ from ostinato.loader.build import expert_formats  # noqa: E402
 # first match wins; names of our Triton kernels, cuBLAS/CUTLASS GEMMs and torch's own kernels
 CLASSES = (
     ("handshake", r"_post|_wait|_add_rows|_bump"),
+    ("staging", r"_stage_kernel"),  # a captured pass's copies of its staged experts (on the copy stream)
     ("upload", r"memcpy htod"),
     ("experts", r"_w13_kernel|_w2_kernel|_align_|_combine_kernel|_dequant_kernel"),
     ("attention", r"_split_kernel|_reduce_kernel|flash|attention|sdpa|fmha"),

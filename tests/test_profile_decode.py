@@ -50,6 +50,7 @@ def test_host_to_device_copies_are_uploads():
     assert k("Memcpy HtoD (Pinned -> Device)") == "upload" and k("Memcpy DtoD (Device -> Device)") == "copy"
     assert k("_w13_kernel") == "experts"
     assert k("_wait_rows") == k("_add_rows") == k("_post_rows") == "handshake"
+    assert k("_stage_kernel") == "staging"  # reads host memory, as an upload does, from a kernel
 
 
 def test_prefill_md_shows_the_replay_and_its_worker(tmp_path):
