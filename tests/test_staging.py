@@ -139,6 +139,41 @@ print("INTERPRETER_OK")
 """
 
 
+PLAN_KERNEL = """
+import torch
+from ostinato.kernels.triton.stage import plan_experts
+from ostinato.layers.moe.staging import StageCosts, plan
+
+g = torch.Generator().manual_seed(1)
+cases = 0
+for E, B, K in ((16, 5, 2), (24, 12, 4), (60, 9, 4), (128, 16, 8)):
+    for trial in range(6):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)])
+        table = torch.arange(E, dtype=torch.int32)
+        table[torch.rand(E, generator=g) < 0.7] = -1
+        n = int(torch.randint(1, B + 1, (1,), generator=g))
+        costs = StageCosts(*torch.randint(0, 30, (4,), generator=g).tolist())
+        for rule in (1, 2, costs, StageCosts(0, 0, 0, 0)):  # the last: every count ties, so none
+            for cap in (0, 3, E):
+                bytes_ = torch.zeros((), dtype=torch.int64)
+                row, pick, rank = plan_experts(ids, torch.tensor([n], dtype=torch.int32), table, rule, cap, 40, 7, bytes_)
+                want_row, want_pick, want_rank = plan(ids, torch.arange(B) < n, table, rule, cap, 40)
+                assert torch.equal(pick, want_pick), (E, B, n, rule, cap, pick.nonzero(), want_pick.nonzero())
+                assert torch.equal(row, want_row) and torch.equal(rank[pick], want_rank[pick]), (E, rule, cap)
+                assert int(bytes_) == 7 * int(want_pick.sum())
+                cases += int(0 < int(pick.sum()) < int((table[ids[:n]] < 0).any(1).sum()))
+assert cases > 10, cases  # some cases stage part of the cold experts
+print("INTERPRETER_OK")
+"""
+
+
+def test_plan_kernel_under_the_interpreter():
+    """kernels/triton/stage.py plan_experts, the rule in one launch, against `plan` (both rules, caps of
+    none, some and all)."""
+    pytest.importorskip("triton")
+    run_interpreted(PLAN_KERNEL, timeout=600)
+
+
 def test_copy_kernel_under_the_interpreter():
     pytest.importorskip("triton")
     run_interpreted(KERNEL, timeout=300)
@@ -151,6 +186,7 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
     host-driven split path of the n rows; the padding rows compute no expert."""
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.layers.moe.backend import StepRows
     from ostinato.layers.moe.staging import PassStaging
     from ostinato.layers.moe.types import TopKOutput
     from ostinato.load import load_engine
@@ -170,7 +206,7 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
         w = torch.rand(B, ids.shape[1], generator=g)
         x = torch.randn(B, cfg.hidden_size, generator=g)
         pool, table = hyb.pools.of(layer), hyb.host.compact[layer]
-        staged = staging.choose(layer, ids, torch.arange(B) < n)
+        staged = staging.choose(layer, ids, StepRows(count, torch.arange(B) < n))
         pick = staged.pick
         assert pick.any() and (pool.table[layer][pick] < 0).all() and torch.equal(staged.row >= 0, pick)
         staging.stage(layer, staged)

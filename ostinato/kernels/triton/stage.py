@@ -1,4 +1,5 @@
-"""The staging copy of a captured prefill pass (layers/moe/staging.py): each staged expert's bytes from
+"""The staging kernels of a captured prefill pass (layers/moe/staging.py): the rule in one launch
+(`plan_experts`), and the copy: each staged expert's bytes from
 its row of a layer's page-locked host stack, read by the kernel through its UVA address, into its flex
 slot of a pool tensor. A kernel reads host memory at 51 GB/s on an H100, 92-94% of a memcpy's pace
 (scripts/bench_zero_copy.py, results/2026-12-06-h100-s39/), and it needs no host decision: which
@@ -39,3 +40,80 @@ def copy_experts(src, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor,
     nbytes = dst.shape[1]
     _stage_kernel[(pick.shape[0], triton.cdiv(nbytes, CHUNK * STEPS))](src, dst, rows, pick, rank, flex_lo,
                                                                        NBYTES=nbytes, CHUNK=CHUNK, STEPS=STEPS)
+
+
+@triton.jit(do_not_specialize=["R", "cap", "flex_lo", "min_routes"])
+def _plan_kernel(ids_ptr, count_ptr, table_ptr, routes_ptr, row_ptr, pick_ptr, rank_ptr, bytes_ptr,
+                 expert_bytes, cap, flex_lo, min_routes, upload, alpha, per_expert, per_route, R,
+                 K: tl.constexpr, E: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, BALANCE: tl.constexpr):
+    """One program: layers/moe/staging.py plan's rule over ids [R] (R = B K, row-major) of a pass whose
+    first count rows are real, table [E] int32 -> routes [E] int32 (the cold experts' routes, scratch),
+    row [E] int32, pick [E] uint8, rank [E] int32; bytes [1] int64 += the staged experts' bytes."""
+    e = tl.arange(0, BLOCK_E)
+    in_e = e < E
+    n_real = tl.load(count_ptr) * K
+    routes = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for r0 in range(0, R, BLOCK_R):  # the histogram of the real rows' routes, a block of routes at a time
+        r = r0 + tl.arange(0, BLOCK_R)
+        ids = tl.load(ids_ptr + r, mask=(r < R) & (r < n_real), other=-1).to(tl.int32)
+        routes += tl.sum((ids[None, :] == e[:, None]).to(tl.int32), axis=1)
+    cold = in_e & (tl.load(table_ptr + e, mask=in_e, other=0) < 0)
+    routes = tl.where(cold, routes, 0)
+    if BALANCE:
+        tl.store(routes_ptr + e, routes, mask=in_e)
+        tl.debug_barrier()  # every expert's routes stored before any is read back below
+        key = routes.to(tl.int64) * (E + 1) + (E - e)  # distinct: most routes first, then the lower id
+        place = tl.zeros([BLOCK_E], dtype=tl.int32)  # experts before e in that order
+        before = tl.zeros([BLOCK_E], dtype=tl.int64)  # their routes and e's own
+        for j0 in range(0, BLOCK_E, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            rj = tl.load(routes_ptr + j, mask=j < E, other=0)
+            kj = tl.where(j < E, rj.to(tl.int64) * (E + 1) + (E - j), -1)
+            ahead = kj[None, :] > key[:, None]
+            place += tl.sum(ahead.to(tl.int32), axis=1)
+            before += tl.sum(tl.where(ahead | (kj[None, :] == key[:, None]), rj[None, :].to(tl.int64), 0), axis=1)
+        routed = routes > 0
+        n = tl.sum(routed.to(tl.int64), axis=0)
+        total = tl.sum(routes.to(tl.int64), axis=0)
+        k = place.to(tl.int64) + 1  # staging e and every expert before it
+        up = k * upload
+        cpu = alpha + per_expert * (n - k) + per_route * (total - before)
+        cost = tl.where(k >= n, up, tl.maximum(up, cpu))
+        big = 9223372036854775807
+        cost = tl.where(routed & (k <= cap), cost, big)
+        none = tl.where(n > 0, alpha + per_expert * n + per_route * total, 0)  # k = 0: the CPU takes them all
+        best = tl.min(cost, axis=0)
+        k_best = tl.where(none <= best, 0, tl.min(tl.where(cost == best, k, big), axis=0))
+        pick = routed & (k <= k_best)
+        rank = place
+    else:
+        pick = cold & (routes >= min_routes)
+        rank = tl.cumsum(pick.to(tl.int32), axis=0) - 1
+        pick = pick & (rank < cap)
+    tl.store(row_ptr + e, tl.where(pick, rank + flex_lo, -1), mask=in_e)
+    tl.store(pick_ptr + e, pick.to(tl.uint8), mask=in_e)
+    tl.store(rank_ptr + e, rank, mask=in_e)
+    tl.store(bytes_ptr, tl.load(bytes_ptr) + tl.sum(pick.to(tl.int64), axis=0) * expert_bytes)
+
+
+def plan_experts(ids: torch.Tensor, count: torch.Tensor, table: torch.Tensor, rule, cap: int, flex_lo: int,
+                 expert_bytes: int, staged_bytes: torch.Tensor):
+    """layers/moe/staging.py plan in one launch, with no host sync (capturable): ids [B, K] int64, count [1]
+    int32 (the real rows), table [E] int32; rule a count m or StageCosts. -> (row [E] int32, pick [E]
+    bool, rank [E] int32); staged_bytes [] int64 grows by the staged experts' bytes."""
+    B, K = ids.shape
+    E = table.shape[0]
+    dev = ids.device
+    routes = torch.empty(E, dtype=torch.int32, device=dev)
+    row = torch.empty(E, dtype=torch.int32, device=dev)
+    pick = torch.empty(E, dtype=torch.bool, device=dev)
+    rank = torch.empty(E, dtype=torch.int32, device=dev)
+    balance = not isinstance(rule, int)
+    costs = tuple(rule) if balance else (0, 0, 0, 0)
+    BLOCK_E = triton.next_power_of_2(E)
+    _plan_kernel[(1,)](ids.contiguous(), count, table, routes, row, pick.view(torch.uint8), rank, staged_bytes,
+                       expert_bytes, cap, flex_lo, 0 if balance else rule, *costs, B * K, K=K, E=E,
+                       BLOCK_R=max(16, min(256, 8192 // BLOCK_E)), BLOCK_E=BLOCK_E, BLOCK_J=min(BLOCK_E, 32),
+                       BALANCE=balance, num_warps=4)
+    return row, pick, rank

@@ -150,7 +150,7 @@ class GraphHybridExperts(HybridWrapper):
         if rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
             count = rows.count
             if self.staging is not None:  # chosen first: the worker reads the marks with the routing
-                staged = self.staging.choose(layer, topk.ids, rows.valid)
+                staged = self.staging.choose(layer, topk.ids, rows)
             marks = ((staged.pick.view(torch.uint8), self.staged_views[self.index[layer]]) if staged is not None
                      else (None, None))  # a pool without flex slots never stages: its marks stay zero
             self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x,

@@ -59,6 +59,7 @@ from typing import NamedTuple
 import torch
 
 from ostinato.config import ConfigError, env_count
+from ostinato.layers.moe.backend import StepRows
 
 
 DEFAULT_STAGE_ROUTES = 8
@@ -187,14 +188,20 @@ class PassStaging:
         # bytes staged over all replays, on the device (a replay cannot count on the host)
         self.staged_bytes = torch.zeros((), dtype=torch.int64, device=hybrid.device)
 
-    def choose(self, layer: int, ids: torch.Tensor, real: torch.Tensor) -> Staged | None:
-        """The layer's experts this pass stages, by the rule, on the current stream (no host sync); None
-        for a pool without flex slots (its plan dropped the upload path), which stages nothing."""
+    def choose(self, layer: int, ids: torch.Tensor, rows: StepRows) -> Staged | None:
+        """The layer's experts this pass of `rows` stages, by the rule, on the current stream (no host sync:
+        on CUDA one kernel, kernels/triton/stage.py plan_experts; elsewhere `plan`); None for a pool without
+        flex slots (its plan dropped the upload path), which stages nothing."""
         pool = self.pools.of(layer)
         cap = pool.num_slots - pool.flex_lo
         if not cap:
             return None
-        staged = Staged(*plan(ids, real, pool.table[layer], self.rule, cap, pool.flex_lo))
+        if ids.is_cuda:
+            from ostinato.kernels.triton.stage import plan_experts
+
+            return Staged(*plan_experts(ids, rows.count, pool.table[layer], self.rule, cap, pool.flex_lo,
+                                        pool.expert_bytes, self.staged_bytes))
+        staged = Staged(*plan(ids, rows.valid, pool.table[layer], self.rule, cap, pool.flex_lo))
         self.staged_bytes += staged.pick.sum() * pool.expert_bytes
         return staged
 
