@@ -41,7 +41,7 @@ def test_pass_sizes():
 
 
 def test_pass_rows_setting(monkeypatch):
-    """The captured pass rows: the setting, else OSTINATO_PASS_GRAPHS, else 512 where captured passes stage
+    """The captured pass rows: the setting, else OSTINATO_PASS_GRAPHS, else 511 where captured passes stage
     their cold experts (the default) and 256 where they do not; at most the context; none on a split model;
     a value that is not a count is refused with a message."""
     from ostinato.config import ConfigError
@@ -49,7 +49,7 @@ def test_pass_rows_setting(monkeypatch):
 
     monkeypatch.delenv("OSTINATO_PASS_GRAPHS", raising=False)
     monkeypatch.delenv("OSTINATO_STAGE_ROUTES", raising=False)
-    assert pass_rows(None, False, 8192) == 512 and pass_rows(None, False, 100) == 100
+    assert pass_rows(None, False, 8192) == 511 and pass_rows(None, False, 100) == 100
     monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "0")
     assert pass_rows(None, False, 8192) == 256
     assert pass_rows(64, False, 8192) == 64 and pass_rows(None, True, 8192) == pass_rows(64, True, 8192) == 0

@@ -249,6 +249,23 @@ def test_capacity_counts_quantized_bytes():
     assert more.pool_bytes > budget - q.fixed
 
 
+def test_captured_passes_below_the_dequantized_path_hold_no_scratch():
+    """The default's largest captured pass (engine/graph.py STAGED_PASS_ROWS, 511) stays below the smallest
+    threshold of the dequantized path (512), so the graphs' own memory pool holds no dequantized scratch;
+    a 512-row pass would hold one, on the Q4_K_M 30B shape about 200 MB."""
+    from ostinato.engine.graph import STAGED_PASS_ROWS
+    from ostinato.layers.moe.gpu_quant import fewest_dequant_tokens
+
+    cfg = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"])
+    fmts = WeightFormats({l: ("Q4_K", "Q6_K" if use_more_bits(l, cfg.num_hidden_layers) else "Q4_K")
+                          for l in cfg.moe_layers})
+    counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
+    part = {rows: plan_capacity(cfg, counts, 16 * 2**30, 4096, torch.bfloat16, CapacitySettings(pass_graph_rows=rows),
+                                formats=fmts).activation_parts["pass_graphs"] for rows in (STAGED_PASS_ROWS, 512)}
+    assert STAGED_PASS_ROWS < fewest_dequant_tokens() <= 512
+    assert 190e6 < part[512] - part[STAGED_PASS_ROWS] < 240e6, part
+
+
 @pytest.mark.gpu
 def test_graph_replay_with_quantized_pools_bitwise(tinyk_q4km, tmp_path):
     """CUDA: the decode graph over two quantized pools (Triton kernels, the handshake with the

@@ -267,7 +267,7 @@ class DecodeGraphs:
 
 
 DEFAULT_PASS_ROWS = 256
-STAGED_PASS_ROWS = 512
+STAGED_PASS_ROWS = 511
 
 
 def env_pass_rows() -> int:
@@ -285,7 +285,11 @@ def env_pass_rows() -> int:
     Why 512 with staging (results/2026-12-06-h100-s40/, the same shape): the turns of 256-511 new tokens
     then replay too, each moving its own most-routed cold experts. In three held-out replays the median
     TTFT after tool outputs was 143-147 ms against 161 with 256 rows (and 170-181 unstaged); the larger
-    graphs' memory left 2593 experts resident instead of 2669, and TPOT (8.17-8.53 ms) did not move."""
+    graphs' memory left 2593 experts resident instead of 2669, and TPOT (8.17-8.53 ms) did not move.
+    511, not the 512 measured: a 512-row pass may take quantized experts' dequantized path (the default
+    tuning's threshold, layers/moe/gpu_quant.py fewest_dequant_tokens), whose scratch the capacity test
+    then counts once more for the graphs' own memory pool: about 200 MB of the 215 MB that the 512 rows
+    cost the 30B shape above, some 70 experts. A 512-token pass runs host-driven."""
     from ostinato.layers.moe.staging import env_stage_routes
 
     default = STAGED_PASS_ROWS if env_stage_routes() else DEFAULT_PASS_ROWS
