@@ -222,3 +222,63 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
         assert torch.allclose(gpu[:n] + cpu, want, rtol=1e-4, atol=1e-5), (gpu[:n] + cpu - want).abs().max()
     assert int(staging.staged_bytes) > 0
     hyb.close()
+
+
+CAPTURED_PASS = """
+import torch
+from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.runner import RunnerSettings
+from ostinato.layers.moe.backend import StepRows
+from ostinato.layers.moe.graph_hybrid import GraphHybridExperts
+from ostinato.layers.moe.hybrid import MixedPass
+from ostinato.layers.moe.staging import StageCosts
+from ostinato.layers.moe.types import TopKOutput
+from ostinato.load import load_engine
+
+hyb = load_engine(CKPT, RunnerSettings(device="cpu", dtype="fp32", max_context=256),
+                  PlacementSettings(residency=RES, cpu_backend="native")).runner.experts
+# as apply_calibration sets them on a GPU: an upload 0.01 ms, the CPU 0.005 ms an expert and a route
+hyb.stage_passes, hyb.stage_costs = True, MixedPass(0.01, 0.0, 0.005, 0.005)
+for rule in (2, "balance"):
+    g = GraphHybridExperts(hyb, max_rows=16, stage_routes=rule)
+    assert g.staging is not None and g.shared.staged is not None
+    assert g.staging.rule == (2 if rule == 2 else StageCosts(10_000, 0, 5_000, 5_000))
+    # the interpreter takes the shared tensors themselves (a HostPointer is the GPU's view of them)
+    g.views = {i: tuple(p.t for p in v) for i, v in g.views.items()}
+    g.staged_views = {i: p.t for i, p in g.staged_views.items()}
+    cfg_E, K = hyb.pools.groups[0].table.shape[1], hyb.pools.top_k
+    gen = torch.Generator().manual_seed(7)
+    B, layers = 16, [l for l, c in hyb.has_cold.items() if c]
+    for n in (12, 3, 16):  # a step per pass: every layer with cold experts, in order, as the worker serves them
+        rows = StepRows(torch.tensor([n], dtype=torch.int32), torch.arange(B) < n)
+        g.before_step(rows)
+        for layer in layers:
+            ids = torch.stack([torch.randperm(cfg_E, generator=gen)[:K] for _ in range(B)])
+            w = torch.rand(B, K, generator=gen)
+            x = torch.randn(B, hyb.pools.hidden, generator=gen)
+            y = g(layer, x, TopKOutput(ids, w))
+            want = hyb.split_path(layer, x[:n], TopKOutput(ids[:n], w[:n]))
+            assert torch.allclose(y[:n], want, rtol=1e-4, atol=1e-5), (rule, n, layer, (y[:n] - want).abs().max())
+        g.after_step()
+    stats = g.worker.stats()
+    assert stats["staged_experts"] > 0 and stats["desync"] == stats["errors"] == 0, stats
+    g.stop()
+print("INTERPRETER_OK")
+"""
+
+
+def test_a_captured_pass_under_the_interpreter_equals_the_split_path(tiny_dir, tmp_path):
+    """GraphHybridExperts' captured-pass path on the CPU, its handshake kernels under the interpreter and
+    the native worker beside them: the rule chooses (m = 2, and balance by given costs), the marks go to
+    the worker with the routing, the staged experts are copied and computed apart, padding rows past n are
+    left alone; the n rows equal the host-driven split path, and both rules staged some experts."""
+    pytest.importorskip("triton")
+    from ostinato.kernels.cpu.build import load_cpu_extension
+    from tests.test_hybrid import _residency_for
+    from ostinato.loader.source import CheckpointSource
+
+    if load_cpu_extension() is None:
+        pytest.skip("no native CPU extension")
+    _residency_for(CheckpointSource(tiny_dir), 0.5).save(tmp_path / "r.json")
+    script = CAPTURED_PASS.replace("CKPT", repr(str(tiny_dir))).replace("RES", repr(str(tmp_path / "r.json")))
+    run_interpreted(script, timeout=900)

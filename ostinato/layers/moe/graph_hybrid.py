@@ -117,7 +117,8 @@ class GraphHybridExperts(HybridWrapper):
         if self.hybrid.borrow is not None:
             self.hybrid.borrow.on_switch = None  # no cycle through the closed worker
         if self.worker.running:
-            torch.cuda.synchronize(self.device)  # no replay may be left waiting on the worker
+            if self.hybrid.on_cuda:  # no replay may be left waiting on the worker
+                torch.cuda.synchronize(self.device)
             self.worker.stop()
 
     def close(self) -> None:
