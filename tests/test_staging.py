@@ -211,7 +211,7 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
         assert pick.any() and (pool.table[layer][pick] < 0).all() and torch.equal(staged.row >= 0, pick)
         staging.stage(layer, staged)
         gpu = pool.forward(x, pool.slots_in(pool.table[layer], ids, count), w, out_dtype=torch.float32)
-        staging.landed()
+        hyb.copies_landed()
         gpu = gpu + pool.forward(x, pool.slots_in(staged.row, ids, count), w, out_dtype=torch.float32)
         assert not gpu[n:].any()
         cid = table[ids[:n]]

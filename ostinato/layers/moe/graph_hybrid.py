@@ -167,7 +167,7 @@ class GraphHybridExperts(HybridWrapper):
         # a pass's padding rows (from count on) compute no expert
         gpu = pool.forward(x, pool.slots_in(pool.table[layer], topk.ids, count), topk.weights, out_dtype=torch.float32)
         if staged is not None:
-            self.staging.landed()
+            self.hybrid.copies_landed()
             gpu = gpu + pool.forward(x, pool.slots_in(staged.row, topk.ids, count), topk.weights,
                                      out_dtype=torch.float32)
         y = torch.empty_like(x)

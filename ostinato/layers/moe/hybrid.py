@@ -630,7 +630,7 @@ class HybridExperts(MoEBackend):
         self._copy_in(layer, *copies, ready)
 
         def part() -> torch.Tensor:
-            self._copies_landed()
+            self.copies_landed()
             return pool.forward(x, slots, topk.weights, out_dtype=torch.float32)
 
         return part
@@ -656,21 +656,31 @@ class HybridExperts(MoEBackend):
         """Issue the copies of `experts` (host ids) into the flex slots `dst` on the copy stream, once
         `ready` has passed (an event recorded behind the flex slots' earlier readers; None: all the
         current stream's work so far), and count them. The GEMM that reads them waits first
-        (_copies_landed)."""
+        (copies_landed)."""
         pool = self.pools.of(layer)
-        stream = self.copy_stream
-        if stream is not None:
-            if ready is None:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-            else:
-                stream.wait_event(ready)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with self.on_copy_stream(ready):
             nbytes = pool.upload(dst, self.host, layer, experts)
         self.counters["uploaded_experts"] += len(experts)
         self.counters["bytes_uploaded"] += nbytes
 
-    def _copies_landed(self) -> None:
-        """The current stream waits for the copies issued so far (_copy_in)."""
+    @contextlib.contextmanager
+    def on_copy_stream(self, ready=None):
+        """Work issued inside goes to the copy stream, once `ready` has passed (an event; None: all the
+        current stream's work so far); off CUDA, in order. The uploads' copies (_copy_in) and a captured
+        pass's staging copies (layers/moe/staging.py)."""
+        stream = self.copy_stream
+        if stream is None:
+            yield
+            return
+        if ready is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            yield
+
+    def copies_landed(self) -> None:
+        """The current stream waits for the copies issued so far (on_copy_stream)."""
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
@@ -702,6 +712,6 @@ class HybridExperts(MoEBackend):
         flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)
         flex[cold_ids.to(self.device)] = torch.tensor(dst, dtype=torch.int32).to(self.device)
         slot = pool.slots_in(flex, topk.ids)
-        self._copies_landed()
+        self.copies_landed()
         out = out + pool.forward(x, slot, topk.weights, out_dtype=torch.float32)
         return out.to(x.dtype)

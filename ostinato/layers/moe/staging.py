@@ -52,7 +52,6 @@ Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import NamedTuple
 
@@ -168,14 +167,13 @@ class Staged(NamedTuple):
 class PassStaging:
     """The staging of a HybridExperts' captured passes (the module docstring): per layer with cold
     experts, its host stacks and pool tensors paired, and the experts' host rows on the device; the
-    copies on the executor's copy stream (None on the CPU: in order)."""
+    copies on the executor's copy stream (HybridExperts.on_copy_stream)."""
 
     def __init__(self, hybrid, rule: int | StageCosts):
         """rule: plan's, a count m >= 1 or the calibrated costs."""
         if not isinstance(rule, StageCosts) and rule < 1:
             raise ValueError(f"the staging rule's count must be at least 1, not {rule}")
-        self.rule, self.pools = rule, hybrid.pools
-        self.stream, self.device = hybrid.copy_stream, hybrid.device
+        self.rule, self.pools, self.hybrid, self.device = rule, hybrid.pools, hybrid, hybrid.device
         self.layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.rows, self.pairs = {}, {}
         for layer in self.layers:
@@ -206,19 +204,13 @@ class PassStaging:
         return staged
 
     def stage(self, layer: int, staged: Staged) -> None:
-        """Copy the chosen experts into their flex slots on the copy stream, after all of the current
-        stream's work so far (the flex slots' earlier readers among it). The GPU branch reads them over
-        staged.row once `landed`."""
-        pool = self.pools.of(layer)
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            for t in (staged.pick, staged.rank):  # read there: the allocator must not hand them out before
-                t.record_stream(self.stream)
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        """Copy the chosen experts into their flex slots on the executor's copy stream, after all of the
+        current stream's work so far (the flex slots' earlier readers among it). The GPU branch reads them
+        over staged.row once the copies have landed (HybridExperts.copies_landed)."""
+        flex_lo = self.pools.of(layer).flex_lo
+        with self.hybrid.on_copy_stream():
+            if staged.pick.is_cuda:  # read on the copy stream: the allocator must not hand them out before
+                for t in (staged.pick, staged.rank):
+                    t.record_stream(torch.cuda.current_stream(self.device))
             for src, dst, host in self.pairs[layer]:
-                copy(src, dst, self.rows[layer], staged.pick, staged.rank, pool.flex_lo, host)
-
-    def landed(self) -> None:
-        """The current stream waits for the copies staged so far."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+                copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host)
