@@ -18,7 +18,9 @@ call took twice as long (2-core host).
   prefill  T tokens with top-k routing (compute-bound), about T * topk / E routes an expert; with
            --amx-quant N,..., also with experts of at least N routes on the AMX tiles (their rows
            decoded to bf16 once a call: ColdArgs.amx_quant_min_tokens), against the row kernels,
-           and the rate of that decoding on one core (G values a second, the AVX-512 build);
+           and the rate of that decoding on one core (G values a second, the AVX-512 build); with
+           --amx-int8 N,..., also with the Q4_K / Q6_K projections of experts of at least N routes on
+           the AMX int8 tiles (ColdArgs.amx_int8_min_tokens: the row kernels' integers, 16 x 16 at once);
   accuracy native vs quant_reference (same activation quantization, only summation order
            differs), and vs unquantized activations (the int8 activations' own error).
 
@@ -27,6 +29,7 @@ Prints a table, and last one JSON line.
   python scripts/bench_cpu_quant.py                       # every format, 5 rounds
   python scripts/bench_cpu_quant.py --formats Q4_K,Q4_K/Q6_K --rounds 9
   python scripts/bench_cpu_quant.py --formats Q4_K/Q6_K --rounds 1 --prefill 16,64,128,256,512 --amx-quant 1
+  python scripts/bench_cpu_quant.py --formats Q4_K/Q6_K --rounds 1 --prefill 64,256 --amx-int8 2,8
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill", default="32,128", help="prefill token counts ('' for none)")
     p.add_argument("--amx-quant", default="", help="prefill again with these amx_quant_min_tokens (comma-separated; "
                    "needs AMX); 0, the row kernels alone, always runs")
+    p.add_argument("--amx-int8", default="", help="prefill again with these amx_int8_min_tokens (comma-separated)")
     p.add_argument("--spin-us", type=int, default=2000)
     p.add_argument("--no-prefetch", action="store_true", help="turn the kernels' software prefetch off")
     p.add_argument("--prefetch-kib", default="1", help="how far ahead of each row stream the kernels prefetch "
@@ -175,8 +179,9 @@ def bench_format(ce: CpuExperts, w: QuantExpertWeights, probe: torch.Tensor, arg
             "gbps_median": statistics.median(x["gbps"] for x in rounds)}
 
 
-def bench_prefill(ce: CpuExperts, w: QuantExpertWeights, T: int, amx_min: int, args, gen) -> dict:
+def bench_prefill(ce: CpuExperts, w: QuantExpertWeights, T: int, amx_min: int, args, gen, int8_min: int = 0) -> dict:
     ce._args[0].amx_quant_min_tokens = amx_min
+    ce._args[0].amx_int8_min_tokens = int8_min
     x = torch.randn(T, w.hidden, generator=gen).bfloat16()
     tok, ids, wts = topk_routes(T, w.num_experts, args.topk, 0.0, gen)
     out = torch.empty(T, w.hidden)
@@ -188,8 +193,10 @@ def bench_prefill(ce: CpuExperts, w: QuantExpertWeights, T: int, amx_min: int, a
             times.append(time.perf_counter() - t0)
     ms = statistics.median(times) * 1e3
     experts = int(torch.unique(ids).numel())
-    ce._args[0].amx_quant_min_tokens = 0
-    return {"T": T, "amx_quant_min_tokens": amx_min, "amx_experts": ce.last_stats()["amx_experts"],
+    stats = ce.last_stats()
+    ce._args[0].amx_quant_min_tokens = ce._args[0].amx_int8_min_tokens = 0
+    return {"T": T, "amx_quant_min_tokens": amx_min, "amx_experts": stats["amx_experts"],
+            "amx_int8_min_tokens": int8_min, "int8_experts": stats["int8_experts"],
             "routes": int(tok.numel()), "experts": experts, "ms": ms,
             "gbps": experts * w.expert_bytes / (ms / 1e3) / 1e9,
             "tflops": 6 * w.hidden * w.ffn * tok.numel() / (ms / 1e3) / 1e12}
@@ -261,8 +268,10 @@ def main() -> None:
             ce._args[0].prefetch_bytes = kib << 10
             results[spec if len(distances) == 1 else f"{spec}@{kib}KiB"] = bench_format(ce, w, probe, args, gen)
         ce._args[0].prefetch_bytes = distances[0] << 10
-        amx = [0] + [int(n) for n in args.amx_quant.split(",") if n]
-        pre[spec] = [bench_prefill(ce, w, int(T), n, args, gen) for T in args.prefill.split(",") if T for n in amx]
+        paths = [(0, 0)] + [(int(n), 0) for n in args.amx_quant.split(",") if n] + \
+            [(0, int(n)) for n in args.amx_int8.split(",") if n]
+        pre[spec] = [bench_prefill(ce, w, int(T), a, args, gen, i) for T in args.prefill.split(",") if T
+                     for a, i in paths]
         acc[spec] = accuracy(ce, w, args, gen)
         if args.amx_quant:
             dec[spec] = decode_rate(w)
@@ -283,7 +292,9 @@ def main() -> None:
         for spec, rows in pre.items():
             for p in rows:
                 path = f"AMX from {p['amx_quant_min_tokens']} routes ({p['amx_experts']} experts)" \
-                    if p["amx_quant_min_tokens"] else "row kernels"
+                    if p["amx_quant_min_tokens"] else \
+                    f"AMX int8 from {p['amx_int8_min_tokens']} routes ({p['int8_experts']} experts)" \
+                    if p["amx_int8_min_tokens"] else "row kernels"
                 print(f"{spec:>11} T={p['T']:>4} {p['routes']:>5} routes {p['experts']:>4} experts {p['ms']:>8.1f} ms "
                       f"{p['gbps']:>6.1f} GB/s {p['tflops']:>6.3f} TFLOP/s  {path}")
     for spec, r in dec.items():

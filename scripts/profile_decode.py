@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.config import parse_bytes  # noqa: E402
+from ostinato.engine.graph import env_pass_rows, pass_sizes  # noqa: E402
 from ostinato.engine.kv_cache import KVCache  # noqa: E402
 from ostinato.engine.placement import PlacementSettings  # noqa: E402
 from ostinato.engine.runner import RunnerSettings  # noqa: E402
@@ -521,7 +522,10 @@ def main(argv=None) -> int:
 
     place = PlacementSettings(residency=a.residency, gpu_memory=a.gpu_memory) if a.residency else None
     longest = max(a.prefill)
-    loaded = load_engine(a.model, RunnerSettings(max_context=a.context + max(longest, a.steps + 4 * a.profile_steps) + 8),
+    # room for the captured pass a prefill of `longest` tokens pads to, as the bench's context gives it
+    # (a context of just `longest` more ran a 384-token pass host-driven, where the bench replays it at 511)
+    room = next((B for B in pass_sizes(env_pass_rows()) if B >= longest), longest)
+    loaded = load_engine(a.model, RunnerSettings(max_context=a.context + max(room, a.steps + 4 * a.profile_steps) + 8),
                          place)
     runner, dev = loaded.runner, loaded.runner.device
     on_cuda = dev.type == "cuda"

@@ -457,3 +457,68 @@ def test_amx_quant_switch(monkeypatch):
 
     assert _cpu_note({"device": "cuda", "amx_quant_min_tokens": 0}) == []
     assert "at least 8 routes" in _cpu_note({"device": "cuda", "amx_quant_min_tokens": 8})[0]
+
+
+@pytest.fixture(scope="module")
+def amx_int8(native):
+    if not native.cpu_features()["amx_int8"]:
+        pytest.skip("this CPU lacks AMX-INT8")
+    return native
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "random"])
+@pytest.mark.parametrize("T", [7, 64, 512])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_K/Q6_K", "Q8_0"])
+def test_amx_int8_matches_oracle(amx_int8, name, T, exact):
+    """Experts with at least 2 routes on the int8 tiles, their Q4_K / Q6_K projections (Q6_K's gate/up
+    and Q8_0 stay on the row kernels, in the same call), against the same oracle as the row kernels:
+    per-32 quantized activations, fp32 sums. Exact blocks within EXACT_TOL: the tiles' integers are
+    the row kernels', only the fp32 combination of the sub-blocks' sums runs in another order."""
+    w = make_layer(name, exact=exact, seed=41)
+    x = make_x(T, w.hidden, exact=exact, seed=42)
+    tok, ids, wts = make_routes(T, seed=43)
+    experts = CpuExperts([w], num_threads=2, backend="native", spin_us=100, amx_int8_min_tokens=2)
+    rows = CpuExperts([w], num_threads=2, backend="native", spin_us=100, amx_int8_min_tokens=0)
+    ref = oracle(w, x, tok, ids, wts)[0]
+    for mode in (2, 1):  # scatter (the merged phase), direct
+        experts._args[0].down_mode = mode
+        out = experts.forward(0, x, tok, ids, wts)
+        stats = experts.last_stats()
+        assert (stats["int8_experts"] > 0) == (name != "Q8_0") and stats["amx_experts"] == 0
+        assert rel_err(out, ref) < (EXACT_TOL if exact else RANDOM_TOL)
+        # random blocks: a gate/up sum one fp32 ulp apart can round h to the neighbouring bf16
+        assert rel_err(out, rows.forward(0, x, tok, ids, wts)) < (EXACT_TOL if exact else 1e-4)
+    experts.close()
+    rows.close()
+
+
+def test_amx_int8_threads_and_down_modes_give_identical_bits(amx_int8):
+    """On the tiles too, no bit depends on the pool's size (the task sizes) or the down mode; and the
+    tiles' rows go in aligned groups of 16 whatever a task's bounds."""
+    g, e, D, F = torch.Generator().manual_seed(44), 4, 512, 768
+    w = QuantExpertWeights("Q4_K", random_rows("Q4_K", e * 2 * F, D, g, exact=False, positive=False).view(e, 2 * F, -1),
+                           "Q6_K", random_rows("Q6_K", e * D, F, g, exact=False, positive=False).view(e, D, -1))
+    x = make_x(96, w.hidden, exact=False, seed=46)
+    tok, ids, wts = make_routes(96, e=4, seed=47)
+    results = []
+    for threads in (1, 2, 7):
+        experts = CpuExperts([w], num_threads=threads, backend="native", spin_us=100, amx_int8_min_tokens=3)
+        for mode in (1, 2):
+            experts._args[0].down_mode = mode
+            results.append(experts.forward(0, x, tok, ids, wts).clone())
+            assert experts.last_stats()["int8_experts"] == 4
+        experts.close()
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
+def test_amx_int8_switch(monkeypatch):
+    """OSTINATO_AMX_INT8 sets the engine's default; a value that is not a whole number of routes is
+    refused with its name."""
+    monkeypatch.delenv("OSTINATO_AMX_INT8", raising=False)
+    assert ce_mod.default_amx_int8_min_tokens() == ce_mod.AMX_INT8_MIN_TOKENS
+    monkeypatch.setenv("OSTINATO_AMX_INT8", "0")
+    assert ce_mod.default_amx_int8_min_tokens() == 0
+    monkeypatch.setenv("OSTINATO_AMX_INT8", "bad")
+    with pytest.raises(ConfigError, match="OSTINATO_AMX_INT8"):
+        ce_mod.default_amx_int8_min_tokens()

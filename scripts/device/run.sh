@@ -55,6 +55,8 @@
 #   amx_quant  [K][L] quantized experts on the AMX tiles (rows decoded to bf16, ColdArgs::amx_quant_min_tokens): the
 #              CPU kernels' oracle tests, then prefill against the row kernels at the 30B and 235B shapes
 #              (scripts/bench_cpu_quant.py --amx-quant)
+#   amx_int8   [L] quantized experts on the AMX int8 tiles (ColdArgs::amx_int8_min_tokens): their tests, and
+#              scripts/bench_cpu_quant.py --amx-int8 (AMX8_MIN) at the 30B shape, by prefill size (AMX8_PREFILL)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
 #              kernels first and sets dequant_min_tokens by measurement, QGPU=0 or QCPU=0 leaves one side out,
 #              QPF=1,4,8 sweeps the CPU kernels' prefetch distance)
@@ -214,6 +216,12 @@ phase_amx_quant() {  # the break-even of ColdArgs::amx_quant_min_tokens, by rout
     --prefill 16,64,128,256,512,1024 --amx-quant 1,4
   run 200 "$R/amx_quant_235b.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K/Q6_K --hidden 4096 --ffn 1536 \
     --rounds 1 --iters 10 --prefill 16,64,256,512 --amx-quant 1,4
+}
+phase_amx_int8() {  # the quantized experts on the AMX int8 tiles (ColdArgs::amx_int8_min_tokens): their tests, and
+  # the prefill of one layer against the row kernels by routes an expert (T * 8 / 128), 15 workers
+  run 120 "$R/amx_int8_tests.txt" python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant.py -k "amx_int8 or exact"
+  run 150 "$R/amx_int8_30b.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K/Q6_K,Q4_K --rounds 1 --iters 10 \
+    --prefill ${AMX8_PREFILL:-32,64,128,256,512} --amx-int8 ${AMX8_MIN:-4,6,8,12}
 }
 phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route tally, the new model families, the
   # cap as nvidia-smi counts it, every expert resident through the pool executor, the fused dense kernels

@@ -128,6 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["avx512_bf16"] = f.avx512_bf16;
     d["amx"] = f.amx;
     d["avx512_vnni"] = f.avx512_vnni;
+    d["amx_int8"] = f.amx_int8;
     return d;
   });
 
@@ -196,6 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("out_stride", &ColdArgs::out_stride)
       .def_readwrite("amx_min_tokens", &ColdArgs::amx_min_tokens)
       .def_readwrite("amx_quant_min_tokens", &ColdArgs::amx_quant_min_tokens)
+      .def_readwrite("amx_int8_min_tokens", &ColdArgs::amx_int8_min_tokens)
       .def_readwrite("notify_value", &ColdArgs::notify_value)
       .def_readwrite("act_alpha", &ColdArgs::act_alpha)
       .def_readwrite("act_limit", &ColdArgs::act_limit)
@@ -236,6 +238,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["quant"] = s.quant;
         d["experts"] = s.experts;
         d["amx_experts"] = s.amx_experts;
+        d["int8_experts"] = s.int8_experts;
         d["routes"] = s.routes;
         d["scatter"] = s.scatter;
         d["phase_end_us"] = py::make_tuple(s.phase_end_us[0], s.phase_end_us[1], s.phase_end_us[2],

@@ -31,7 +31,8 @@ from types import ModuleType
 import torch
 
 NAME = "ostinato_cpu_experts"
-SOURCES = ("experts.cpp", "kernels_avx512.cpp", "kernels_amx.cpp", "kernels_quant.cpp", "graph_worker.cpp",
+SOURCES = ("experts.cpp", "kernels_avx512.cpp", "kernels_amx.cpp", "kernels_amx8.cpp", "kernels_quant.cpp",
+           "graph_worker.cpp",
            "bindings.cpp")
 HEADERS = ("experts.h", "kernels.h", "threadpool.h", "graph_worker.h", "vecmath.h", "dequant.h")
 CFLAGS = ("-O3", "-Wall", "-Wno-maybe-uninitialized")

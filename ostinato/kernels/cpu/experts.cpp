@@ -44,16 +44,19 @@ CpuFeatures detect() {
   const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) &&
                       (b & (1u << 31)) && (b & (1u << 8));  // F, DQ, BW, VL, BMI2
   const bool amx_cpu = (d & (1u << 22)) && (d & (1u << 24));  // AMX-BF16, AMX-TILE
+  const bool amx_int8_cpu = (d & (1u << 25)) && (d & (1u << 24));  // AMX-INT8, AMX-TILE
   f.avx512 = avx512 && (xcr0 & 0xe6) == 0xe6;  // SSE, AVX, opmask, ZMM state enabled
   if (!f.avx512) return f;
   unsigned a1, b1, c1, d1;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   f.avx512_bf16 = a1 & (1u << 5);
   f.avx512_vnni = c & (1u << 11);
-  if (amx_cpu && f.avx512_bf16 && (xcr0 & (3ull << 17)) == (3ull << 17)) {
+  if ((amx_cpu || amx_int8_cpu) && (xcr0 & (3ull << 17)) == (3ull << 17)) {
     // Linux hands out the 8 KiB tile state only on request (once per process).
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    f.amx = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    const bool tiles = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    f.amx = tiles && amx_cpu && f.avx512_bf16;
+    f.amx_int8 = tiles && amx_int8_cpu && f.avx512_vnni;
   }
   return f;
 }
@@ -183,7 +186,7 @@ struct ColdExperts::Impl final : PhasedJob {
   Plan plan;
   AlignedBuffer<float> h, u, xconv, y;
   AlignedBuffer<uint16_t> xpack, hhi;
-  AlignedBuffer<uint8_t> xact, hact;
+  AlignedBuffer<uint8_t> xact, hact, xpk, hpk;
   std::vector<int32_t> counts, slots_by_size, chunk_rows, chunks_left;
   std::vector<uint8_t> token_used;
   std::atomic<int64_t> ups_done{0};  // merged quantized phase: gate/up tasks finished,
@@ -265,6 +268,49 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   p.xpack = amx_slots ? xpack.ensure(size_t(xpack_len)) : nullptr;
   p.hhi = amx_slots ? hhi.ensure(size_t(hpack_len)) : nullptr;
 
+  // Quantized experts on the AMX int8 tiles (kernels_amx8.cpp): the slots with enough routes not on
+  // the bf16 tiles, for each projection of a format the tiles take; their activations' packs.
+  const bool i8_ok = p.quant && a.amx_int8_min_tokens > 0 && cpu_features().amx_int8 &&
+                     (a.isa == Isa::kAuto || a.isa == Isa::kAmx);
+  const bool i8_13 = i8_ok && a.qt13 == QType::kQ4_K;
+  const bool i8_2 = i8_ok && (a.qt2 == QType::kQ4_K || a.qt2 == QType::kQ6_K);
+  p.i8_13.assign(size_t(S), 0);
+  p.i8_2.assign(size_t(S), 0);
+  p.xpk_off.assign(size_t(S), 0);
+  p.hpk_off.assign(size_t(S), 0);
+  int64_t xpk_len = 0, hpk_len = 0, i8_slots = 0;
+  for (int32_t s = 0; s < S; ++s) {
+    const int64_t n = p.start[s + 1] - p.start[s], groups = (n + kI8Routes - 1) / kI8Routes;
+    if (p.amx[s] || n < a.amx_int8_min_tokens || !(i8_13 || i8_2)) continue;
+    ++i8_slots;
+    p.i8_13[s] = i8_13;
+    p.i8_2[s] = i8_2;
+    p.xpk_off[s] = xpk_len;
+    p.hpk_off[s] = hpk_len;
+    xpk_len += i8_13 ? groups * i8_group_bytes(a.D) : 0;
+    hpk_len += i8_2 ? groups * i8_group_bytes(a.F) : 0;
+  }
+  p.xpk = xpk_len ? xpk.ensure(size_t(xpk_len)) : nullptr;
+  p.hpk = hpk_len ? hpk.ensure(size_t(hpk_len)) : nullptr;
+  p.xtok_start.clear();
+  if (xpk_len) {  // token -> its routes in i8_13 slots, which phase 0 packs with its x
+    p.xtok_start.assign(size_t(a.T) + 1, 0);
+    for (int32_t s = 0; s < S; ++s)
+      if (p.i8_13[s])
+        for (int32_t q = p.start[s]; q < p.start[s + 1]; ++q) ++p.xtok_start[p.route_token(q) + 1];
+    for (int64_t t = 0; t < a.T; ++t) p.xtok_start[t + 1] += p.xtok_start[t];
+    p.xtok_slot.resize(size_t(p.xtok_start[a.T]));
+    p.xtok_idx.resize(size_t(p.xtok_start[a.T]));
+    counts.assign(p.xtok_start.begin(), p.xtok_start.end());
+    for (int32_t s = 0; s < S; ++s)
+      if (p.i8_13[s])
+        for (int32_t q = p.start[s]; q < p.start[s + 1]; ++q) {
+          const int32_t k = counts[p.route_token(q)]++;
+          p.xtok_slot[k] = s;
+          p.xtok_idx[k] = q - p.start[s];
+        }
+  }
+
   // Phase 0: convert the x rows the vector slots read; pack x for the AMX slots.
   p.t0.clear();
   if (convert) {
@@ -294,10 +340,11 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   // of the phase's rows not yet handed out, in multiples of kQRowsUnit within [lo, hi]; a
   // slot's last task takes a remainder below lo along.
   const int64_t guide = kQuantGuide * (pool.size() + 1);  // the waiter helps
+  // A slot on the int8 tiles takes its rows in aligned groups of 16.
   const auto guided = [&](std::vector<Plan::Task>& tasks, int32_t s, int64_t rows, int64_t& left, int64_t lo,
-                          int64_t hi) {
+                          int64_t hi, bool tiles) {
     for (int64_t r = 0; r < rows;) {
-      int64_t n = std::clamp(round_up(left / guide, kQRowsUnit), lo, hi);
+      int64_t n = std::clamp(round_up(left / guide, tiles ? 16 : kQRowsUnit), lo, hi);
       if (rows - r - n < lo) n = rows - r;
       tasks.push_back({s, 0, r, r + n});
       r += n;
@@ -308,7 +355,7 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   int64_t left = (S - amx_slots) * a.F;
   for (int32_t s : slots_by_size) {
     if (p.quant && !p.amx[s]) {
-      guided(p.t1, s, a.F, left, kUpRowsQuantMin, kUpRowsQuantMax);
+      guided(p.t1, s, a.F, left, kUpRowsQuantMin, kUpRowsQuantMax, p.i8_13[s]);
       continue;
     }
     const int64_t step = p.amx[s] ? kUpRowsAmx : kUpRowsVec;
@@ -333,7 +380,7 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
     left = (S - amx_slots) * a.D;
     for (int32_t s : slots_by_size) {
       if (p.quant && !p.amx[s]) {
-        guided(p.t2, s, a.D, left, kDownRowsQuantMin, kDownRowsQuantMax);
+        guided(p.t2, s, a.D, left, kDownRowsQuantMin, kDownRowsQuantMax, p.i8_2[s]);
         continue;
       }
       for (int64_t d = 0; d < a.D; d += kDownRowsScatter)
@@ -354,6 +401,7 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
 
   stats.experts = S;
   stats.amx_experts = amx_slots;
+  stats.int8_experts = i8_slots;
   stats.routes = a.R;
   stats.scatter = p.scatter;
   stats.quant = p.quant;

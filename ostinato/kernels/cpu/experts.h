@@ -56,6 +56,7 @@ struct CpuFeatures {
   bool avx512_bf16 = false;  // AVX512_BF16
   bool amx = false;          // AMX-TILE + AMX-BF16, and the OS granted XTILEDATA
   bool avx512_vnni = false;  // AVX512_VNNI (with AVX-512 F/BW/VL/DQ): the quantized experts
+  bool amx_int8 = false;     // AMX-TILE + AMX-INT8 (with AVX512_VNNI), and the OS granted XTILEDATA
 };
 
 // Detected once (cpuid, xgetbv, arch_prctl for AMX).
@@ -97,6 +98,12 @@ struct ColdArgs {
   // every route. The rows' decoding costs the time of several routes, so the break-even is
   // measured (scripts/bench_cpu_quant.py --amx-quant) before a caller turns it on.
   int64_t amx_quant_min_tokens = 0;
+  // Quantized experts on the AMX int8 tiles (kernels_amx8.cpp; Q4_K gate/up, Q4_K and Q6_K down),
+  // for experts with at least this many routes; 0: never. The tiles multiply the same integers as
+  // the row kernels (the weights' and the per-32 quantized activations'), into the same int32
+  // sums of each scale's sub-block; only the fp32 combination of those sums runs in another order.
+  // A projection of another format stays on the row kernels. Needs cpu_features().amx_int8.
+  int64_t amx_int8_min_tokens = 0;
   // Down projection: 0 picks by size, 1 "direct", 2 "scatter" (kernels.h); same bits.
   int32_t down_mode = 0;
   // Software prefetch of the weight rows computed next (a tuning switch; same results), and, for
@@ -117,6 +124,7 @@ struct ColdStats {
   Isa isa = Isa::kAuto;  // the path actually used
   int64_t experts = 0;  // distinct experts with cold routes
   int64_t amx_experts = 0;  // of which computed on AMX tiles
+  int64_t int8_experts = 0;  // of which a projection ran on the AMX int8 tiles (amx_int8_min_tokens)
   int64_t routes = 0;
   bool scatter = false;  // the down projection went through the per-route buffer
   bool quant = false;  // quantized experts (the VNNI kernels)

@@ -123,6 +123,17 @@ struct Plan {
   int32_t* chunk_rows = nullptr;  // [S * chunks] gate/up rows computed of each chunk of each slot
   int32_t* chunks_left = nullptr;  // [S] chunks of the slot's h not yet quantized
 
+  // Quantized experts on the AMX int8 tiles (kernels_amx8.cpp, ColdArgs::amx_int8_min_tokens):
+  // whether slot s's gate/up (i8_13) and down (i8_2) projections run there, and its activations
+  // packed for them (i8_pack below) at byte offsets xpk_off / hpk_off of xpk (x) and hpk (h).
+  std::vector<uint8_t> i8_13, i8_2;  // [S]
+  std::vector<int64_t> xpk_off, hpk_off;  // [S]
+  uint8_t* xpk = nullptr;
+  uint8_t* hpk = nullptr;
+  // Token t's routes in i8_13 slots, (slot, index in the slot) for k in [xtok_start[t], xtok_start[t + 1]):
+  // where quant_prepare_x packs its x as well.
+  std::vector<int32_t> xtok_start, xtok_slot, xtok_idx;
+
   // Task lists: phase 0 (kind 0: convert token t; kind 1: pack slot s token-block b),
   // phase 1 (slot, AMX or not, first f row, end f row), phase 2 scatter (slot, AMX or not,
   // first d row, end d row); direct phase 2 has ceil(D / kDownRows) tasks, phase 3 T.
@@ -158,6 +169,15 @@ constexpr int64_t kDownRows = 16;  // d rows per direct down task (one AMX tile 
 constexpr int64_t kDownRowsScatter = 128;  // d rows per scatter down task (8 AMX tiles)
 constexpr int64_t kDirectMaxHBytes = 192 << 10;  // direct down while all of h fits in L2
 
+// The AMX int8 tiles' activations: a slot's routes in groups of 16 (kI8Routes), each group
+// i8_group_bytes(K) bytes: for each 32-chunk c of the K values, TDPBUSD's B tile (8 rows of 64
+// bytes: row k holds values 4k .. 4k + 3 of each of the 16 routes, as int8), then, after the
+// tiles of every chunk, 4 x 16 fp32 per chunk: the routes' scale d, and d times the sum of the
+// chunk's 32 q, of its first 16 and of its last 16. Written by the quantization of x (phase 0)
+// and of h (the gate/up epilogue) beside the row kernels' records, from the same int8 values.
+constexpr int64_t kI8Routes = 16;
+inline int64_t i8_group_bytes(int64_t K) { return K / 32 * (512 + 256); }
+
 // Vector path (AVX-512), kernels_avx512.cpp.
 void vec_convert_x(const Plan& p, int64_t t);
 void vec_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);
@@ -170,6 +190,15 @@ void quant_prepare_x(const Plan& p, int64_t t);
 void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);  // quantizes the h chunks it completes
 void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);  // direct or scatter
 double read_sum(const void* data, int64_t bytes);  // the bandwidth probe's task (AVX-512)
+
+// AMX int8 tiles, kernels_amx8.cpp: rows [lo, hi) of slot s's gate and up (into h and u, as
+// quant_gate_up's row kernels; the caller runs the chunks' epilogue) or of its down projection
+// (into y, or out in direct mode, as quant_down). lo, hi multiples of 16.
+void amx8_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);
+// Their Q4_K scales, decoded as the row kernels decode them (kernels_quant.cpp): block b of 16 rows
+// rb bytes apart -> V[16][16], row r: d sc_j for j < 8, then dmin m_j.
+void q4k_scales16(const uint8_t* w, int64_t rb, int64_t b, float* V);
+void amx8_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);
 
 // AMX path, kernels_amx.cpp (requires D % 32 == 0, F % 32 == 0, bf16 x, and bf16 or
 // quantized weights).

@@ -291,6 +291,22 @@ struct K4 {
   }
 };
 
+}  // namespace
+
+// [d sc_j for j < 8, dmin m_j for j < 8] of block b of 16 Q4_K rows (rb bytes apart) into V[16][16]:
+// the row kernels' scale decoding (k4_scales), for the int8 tiles (kernels_amx8.cpp).
+void q4k_scales16(const uint8_t* w, int64_t rb, int64_t b, float* V) {
+  for (int r0 = 0; r0 < 16; r0 += 4) {
+    const uint8_t* blk[4] = {w + r0 * rb + b * 144, w + (r0 + 1) * rb + b * 144, w + (r0 + 2) * rb + b * 144,
+                             w + (r0 + 3) * rb + b * 144};
+    __m512 v[4];
+    k4_scales<4>(blk, v);
+    for (int r = 0; r < 4; ++r) _mm512_storeu_ps(V + (r0 + r) * 16, v[r]);
+  }
+}
+
+namespace {
+
 // ---- Q6_K: steps of one 256-value block ----------------------------------------------
 
 struct Q6K {
@@ -600,6 +616,25 @@ void put_block(QType qt, const Q32& x, int64_t j, const QActView& v) {
   }
 }
 
+// Chunk c of route i of a slot's activations packed for the AMX int8 tiles (kernels.h i8_pack),
+// from its quantized block: the 8 dwords of q down column i % 16 of the chunk's B tile, and the
+// scales and sums (d * sum as put_block computes it for Q4_K's mins).
+void i8_pack(uint8_t* pk, int64_t K, int32_t i, int64_t c, const Q32& x) {
+  uint8_t* tiles = pk + (i / kI8Routes) * i8_group_bytes(K);
+  const int n = i % kI8Routes;
+  _mm256_i32scatter_epi32(tiles + c * 512 + 4 * n, _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112), x.q, 4);
+  const __m128i s4 = _mm256_castsi256_si128(x.lane4), s8 = _mm256_extracti128_si256(x.lane4, 1);
+  const int32_t lo = _mm_extract_epi32(s4, 0) + _mm_extract_epi32(s4, 1) + _mm_extract_epi32(s4, 2) +
+                     _mm_extract_epi32(s4, 3);
+  const int32_t hi = _mm_extract_epi32(s8, 0) + _mm_extract_epi32(s8, 1) + _mm_extract_epi32(s8, 2) +
+                     _mm_extract_epi32(s8, 3);
+  float* f = reinterpret_cast<float*>(tiles + K / 32 * 512) + c * 64;
+  f[n] = x.d;
+  f[16 + n] = x.d * float(hsum8(x.lane4));
+  f[32 + n] = x.d * float(lo);
+  f[48 + n] = x.d * float(hi);
+}
+
 // Zero blocks after the last one up to the end of the kernels' last step (Q8_0: pairs,
 // MXFP4: fours), so that a partial step adds nothing.
 void put_padding(QType qt, int64_t n, const QActView& v) {
@@ -608,10 +643,13 @@ void put_padding(QType qt, int64_t n, const QActView& v) {
   for (int64_t j = n / 32; j % step; ++j) put_block(qt, zero, j, v);
 }
 
-// Quantizes 32-chunk j of h for route position q (fp32 h, already rounded to bf16).
-void put_h_chunk(const Plan& p, int64_t q, int64_t j, const float* h32) {
+// Quantizes 32-chunk j of h for route position q of slot s (fp32 h, already rounded to bf16): into
+// its record for the row kernels, or packed for the tiles where they compute the slot's down.
+void put_h_chunk(const Plan& p, int32_t s, int64_t q, int64_t j, const float* h32) {
+  const Q32 x = quantize32(h32);
+  if (p.i8_2[s]) return i8_pack(p.hpk + p.hpk_off[s], p.a.F, int32_t(q - p.start[s]), j, x);
   const QActView v = qact_view(p.hact, p.hl, q);
-  put_block(p.a.qt2, quantize32(h32), j, v);
+  put_block(p.a.qt2, x, j, v);
   if ((j + 1) * 32 == p.a.F) put_padding(p.a.qt2, p.a.F, v);
 }
 
@@ -632,7 +670,7 @@ void quantize_h_chunk(const Plan& p, int32_t s, int64_t c) {
       }
       _mm512_store_ps(h32 + 16 * i, round_bf16_512(act512(gv, uv, a)));
     }
-    put_h_chunk(p, q, c, h32);
+    put_h_chunk(p, s, q, c, h32);
   }
 }
 
@@ -658,7 +696,11 @@ void quant_prepare_x(const Plan& p, int64_t t) {
     } else {
       std::memcpy(buf, static_cast<const float*>(a.x) + t * a.x_stride + 32 * j, sizeof(buf));
     }
-    put_block(a.qt13, quantize32(buf), j, v);
+    const Q32 x = quantize32(buf);
+    put_block(a.qt13, x, j, v);
+    if (!p.xtok_start.empty())  // and for this token's routes in slots on the int8 tiles
+      for (int32_t k = p.xtok_start[t]; k < p.xtok_start[t + 1]; ++k)
+        i8_pack(p.xpk + p.xpk_off[p.xtok_slot[k]], a.D, p.xtok_idx[k], j, x);
   }
   put_padding(a.qt13, a.D, v);
 }
@@ -668,7 +710,8 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
   const int64_t rb = p.rb13;
   const uint8_t* w13 = static_cast<const uint8_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * a.F * rb;
   const int32_t q0 = p.start[s], q1 = p.start[s + 1];
-  for (int32_t q = q0; q < q1; q += kQTok) {
+  if (p.i8_13[s]) amx8_gate_up(p, s, f0, f1);
+  for (int32_t q = q0; q < q1 && !p.i8_13[s]; q += kQTok) {
     const int nt = std::min(kQTok, q1 - q);
     QActView acts[kQTok];
     for (int j = 0; j < nt; ++j) acts[j] = qact_view(p.xact, p.xl, p.route_token(q + j));
@@ -713,6 +756,7 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
 }
 
 void quant_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
+  if (p.i8_2[s]) return amx8_down(p, s, d0, d1);
   const ColdArgs& a = p.a;
   const int64_t rb = p.rb2;
   const uint8_t* w2 = static_cast<const uint8_t*>(a.w2) + int64_t(p.exp_id[s]) * a.D * rb;

@@ -50,6 +50,8 @@ from ostinato.quant import formats
 ISAS = {"auto": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 QTYPE_CODES = {"Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}  # experts.h QType
+# The default of default_amx_int8_min_tokens: not yet measured in the engine, so off.
+AMX_INT8_MIN_TOKENS = 0
 _MIN_AMAX = 2.0**-96  # activation blocks below count as zeros (127 / amax stays finite)
 _FLOAT_QTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
@@ -160,6 +162,9 @@ class CpuExperts:
     16-core GPU host; scripts/bench_cpu_experts.py --amx-min-tokens measures it).
     amx_quant_min_tokens: the same for quantized experts, whose rows the AMX path decodes to
     bf16 first (default: amx_quant_min_tokens(), 0 = never, until its break-even is measured).
+    amx_int8_min_tokens: fewest routes of a quantized expert that send its Q4_K / Q6_K projections
+    to the AMX int8 tiles, the row kernels' integers 16 rows by 16 routes at once (default:
+    default_amx_int8_min_tokens(); 0 = never; no effect without AMX-INT8).
     """
 
     def __init__(
@@ -173,6 +178,7 @@ class CpuExperts:
         spin_us: int = 2000,
         amx_min_tokens: int = 4,
         amx_quant_min_tokens: int | None = None,
+        amx_int8_min_tokens: int | None = None,
     ):
         items = layers.items() if isinstance(layers, Mapping) else enumerate(layers)
         self.layers = {int(i): _checked(i, _as_weights(i, w)) for i, w in items}
@@ -200,7 +206,9 @@ class CpuExperts:
             self._native = ext.ColdExperts(list(self.cpus), int(spin_us))
             if amx_quant_min_tokens is None:
                 amx_quant_min_tokens = default_amx_quant_min_tokens()
-            self._args = {i: _layer_args(ext, w, isa, amx_min_tokens, amx_quant_min_tokens)
+            if amx_int8_min_tokens is None:
+                amx_int8_min_tokens = default_amx_int8_min_tokens()
+            self._args = {i: _layer_args(ext, w, isa, amx_min_tokens, amx_quant_min_tokens, amx_int8_min_tokens)
                           for i, w in self.layers.items()}
         else:  # torch's intra-op pool on num_threads in its worker (a CUDA runner keeps its own threads at one)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts",
@@ -482,13 +490,19 @@ def default_amx_quant_min_tokens() -> int:
     return env_count("OSTINATO_AMX_QUANT", 0, "routes")
 
 
+def default_amx_int8_min_tokens() -> int:
+    """The fewest routes of a quantized expert that send its Q4_K / Q6_K projections to the AMX int8
+    tiles (ColdArgs::amx_int8_min_tokens): OSTINATO_AMX_INT8, default AMX_INT8_MIN_TOKENS (0: never)."""
+    return env_count("OSTINATO_AMX_INT8", AMX_INT8_MIN_TOKENS, "routes")
+
+
 def _quant_unavailable() -> str | None:
     if not _extension().cpu_features()["avx512_vnni"]:
         return "this CPU lacks AVX512_VNNI, which the quantized experts' kernels use"
     return None
 
 
-def _layer_args(ext, w, isa: str, amx_min_tokens: int, amx_quant_min_tokens: int):
+def _layer_args(ext, w, isa: str, amx_min_tokens: int, amx_quant_min_tokens: int, amx_int8_min_tokens: int):
     a = ext.ColdArgs()
     a.w13, a.w2 = w.w13.data_ptr(), w.w2.data_ptr()
     if isinstance(w, QuantExpertWeights):
@@ -497,6 +511,7 @@ def _layer_args(ext, w, isa: str, amx_min_tokens: int, amx_quant_min_tokens: int
         a.w_dtype = _DTYPES[w.w13.dtype]
     a.E, a.D, a.F = _dims(w)
     a.isa, a.amx_min_tokens, a.amx_quant_min_tokens = ISAS[isa], amx_min_tokens, amx_quant_min_tokens
+    a.amx_int8_min_tokens = amx_int8_min_tokens
     a.act, a.act_alpha, a.act_limit = w.act.code, w.act.alpha, w.act.limit
     if w.b13 is not None:  # fp32 and contiguous (_fp32_biases), kept alive by the layer's weights
         a.b13, a.b2 = w.b13.data_ptr(), w.b2.data_ptr()
