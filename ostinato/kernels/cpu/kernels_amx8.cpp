@@ -16,6 +16,14 @@
 //   Q4_K  dot += (d sc_j) (dx_j C_j) - (dmin m_j) (dx_j sum_j)
 //   Q6_K  dot += (d sc_i) (dx_c C_i - 32 dx_c sum_i)      (q - 32 as q, minus 32 times the sum)
 // Which rows a task computes never changes a row's result: rows go in aligned groups of 16.
+//
+// Measured (results/2026-12-06-h100-s41/, scripts/bench_cpu_quant.py, one layer of the 30B shape,
+// Q4_K/Q6_K, every route cold, 15 workers of the 16-core H100 host): with every expert of at least 8
+// routes on the tiles, 14.9 -> 10.1 ms at 256 tokens (16 routes an expert), 29.0 -> 16.6 at 512, 8.6
+// -> 7.5 at 128; at 32 tokens with the 19 experts of 4 routes or more on the tiles, 3.1 -> 17.5 ms,
+// not explained. A tile op's cost does not shrink with fewer routes (the scaling is per row and
+// sub-block), so the tiles pay from some 8 routes an expert; they stay off by default
+// (cpu_experts.py AMX_INT8_MIN_TOKENS) until the engine's replays say where.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -42,8 +50,9 @@ struct alignas(64) TileConfig {
 
 // Four sums tiles (tmm0, 5, 6, 7: 16 rows x 16 routes of int32), so that four sub-blocks' tile ops
 // run back to back while the vector unit scales the previous four (a TDPBUSD, its TILESTORED and the
-// loads that read the sums back form a chain of some hundred cycles); two A tiles (tmm1, 3: 16 rows
+// loads that read the sums back form a chain); two A tiles (tmm1, 3: 16 rows
 // x K u8) and two B tiles (tmm2, 4: K / 4 rows x 64 bytes), used in turn. K = 32 (Q4_K) or 16 (Q6_K).
+// Configured once a task (a task is one projection, one format).
 class Tiles {
  public:
   explicit Tiles(int K) {
@@ -65,8 +74,7 @@ class Tiles {
   ~Tiles() { _tile_release(); }
 };
 
-// 16 rows' block b: values as u8 into A[16][256], scales into rs (d sc per sub-block) and ms
-// (dmin m, Q4_K).
+// 16 rows' block b decoded: values as u8, scales (V), and the four sums tiles read back.
 struct Block16 {
   alignas(64) uint8_t A[16][256];
   alignas(64) int32_t C[4][16][16];
@@ -154,7 +162,6 @@ template <bool kQ6>
 void rows16(const uint8_t* w, int64_t rb, int64_t K, const uint8_t* pk, int32_t n, float* res, int64_t ld) {
   const int64_t nc = K / 32, gb = i8_group_bytes(K), blocks = K / 256, bb = kQ6 ? 210 : 144;
   Block16 k;
-  Tiles config(kQ6 ? 16 : 32);
   for (int32_t g = 0; g * kI8Routes < n; ++g) {
     const uint8_t* tiles = pk + g * gb;
     const float* scales = reinterpret_cast<const float*>(tiles + nc * 512);
@@ -229,6 +236,7 @@ void amx8_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
   const int32_t q0 = p.start[s], n = p.start[s + 1] - q0;
   const int64_t ld = round_up(n, kI8Routes);
   float* res = results(16 * ld);
+  Tiles config(a.qt13 == QType::kQ6_K ? 16 : 32);
   for (int64_t f = f0; f < f1; f += 16) {
     for (int half = 0; half < 2; ++half) {  // gate rows f.., then up rows F + f..
       rows16_of(a.qt13, w13 + (half * a.F + f) * rb, rb, a.D, p.xpk + p.xpk_off[s], n, res, ld);
@@ -247,6 +255,7 @@ void amx8_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
   const int32_t q0 = p.start[s], n = p.start[s + 1] - q0;
   const int64_t ld = round_up(n, kI8Routes);
   float* res = results(16 * ld);
+  Tiles config(a.qt2 == QType::kQ6_K ? 16 : 32);
   for (int64_t d = d0; d < d1; d += 16) {
     rows16_of(a.qt2, w2 + d * rb, rb, a.F, p.hpk + p.hpk_off[s], n, res, ld);
     for (int32_t i = 0; i < n; ++i)

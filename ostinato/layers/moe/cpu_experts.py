@@ -50,7 +50,8 @@ from ostinato.quant import formats
 ISAS = {"auto": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 QTYPE_CODES = {"Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}  # experts.h QType
-# The default of default_amx_int8_min_tokens: not yet measured in the engine, so off.
+# The default of default_amx_int8_min_tokens: off until the engine's replays measure it (one layer
+# alone: kernels_amx8.cpp's header).
 AMX_INT8_MIN_TOKENS = 0
 _MIN_AMAX = 2.0**-96  # activation blocks below count as zeros (127 / amax stays finite)
 _FLOAT_QTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
