@@ -170,13 +170,13 @@ constexpr int64_t kDownRowsScatter = 128;  // d rows per scatter down task (8 AM
 constexpr int64_t kDirectMaxHBytes = 192 << 10;  // direct down while all of h fits in L2
 
 // The AMX int8 tiles' activations: a slot's routes in groups of 16 (kI8Routes), each group
-// i8_group_bytes(K) bytes: for each 32-chunk c of the K values, TDPBUSD's B tile (8 rows of 64
-// bytes: row k holds values 4k .. 4k + 3 of each of the 16 routes, as int8), then, after the
-// tiles of every chunk, 4 x 16 fp32 per chunk: the routes' scale d, and d times the sum of the
-// chunk's 32 q, of its first 16 and of its last 16. Written by the quantization of x (phase 0)
-// and of h (the gate/up epilogue) beside the row kernels' records, from the same int8 values.
+// i8_group_bytes(K) bytes: the routes' int8 values, 16 rows of K in natural order (the A operand of
+// TDPBSUD, a row per route), then 4 x 16 fp32 per 32-chunk c of the K values: the routes' scale d, and
+// d times the sum of the chunk's 32 q, of its first 16 and of its last 16. Written by the quantization
+// of x (phase 0) and of h (the gate/up epilogue) beside the row kernels' records, from the same int8
+// values.
 constexpr int64_t kI8Routes = 16;
-inline int64_t i8_group_bytes(int64_t K) { return K / 32 * (512 + 256); }
+inline int64_t i8_group_bytes(int64_t K) { return kI8Routes * K + K / 32 * 256; }
 
 // Vector path (AVX-512), kernels_avx512.cpp.
 void vec_convert_x(const Plan& p, int64_t t);

@@ -1,29 +1,25 @@
-// Quantized experts on the AMX int8 tiles: the row kernels' integer dots, 16 rows x 16 routes at once.
+// Quantized experts on the AMX int8 tiles: the row kernels' integer dots, 16 weight rows by up to 16
+// routes at once.
 //
 // Why: the row kernels (kernels_quant.cpp) spend, per route and 32 weight values, a VPDPBUSD and
 // three vector instructions to scale its int32 sums (convert, permute, FMA), so a prefill's cold
 // experts run at some 50 G products a second per core, far below what the memory delivers. The
-// tile unit computes a sub-block's sums for 16 rows and 16 routes in one TDPBUSD; the scaling
-// then costs four instructions per row and sub-block, shared by the 16 routes.
+// tile unit computes a sub-block's sums for 16 rows and the routes of an expert in one TDPBSUD.
 //
-// What is computed: the same integers as the row kernels. Weights are the A operand as u8 (Q4_K
-// nibbles 0-15, Q6_K values 0-63 before their -32), decoded block by block for 16 rows into a
-// scratch of this thread; activations are the B operand, int8 quantized per 32 values exactly
-// as the row kernels' records hold them (i8_pack, kernels.h), packed by whoever quantizes them.
-// A tile op covers one scale's sub-block (Q4_K: 32 values, K = 32; Q6_K: 16, K = 16), so each
-// int32 sum is one sub-block's, as in the row kernels; only the fp32 combination of the sums,
-// sub-block by sub-block and row by row, runs in another order:
-//   Q4_K  dot += (d sc_j) (dx_j C_j) - (dmin m_j) (dx_j sum_j)
-//   Q6_K  dot += (d sc_i) (dx_c C_i - 32 dx_c sum_i)      (q - 32 as q, minus 32 times the sum)
-// Which rows a task computes never changes a row's result: rows go in aligned groups of 16.
-//
-// Measured (results/2026-12-06-h100-s41/, scripts/bench_cpu_quant.py, one layer of the 30B shape,
-// Q4_K/Q6_K, every route cold, 15 workers of the 16-core H100 host): with every expert of at least 8
-// routes on the tiles, 14.9 -> 10.1 ms at 256 tokens (16 routes an expert), 29.0 -> 16.6 at 512, 8.6
-// -> 7.5 at 128; at 32 tokens with the 19 experts of 4 routes or more on the tiles, 3.1 -> 17.5 ms,
-// not explained. A tile op's cost does not shrink with fewer routes (the scaling is per row and
-// sub-block), so the tiles pay from some 8 routes an expert; they stay off by default
-// (cpu_experts.py AMX_INT8_MIN_TOKENS) until the engine's replays say where.
+// What is computed: the same integers as the row kernels. The routes' activations are the A operand
+// (a row per route: int8 quantized per 32 values exactly as the row kernels' records hold them,
+// i8_pack in kernels.h, packed by whoever quantizes them); the weights are the B operand as u8 (Q4_K
+// nibbles 0-15, Q6_K values 0-63 before their -32), 16 rows decoded block by block into the tile's
+// 4-byte columns (a transpose of the rows' 4-byte groups, which hold 4 consecutive values in both
+// formats). A tile op covers one scale's sub-block (Q4_K: 32 values, K = 32; Q6_K: 16, K = 16), so
+// each int32 sum is one sub-block's, as in the row kernels; only the fp32 combination of the sums,
+// sub-block by sub-block, runs in another order:
+//   Q4_K  dot += ((d sc_j) C_j) dx_j - (dmin m_j) (dx_j sum_j)
+//   Q6_K  dot += ((d sc_i) C_i) dx_c - (32 d sc_i) (dx_c sum_i)    (q - 32 as q, minus 32 times the sum)
+// The sums' rows are routes, their lanes the 16 weight rows: scaling them costs four instructions a
+// route and sub-block, and a tile op's rows are the routes (4, 8, 12 or 16), so both shrink with
+// fewer routes. Which rows a task computes never changes a row's result: rows go in aligned groups of
+// 16, and a route's result does not depend on the others in its group.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -48,21 +44,20 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Four sums tiles (tmm0, 5, 6, 7: 16 rows x 16 routes of int32), so that four sub-blocks' tile ops
-// run back to back while the vector unit scales the previous four (a TDPBUSD, its TILESTORED and the
-// loads that read the sums back form a chain); two A tiles (tmm1, 3: 16 rows
-// x K u8) and two B tiles (tmm2, 4: K / 4 rows x 64 bytes), used in turn. K = 32 (Q4_K) or 16 (Q6_K).
-// Configured once a task (a task is one projection, one format).
+// Four sums tiles (tmm0, 5, 6, 7: M routes x 16 rows of int32), so that four sub-blocks' tile ops run
+// back to back while the vector unit scales the previous four; two A tiles (tmm1, 3: M routes x K
+// int8) and two B tiles (tmm2, 4: K / 4 rows x 16 weight rows x 4 u8), used in turn. K = 32 (Q4_K)
+// or 16 (Q6_K). Configured for each group of routes.
 class Tiles {
  public:
-  explicit Tiles(int K) {
+  Tiles(int M, int K) {
     TileConfig c;
     for (int i : {0, 5, 6, 7}) {
-      c.rows[i] = 16;
+      c.rows[i] = uint8_t(M);
       c.colsb[i] = 64;
     }
     for (int i : {1, 3}) {
-      c.rows[i] = 16;
+      c.rows[i] = uint8_t(M);
       c.colsb[i] = uint16_t(K);
     }
     for (int i : {2, 4}) {
@@ -74,140 +69,225 @@ class Tiles {
   ~Tiles() { _tile_release(); }
 };
 
-// 16 rows' block b decoded: values as u8, scales (V), and the four sums tiles read back.
+// One block of 16 weight rows, decoded: the B tile of each sub-block (16 of 16 x 4 u8 for K = 16, 8
+// of 8 x 64 bytes for K = 32, both 4 KiB), the scales as vectors over the 16 rows (lane r = row r),
+// and the four sums tiles read back.
 struct Block16 {
-  alignas(64) uint8_t A[16][256];
+  alignas(64) uint8_t B[4096];
   alignas(64) int32_t C[4][16][16];
-  alignas(64) float V[16][16];  // row r: Q4_K d sc_j (j < 8) then dmin m_j; Q6_K d sc_i (i < 16)
+  __m512 rs[16], ms[8];  // Q4_K: d sc_j and dmin m_j (j < 8); Q6_K: d sc_i (i < 16)
+  __m512 rs32[16];       // Q6_K: 32 d sc_i
 };
 
-inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-// Rows r and r + 1's 32 bytes at offset o of their blocks, as one vector.
-inline __m512i load2(const uint8_t* w, int64_t rb, int64_t o) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(load256(w + o)), load256(w + rb + o), 1);
-}
-// Rows r and r + 1 of A, 32 values each at column o (the scratch rows are 256 bytes: two stores).
-inline void store2(uint8_t* a, int64_t o, __m512i v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + o), _mm512_castsi512_si256(v));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + 256 + o), _mm512_extracti64x4_epi64(v, 1));
+// The 16 x 16 transpose of 32-bit lanes: r[i] = row i -> r[e] = element e of every row.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + e], 128-bit lane L: rows 4i .. 4i+3 of element 4L + e
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88), u1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
+    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88), v1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
+    t[e] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+    t[8 + e] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+    t[4 + e] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// Dwords [o, o + 16) of each of 16 rows (rb bytes apart) -> T[e] = dword o + e of every row.
+inline void columns(const uint8_t* w, int64_t rb, int64_t o, __m512i* T) {
+  for (int r = 0; r < 16; ++r) T[r] = _mm512_loadu_si512(w + r * rb + 4 * o);
+  transpose16(T);
+}
+
+inline __m512i bytes_of(__m512i v, int byte) {  // byte `byte` of each lane, as int32
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
+}
+
+// Block b of 16 Q4_K rows: sub-block 2g's values are the low nibbles of qs dwords 8g .. 8g+7, 2g+1's
+// the high ones; scales and mins as ggml's get_scale_min_k4, in the row kernels' arithmetic.
 void decode_q4k(const uint8_t* w, int64_t rb, int64_t b, Block16& k) {
-  q4k_scales16(w, rb, b, k.V[0]);
+  const uint8_t* blk = w + b * 144;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(int32_t(rb)));
+  const __m512i h = _mm512_i32gather_epi32(rows, blk, 1);  // d | dmin << 16
+  const __m512i s0 = _mm512_i32gather_epi32(rows, blk + 4, 1), s1 = _mm512_i32gather_epi32(rows, blk + 8, 1),
+                s2 = _mm512_i32gather_epi32(rows, blk + 12, 1);
+  const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+  const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+  const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15);
+  for (int j = 0; j < 8; ++j) {
+    __m512i sc, m;
+    if (j < 4) {
+      sc = _mm512_and_si512(bytes_of(s0, j), m63);
+      m = _mm512_and_si512(bytes_of(s1, j), m63);
+    } else {
+      sc = _mm512_or_si512(_mm512_and_si512(bytes_of(s2, j - 4), m15),
+                           _mm512_slli_epi32(_mm512_srli_epi32(bytes_of(s0, j - 4), 6), 4));
+      m = _mm512_or_si512(_mm512_srli_epi32(bytes_of(s2, j - 4), 4),
+                          _mm512_slli_epi32(_mm512_srli_epi32(bytes_of(s1, j - 4), 6), 4));
+    }
+    k.rs[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
+    k.ms[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(m), dmin);
+  }
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  for (int r = 0; r < 16; r += 2) {
-    const uint8_t* blk = w + r * rb + b * 144;
-    for (int g = 0; g < 4; ++g) {  // 32 bytes: sub-block 2g in the low nibbles, 2g + 1 in the high
-      const __m512i q = load2(blk, rb, 16 + 32 * g);
-      store2(k.A[r], 64 * g, _mm512_and_si512(q, nib));
-      store2(k.A[r], 64 * g + 32, _mm512_and_si512(_mm512_srli_epi16(q, 4), nib));
+  __m512i T[16];
+  for (int half = 0; half < 2; ++half) {  // qs dwords 16 half .. 16 half + 15: groups g = 2 half, 2 half + 1
+    columns(blk + 16, rb, 16 * half, T);
+    for (int gg = 0; gg < 2; ++gg) {
+      const int g = 2 * half + gg;
+      uint8_t* lo = k.B + (2 * g) * 512;
+      uint8_t* hi = k.B + (2 * g + 1) * 512;
+      for (int r = 0; r < 8; ++r) {
+        const __m512i q = T[8 * gg + r];
+        _mm512_store_si512(lo + 64 * r, _mm512_and_si512(q, nib));
+        _mm512_store_si512(hi + 64 * r, _mm512_and_si512(_mm512_srli_epi32(q, 4), nib));
+      }
     }
   }
 }
 
+// Block b of 16 Q6_K rows. Value l + 32k of a 128-value half h (k < 4) takes nibble k / 2 of
+// ql[64h + l + 32 (k % 2)] and bits 2k, 2k+1 of qh[32h + l]: sub-block i = 8h + s (16 values, l from
+// 16 (s % 2), k = s / 2) has B rows kk < 4 from ql dword 16h + 8 (k % 2) + 4 (s % 2) + kk and qh
+// dword 8h + 4 (s % 2) + kk.
 void decode_q6k(const uint8_t* w, int64_t rb, int64_t b, Block16& k) {
-  const __m512i nib = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  for (int r = 0; r < 16; ++r) {
-    const uint8_t* blk = w + r * rb + b * 210;
-    uint16_t h;
-    std::memcpy(&h, blk + 208, 2);
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-    _mm512_store_ps(k.V[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(_cvtsh_ss(h))));
+  const uint8_t* blk = w + b * 210;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(int32_t(rb)));
+  // d: bytes 208-209, read as the high half of the dword at 206 (never past the row)
+  const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(rows, blk + 206, 1), 16)));
+  for (int q = 0; q < 4; ++q) {
+    const __m512i s = _mm512_i32gather_epi32(rows, blk + 192 + 4 * q, 1);
+    for (int e = 0; e < 4; ++e) {  // int8 scale 4q + e: byte e, sign-extended
+      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(s, 24 - 8 * e), 24);
+      k.rs[4 * q + e] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
+      k.rs32[4 * q + e] = _mm512_mul_ps(k.rs[4 * q + e], _mm512_set1_ps(32.0f));
+    }
   }
-  for (int r = 0; r < 16; r += 2) {
-    const uint8_t* blk = w + r * rb + b * 210;
-    for (int h = 0; h < 2; ++h) {  // value l + 32k of a half: nibble k / 2 of ql[l + 32 (k % 2)], bits 2k, 2k+1 of qh[l]
-      const __m512i ql0 = load2(blk, rb, 64 * h), ql1 = load2(blk, rb, 64 * h + 32), qh = load2(blk, rb, 128 + 32 * h);
-      const int64_t o = 128 * h;
-      store2(k.A[r], o, _mm512_or_si512(_mm512_and_si512(ql0, nib), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30)));
-      store2(k.A[r], o + 32, _mm512_or_si512(_mm512_and_si512(ql1, nib), _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30)));
-      store2(k.A[r], o + 64,
-             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), nib), _mm512_and_si512(qh, m30)));
-      store2(k.A[r], o + 96, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), nib),
-                                             _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30)));
+  const __m512i nib = _mm512_set1_epi8(0x0F), m03 = _mm512_set1_epi8(0x03);
+  __m512i L[32], H[16];
+  columns(blk, rb, 0, L);
+  columns(blk, rb, 16, L + 16);
+  columns(blk + 128, rb, 0, H);
+  for (int i = 0; i < 16; ++i) {
+    const int h = i / 8, s = i % 8, kq = s / 2;
+    uint8_t* dst = k.B + i * 256;
+    for (int kk = 0; kk < 4; ++kk) {
+      const __m512i ql = L[16 * h + 8 * (kq % 2) + 4 * (s % 2) + kk];
+      const __m512i qh = H[8 * h + 4 * (s % 2) + kk];
+      const __m512i lo = kq < 2 ? _mm512_and_si512(ql, nib) : _mm512_and_si512(_mm512_srli_epi32(ql, 4), nib);
+      const __m512i up = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * kq), m03), 4);
+      _mm512_store_si512(dst + 64 * kk, _mm512_or_si512(lo, up));
     }
   }
 }
 
-// The sums of sub-blocks j0 .. j0 + 3 of the block whose first 32-chunk is c0, into k.C.
+// The sums of sub-blocks j0 .. j0 + 3 of block b, into k.C: A from the group's routes (rows K bytes
+// apart), B from the decoded block.
 template <bool kQ6>
-inline void tile_ops(Block16& k, const uint8_t* tiles, int64_t c0, int j0) {
+inline void tile_ops(Block16& k, const uint8_t* acts, int64_t K, int64_t b, int j0) {
   constexpr int kK = kQ6 ? 16 : 32;
-  const auto b_tile = [&](int j) { return tiles + (c0 + (kQ6 ? j / 2 : j)) * 512 + (kQ6 ? (j % 2) * 256 : 0); };
+  const uint8_t* a = acts + b * 256;
+  const auto bt = [&](int j) { return k.B + j * (kQ6 ? 256 : 512); };
   _tile_zero(0);
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
-  _tile_loadd(1, k.A[0] + kK * j0, 256);
-  _tile_loadd(2, b_tile(j0), 64);
-  _tile_loadd(3, k.A[0] + kK * (j0 + 1), 256);
-  _tile_loadd(4, b_tile(j0 + 1), 64);
-  _tile_dpbusd(0, 1, 2);
-  _tile_dpbusd(5, 3, 4);
-  _tile_loadd(1, k.A[0] + kK * (j0 + 2), 256);
-  _tile_loadd(2, b_tile(j0 + 2), 64);
-  _tile_loadd(3, k.A[0] + kK * (j0 + 3), 256);
-  _tile_loadd(4, b_tile(j0 + 3), 64);
-  _tile_dpbusd(6, 1, 2);
-  _tile_dpbusd(7, 3, 4);
+  _tile_loadd(1, a + kK * j0, K);
+  _tile_loadd(2, bt(j0), 64);
+  _tile_loadd(3, a + kK * (j0 + 1), K);
+  _tile_loadd(4, bt(j0 + 1), 64);
+  _tile_dpbsud(0, 1, 2);
+  _tile_dpbsud(5, 3, 4);
+  _tile_loadd(1, a + kK * (j0 + 2), K);
+  _tile_loadd(2, bt(j0 + 2), 64);
+  _tile_loadd(3, a + kK * (j0 + 3), K);
+  _tile_loadd(4, bt(j0 + 3), 64);
+  _tile_dpbsud(6, 1, 2);
+  _tile_dpbsud(7, 3, 4);
   _tile_stored(0, k.C[0][0], 64);
   _tile_stored(5, k.C[1][0], 64);
   _tile_stored(6, k.C[2][0], 64);
   _tile_stored(7, k.C[3][0], 64);
 }
 
-// res[r * ld + i] = row r (of 16 from w, K values of format Q4_K or Q6_K) . route i (i < n) of the
-// slot's packed activations pk.
-template <bool kQ6>
-void rows16(const uint8_t* w, int64_t rb, int64_t K, const uint8_t* pk, int32_t n, float* res, int64_t ld) {
-  const int64_t nc = K / 32, gb = i8_group_bytes(K), blocks = K / 256, bb = kQ6 ? 210 : 144;
-  Block16 k;
-  for (int32_t g = 0; g * kI8Routes < n; ++g) {
-    const uint8_t* tiles = pk + g * gb;
-    const float* scales = reinterpret_cast<const float*>(tiles + nc * 512);
-    __m512 acc[16];
-    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      if (b + 1 < blocks)  // the next block of each row, while this one computes
-        for (int r = 0; r < 16; ++r)
-          for (int64_t o = 0; o < bb; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(w + r * rb + (b + 1) * bb + o), _MM_HINT_T0);
-      if constexpr (kQ6) decode_q6k(w, rb, b, k);
-      else decode_q4k(w, rb, b, k);
-      for (int j0 = 0; j0 < (kQ6 ? 16 : 8); j0 += 4) {
-        tile_ops<kQ6>(k, tiles, 8 * b, j0);
-        for (int u = 0; u < 4; ++u) {
-          const int j = j0 + u;
-          const int64_t c = 8 * b + (kQ6 ? j / 2 : j);
-          const float* f = scales + c * 64;  // d, d * sum, d * sum of the first 16, of the last 16
-          const __m512 dx = _mm512_loadu_ps(f);
-          if constexpr (kQ6) {
-            const __m512 s32 = _mm512_mul_ps(_mm512_loadu_ps(f + 32 + 16 * (j % 2)), _mm512_set1_ps(32.0f));
-            for (int r = 0; r < 16; ++r) {
-              const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(k.C[u][r])), dx, s32);
-              acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(k.V[r][j]), acc[r]);
-            }
-          } else {
-            const __m512 sm = _mm512_loadu_ps(f + 16);
-            for (int r = 0; r < 16; ++r) {
-              const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(k.C[u][r])), dx);
-              acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(k.V[r][j]), acc[r]);
-              acc[r] = _mm512_fnmadd_ps(sm, _mm512_set1_ps(k.V[r][8 + j]), acc[r]);
-            }
-          }
-        }
-      }
-    }
-    const int32_t m = std::min<int32_t>(kI8Routes, n - g * kI8Routes);
-    const __mmask16 valid = __mmask16((1u << m) - 1);
-    for (int r = 0; r < 16; ++r) _mm512_mask_storeu_ps(res + r * ld + g * kI8Routes, valid, acc[r]);
+// The bytes [o, o + len) of 16 rows (rb apart) on their way into L1: the weights stream from memory
+// once per 16 rows, and a block's decoding waits on every line it has not asked for ahead.
+inline void prefetch16(const uint8_t* w, int64_t rb, int64_t o, int64_t len) {
+  for (int r = 0; r < 16; ++r) {
+    const char* p = reinterpret_cast<const char*>(w + r * rb + o);
+    for (int64_t x = 0; x < len; x += 64) _mm_prefetch(p + x, _MM_HINT_T0);
+    _mm_prefetch(p + len - 1, _MM_HINT_T0);
   }
 }
 
-void rows16_of(QType qt, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* pk, int32_t n, float* res,
-               int64_t ld) {
-  if (qt == QType::kQ6_K) rows16<true>(w, rb, K, pk, n, res, ld);
-  else rows16<false>(w, rb, K, pk, n, res, ld);
+// out[m * ldo + r] = row r (of 16 from w, K values of format Q4_K or Q6_K) . route m of the group of
+// M routes at group (the slot's packed activations; M = 4, 8, 12 or 16, routes past the slot's
+// count computed on stale bytes and not stored: m < n).
+// next: the 16 rows computed after these (null: none), whose first block is fetched during the last.
+template <bool kQ6, int M>
+void rows16(const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out, int64_t ldo,
+            const uint8_t* next) {
+  constexpr int64_t kBlock = kQ6 ? 210 : 144;
+  const float* scales = reinterpret_cast<const float*>(group + kI8Routes * K);
+  Tiles config(M, kQ6 ? 16 : 32);
+  Block16 k;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t blocks = K / 256;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 1 < blocks) prefetch16(w, rb, (b + 1) * kBlock, kBlock);
+    else if (next) prefetch16(next, rb, 0, kBlock);
+    if constexpr (kQ6) decode_q6k(w, rb, b, k);
+    else decode_q4k(w, rb, b, k);
+    for (int j0 = 0; j0 < (kQ6 ? 16 : 8); j0 += 4) {
+      tile_ops<kQ6>(k, group, K, b, j0);
+      for (int u = 0; u < 4; ++u) {
+        const int j = j0 + u;
+        const float* f = scales + (8 * b + (kQ6 ? j / 2 : j)) * 64;  // d, d sum, d sum of 16 first, last
+        for (int m = 0; m < M; ++m) {
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(k.C[u][m])), k.rs[j]);
+          acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(f[m]), acc[m]);
+          if constexpr (kQ6) acc[m] = _mm512_fnmadd_ps(k.rs32[j], _mm512_set1_ps(f[32 + 16 * (j % 2) + m]), acc[m]);
+          else acc[m] = _mm512_fnmadd_ps(k.ms[j], _mm512_set1_ps(f[16 + m]), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M && m < n; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
+template <bool kQ6>
+void rows16_m(const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out, int64_t ldo,
+              const uint8_t* next) {
+  if (n <= 4) rows16<kQ6, 4>(w, rb, K, group, n, out, ldo, next);
+  else if (n <= 8) rows16<kQ6, 8>(w, rb, K, group, n, out, ldo, next);
+  else if (n <= 12) rows16<kQ6, 12>(w, rb, K, group, n, out, ldo, next);
+  else rows16<kQ6, 16>(w, rb, K, group, n, out, ldo, next);
+}
+
+// The 16 rows at w (of format qt) for every route of the slot (n, packed at pk): out[i * ldo + r] for
+// route i; next: the rows computed after them (null: none).
+void rows16_all(QType qt, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* pk, int32_t n, float* out,
+                int64_t ldo, const uint8_t* next) {
+  for (int32_t g = 0; g * kI8Routes < n; ++g) {
+    const int m = int(std::min<int64_t>(kI8Routes, n - g * kI8Routes));
+    const uint8_t* group = pk + g * i8_group_bytes(K);
+    float* o = out + g * kI8Routes * ldo;
+    const uint8_t* after = (g + 1) * kI8Routes < n ? w : next;  // the next group of routes reads w again
+    if (qt == QType::kQ6_K) rows16_m<true>(w, rb, K, group, m, o, ldo, after);
+    else rows16_m<false>(w, rb, K, group, m, o, ldo, after);
+  }
 }
 
 // This thread's results of 16 rows for n routes (plain malloc: see kernels_amx.cpp's Scratch).
@@ -234,16 +314,11 @@ void amx8_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
   const int64_t rb = p.rb13;
   const uint8_t* w13 = static_cast<const uint8_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * a.F * rb;
   const int32_t q0 = p.start[s], n = p.start[s + 1] - q0;
-  const int64_t ld = round_up(n, kI8Routes);
-  float* res = results(16 * ld);
-  Tiles config(a.qt13 == QType::kQ6_K ? 16 : 32);
-  for (int64_t f = f0; f < f1; f += 16) {
-    for (int half = 0; half < 2; ++half) {  // gate rows f.., then up rows F + f..
-      rows16_of(a.qt13, w13 + (half * a.F + f) * rb, rb, a.D, p.xpk + p.xpk_off[s], n, res, ld);
-      float* dst = half ? p.u : p.h;
-      for (int32_t i = 0; i < n; ++i)
-        for (int r = 0; r < 16; ++r) dst[int64_t(q0 + i) * p.F32 + f + r] = res[r * ld + i];
-    }
+  for (int64_t f = f0; f < f1; f += 16) {  // gate rows f.. into h, up rows F + f.. into u, at route q0 + i
+    const uint8_t *gate = w13 + f * rb, *up = w13 + (a.F + f) * rb;
+    rows16_all(a.qt13, gate, rb, a.D, p.xpk + p.xpk_off[s], n, p.h + int64_t(q0) * p.F32 + f, p.F32, up);
+    rows16_all(a.qt13, up, rb, a.D, p.xpk + p.xpk_off[s], n, p.u + int64_t(q0) * p.F32 + f, p.F32,
+               f + 16 < f1 ? gate + 16 * rb : nullptr);
   }
 }
 
@@ -253,21 +328,19 @@ void amx8_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
   const uint8_t* w2 = static_cast<const uint8_t*>(a.w2) + int64_t(p.exp_id[s]) * a.D * rb;
   const float* b2 = a.b2 ? a.b2 + int64_t(p.exp_id[s]) * a.D : nullptr;  // y = w2 . h + b2
   const int32_t q0 = p.start[s], n = p.start[s + 1] - q0;
-  const int64_t ld = round_up(n, kI8Routes);
-  float* res = results(16 * ld);
-  Tiles config(a.qt2 == QType::kQ6_K ? 16 : 32);
+  float* res = results(int64_t(n) * 16);
   for (int64_t d = d0; d < d1; d += 16) {
-    rows16_of(a.qt2, w2 + d * rb, rb, a.F, p.hpk + p.hpk_off[s], n, res, ld);
-    for (int32_t i = 0; i < n; ++i)
-      for (int r = 0; r < 16; ++r) {
-        const float v = b2 ? res[r * ld + i] + b2[d + r] : res[r * ld + i];
-        if (p.scatter) {
-          p.y[int64_t(q0 + i) * a.D + d + r] = v;
-        } else {
-          float* o = a.out + int64_t(p.route_token(q0 + i)) * a.out_stride + d + r;
-          *o = std::fma(p.route_weight(q0 + i), v, *o);
-        }
+    rows16_all(a.qt2, w2 + d * rb, rb, a.F, p.hpk + p.hpk_off[s], n, res, 16, d + 16 < d1 ? w2 + (d + 16) * rb : nullptr);
+    for (int32_t i = 0; i < n; ++i) {
+      __m512 v = _mm512_load_ps(res + 16 * i);
+      if (b2) v = _mm512_add_ps(v, _mm512_loadu_ps(b2 + d));
+      if (p.scatter) {
+        _mm512_storeu_ps(p.y + int64_t(q0 + i) * a.D + d, v);
+      } else {  // fma(weight, v, out) element by element, as the row kernels' direct mode
+        float* o = a.out + int64_t(p.route_token(q0 + i)) * a.out_stride + d;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(p.route_weight(q0 + i)), v, _mm512_loadu_ps(o)));
       }
+    }
   }
 }
 

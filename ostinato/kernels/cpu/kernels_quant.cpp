@@ -617,18 +617,18 @@ void put_block(QType qt, const Q32& x, int64_t j, const QActView& v) {
 }
 
 // Chunk c of route i of a slot's activations packed for the AMX int8 tiles (kernels.h i8_pack),
-// from its quantized block: the 8 dwords of q down column i % 16 of the chunk's B tile, and the
-// scales and sums (d * sum as put_block computes it for Q4_K's mins).
+// from its quantized block: its 32 q in the route's row, and the scales and sums (d * sum as
+// put_block computes it for Q4_K's mins).
 void i8_pack(uint8_t* pk, int64_t K, int32_t i, int64_t c, const Q32& x) {
-  uint8_t* tiles = pk + (i / kI8Routes) * i8_group_bytes(K);
+  uint8_t* group = pk + (i / kI8Routes) * i8_group_bytes(K);
   const int n = i % kI8Routes;
-  _mm256_i32scatter_epi32(tiles + c * 512 + 4 * n, _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112), x.q, 4);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(group + n * K + 32 * c), x.q);
   const __m128i s4 = _mm256_castsi256_si128(x.lane4), s8 = _mm256_extracti128_si256(x.lane4, 1);
   const int32_t lo = _mm_extract_epi32(s4, 0) + _mm_extract_epi32(s4, 1) + _mm_extract_epi32(s4, 2) +
                      _mm_extract_epi32(s4, 3);
   const int32_t hi = _mm_extract_epi32(s8, 0) + _mm_extract_epi32(s8, 1) + _mm_extract_epi32(s8, 2) +
                      _mm_extract_epi32(s8, 3);
-  float* f = reinterpret_cast<float*>(tiles + K / 32 * 512) + c * 64;
+  float* f = reinterpret_cast<float*>(group + kI8Routes * K) + c * 64;
   f[n] = x.d;
   f[16 + n] = x.d * float(hsum8(x.lane4));
   f[32 + n] = x.d * float(lo);
