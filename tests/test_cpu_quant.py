@@ -467,7 +467,7 @@ def amx_int8(native):
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "random"])
-@pytest.mark.parametrize("T", [7, 64, 512])
+@pytest.mark.parametrize("T", [7, 20, 64, 512])  # groups of 4, 8 or 12, and 16 routes an expert
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_K/Q6_K", "Q8_0"])
 def test_amx_int8_matches_oracle(amx_int8, name, T, exact):
     """Experts with at least 2 routes on the int8 tiles, their Q4_K / Q6_K projections (Q6_K's gate/up

@@ -20,6 +20,14 @@
 // route and sub-block, and a tile op's rows are the routes (4, 8, 12 or 16), so both shrink with
 // fewer routes. Which rows a task computes never changes a row's result: rows go in aligned groups of
 // 16, and a route's result does not depend on the others in its group.
+//
+// Measured (results/2026-12-06-h100-s41/amx_int8_local/, scripts/bench_cpu_quant.py, one layer of the
+// 30B shape's Q4_K/Q6_K experts, every route cold, on the 2-core development host, from 4 routes an
+// expert): 0.92x the row kernels' time at 64 tokens (4 routes an expert), 0.70x at 128, 0.62x at 256,
+// 0.55x at 512. The first design (the weights as A, one scaling chain per weight row) took 1.10x,
+// 0.85x, 1.62x (an outlier; 0.89x from 8 routes) and 0.76x on the same host, and on the 16-core H100
+// host (session 41's call 8) 0.69x at 256 tokens but 5.6x at 32. Off by default (cpu_experts.py
+// AMX_INT8_MIN_TOKENS) until the engine's replays on the GPU machine measure this one.
 #include <immintrin.h>
 
 #include <algorithm>
