@@ -55,10 +55,12 @@ struct alignas(64) TileConfig {
 // Four sums tiles (tmm0, 5, 6, 7: M routes x 16 rows of int32), so that four sub-blocks' tile ops run
 // back to back while the vector unit scales the previous four; two A tiles (tmm1, 3: M routes x K
 // int8) and two B tiles (tmm2, 4: K / 4 rows x 16 weight rows x 4 u8), used in turn. K = 32 (Q4_K)
-// or 16 (Q6_K). Configured for each group of routes.
+// or 16 (Q6_K). A task configures them when a group of routes needs another M or K than the last,
+// and releases them at its end.
 class Tiles {
  public:
-  Tiles(int M, int K) {
+  void use(int M, int K) {
+    if (M == M_ && K == K_) return;
     TileConfig c;
     for (int i : {0, 5, 6, 7}) {
       c.rows[i] = uint8_t(M);
@@ -73,8 +75,15 @@ class Tiles {
       c.colsb[i] = 64;
     }
     _tile_loadconfig(&c);
+    M_ = M;
+    K_ = K;
   }
-  ~Tiles() { _tile_release(); }
+  ~Tiles() {
+    if (M_ >= 0) _tile_release();
+  }
+
+ private:
+  int M_ = -1, K_ = -1;
 };
 
 // One block of 16 weight rows, decoded: the B tile of each sub-block (16 of 16 x 4 u8 for K = 16, 8
@@ -244,11 +253,11 @@ inline void prefetch16(const uint8_t* w, int64_t rb, int64_t o, int64_t len) {
 // count computed on stale bytes and not stored: m < n).
 // next: the 16 rows computed after these (null: none), whose first block is fetched during the last.
 template <bool kQ6, int M>
-void rows16(const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out, int64_t ldo,
-            const uint8_t* next) {
+void rows16(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
+            int64_t ldo, const uint8_t* next) {
   constexpr int64_t kBlock = kQ6 ? 210 : 144;
   const float* scales = reinterpret_cast<const float*>(group + kI8Routes * K);
-  Tiles config(M, kQ6 ? 16 : 32);
+  tiles.use(M, kQ6 ? 16 : 32);
   Block16 k;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -276,25 +285,25 @@ void rows16(const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n
 }
 
 template <bool kQ6>
-void rows16_m(const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out, int64_t ldo,
-              const uint8_t* next) {
-  if (n <= 4) rows16<kQ6, 4>(w, rb, K, group, n, out, ldo, next);
-  else if (n <= 8) rows16<kQ6, 8>(w, rb, K, group, n, out, ldo, next);
-  else if (n <= 12) rows16<kQ6, 12>(w, rb, K, group, n, out, ldo, next);
-  else rows16<kQ6, 16>(w, rb, K, group, n, out, ldo, next);
+void rows16_m(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
+              int64_t ldo, const uint8_t* next) {
+  if (n <= 4) rows16<kQ6, 4>(tiles, w, rb, K, group, n, out, ldo, next);
+  else if (n <= 8) rows16<kQ6, 8>(tiles, w, rb, K, group, n, out, ldo, next);
+  else if (n <= 12) rows16<kQ6, 12>(tiles, w, rb, K, group, n, out, ldo, next);
+  else rows16<kQ6, 16>(tiles, w, rb, K, group, n, out, ldo, next);
 }
 
 // The 16 rows at w (of format qt) for every route of the slot (n, packed at pk): out[i * ldo + r] for
 // route i; next: the rows computed after them (null: none).
-void rows16_all(QType qt, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* pk, int32_t n, float* out,
-                int64_t ldo, const uint8_t* next) {
+void rows16_all(Tiles& tiles, QType qt, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* pk, int32_t n,
+                float* out, int64_t ldo, const uint8_t* next) {
   for (int32_t g = 0; g * kI8Routes < n; ++g) {
     const int m = int(std::min<int64_t>(kI8Routes, n - g * kI8Routes));
     const uint8_t* group = pk + g * i8_group_bytes(K);
     float* o = out + g * kI8Routes * ldo;
     const uint8_t* after = (g + 1) * kI8Routes < n ? w : next;  // the next group of routes reads w again
-    if (qt == QType::kQ6_K) rows16_m<true>(w, rb, K, group, m, o, ldo, after);
-    else rows16_m<false>(w, rb, K, group, m, o, ldo, after);
+    if (qt == QType::kQ6_K) rows16_m<true>(tiles, w, rb, K, group, m, o, ldo, after);
+    else rows16_m<false>(tiles, w, rb, K, group, m, o, ldo, after);
   }
 }
 
@@ -322,10 +331,11 @@ void amx8_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
   const int64_t rb = p.rb13;
   const uint8_t* w13 = static_cast<const uint8_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * a.F * rb;
   const int32_t q0 = p.start[s], n = p.start[s + 1] - q0;
+  Tiles tiles;
   for (int64_t f = f0; f < f1; f += 16) {  // gate rows f.. into h, up rows F + f.. into u, at route q0 + i
     const uint8_t *gate = w13 + f * rb, *up = w13 + (a.F + f) * rb;
-    rows16_all(a.qt13, gate, rb, a.D, p.xpk + p.xpk_off[s], n, p.h + int64_t(q0) * p.F32 + f, p.F32, up);
-    rows16_all(a.qt13, up, rb, a.D, p.xpk + p.xpk_off[s], n, p.u + int64_t(q0) * p.F32 + f, p.F32,
+    rows16_all(tiles, a.qt13, gate, rb, a.D, p.xpk + p.xpk_off[s], n, p.h + int64_t(q0) * p.F32 + f, p.F32, up);
+    rows16_all(tiles, a.qt13, up, rb, a.D, p.xpk + p.xpk_off[s], n, p.u + int64_t(q0) * p.F32 + f, p.F32,
                f + 16 < f1 ? gate + 16 * rb : nullptr);
   }
 }
@@ -337,8 +347,9 @@ void amx8_down(const Plan& p, int32_t s, int64_t d0, int64_t d1) {
   const float* b2 = a.b2 ? a.b2 + int64_t(p.exp_id[s]) * a.D : nullptr;  // y = w2 . h + b2
   const int32_t q0 = p.start[s], n = p.start[s + 1] - q0;
   float* res = results(int64_t(n) * 16);
+  Tiles tiles;
   for (int64_t d = d0; d < d1; d += 16) {
-    rows16_all(a.qt2, w2 + d * rb, rb, a.F, p.hpk + p.hpk_off[s], n, res, 16, d + 16 < d1 ? w2 + (d + 16) * rb : nullptr);
+    rows16_all(tiles, a.qt2, w2 + d * rb, rb, a.F, p.hpk + p.hpk_off[s], n, res, 16, d + 16 < d1 ? w2 + (d + 16) * rb : nullptr);
     for (int32_t i = 0; i < n; ++i) {
       __m512 v = _mm512_load_ps(res + 16 * i);
       if (b2) v = _mm512_add_ps(v, _mm512_loadu_ps(b2 + d));
