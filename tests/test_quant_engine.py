@@ -25,6 +25,7 @@ from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sizes import expert_bytes, expert_sizes
+from ostinato.kernels.cpu import build
 from ostinato.layers.moe.gpu_quant import QUANT_QTYPES
 from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
@@ -168,10 +169,15 @@ def test_pool_forward_dispatches_by_format():
         qp.upload([qp.flex_lo], host, 0, [2])
 
 
+@pytest.mark.parametrize("amx_int8", [0, 2], ids=["row-kernels", "amx-int8"])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
-def test_engine_logits_match_dequantized_experts(tinyk_q4km, tmp_path, fraction):
+def test_engine_logits_match_dequantized_experts(tinyk_q4km, tmp_path, fraction, amx_int8, monkeypatch):
     """Quantized pools and host copies against the same file's experts dequantized at load, over
-    prefill and decode (split path); the CPU kernels against their torch reference."""
+    prefill and decode (split path); the CPU kernels against their torch reference; and with the
+    prefill's experts of 2 routes or more on the AMX int8 tiles (OSTINATO_AMX_INT8), where the CPU has them."""
+    monkeypatch.setenv("OSTINATO_AMX_INT8", str(amx_int8))
+    if amx_int8 and not _amx_int8():
+        pytest.skip("this CPU lacks AMX-INT8")
     source = GGUFSource(tinyk_q4km)
     _residency(source, fraction).save(tmp_path / "r.json")
     ref = _logits(_engine(tinyk_q4km, tmp_path / "r.json", "bf16", "torch"))
@@ -190,6 +196,14 @@ def test_engine_logits_match_dequantized_experts(tinyk_q4km, tmp_path, fraction)
     assert _rel(torch_ref, ref) < (1e-4 if fraction == 1.0 else 1e-2)
     if fraction < 1.0:  # the int8 step is visible, so the comparison above can fail
         assert _rel(got, ref) > 1e-6
+    if amx_int8 and fraction < 1.0:  # the prefill's cold experts did go to the tiles
+        native.runner.forward(PROMPT, 0)
+        assert native.runner.experts.cpu.last_stats()["int8_experts"] > 0
+
+
+def _amx_int8() -> bool:
+    ext = build.load_cpu_extension()
+    return ext is not None and ext.cpu_features()["amx_int8"]
 
 
 def test_upload_path_copies_blocks(tinyk_q4km, tmp_path):
