@@ -86,9 +86,9 @@ class Tiles {
   int M_ = -1, K_ = -1;
 };
 
-// One block of 16 weight rows, decoded: the B tile of each sub-block (16 of 16 x 4 u8 for K = 16, 8
-// of 8 x 64 bytes for K = 32, both 4 KiB), the scales as vectors over the 16 rows (lane r = row r),
-// and the four sums tiles read back.
+// One block of 16 weight rows, decoded: the B tile of each sub-block (K = 32: 8 sub-blocks of 8 x 64
+// bytes; K = 16: 16 of 4 x 64; 4 KiB either way), the scales as vectors over the 16 rows (lane r =
+// row r), and the four sums tiles read back.
 struct Block16 {
   alignas(64) uint8_t B[4096];
   alignas(64) int32_t C[4][16][16];
