@@ -228,7 +228,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("data"), py::arg("bytes"), py::call_guard<py::gil_scoped_release>())
       .def("ready", &ColdExperts::ready)
       .def("reserve", &ColdExperts::reserve, py::arg("routes"), py::arg("tokens"), py::arg("E"),
-           py::arg("D"), py::arg("F"))
+           py::arg("D"), py::arg("F"), py::arg("int8_tiles") = false)
       .def("num_threads", &ColdExperts::num_threads)
       .def("set_spin_us", &ColdExperts::set_spin_us)
       .def("last_stats", [](const ColdExperts& self) {

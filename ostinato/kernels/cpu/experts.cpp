@@ -537,7 +537,7 @@ void ColdExperts::wait() {
 
 bool ColdExperts::ready() const { return !impl_->launched || impl_->pool.finished(); }
 
-void ColdExperts::reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, int64_t F) {
+void ColdExperts::reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, int64_t F, bool int8_tiles) {
   Impl& m = *impl_;
   if (m.pending) throw std::logic_error("cold_experts: reserve() while a call is pending");
   m.pool.drain();
@@ -551,6 +551,15 @@ void ColdExperts::reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, 
   m.y.ensure(size_t(routes * D));
   m.xact.ensure(size_t(tokens * qact_max_stride(D)));  // quantized experts, any format
   m.hact.ensure(size_t(routes * qact_max_stride(F)));
+  for (auto* v : {&m.plan.i8_13, &m.plan.i8_2}) v->reserve(size_t(std::min(E, routes)));
+  for (auto* v : {&m.plan.xpk_off, &m.plan.hpk_off}) v->reserve(size_t(std::min(E, routes)));
+  if (int8_tiles) {  // quantized experts on the int8 tiles: at most padded / 16 groups of routes
+    m.xpk.ensure(size_t(padded / kI8Routes * i8_group_bytes(D)));
+    m.hpk.ensure(size_t(padded / kI8Routes * i8_group_bytes(F)));
+    m.plan.xtok_start.reserve(size_t(tokens + 1));
+    m.plan.xtok_slot.reserve(size_t(routes));
+    m.plan.xtok_idx.reserve(size_t(routes));
+  }
   m.plan.tok_pos.reserve(size_t(routes));
   m.plan.tok_start.reserve(size_t(tokens + 1));
   const int64_t down_rows = std::min(kDownRowsScatter, kDownRowsQuantMin);

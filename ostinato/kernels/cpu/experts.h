@@ -152,8 +152,9 @@ class ColdExperts {
   void wait();
   bool ready() const;  // the last submitted call has finished (wait() still required)
 
-  // Pre-sizes the workspace so that calls up to these sizes allocate nothing.
-  void reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, int64_t F);
+  // Pre-sizes the workspace so that calls up to these sizes allocate nothing (int8_tiles: calls with
+  // quantized experts on the AMX int8 tiles too).
+  void reserve(int64_t routes, int64_t tokens, int64_t E, int64_t D, int64_t F, bool int8_tiles = false);
   int num_threads() const;
   void set_spin_us(int64_t spin_us);
   ColdStats last_stats() const;

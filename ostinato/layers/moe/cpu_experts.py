@@ -328,7 +328,8 @@ class CpuExperts:
         if self._native is not None:
             self.settle()
             E, D, F = (max(dims) for dims in zip(*(_dims(w) for w in self.layers.values())))
-            self._native.reserve(max_routes, max_tokens, E, D, F)
+            tiles = any(a.amx_int8_min_tokens > 0 for a in self._args.values())
+            self._native.reserve(max_routes, max_tokens, E, D, F, tiles)
 
     def read_seconds(self, buf: torch.Tensor) -> float:
         """Native: seconds for the pool's workers (and the calling thread) to read `buf` once, in 1
