@@ -149,6 +149,16 @@ struct Plan {
   float route_weight(int64_t p) const { return a.weights[order[p]]; }
 };
 
+// LDTILECFG's 64-byte operand (palette 1): rows and bytes per row of each tile register, for the
+// AMX paths (kernels_amx.cpp, kernels_amx8.cpp).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 constexpr int64_t kUpRowsVec = 32;  // f rows per vector gate/up task (one 32-chunk of h)
 // Quantized experts: guided task sizes, each task about a (kQuantGuide x threads)-th of its
 // phase's rows not yet handed out (within these bounds, in multiples of kQRowsUnit): long row

@@ -41,14 +41,6 @@ namespace {
 
 constexpr int64_t kTile = 512;  // uint16 elements in one 1 KiB tile
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Every tile is 16 rows x 64 bytes; tmm0-3 accumulators, tmm4-7 operands.
 class TileScope {
  public:

@@ -44,14 +44,6 @@
 namespace ostinato {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Four sums tiles (tmm0, 5, 6, 7: M routes x 16 rows of int32), so that four sub-blocks' tile ops run
 // back to back while the vector unit scales the previous four; two A tiles (tmm1, 3: M routes x K
 // int8) and two B tiles (tmm2, 4: K / 4 rows x 16 weight rows x 4 u8), used in turn. K = 32 (Q4_K)
@@ -126,6 +118,12 @@ inline void columns(const uint8_t* w, int64_t rb, int64_t o, __m512i* T) {
   transpose16(T);
 }
 
+// Lane r: r * rb, the byte offset of row r (the gathers' indices).
+inline __m512i row_offsets(int64_t rb) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(int32_t(rb)));
+}
+
 inline __m512i bytes_of(__m512i v, int byte) {  // byte `byte` of each lane, as int32
   return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
 }
@@ -134,8 +132,7 @@ inline __m512i bytes_of(__m512i v, int byte) {  // byte `byte` of each lane, as 
 // the high ones; scales and mins as ggml's get_scale_min_k4, in the row kernels' arithmetic.
 void decode_q4k(const uint8_t* w, int64_t rb, int64_t b, Block16& k) {
   const uint8_t* blk = w + b * 144;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(int32_t(rb)));
+  const __m512i rows = row_offsets(rb);
   const __m512i h = _mm512_i32gather_epi32(rows, blk, 1);  // d | dmin << 16
   const __m512i s0 = _mm512_i32gather_epi32(rows, blk + 4, 1), s1 = _mm512_i32gather_epi32(rows, blk + 8, 1),
                 s2 = _mm512_i32gather_epi32(rows, blk + 12, 1);
@@ -179,8 +176,7 @@ void decode_q4k(const uint8_t* w, int64_t rb, int64_t b, Block16& k) {
 // dword 8h + 4 (s % 2) + kk.
 void decode_q6k(const uint8_t* w, int64_t rb, int64_t b, Block16& k) {
   const uint8_t* blk = w + b * 210;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(int32_t(rb)));
+  const __m512i rows = row_offsets(rb);
   // d: bytes 208-209, read as the high half of the dword at 206 (never past the row)
   const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(rows, blk + 206, 1), 16)));
   for (int q = 0; q < 4; ++q) {

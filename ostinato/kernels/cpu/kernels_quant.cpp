@@ -630,7 +630,7 @@ void i8_pack(uint8_t* pk, int64_t K, int32_t i, int64_t c, const Q32& x) {
                      _mm_extract_epi32(s8, 3);
   float* f = reinterpret_cast<float*>(group + kI8Routes * K) + c * 64;
   f[n] = x.d;
-  f[16 + n] = x.d * float(hsum8(x.lane4));
+  f[16 + n] = x.d * float(lo + hi);  // = hsum8(x.lane4), as put_block's
   f[32 + n] = x.d * float(lo);
   f[48 + n] = x.d * float(hi);
 }
