@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
-from ostinato.layers.moe.cpu_experts import default_amx_quant_min_tokens
+from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
 from ostinato.layers.moe.hybrid import defer_combine
 from ostinato.layers.moe.staging import env_stage_routes
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
@@ -60,6 +60,7 @@ def environment(loaded, bs) -> dict:
             "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(
                 "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory,
             "threads": loaded.runner.threads.as_dict(), "amx_quant_min_tokens": default_amx_quant_min_tokens(),
+            "amx_int8_min_tokens": default_amx_int8_min_tokens(),
             "defer_combine": defer_combine() and loaded.runner.device.type == "cuda",  # it defers on CUDA only
             "pass_graphs": loaded.runner.pass_graph_rows() if loaded.runner.device.type == "cuda" else 0,
             "stage_routes": env_stage_routes() if loaded.runner.device.type == "cuda" else 0,
@@ -557,6 +558,9 @@ def _cpu_note(result: dict) -> list[str]:
     amx = result.get("amx_quant_min_tokens")
     lines = [f"- CPU experts: quantized experts with at least {amx} routes of a pass on the AMX tiles, their rows "
              "decoded to bf16 (OSTINATO_AMX_QUANT)"] if amx else []
+    if result.get("amx_int8_min_tokens"):
+        lines.append(f"- CPU experts: the Q4_K / Q6_K projections of quantized experts with at least "
+                     f"{result['amx_int8_min_tokens']} routes of a pass on the AMX int8 tiles (OSTINATO_AMX_INT8)")
     if result.get("defer_combine"):
         lines.append("- split passes that upload nothing join their CPU branch on the GPU stream, the host going on "
                      "(OSTINATO_DEFER_COMBINE, on unless 0)")
