@@ -83,10 +83,15 @@ def test_dense_weights_and_activations_are_counted_from_the_config():
     a = activation_bytes(cfg, 64, 1000, torch.bfloat16, score_share=1.0)  # torch's math kernel
     assert a["total"] == sum(v for k, v in a.items() if k != "total")
     assert activation_bytes(cfg, 64, 2000, torch.bfloat16, score_share=1.0)["attention"] > a["attention"]
-    fused = activation_bytes(cfg, 64, 1000, torch.bfloat16, score_share=0.0)  # a kernel without a score matrix
-    assert a["attention"] - fused["attention"] == 13 * cfg.num_attention_heads * 64 * 1000
-    # by default, the model's: Qwen3's prefill attends in SDPA's fused kernels on a GPU in half precision
-    assert activation_bytes(cfg, 64, 1000, torch.bfloat16) == fused
+    unscored = activation_bytes(cfg, 64, 1000, torch.bfloat16, score_share=0.0)  # the math kernel, no scores held
+    assert a["attention"] - unscored["attention"] == 13 * cfg.num_attention_heads * 64 * 1000
+    # by default, the model's: Qwen3's prefill attends in SDPA's fused kernels on a GPU in half precision: no
+    # scores, no mask, nothing in fp32 but the log-sum-exp; K/V repeated to H heads beside the window as read
+    H, Hkv, Hd, b = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 2
+    fused = activation_bytes(cfg, 64, 1000, torch.bfloat16)
+    assert fused["attention"] == 64 * H * 3 * Hd * b + 64 * H * 4 + (H + Hkv) * 1000 * 2 * Hd * b
+    assert fused["attention"] < unscored["attention"] and {k: v for k, v in fused.items() if k not in (
+        "attention", "total")} == {k: v for k, v in unscored.items() if k not in ("attention", "total")}
     assert activation_bytes(cfg, 64, 1000, torch.float32) == activation_bytes(cfg, 64, 1000, torch.float32, 1.0)
     # the bound the plan counts for its largest pass is pass_bound's (what profile_decode --prefill sets beside
     # a measured pass)

@@ -275,19 +275,28 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
       hidden     6 T D b + 2 T D 4        residual, norm output, branch outputs, sums; fp32 RMSNorm
       qkv        3 T (H Dq + Hkv (Dq + Dv)) b
                                           projections, q/k norm, rotary (rotate-half copy)
-      attention  13 s H T N + T N (1 + b) + ((2 H + Hkv) Dq + (H + Hkv) Dv) N 4 + T H (8 Dq + (4 + b) Dv)
+      attention  in torch's math kernel (score_share s given, or the model's prefill not fused here):
+                 13 s H T N + T N (1 + b) + ((2 H + Hkv) Dq + (H + Hkv) Dv) N 4 + T H (8 Dq + (4 + b) Dv)
                  + N X b
-                 A pass after the first chunk carries a mask, and torch's SDPA then runs
-                 grouped-query attention in its math kernel (aten _scaled_dot_product_
-                 attention_math), in fp32: the scores [H, T, N] and, inside _safe_softmax,
-                 the softmax, the -inf test (bool) and the where() result coexist: 13 bytes
-                 per score. s = the share of the H x T x N scores materialised at once
-                 (default: `gpu_score_share`, 0 where the model's prefill runs in a fused kernel,
-                 else 1; less if the engine chunks heads or rows); a model that attends in
+                 A pass after the first chunk carries a mask, and the math kernel (aten
+                 _scaled_dot_product_attention_math) runs in fp32: the scores [H, T, N] and,
+                 inside _safe_softmax, the softmax, the -inf test (bool) and the where() result
+                 coexist: 13 bytes per score. s = the share of the H x T x N scores materialised
+                 at once (1, or less if the engine chunks heads or rows); a model that attends in
                  chunks of queries (gpt-oss) caps them at its AttentionShape.max_scores.
                  Then the mask (bool and in the compute dtype), K/V in fp32, expanded to H
                  heads, K scaled; q in fp32, scaled, the fp32 output and its cast; what a
                  prefill expands from a compressed cache.
+                 in SDPA's fused kernels (the default where `gpu_score_share` is 0: the model's
+                 prefill is models/common.causal_attention, in half precision, and the kernels
+                 take its head dims): no scores, no mask (the causal flag or bias):
+                 T H (Dq + 2 Dv) b + T H 4 + (H + Hkv) N (Dq + Dv) b + N X b
+                 q as the kernel takes it, the output and its reshape, the fp32 log-sum-exp;
+                 K/V repeated to H heads (causal_attention's copy where the kernels refuse
+                 grouped heads, or a kernel's own) beside the cache window as read; what a
+                 prefill expands from a compressed cache. Session 17's verified plan (bf16
+                 Qwen3-30B-A3B, 2048 tokens over 8292) peaked 733 MB under the math-kernel bound;
+                 this one counts 406 MB less there.
       rope       2 T Dr (4 + b)           cos/sin
       chunk states (N - T) (D + 2 Dr) b   a longer pass runs layer by layer (engine/devices.py
                                           forward_layer_major): its other chunks' hidden states
@@ -314,15 +323,20 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
     H, Hkv, Dq, Dv, Dr, X = shape.heads, shape.kv_heads, shape.qk_dim, shape.v_dim, shape.rope_dim, \
         shape.expanded_per_token
     share = gpu_score_share(cfg, dtype) if score_share is None else score_share
+    fused = score_share is None and share == 0.0
     scores = share * H * T * N  # held at once; a model that attends in chunks of queries bounds them
     if shape.max_scores:
         scores = min(scores, shape.max_scores)
     b = itemsize(dtype)
+    if fused:
+        attention = T * H * (Dq + 2 * Dv) * b + T * H * 4 + (H + Hkv) * N * (Dq + Dv) * b + N * X * b
+    else:
+        attention = int(13 * scores) + T * N * (1 + b) + ((2 * H + Hkv) * Dq + (H + Hkv) * Dv) * N * 4 \
+            + T * H * (8 * Dq + (4 + b) * Dv) + N * X * b
     parts = {
         "hidden": 6 * T * D * b + 2 * T * D * 4,
         "qkv": 3 * T * (H * Dq + Hkv * (Dq + Dv)) * b,
-        "attention": int(13 * scores) + T * N * (1 + b)
-        + ((2 * H + Hkv) * Dq + (H + Hkv) * Dv) * N * 4 + T * H * (8 * Dq + (4 + b) * Dv) + N * X * b,
+        "attention": attention,
         "rope": 2 * T * Dr * (4 + b),
         "chunk_states": max(0, N - T) * (D + 2 * Dr) * b,
         "router": T * E * (b + 8) + T * K * 12 + (T * E * 13 + T * D * 4 if cfg.scoring_func == "sigmoid" else 0),
