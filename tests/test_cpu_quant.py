@@ -522,3 +522,7 @@ def test_amx_int8_switch(monkeypatch):
     monkeypatch.setenv("OSTINATO_AMX_INT8", "bad")
     with pytest.raises(ConfigError, match="OSTINATO_AMX_INT8"):
         ce_mod.default_amx_int8_min_tokens()
+    from ostinato.bench.report import _cpu_note  # a bench report names the switch when it was on
+
+    assert _cpu_note({"device": "cuda", "amx_int8_min_tokens": 0}) == []
+    assert "at least 6 routes" in _cpu_note({"device": "cuda", "amx_int8_min_tokens": 6})[0]
