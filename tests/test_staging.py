@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ostinato.config import ConfigError
-from ostinato.layers.moe.staging import copy, env_stage_routes, plan
+from ostinato.layers.moe.staging import copy, env_stage_routes, plan, stages
 from tests.triton_interpreter import run_interpreted
 
 
@@ -100,11 +100,21 @@ def test_copy_puts_staged_experts_in_their_flex_slots():
 
 
 def test_env_stage_routes(monkeypatch):
+    """Unset: m = 16 where the CPU experts put larger groups of routes on the int8 tiles by default, else
+    12; a count or "balance" as given; anything else refused with the variable's name."""
+    from ostinato.layers.moe import cpu_experts
+
     monkeypatch.delenv("OSTINATO_STAGE_ROUTES", raising=False)
-    assert env_stage_routes() == 8
+    for tiles, m in ((True, 16), (False, 12)):
+        monkeypatch.setattr(cpu_experts, "int8_tiles_by_default", lambda: tiles)
+        assert env_stage_routes() == m and stages()
+    monkeypatch.undo()
+    monkeypatch.setenv("OSTINATO_AMX_INT8", "0")  # the tiles switched off: the row kernels' m
+    monkeypatch.delenv("OSTINATO_STAGE_ROUTES", raising=False)
+    assert not cpu_experts.int8_tiles_by_default() and env_stage_routes() == 12
     for value in (0, 4):
         monkeypatch.setenv("OSTINATO_STAGE_ROUTES", str(value))
-        assert env_stage_routes() == value
+        assert env_stage_routes() == value and stages() == bool(value)
     monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "balance")
     assert env_stage_routes() == "balance"
     for bad in ("-1", "two", "Balance"):

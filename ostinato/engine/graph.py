@@ -290,9 +290,9 @@ def env_pass_rows() -> int:
     tuning's threshold, layers/moe/gpu_quant.py fewest_dequant_tokens), whose scratch the capacity test
     then counts once more for the graphs' own memory pool: about 200 MB of the 215 MB that the 512 rows
     cost the 30B shape above, some 70 experts. A 512-token pass runs host-driven."""
-    from ostinato.layers.moe.staging import env_stage_routes
+    from ostinato.layers.moe.staging import stages
 
-    default = STAGED_PASS_ROWS if env_stage_routes() else DEFAULT_PASS_ROWS
+    default = STAGED_PASS_ROWS if stages() else DEFAULT_PASS_ROWS
     return env_count("OSTINATO_PASS_GRAPHS", default, "tokens")
 
 

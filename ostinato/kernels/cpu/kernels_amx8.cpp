@@ -26,8 +26,10 @@
 // expert): 0.92x the row kernels' time at 64 tokens (4 routes an expert), 0.70x at 128, 0.62x at 256,
 // 0.55x at 512. The first design (the weights as A, one scaling chain per weight row) took 1.10x,
 // 0.85x, 1.62x (an outlier; 0.89x from 8 routes) and 0.76x on the same host, and on the 16-core H100
-// host (session 41's call 8) 0.69x at 256 tokens but 5.6x at 32. Off by default (cpu_experts.py
-// AMX_INT8_MIN_TOKENS) until the engine's replays on the GPU machine measure this one.
+// host (session 41's call 8) 0.69x at 256 tokens but 5.6x at 32. This design on the 16-core H100 host
+// (results/2026-12-06-h100-s42/amx_int8_30b.txt, from 4 routes an expert): Q4_K/Q6_K 1.04x at 64
+// tokens, 0.81x at 128, 0.65x at 256; Q4_K 0.84x, 0.61x, 0.52x (32 tokens not run). On by default from 4 routes
+// (cpu_experts.py AMX_INT8_MIN_TOKENS; OSTINATO_AMX_INT8=0 turns it off).
 #include <immintrin.h>
 
 #include <algorithm>

@@ -50,9 +50,11 @@ from ostinato.quant import formats
 ISAS = {"auto": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 QTYPE_CODES = {"Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}  # experts.h QType
-# The default of default_amx_int8_min_tokens: off until the engine's replays measure it (one layer
-# alone: kernels_amx8.cpp's header).
-AMX_INT8_MIN_TOKENS = 0
+# The default of default_amx_int8_min_tokens: from 4 routes an expert. One layer alone on the 16-core
+# GPU machine's CPU took 0.81x the row kernels' time at 8 routes an expert and 0.65x at 16 (kernels_amx8.cpp's
+# header); in the held-out replays (results/2026-12-06-h100-s42/) the tiles let captured passes stage fewer
+# experts (staging.py default_stage_routes: m = 16 with the tiles, 12 without).
+AMX_INT8_MIN_TOKENS = 4
 _MIN_AMAX = 2.0**-96  # activation blocks below count as zeros (127 / amax stays finite)
 _FLOAT_QTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
@@ -496,6 +498,15 @@ def default_amx_int8_min_tokens() -> int:
     """The fewest routes of a quantized expert that send its Q4_K / Q6_K projections to the AMX int8
     tiles (ColdArgs::amx_int8_min_tokens): OSTINATO_AMX_INT8, default AMX_INT8_MIN_TOKENS (0: never)."""
     return env_count("OSTINATO_AMX_INT8", AMX_INT8_MIN_TOKENS, "routes")
+
+
+def int8_tiles_by_default() -> bool:
+    """Whether the native CPU experts put a quantized expert's larger groups of routes on the AMX int8
+    tiles by default (OSTINATO_AMX_INT8 not 0, and this CPU has AMX-INT8 and the extension loads)."""
+    if default_amx_int8_min_tokens() == 0:
+        return False
+    ext = _extension()
+    return ext is not None and bool(ext.cpu_features()["amx_int8"])
 
 
 def _quant_unavailable() -> str | None:

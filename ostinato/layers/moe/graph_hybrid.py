@@ -29,7 +29,7 @@ from ostinato.layers.moe.backend import StepRows
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
 from ostinato.layers.moe.segmented import SegmentedExperts
-from ostinato.layers.moe.staging import BALANCE, DEFAULT_STAGE_ROUTES, PassStaging, StageCosts, env_stage_routes
+from ostinato.layers.moe.staging import BALANCE, PassStaging, StageCosts, default_stage_routes, env_stage_routes
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -52,7 +52,7 @@ class GraphHybridExperts(HybridWrapper):
         self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
         rule = env_stage_routes() if stage_routes is None else stage_routes
         if rule == BALANCE:  # by the calibrated costs, where the placement has them
-            rule = StageCosts.of(hybrid.stage_costs) if hybrid.stage_costs is not None else DEFAULT_STAGE_ROUTES
+            rule = StageCosts.of(hybrid.stage_costs) if hybrid.stage_costs is not None else default_stage_routes()
         stages = rule and max_rows > 1 and hybrid.stage_passes  # Ostinato's placements only
         self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype, tokens=max_rows,
                                      staged_experts=pools.groups[0].table.shape[1] if stages else 0)

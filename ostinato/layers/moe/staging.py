@@ -10,10 +10,11 @@ layer of a captured pass of n real rows:
 1. `plan`: the device counts each cold expert's routes among the n rows and stages, by the rule, at
    most `cap` of them (the pool's flex slots): expert e into flex slot flex_lo + rank(e), rank being
    its place among them. -> the staged row: those experts' flex slots, every other expert < 0. The
-   rule (OSTINATO_STAGE_ROUTES): the cold experts with at least m routes (default m = 8), or
+   rule (OSTINATO_STAGE_ROUTES): the cold experts with at least m routes (default_stage_routes: m = 16
+   where the CPU's int8 tiles take the quantized experts' larger groups, else 12), or
    "balance": as many of the most-routed as the split with uploads would upload (MixedPass.choose's
    count, by the calibrated costs: the copies against the CPU branch's time), where the placement has
-   a calibration (HybridExperts.stage_costs; without one, m = 8).
+   a calibration (HybridExperts.stage_costs; without one, the default m).
 2. `copy`: on the executor's copy stream, a kernel copies each staged expert's blocks (and biases)
    from its page-locked host stack (pool.py HostExperts, the upload path's source) into its flex slot.
 3. Meanwhile the GPU branch runs over the layer's own index row: the hot routes. Then the stream
@@ -37,16 +38,18 @@ and the rule lives here alone.
   kernels would have rounded theirs to int8 blocks: the sum moves by rounding, as it does under
   the split with uploads.
 
-The default rule is m = 8 (OSTINATO_STAGE_ROUTES; 0 turns staging off), measured on the Q4_K_M 30B shape
-under 12 GiB on an H100 (results/2026-12-06-h100-s40/): replayed passes of 128 / 192 / 255 tokens after a
-4096-token context took 140.0 / 221.7 / 258.8 ms unstaged, 114.8 / 169.8 / 193.3 with m = 4 (the GPU's
-copies the longer side: its worker waited 57-141 ms a pass), 102.8 / 122.2 / 134.6 with m = 8, and
-155.9 / 195.7 / 209.9 with m = 16 (the CPU's side the longer). In held-out replays the median TTFT after
-tool outputs went from 170-181 ms to 161 (m = 8), and to 143-147 with passes captured up to 512 rows
-(engine/graph.py env_pass_rows), TPOT and total time unchanged. That was with the copies before one
-GPU branch over all the layer's routes, padding rows included, and the worker applying the rule itself;
-the order of 3., the padding's zero slots and the posted marks came after it and are not yet timed on a
-GPU.
+The default rule (default_stage_routes; OSTINATO_STAGE_ROUTES sets another, 0 turns staging off) was first
+m = 8, measured on the Q4_K_M 30B shape under 12 GiB on an H100 (results/2026-12-06-h100-s40/): replayed
+passes of 128 / 192 / 255 tokens after a 4096-token context took 140.0 / 221.7 / 258.8 ms unstaged, 114.8 /
+169.8 / 193.3 with m = 4 (the GPU's copies the longer side), 102.8 / 122.2 / 134.6 with m = 8, and 155.9 /
+195.7 / 209.9 with m = 16 (the CPU's side the longer). Session 42 replayed the held-out sessions on one H100
+machine, with the order of 3., the padding's zero slots, the posted marks, and 144 more experts resident
+(results/2026-12-06-h100-s42/): the median TTFT after tool outputs was 152.7 and 153.3 ms at m = 8, 118.4
+at m = 12, 118.3 and 115.9 at m = 12 with the CPU's AMX int8 tiles (cpu_experts.py AMX_INT8_MIN_TOKENS), and
+107.8 at m = 16 with the tiles. The turns of 256-511 new tokens took 0.81x as long at m = 12 and 0.69x at
+m = 16 with the tiles (the median of the turns' ratios; the sums of the runs of one setting within 1% of
+each other there), those of 128-255 0.84-0.87x, those of 64-127 1.04-1.09x; TPOT and the other bands did not
+move. Hence m = 16 where the tiles run and 12 where they do not (m = 16 on the row kernels was not replayed).
 
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
@@ -57,12 +60,21 @@ from typing import NamedTuple
 
 import torch
 
-from ostinato.config import ConfigError, env_count
+from ostinato.config import ConfigError
 from ostinato.layers.moe.backend import StepRows
 
 
-DEFAULT_STAGE_ROUTES = 8
+ROW_KERNELS_STAGE_ROUTES = 12  # default_stage_routes: the cold experts on the CPU's row kernels
+TILED_STAGE_ROUTES = 16  # and with the int8 tiles taking their larger groups of routes
 BALANCE = "balance"
+
+
+def default_stage_routes() -> int:
+    """The default rule's m: TILED_STAGE_ROUTES where the CPU experts use the int8 tiles by default
+    (cpu_experts.int8_tiles_by_default), else ROW_KERNELS_STAGE_ROUTES (the module docstring's figures)."""
+    from ostinato.layers.moe.cpu_experts import int8_tiles_by_default
+
+    return TILED_STAGE_ROUTES if int8_tiles_by_default() else ROW_KERNELS_STAGE_ROUTES
 
 
 class StageCosts(NamedTuple):
@@ -82,13 +94,24 @@ class StageCosts(NamedTuple):
 
 def env_stage_routes() -> int | str:
     """The rule: OSTINATO_STAGE_ROUTES, a count m (0: no staging) or "balance" (the split with uploads'
-    choice, by the calibrated costs: `plan`), else DEFAULT_STAGE_ROUTES."""
+    choice, by the calibrated costs: `plan`), else default_stage_routes()."""
+    rule = _env_rule()
+    return default_stage_routes() if rule is None else rule
+
+
+def stages() -> bool:
+    """Whether captured passes stage cold experts at all (OSTINATO_STAGE_ROUTES unset or not 0), without
+    resolving the default's m (which loads the CPU extension to ask for its tiles)."""
+    return _env_rule() != 0
+
+
+def _env_rule() -> int | str | None:
     v = os.environ.get("OSTINATO_STAGE_ROUTES")
-    if v == BALANCE:
-        return BALANCE
-    if v is not None and not v.isdigit():
+    if v is None or v == BALANCE:
+        return v
+    if not v.isdigit():
         raise ConfigError(f"OSTINATO_STAGE_ROUTES must be a count of routes (0: off) or {BALANCE!r}, not {v!r}")
-    return env_count("OSTINATO_STAGE_ROUTES", DEFAULT_STAGE_ROUTES, "routes")
+    return int(v)
 
 
 def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int | StageCosts, cap: int,
