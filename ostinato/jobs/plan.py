@@ -473,9 +473,9 @@ def add_planner_commands(sub) -> None:
                    "request)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="the runner's largest forward pass")
     add_margin_args(p)
-    p.add_argument("--attention-scores", type=float, help="share of a pass's attention scores materialised at "
-                   "once (default: the model's; 0 where its prefill attends in a fused kernel on the GPU, Qwen3's, "
-                   "else 1: torch's math kernel)")
+    p.add_argument("--attention-scores", type=float, help="count the prefill's attention as torch's math kernel "
+                   "holding this share of a pass's scores at once (default: the model's: SDPA's fused kernels, no "
+                   "scores, where its prefill takes them on the GPU, Qwen3's; else the math kernel with all of them)")
     p.add_argument("--max-flex", type=int, help="at most this many flex slots (the upload path's staging) per "
                    "expert format group; a pass with more cold experts uploads the most routed and computes the "
                    "rest on the CPU (default: --flex-share of the pool)")

@@ -82,7 +82,8 @@ class CapacitySettings:
     margin_bytes: int = 1 * GiB  # fixed part of the margin
     margin_fraction: float = 0.05  # plus this share of the budget
     prefill_chunk: int = 2048  # the runner's chunk: the largest forward pass
-    # share of a pass's H x T x N attention scores materialised at once; None: the model's (gpu_score_share)
+    # the prefill's attention counted as torch's math kernel holding this share of a pass's H x T x N scores
+    # at once; None: the model's (gpu_score_share: 0 is SDPA's fused kernels, counted as they allocate)
     attention_score_share: float | None = None
     # the upload path's flex slots per format group: at most max_flex; None: flex_share of the pool's
     # bytes, split evenly over the groups (flex_bound; the module docstring says why a quarter)
