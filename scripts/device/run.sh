@@ -30,6 +30,8 @@
 #              in the background: the phases after it that need the file wait for it; another model's file
 #              is removed first (the 30B and 235B files do not fit the disk together)
 #   greedy     [K] greedy tokens of Ostinato and llama.cpp on that file (scripts/greedy_vs_llama.py)
+#   plan_gguf  [K] `ostinato plan` on that file under $QCAP (profiles of phase skew or .carry/res), verified by
+#              running its largest pass under the cap
 #   bench_gguf [K] `ostinato bench` on that file under $QCAP (default 12GiB; QBENCH_ARGS: policies, sizes, --merge)
 #   ab_gguf    a change measured before and after on one machine: Ostinato's replay on that file from this tree (A),
 #              from another commit's `git archive` (B: AB_TGZ, default .carry/ab.tgz, of commit AB_COMMIT), or
@@ -444,6 +446,14 @@ phase_greedy() {  # [K] greedy tokens of both engines on the same file (every la
   gguf_wait && llama_kit || return 1
   run 200 "$R/k_greedy.txt" python3 scripts/greedy_vs_llama.py --server /tmp/llama/kit/llama-server --model "$g" \
     --tokens 32 --log "$R/k_greedy_llama.log" --json-out "$R/k_greedy.json"
+}
+phase_plan_gguf() {  # [K] the capacity plan on that file under $QCAP, verified: the largest pass of the longest
+  # request (2048 tokens over --max-context, QPLAN_CONTEXT, default 8292) run under the cap, its peak read back
+  local g; g=$(gguf_file)
+  gguf_wait || return 1
+  run 240 "$R/k_plan.txt" $O plan --model "$g" --profile "$R/profile-dev.json" --held-out "$R/profile-held-out.json" \
+    --gpu-memory "${QCAP:-12GiB}" --max-context "${QPLAN_CONTEXT:-8292}" ${THREADS:+--cpu-threads $THREADS} \
+    -o "$R/k_plan.json"
 }
 phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS: policies, sample, --merge)
   local g f=$R/${QBENCH_OUT:-bench_q4}/residency.json cal="" kv; g=$(gguf_file)
