@@ -205,9 +205,6 @@ double read_sum(const void* data, int64_t bytes);  // the bandwidth probe's task
 // quant_gate_up's row kernels; the caller runs the chunks' epilogue) or of its down projection
 // (into y, or out in direct mode, as quant_down). lo, hi multiples of 16.
 void amx8_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1);
-// Their Q4_K scales, decoded as the row kernels decode them (kernels_quant.cpp): block b of 16 rows
-// rb bytes apart -> V[16][16], row r: d sc_j for j < 8, then dmin m_j.
-void q4k_scales16(const uint8_t* w, int64_t rb, int64_t b, float* V);
 void amx8_down(const Plan& p, int32_t s, int64_t d0, int64_t d1);
 
 // AMX path, kernels_amx.cpp (requires D % 32 == 0, F % 32 == 0, bf16 x, and bf16 or

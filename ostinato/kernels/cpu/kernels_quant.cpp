@@ -291,21 +291,6 @@ struct K4 {
   }
 };
 
-}  // namespace
-
-// [d sc_j for j < 8, dmin m_j for j < 8] of block b of 16 Q4_K rows (rb bytes apart) into V[16][16]:
-// the row kernels' scale decoding (k4_scales), for the int8 tiles (kernels_amx8.cpp).
-void q4k_scales16(const uint8_t* w, int64_t rb, int64_t b, float* V) {
-  for (int r0 = 0; r0 < 16; r0 += 4) {
-    const uint8_t* blk[4] = {w + r0 * rb + b * 144, w + (r0 + 1) * rb + b * 144, w + (r0 + 2) * rb + b * 144,
-                             w + (r0 + 3) * rb + b * 144};
-    __m512 v[4];
-    k4_scales<4>(blk, v);
-    for (int r = 0; r < 4; ++r) _mm512_storeu_ps(V + (r0 + r) * 16, v[r]);
-  }
-}
-
-namespace {
 
 // ---- Q6_K: steps of one 256-value block ----------------------------------------------
 
@@ -705,13 +690,15 @@ void quant_prepare_x(const Plan& p, int64_t t) {
   put_padding(a.qt13, a.D, v);
 }
 
-void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
+namespace {
+
+// Rows [f0, f1) of slot s's gate and up on the row kernels, into h and u.
+void row_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
   const ColdArgs& a = p.a;
   const int64_t rb = p.rb13;
   const uint8_t* w13 = static_cast<const uint8_t*>(a.w13) + int64_t(p.exp_id[s]) * 2 * a.F * rb;
   const int32_t q0 = p.start[s], q1 = p.start[s + 1];
-  if (p.i8_13[s]) amx8_gate_up(p, s, f0, f1);
-  for (int32_t q = q0; q < q1 && !p.i8_13[s]; q += kQTok) {
+  for (int32_t q = q0; q < q1; q += kQTok) {
     const int nt = std::min(kQTok, q1 - q);
     QActView acts[kQTok];
     for (int j = 0; j < nt; ++j) acts[j] = qact_view(p.xact, p.xl, p.route_token(q + j));
@@ -745,6 +732,13 @@ void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
         }
     }
   }
+}
+
+}  // namespace
+
+void quant_gate_up(const Plan& p, int32_t s, int64_t f0, int64_t f1) {
+  if (p.i8_13[s]) amx8_gate_up(p, s, f0, f1);
+  else row_gate_up(p, s, f0, f1);
   // The chunks of h this task completes (the last of the tasks sharing a chunk): their epilogue.
   for (int64_t c = f0 / 32; c * 32 < f1; ++c) {
     const int32_t rows = int32_t(std::min(f1, 32 * c + 32) - std::max(f0, 32 * c));
