@@ -36,7 +36,7 @@ def add_margin_args(p: argparse.ArgumentParser) -> None:
     under --gpu-memory by it: plan and bench."""
     p.add_argument("--margin", help="fixed part of the capacity test's memory margin: the CUDA context and what "
                    "else the process holds outside torch's allocator (default 1GiB)")
-    p.add_argument("--margin-fraction", type=float, help="plus this share of the budget (default 0.05)")
+    p.add_argument("--margin-fraction", type=float, help="plus this share of the budget (default 0)")
 
 
 def margin_settings(a) -> dict:

@@ -611,7 +611,7 @@ def test_calibrating_a_plan_again_starts_from_its_fill_by_routes(tiny_dir, tiny_
 
 def test_plan_and_bench_share_the_margin_flags():
     """--margin and --margin-fraction reach the capacity test from plan and from bench alike; left out,
-    CapacitySettings' defaults hold (1 GiB plus 5% of the budget)."""
+    CapacitySettings' defaults hold (1 GiB, no share of the budget)."""
     from ostinato.bench.cli import _bench_settings
     from ostinato.cli import build_parser
     from ostinato.jobs.plan import _capacity_settings
@@ -624,7 +624,7 @@ def test_plan_and_bench_share_the_margin_flags():
     assert (planned.margin_bytes, planned.margin_fraction) == (512 * 2**20, 0.02)
     assert _bench_settings(p.parse_args(["bench", "--model", "synth:tiny"])).margin == {}
     default = _capacity_settings(p.parse_args(["plan", "--model", "synth:tiny", "-o", "r.json"]))
-    assert (default.margin_bytes, default.margin_fraction) == (2**30, 0.05) == (CapacitySettings().margin_bytes,
+    assert (default.margin_bytes, default.margin_fraction) == (2**30, 0.0) == (CapacitySettings().margin_bytes,
                                                                                  CapacitySettings().margin_fraction)
     from ostinato.config import ConfigError
 

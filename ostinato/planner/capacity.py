@@ -8,10 +8,15 @@
 * kv: the KV cache of the longest development request (the engine preallocates it);
 * activations: a conservative bound on the live buffers of the largest forward pass
   (see `activation_bytes`; T tokens of a pass attending to N cached tokens);
-* margin: a fixed part plus a share of the budget: the CUDA context and whatever else the
-  process holds outside torch's allocator (the cap counts the process as nvidia-smi does, so
-  the allocator's limit is the budget less that: engine/gpu_memory.py), allocator rounding,
-  CUDA workspaces;
+* margin: a fixed part (1 GiB) plus a share of the budget (none by default): the CUDA context and
+  whatever else the process holds outside torch's allocator (the cap counts the process as
+  nvidia-smi does, so the allocator's limit is the budget less that: engine/gpu_memory.py),
+  allocator rounding, CUDA workspaces. The share was 5% until session 43, which measured what it
+  cost on the 30B Q4_K_M file under 12 GiB on an H100 (results/2026-12-06-h100-s43/): without it
+  3007 experts stayed resident instead of 2770; the plan's largest pass (2048 tokens over 8292)
+  peaked at 10.4 GiB allocated and 10.7 reserved where the plan expected at most 11.0; the held-out
+  replays held 11888 MiB by nvidia-smi (12288 the cap) and answered tool outputs in 101-102 ms
+  instead of 109. `ostinato plan` runs that largest pass under the cap wherever it has a GPU;
 * K zero slots (cold routes read them) and the flex slots of the upload path: the
   engine allocates max over layers of the layer's cold experts, so flex depends on the
   fill, at most a bound M per format group: flex(s) = min(M, max over layers of the cold
@@ -80,7 +85,7 @@ class CapacityError(ConfigError):
 @dataclass(frozen=True)
 class CapacitySettings:
     margin_bytes: int = 1 * GiB  # fixed part of the margin
-    margin_fraction: float = 0.05  # plus this share of the budget
+    margin_fraction: float = 0.0  # plus this share of the budget (the module docstring says why none)
     prefill_chunk: int = 2048  # the runner's chunk: the largest forward pass
     # the prefill's attention counted as torch's math kernel holding this share of a pass's H x T x N scores
     # at once; None: the model's (gpu_score_share: 0 is SDPA's fused kernels, counted as they allocate)
