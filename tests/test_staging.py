@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ostinato.config import ConfigError
-from ostinato.layers.moe.staging import copy, env_stage_routes, plan, stages
+from ostinato.layers.moe.staging import MeanRoutes, copy, env_stage_routes, plan, stages
 from tests.triton_interpreter import run_interpreted
 
 
@@ -37,10 +37,14 @@ def test_plan_follows_the_rule(B, n, E, K, cold, m, cap, seed):
     table = torch.arange(E, dtype=torch.int32)
     table[torch.rand(E, generator=g) < cold] = -1
     flex_lo = 50
+    mean = -(-n * K // E)  # the mean expert's routes among the n rows, rounded up
     for real in (torch.arange(B) < n, torch.arange(B) < torch.tensor([n], dtype=torch.int32)):  # StepRows.valid
+        for r, least in ((m, m), (MeanRoutes(m), max(m, mean))):  # "mean": at least that and at least m
+            staged, pick, rank = plan(ids, real, table, r, cap, flex_lo)
+            want = rule(ids, n, table, least, cap)
+            assert pick.nonzero().flatten().tolist() == want, r
         staged, pick, rank = plan(ids, real, table, m, cap, flex_lo)
         want = rule(ids, n, table, m, cap)
-        assert pick.nonzero().flatten().tolist() == want
         assert staged.dtype == torch.int32
         assert [int(staged[e]) for e in want] == list(range(flex_lo, flex_lo + len(want)))
         others = [e for e in range(E) if e not in want]
@@ -115,12 +119,27 @@ def test_env_stage_routes(monkeypatch):
     for value in (0, 4):
         monkeypatch.setenv("OSTINATO_STAGE_ROUTES", str(value))
         assert env_stage_routes() == value and stages() == bool(value)
-    monkeypatch.setenv("OSTINATO_STAGE_ROUTES", "balance")
-    assert env_stage_routes() == "balance"
-    for bad in ("-1", "two", "Balance"):
+    for rule in ("balance", "mean"):
+        monkeypatch.setenv("OSTINATO_STAGE_ROUTES", rule)
+        assert env_stage_routes() == rule and stages()
+    for bad in ("-1", "two", "Balance", "Mean"):
         monkeypatch.setenv("OSTINATO_STAGE_ROUTES", bad)
         with pytest.raises(ConfigError, match="OSTINATO_STAGE_ROUTES"):
             env_stage_routes()
+
+
+def test_rules_resolve_as_a_pass_takes_them(monkeypatch):
+    """"balance" takes the placement's calibrated costs (without them the default m), "mean" the default m
+    as its least count, a count stays; each is said in words for the report."""
+    from ostinato.layers.moe import cpu_experts
+    from ostinato.layers.moe.hybrid import MixedPass
+    from ostinato.layers.moe.staging import StageCosts, describe, resolve
+
+    monkeypatch.setattr(cpu_experts, "int8_tiles_by_default", lambda: True)
+    costs = MixedPass(0.01, 0.0, 0.005, 0.005)
+    assert resolve("balance", costs) == StageCosts(10_000, 0, 5_000, 5_000) and resolve("balance", None) == 16
+    assert resolve("mean", costs) == MeanRoutes(16) and resolve(7, costs) == 7
+    assert "at least 7 routes" in describe(7) and "mean" in describe("mean") and "balance" in describe("balance")
 
 
 KERNEL = """
@@ -152,7 +171,7 @@ print("INTERPRETER_OK")
 PLAN_KERNEL = """
 import torch
 from ostinato.kernels.triton.stage import plan_experts
-from ostinato.layers.moe.staging import StageCosts, plan
+from ostinato.layers.moe.staging import MeanRoutes, StageCosts, plan
 
 g = torch.Generator().manual_seed(1)
 cases = 0
@@ -163,7 +182,7 @@ for E, B, K in ((16, 5, 2), (24, 12, 4), (60, 9, 4), (128, 16, 8)):
         table[torch.rand(E, generator=g) < 0.7] = -1
         n = int(torch.randint(1, B + 1, (1,), generator=g))
         costs = StageCosts(*torch.randint(0, 30, (4,), generator=g).tolist())
-        for rule in (1, 2, costs, StageCosts(0, 0, 0, 0)):  # the last: every count ties, so none
+        for rule in (1, 2, MeanRoutes(1), MeanRoutes(2), costs, StageCosts(0, 0, 0, 0)):  # the last: all tie, so none
             for cap in (0, 3, E):
                 bytes_ = torch.zeros((), dtype=torch.int64)
                 row, pick, rank = plan_experts(ids, torch.tensor([n], dtype=torch.int32), table, rule, cap, 40, 7, bytes_)

@@ -19,7 +19,7 @@ import torch
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
 from ostinato.layers.moe.hybrid import defer_combine
-from ostinato.layers.moe.staging import env_stage_routes
+from ostinato.layers.moe.staging import describe, env_stage_routes
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.calibrate import cpu_model
 from ostinato.planner.pipeline import fill_text
@@ -565,9 +565,7 @@ def _cpu_note(result: dict) -> list[str]:
         lines.append("- split passes that upload nothing join their CPU branch on the GPU stream, the host going on "
                      "(OSTINATO_DEFER_COMBINE, on unless 0)")
     if result.get("pass_graphs") and result.get("stage_routes"):
-        rule = result["stage_routes"]
-        which = ("as many of its most-routed cold experts as the calibrated costs balance against the CPU branch"
-                 if rule == "balance" else f"its cold experts of at least {rule} routes")
+        which = describe(result["stage_routes"])
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens replayed as CUDA graphs, padded to powers "
                      f"of two (OSTINATO_PASS_GRAPHS); each copies {which} into flex slots and computes them on the "
                      "GPU (OSTINATO_STAGE_ROUTES)")

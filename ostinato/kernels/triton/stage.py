@@ -46,7 +46,7 @@ def copy_experts(src, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor,
 def _plan_kernel(ids_ptr, count_ptr, table_ptr, routes_ptr, row_ptr, pick_ptr, rank_ptr, bytes_ptr,
                  expert_bytes, cap, flex_lo, min_routes, upload, alpha, per_expert, per_route, R,
                  K: tl.constexpr, E: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, BALANCE: tl.constexpr):
+                 BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, BALANCE: tl.constexpr, MEAN: tl.constexpr):
     """One program: layers/moe/staging.py plan's rule over ids [R] (R = B K, row-major) of a pass whose
     first count rows are real, table [E] int32 -> routes [E] int32 (the cold experts' routes, scratch),
     row [E] int32, pick [E] uint8, rank [E] int32; bytes [1] int64 += the staged experts' bytes."""
@@ -88,6 +88,8 @@ def _plan_kernel(ids_ptr, count_ptr, table_ptr, routes_ptr, row_ptr, pick_ptr, r
         pick = routed & (k <= k_best)
         rank = place
     else:
+        if MEAN:  # at least the mean expert's routes in this pass: ceil(n K / E)
+            min_routes = tl.maximum(min_routes, (n_real + E - 1) // E)
         pick = cold & (routes >= min_routes)
         rank = tl.cumsum(pick.to(tl.int32), axis=0) - 1
         pick = pick & (rank < cap)
@@ -100,7 +102,7 @@ def _plan_kernel(ids_ptr, count_ptr, table_ptr, routes_ptr, row_ptr, pick_ptr, r
 def plan_experts(ids: torch.Tensor, count: torch.Tensor, table: torch.Tensor, rule, cap: int, flex_lo: int,
                  expert_bytes: int, staged_bytes: torch.Tensor):
     """layers/moe/staging.py plan in one launch, with no host sync (capturable): ids [B, K] int64, count [1]
-    int32 (the real rows), table [E] int32; rule a count m or StageCosts. -> (row [E] int32, pick [E]
+    int32 (the real rows), table [E] int32; rule a count m, MeanRoutes or StageCosts. -> (row [E] int32, pick [E]
     bool, rank [E] int32); staged_bytes [] int64 grows by the staged experts' bytes."""
     B, K = ids.shape
     E = table.shape[0]
@@ -109,11 +111,15 @@ def plan_experts(ids: torch.Tensor, count: torch.Tensor, table: torch.Tensor, ru
     row = torch.empty(E, dtype=torch.int32, device=dev)
     pick = torch.empty(E, dtype=torch.bool, device=dev)
     rank = torch.empty(E, dtype=torch.int32, device=dev)
-    balance = not isinstance(rule, int)
+    from ostinato.layers.moe.staging import MeanRoutes
+
+    mean = isinstance(rule, MeanRoutes)
+    balance = not mean and not isinstance(rule, int)
     costs = tuple(rule) if balance else (0, 0, 0, 0)
+    least = rule.least if mean else 0 if balance else rule
     BLOCK_E = triton.next_power_of_2(E)
     _plan_kernel[(1,)](ids.contiguous(), count, table, routes, row, pick.view(torch.uint8), rank, staged_bytes,
-                       expert_bytes, cap, flex_lo, 0 if balance else rule, *costs, B * K, K=K, E=E,
+                       expert_bytes, cap, flex_lo, least, *costs, B * K, K=K, E=E,
                        BLOCK_R=max(16, min(256, 8192 // BLOCK_E)), BLOCK_E=BLOCK_E, BLOCK_J=min(BLOCK_E, 32),
-                       BALANCE=balance, num_warps=4)
+                       BALANCE=balance, MEAN=mean, num_warps=4)
     return row, pick, rank

@@ -29,7 +29,7 @@ from ostinato.layers.moe.backend import StepRows
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
 from ostinato.layers.moe.segmented import SegmentedExperts
-from ostinato.layers.moe.staging import BALANCE, PassStaging, StageCosts, default_stage_routes, env_stage_routes
+from ostinato.layers.moe.staging import PassStaging, env_stage_routes, resolve
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -39,7 +39,7 @@ class GraphHybridExperts(HybridWrapper):
     def __init__(self, hybrid: HybridExperts, core: int = -1, max_rows: int = 1, stage_routes: int | str | None = None):
         """core: the CPU of this GPU's poller (the thread layout's, ostinato/threads.py; -1 unpinned);
         max_rows: the most rows a captured pass posts (1: decode steps only); stage_routes: the staging rule
-        for captured passes, a count m or "balance" (0: none; None: env_stage_routes), where the hybrid's
+        for captured passes, a count m, "balance" or "mean" (0: none; None: env_stage_routes), where the hybrid's
         placement stages (HybridExperts.stage_passes: Ostinato's, not a baseline's, which keep their own
         rules)."""
         from ostinato.kernels.triton import handshake as hs
@@ -50,9 +50,7 @@ class GraphHybridExperts(HybridWrapper):
         # only layers with cold experts post a step: the worker waits at each of its layers
         layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.index = {l: i for i, l in enumerate(layers)}  # model layer -> handshake row
-        rule = env_stage_routes() if stage_routes is None else stage_routes
-        if rule == BALANCE:  # by the calibrated costs, where the placement has them
-            rule = StageCosts.of(hybrid.stage_costs) if hybrid.stage_costs is not None else default_stage_routes()
+        rule = resolve(env_stage_routes() if stage_routes is None else stage_routes, hybrid.stage_costs)
         stages = rule and max_rows > 1 and hybrid.stage_passes  # Ostinato's placements only
         self.shared = GraphHandshake(len(layers), pools.top_k, pools.hidden, x_dtype=pools.dtype, tokens=max_rows,
                                      staged_experts=pools.groups[0].table.shape[1] if stages else 0)

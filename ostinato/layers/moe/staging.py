@@ -50,6 +50,9 @@ at m = 12, 118.3 and 115.9 at m = 12 with the CPU's AMX int8 tiles (cpu_experts.
 m = 16 with the tiles (the median of the turns' ratios; the sums of the runs of one setting within 1% of
 each other there), those of 128-255 0.84-0.87x, those of 64-127 1.04-1.09x; TPOT and the other bands did not
 move. Hence m = 16 where the tiles run and 12 where they do not (m = 16 on the row kernels was not replayed).
+Session 43, on one H100 machine with 3007 experts resident (results/2026-12-06-h100-s43/): 105.9 ms at m = 12,
+101.1 and 102.1 at m = 16, 102.1 at m = 24, with the tiles; so m = 16 stays (and MeanRoutes below is why
+"mean" is worth a replay).
 
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
@@ -67,6 +70,18 @@ from ostinato.layers.moe.backend import StepRows
 ROW_KERNELS_STAGE_ROUTES = 12  # default_stage_routes: the cold experts on the CPU's row kernels
 TILED_STAGE_ROUTES = 16  # and with the int8 tiles taking their larger groups of routes
 BALANCE = "balance"
+MEAN = "mean"
+
+
+class MeanRoutes(NamedTuple):
+    """The rule "mean": the cold experts with at least max(least, ceil(n K / E)) routes among a pass's n
+    real rows, the mean routes of an expert of the layer in that pass. A fixed m stages as many experts of
+    a 400-token pass as one of 200 where each has twice the routes, so the CPU's share shrinks as passes
+    grow; this keeps it. Why try it (results/2026-12-06-h100-s43/, one held-out replay a setting on one
+    H100): the turns of 256-511 new tokens took 1262 ms in all at m = 24 against 1405 at m = 16, and those
+    of 128-255 took 953 against 905-907; m = 12 took 1648 and 900."""
+
+    least: int
 
 
 def default_stage_routes() -> int:
@@ -93,8 +108,9 @@ class StageCosts(NamedTuple):
 
 
 def env_stage_routes() -> int | str:
-    """The rule: OSTINATO_STAGE_ROUTES, a count m (0: no staging) or "balance" (the split with uploads'
-    choice, by the calibrated costs: `plan`), else default_stage_routes()."""
+    """The rule: OSTINATO_STAGE_ROUTES, a count m (0: no staging), "balance" (the split with uploads'
+    choice, by the calibrated costs: `plan`) or "mean" (MeanRoutes, at least default_stage_routes()), else
+    default_stage_routes()."""
     rule = _env_rule()
     return default_stage_routes() if rule is None else rule
 
@@ -107,20 +123,42 @@ def stages() -> bool:
 
 def _env_rule() -> int | str | None:
     v = os.environ.get("OSTINATO_STAGE_ROUTES")
-    if v is None or v == BALANCE:
+    if v is None or v in (BALANCE, MEAN):
         return v
     if not v.isdigit():
-        raise ConfigError(f"OSTINATO_STAGE_ROUTES must be a count of routes (0: off) or {BALANCE!r}, not {v!r}")
+        raise ConfigError(f"OSTINATO_STAGE_ROUTES must be a count of routes (0: off), {BALANCE!r} or {MEAN!r}, "
+                          f"not {v!r}")
     return int(v)
 
 
-def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int | StageCosts, cap: int,
-         flex_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def resolve(rule: int | str, costs) -> int | MeanRoutes | StageCosts:
+    """A rule as `plan` takes it: "balance" by the calibrated costs (the placement's MixedPass; without
+    them the default m), "mean" as MeanRoutes over the default m, a count as it is."""
+    if rule == BALANCE:
+        return StageCosts.of(costs) if costs is not None else default_stage_routes()
+    if rule == MEAN:
+        return MeanRoutes(default_stage_routes())
+    return rule
+
+
+def describe(rule: int | str) -> str:
+    """The rule in words, as a report says which cold experts a captured pass stages."""
+    if rule == BALANCE:
+        return "as many of its most-routed cold experts as the calibrated costs balance against the CPU branch"
+    if rule == MEAN:
+        return ("its cold experts of at least as many routes as the layer's mean expert in that pass, and at least "
+                "the default count")
+    return f"its cold experts of at least {rule} routes"
+
+
+def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int | MeanRoutes | StageCosts,
+         cap: int, flex_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The staging rule on the device, with no host sync (capturable). ids [B, K] of a pass whose real
     rows `real` [B] bool marks (a captured pass's StepRows.valid); table [E] int32, the layer's index
     row (< 0: cold). The rule:
       m (int)     the cold experts with at least m routes among the real rows, the first `cap` in expert
                   order;
+      MeanRoutes  likewise with m = max(least, ceil(n K / E)) for the n real rows;
       StageCosts  the split with uploads' choice (MixedPass.choose): of the cold experts routed, the k
                   most routed (a tie: the lower id), k of least cost max(k upload, alpha + expert (n - k)
                   + route * their routes left) over k <= min(n, cap) (the uploads alone at k = n), the
@@ -146,7 +184,10 @@ def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int |
         pick = rank < torch.argmin(cost)  # argmin: the first of equal costs
         rank = rank.to(torch.int32)
     else:
-        pick = (table < 0) & (routes >= rule)
+        m = rule
+        if isinstance(rule, MeanRoutes):
+            m = torch.clamp((real.sum() * K + E - 1) // E, min=rule.least)
+        pick = (table < 0) & (routes >= m)
         rank = torch.cumsum(pick.to(torch.int32), 0, dtype=torch.int32) - 1
         pick &= rank < cap
     return torch.where(pick, rank + flex_lo, -1).to(torch.int32), pick, rank
@@ -192,10 +233,11 @@ class PassStaging:
     experts, its host stacks and pool tensors paired, and the experts' host rows on the device; the
     copies on the executor's copy stream (HybridExperts.on_copy_stream)."""
 
-    def __init__(self, hybrid, rule: int | StageCosts):
-        """rule: plan's, a count m >= 1 or the calibrated costs."""
-        if not isinstance(rule, StageCosts) and rule < 1:
-            raise ValueError(f"the staging rule's count must be at least 1, not {rule}")
+    def __init__(self, hybrid, rule: int | MeanRoutes | StageCosts):
+        """rule: plan's, a count m >= 1, MeanRoutes over one, or the calibrated costs."""
+        least = rule.least if isinstance(rule, MeanRoutes) else rule
+        if not isinstance(rule, StageCosts) and least < 1:
+            raise ValueError(f"the staging rule's count must be at least 1, not {least}")
         self.rule, self.pools, self.hybrid, self.device = rule, hybrid.pools, hybrid, hybrid.device
         self.layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.rows, self.pairs = {}, {}
