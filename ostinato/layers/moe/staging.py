@@ -14,7 +14,8 @@ layer of a captured pass of n real rows:
    where the CPU's int8 tiles take the quantized experts' larger groups, else 12), or
    "balance": as many of the most-routed as the split with uploads would upload (MixedPass.choose's
    count, by the calibrated costs: the copies against the CPU branch's time), where the placement has
-   a calibration (HybridExperts.stage_costs; without one, the default m).
+   a calibration (HybridExperts.stage_costs; without one, the default m), or "mean": at least m routes and
+   at least the layer's mean expert's in that pass (MeanRoutes).
 2. `copy`: on the executor's copy stream, a kernel copies each staged expert's blocks (and biases)
    from its page-locked host stack (pool.py HostExperts, the upload path's source) into its flex slot.
 3. Meanwhile the GPU branch runs over the layer's own index row: the hot routes. Then the stream
