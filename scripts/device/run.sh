@@ -66,6 +66,8 @@
 #   serve_plan [M][N] `serve --gpu-memory $CAP` from an empty plan cache to ready (each phase timed, /health
 #              polled) and the held-out replay through chat completions; a second start from the cache and the
 #              same turns through /v1/messages; the same turns in-process on its plan (SERVE_REPLAY_ARGS)
+#   ablation   [I] every step of the ablation table and expert-cache on $MODEL under $CAP, one bench folder ($R/ablation)
+#              filled over several calls (each runs the policies it lacks, --merge; ABLATION_POLICIES, ABLATION_ARGS)
 #   sweep      [I] the length sweep (prefill 128-2048 new tokens after development prefixes) of Ostinato and
 #              expert-cache in one bench run, its own plan and calibration ($R/sweep; SWEEP_ARGS)
 #   regimes    [J] ostinato, fixed-per-layer and both caches under each routing regime of $M (REGIMES: flat layered
@@ -364,6 +366,28 @@ phase_regimes() {  # [J] the same bench under each routing regime; the calibrati
   done
   (( ${#specs[@]} )) || { say "regimes: no regime measured in full yet"; return 1; }
   run 60 "$R/j_regimes_report.txt" $O report --regimes "${specs[@]}" --out "$R/regimes"
+}
+phase_ablation() {  # [I] every step of the report's ablation table (ostinato/policies/settings.py ABLATION) and
+  # expert-cache, on $M under $CAP, into one bench folder ($R/ablation) filled over as many calls as it takes: each
+  # call runs, in that order, the policies the folder lacks (--merge); one cut by the deadline runs again next call.
+  # One calibration for them all: ABLATION_CAL, else the folder's own once it exists, else phase calib's (else the
+  # first call calibrates). ABLATION_POLICIES and ABLATION_ARGS (the sample, tuning) change the defaults.
+  local pols=${ABLATION_POLICIES:-"cpu layers fixed-uniform fixed-per-layer ktransformers ostinato-split ostinato-upload \
+ostinato ostinato-borrow expert-cache"} d=$R/ablation todo merge="" f
+  todo=$pols
+  if [[ -f $d/results.json ]]; then  # the policies it lacks ('-': none; '': unreadable, so all again)
+    todo=$(field "$d/results.json" "' '.join(p for p in '$pols'.split() if 'summary' not in d['policies'].get(p, {})) or '-'")
+    [[ $todo == - ]] && { say "ablation: every policy measured in $d (remove it to measure again)"; return 0; }
+    if [[ -n $todo ]]; then merge=--merge; else todo=$pols; fi
+  fi
+  f=${ABLATION_CAL:-}
+  [[ -z $f && -n $merge ]] && f=$d/residency.json
+  [[ -z $f ]] && f=$(usable_calibration "$R/res-cap.json" "")
+  say "ablation: $todo${merge:+ (added to $d)}"
+  run 560 "$R/i_ablation.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} \
+    --sessions "$S" --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $(calibration_arg "$f") --no-progress \
+    $(att) --policies $todo --out "$d" $merge \
+    ${ABLATION_ARGS:---max-context 8292 --rounds 1 --max-sessions 8 --max-turns 12 --max-output 64 --sweep-prefixes 0}
 }
 phase_split() {  # where a split pass's time goes: split_path against its CPU branch alone and in parts
   run 240 "$R/b_split.txt" python3 scripts/split_interference.py --model "$M" --residency "$R/res-cap.json" \
