@@ -115,6 +115,11 @@ att() { [[ -f $R/attention_scores.txt ]] && echo "--attention-scores $(cat "$R/a
 # fresh FILE: written on this machine since its results were restored from .carry/res (a calibration restored
 # from an earlier session measured older code: the fused dense kernels halved the step it models)
 fresh() { [[ -f $1 && ( ! -f $R/.restored || $1 -nt $R/.restored ) ]]; }
+# lacking DIR "POLICIES": the policies a bench folder still lacks ('-': none; '': no readable results.json, so all)
+lacking() {
+  [[ -f $1/results.json ]] || return 0
+  field "$1/results.json" "' '.join(p for p in '$2'.split() if 'summary' not in d['policies'].get(p, {})) or '-'"
+}
 # kernel tunings measured on this machine since the restore (phase micro_dense, QTUNE=1) replace the checkout's:
 # a later call's tree is a fresh copy of the working tree
 for f in "$R"/moe_*.json; do
@@ -346,12 +351,9 @@ phase_regimes() {  # [J] the same bench under each routing regime; the calibrati
   f=$(usable_calibration "$f" "${BENCH_ARGS:-}"); cal=$(calibration_arg "$f")
   kv=$(field "$f" "d['capacity'].get('kv_tokens')")
   for r in ${REGIMES:-flat layered layered-persistent}; do
-    d=$R/regimes/$r; todo=$pols; merge=""
-    if [[ -f $d/results.json ]]; then  # the policies it lacks ('-': none; '': unreadable, so all again)
-      todo=$(field "$d/results.json" "' '.join(p for p in '$pols'.split() if 'summary' not in d['policies'].get(p, {})) or '-'")
-      [[ $todo == - ]] && { say "regimes: $r already measured in $d (remove it to measure again)"; continue; }
-      if [[ -n $todo ]]; then merge=--merge; else todo=$pols; fi
-    fi
+    d=$R/regimes/$r; todo=$(lacking "$d" "$pols"); merge=--merge
+    [[ $todo == - ]] && { say "regimes: $r already measured in $d (remove it to measure again)"; continue; }
+    [[ -z $todo ]] && { todo=$pols; merge=""; }
     run 560 "$R/j_regimes_$r.txt" $O bench --model "$M${sep}regime=$r" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} \
       --sessions "$S" ${kv:+--max-context $kv} $cal --no-progress $(att) --policies $todo \
       --out "$d" $merge $A
@@ -373,13 +375,10 @@ phase_ablation() {  # [I] every step of the report's ablation table (ostinato/po
   # One calibration for them all: ABLATION_CAL, else the folder's own once it exists, else phase calib's (else the
   # first call calibrates). ABLATION_POLICIES and ABLATION_ARGS (the sample, tuning) change the defaults.
   local pols=${ABLATION_POLICIES:-"cpu layers fixed-uniform fixed-per-layer ktransformers ostinato-split ostinato-upload \
-ostinato ostinato-borrow expert-cache"} d=$R/ablation todo merge="" f
-  todo=$pols
-  if [[ -f $d/results.json ]]; then  # the policies it lacks ('-': none; '': unreadable, so all again)
-    todo=$(field "$d/results.json" "' '.join(p for p in '$pols'.split() if 'summary' not in d['policies'].get(p, {})) or '-'")
-    [[ $todo == - ]] && { say "ablation: every policy measured in $d (remove it to measure again)"; return 0; }
-    if [[ -n $todo ]]; then merge=--merge; else todo=$pols; fi
-  fi
+ostinato ostinato-borrow expert-cache"} d=$R/ablation todo merge=--merge f
+  todo=$(lacking "$d" "$pols")
+  [[ $todo == - ]] && { say "ablation: every policy measured in $d (remove it to measure again)"; return 0; }
+  [[ -z $todo ]] && { todo=$pols; merge=""; }
   f=${ABLATION_CAL:-}
   [[ -z $f && -n $merge ]] && f=$d/residency.json
   [[ -z $f ]] && f=$(usable_calibration "$R/res-cap.json" "")

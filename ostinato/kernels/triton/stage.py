@@ -111,12 +111,11 @@ def plan_experts(ids: torch.Tensor, count: torch.Tensor, table: torch.Tensor, ru
     row = torch.empty(E, dtype=torch.int32, device=dev)
     pick = torch.empty(E, dtype=torch.bool, device=dev)
     rank = torch.empty(E, dtype=torch.int32, device=dev)
-    from ostinato.layers.moe.staging import MeanRoutes
+    from ostinato.layers.moe.staging import MeanRoutes, StageCosts
 
-    mean = isinstance(rule, MeanRoutes)
-    balance = not mean and not isinstance(rule, int)
+    balance, mean = isinstance(rule, StageCosts), isinstance(rule, MeanRoutes)
     costs = tuple(rule) if balance else (0, 0, 0, 0)
-    least = rule.least if mean else 0 if balance else rule
+    least = 0 if balance else rule.least if mean else rule
     BLOCK_E = triton.next_power_of_2(E)
     _plan_kernel[(1,)](ids.contiguous(), count, table, routes, row, pick.view(torch.uint8), rank, staged_bytes,
                        expert_bytes, cap, flex_lo, least, *costs, B * K, K=K, E=E,
