@@ -52,8 +52,8 @@ m = 16 with the tiles (the median of the turns' ratios; the sums of the runs of 
 each other there), those of 128-255 0.84-0.87x, those of 64-127 1.04-1.09x; TPOT and the other bands did not
 move. Hence m = 16 where the tiles run and 12 where they do not (m = 16 on the row kernels was not replayed).
 Session 43, on one H100 machine with 3007 experts resident (results/2026-12-06-h100-s43/): 105.9 ms at m = 12,
-101.1 and 102.1 at m = 16, 102.1 at m = 24, with the tiles; so m = 16 stays (and MeanRoutes below is why
-"mean" is worth a replay).
+101.1 and 102.1 at m = 16, 102.1 at m = 24, with the tiles; so m = 16 stays ("mean", MeanRoutes below, showed
+no gain in session 44's replay).
 
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
@@ -80,7 +80,9 @@ class MeanRoutes(NamedTuple):
     a 400-token pass as one of 200 where each has twice the routes, so the CPU's share shrinks as passes
     grow; this keeps it. Why try it (results/2026-12-06-h100-s43/, one held-out replay a setting on one
     H100): the turns of 256-511 new tokens took 1262 ms in all at m = 24 against 1405 at m = 16, and those
-    of 128-255 took 953 against 905-907; m = 12 took 1648 and 900."""
+    of 128-255 took 953 against 905-907; m = 12 took 1648 and 900. Replayed in session 44 between two runs at
+    m = 16 on one H100 (results/2026-12-06-h100-s44/, A/B/A): no gain; it was slower in every band of new tokens,
+    those it cannot change too, so it stays an option."""
 
     least: int
 
