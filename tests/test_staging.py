@@ -171,7 +171,7 @@ print("INTERPRETER_OK")
 PLAN_KERNEL = """
 import torch
 from ostinato.kernels.triton.stage import plan_experts
-from ostinato.layers.moe.staging import MeanRoutes, StageCosts, plan
+from ostinato.layers.moe.staging import MeanRoutes, StageCosts, kernel_rule, plan
 
 g = torch.Generator().manual_seed(1)
 cases = 0
@@ -185,7 +185,8 @@ for E, B, K in ((16, 5, 2), (24, 12, 4), (60, 9, 4), (128, 16, 8)):
         for rule in (1, 2, MeanRoutes(1), MeanRoutes(2), costs, StageCosts(0, 0, 0, 0)):  # the last: all tie, so none
             for cap in (0, 3, E):
                 bytes_ = torch.zeros((), dtype=torch.int64)
-                row, pick, rank = plan_experts(ids, torch.tensor([n], dtype=torch.int32), table, rule, cap, 40, 7, bytes_)
+                row, pick, rank = plan_experts(ids, torch.tensor([n], dtype=torch.int32), table, cap, 40, 7, bytes_,
+                                               **kernel_rule(rule))
                 want_row, want_pick, want_rank = plan(ids, torch.arange(B) < n, table, rule, cap, 40)
                 assert torch.equal(pick, want_pick), (E, B, n, rule, cap, pick.nonzero(), want_pick.nonzero())
                 assert torch.equal(row, want_row) and torch.equal(rank[pick], want_rank[pick]), (E, rule, cap)

@@ -99,11 +99,13 @@ def _plan_kernel(ids_ptr, count_ptr, table_ptr, routes_ptr, row_ptr, pick_ptr, r
     tl.store(bytes_ptr, tl.load(bytes_ptr) + tl.sum(pick.to(tl.int64), axis=0) * expert_bytes)
 
 
-def plan_experts(ids: torch.Tensor, count: torch.Tensor, table: torch.Tensor, rule, cap: int, flex_lo: int,
-                 expert_bytes: int, staged_bytes: torch.Tensor):
+def plan_experts(ids: torch.Tensor, count: torch.Tensor, table: torch.Tensor, cap: int, flex_lo: int,
+                 expert_bytes: int, staged_bytes: torch.Tensor, *, least: int = 0, mean: bool = False,
+                 costs: tuple[int, int, int, int] | None = None):
     """layers/moe/staging.py plan in one launch, with no host sync (capturable): ids [B, K] int64, count [1]
-    int32 (the real rows), table [E] int32; rule a count m, MeanRoutes or StageCosts. -> (row [E] int32, pick [E]
-    bool, rank [E] int32); staged_bytes [] int64 grows by the staged experts' bytes."""
+    int32 (the real rows), table [E] int32; the rule as staging.kernel_rule gives it: at least `least` routes
+    (and the layer's mean expert's where `mean`), or the calibrated `costs` (StageCosts' four integers).
+    -> (row [E] int32, pick [E] bool, rank [E] int32); staged_bytes [] int64 grows by the staged experts' bytes."""
     B, K = ids.shape
     E = table.shape[0]
     dev = ids.device
@@ -111,11 +113,8 @@ def plan_experts(ids: torch.Tensor, count: torch.Tensor, table: torch.Tensor, ru
     row = torch.empty(E, dtype=torch.int32, device=dev)
     pick = torch.empty(E, dtype=torch.bool, device=dev)
     rank = torch.empty(E, dtype=torch.int32, device=dev)
-    from ostinato.layers.moe.staging import MeanRoutes, StageCosts
-
-    balance, mean = isinstance(rule, StageCosts), isinstance(rule, MeanRoutes)
-    costs = tuple(rule) if balance else (0, 0, 0, 0)
-    least = 0 if balance else rule.least if mean else rule
+    balance = costs is not None
+    costs = tuple(costs) if balance else (0, 0, 0, 0)
     BLOCK_E = triton.next_power_of_2(E)
     _plan_kernel[(1,)](ids.contiguous(), count, table, routes, row, pick.view(torch.uint8), rank, staged_bytes,
                        expert_bytes, cap, flex_lo, least, *costs, B * K, K=K, E=E,

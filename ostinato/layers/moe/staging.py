@@ -154,6 +154,15 @@ def describe(rule: int | str) -> str:
     return f"its cold experts of at least {rule} routes"
 
 
+def kernel_rule(rule: int | MeanRoutes | StageCosts) -> dict:
+    """`plan`'s rule as the plan kernel (kernels/triton/stage.py plan_experts) takes it, in plain values."""
+    if isinstance(rule, StageCosts):
+        return {"costs": tuple(rule)}
+    if isinstance(rule, MeanRoutes):
+        return {"least": rule.least, "mean": True}
+    return {"least": rule}
+
+
 def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int | MeanRoutes | StageCosts,
          cap: int, flex_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The staging rule on the device, with no host sync (capturable). ids [B, K] of a pass whose real
@@ -265,8 +274,8 @@ class PassStaging:
         if ids.is_cuda:
             from ostinato.kernels.triton.stage import plan_experts
 
-            return Staged(*plan_experts(ids, rows.count, pool.table[layer], self.rule, cap, pool.flex_lo,
-                                        pool.expert_bytes, self.staged_bytes))
+            return Staged(*plan_experts(ids, rows.count, pool.table[layer], cap, pool.flex_lo, pool.expert_bytes,
+                                        self.staged_bytes, **kernel_rule(self.rule)))
         staged = Staged(*plan(ids, rows.valid, pool.table[layer], self.rule, cap, pool.flex_lo))
         self.staged_bytes += staged.pick.sum() * pool.expert_bytes
         return staged
