@@ -1,13 +1,22 @@
 """Borrowed memory: cold experts that decode keeps using move into the flex slots between
-tokens, results stay those of the reference, and a prefill gets every slot back."""
+tokens, results stay those of the reference, and a prefill gets every slot back; with one
+pool per expert format, each pool lends its slots to its own layers only."""
 from __future__ import annotations
 
 import torch
 
+from ostinato.engine.placement import PlacementSettings
+from ostinato.engine.runner import RunnerSettings
 from ostinato.layers.moe.borrow import Borrowing
+from ostinato.layers.moe.cpu_experts import CpuExperts
+from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.layers.moe.pool import ExpertPool, ExpertPools, HostExperts
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.types import TopKOutput
-from tests.test_hybrid import D, E, K, LAYERS, _hybrid
+from ostinato.load import load_engine
+from ostinato.loader.gguf import GGUFSource
+from tests.test_hybrid import D, E, F, K, LAYERS, _experts, _hybrid
+from tests.test_quant_engine import PROMPT, _rel, _residency, tinyk_q4km  # noqa: F401  (a fixture)
 
 
 def _topk(ids):
@@ -65,3 +74,128 @@ def test_full_slots_admit_only_a_clearly_better_newcomer():
     b.scores[layer, newcomer] = 25.0
     b.rebalance()
     assert (layer, newcomer) in b.owner.values() and b.counters["replaced"] == 1
+
+
+def _two_pools(flex=(3, 5)):
+    """The hybrid of _hybrid at half hot, but one pool per layer (as two format groups are: each
+    serves its own layers) with flex[i] flex slots each; layer 1 has no pool (a dense layer). Both
+    pools number their flex slots from 8 + K, so equal slot numbers name different memory."""
+    weights = {l: _experts(l) for l in LAYERS}
+    g = torch.Generator().manual_seed(7)
+    hot = {l: torch.randperm(E, generator=g)[:E // 2].tolist() for l in LAYERS}
+    cold = {l: sorted(set(range(E)) - set(hot[l])) for l in LAYERS}
+    pools = ExpertPools([ExpertPool({l: hot[l]}, 3, E, K, n, (2 * F, D), (D, F), "cpu", torch.float32)
+                         for l, n in zip(LAYERS, flex)])
+    host = HostExperts(cold, E, (2 * F, D), (D, F), torch.float32)
+    for l in LAYERS:
+        pools.fill_layer(l, weights[l])
+        host.fill_layer(l, weights[l])
+    cpu = CpuExperts(host.layers, num_threads=1, backend="torch")
+    return HybridExperts(pools, host, cpu, 10**9, max_tokens=512), weights
+
+
+def _check_tables(hybrid, weights):
+    """Every borrowed expert sits in a flex slot of its own layer's pool, holds that expert's weights,
+    and both branches' tables say so (the device table published)."""
+    b, pools = hybrid.borrow, hybrid.pools
+    for (g, s), (l, e) in b.owner.items():
+        pool = pools.of(l)
+        assert pools.groups[g] is pool and pool.flex_lo <= s < pool.num_slots
+        assert int(hybrid.table_row(l)[e]) == s and int(hybrid.host.compact[l][e]) < 0
+        assert torch.equal(pool.w13[s], weights[l].w13[e]) and torch.equal(pool.w2[s], weights[l].w2[e])
+    for l in LAYERS:
+        assert torch.equal(pools.of(l).table[l], pools.of(l).table_host[l])
+
+
+def test_decode_borrows_into_each_layers_own_pool():
+    hybrid, weights = _two_pools()
+    pools = hybrid.pools
+    tables0 = [p.table_host.clone() for p in pools.groups]
+    compact0 = {l: c.clone() for l, c in hybrid.host.compact.items()}
+    hybrid.borrow = Borrowing(hybrid, every=1, wait_copies=True)
+    favourite = {l: _cold_ids(hybrid, l, K) for l in LAYERS}  # K cold experts a layer; pool 0 has 3 slots
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        for l in LAYERS:
+            x = torch.randn(1, D, generator=g)
+            topk = _topk(favourite[l])
+            assert torch.allclose(hybrid(l, x, topk), moe_forward(x, topk, weights[l]), rtol=1e-4, atol=1e-5)
+        hybrid.after_decode_step()
+    b = hybrid.borrow
+    by_layer = {l: {e for (_, s), (m, e) in b.owner.items() if m == l} for l in LAYERS}
+    assert len(by_layer[0]) == 3 and by_layer[0] < set(favourite[0])  # pool 0 full, pool 1's slots unused by it
+    assert by_layer[2] == set(favourite[2])
+    assert sorted(g for g, _ in b.owner) == [0] * 3 + [1] * K
+    assert hybrid.stats()["borrowed_hits"] > 0
+    _check_tables(hybrid, weights)
+    hybrid.before_prefill()
+    assert all(torch.equal(p.table_host, t) for p, t in zip(pools.groups, tables0))
+    assert all(torch.equal(p.table, t) for p, t in zip(pools.groups, tables0))
+    assert all(torch.equal(hybrid.host.compact[l], compact0[l]) for l in LAYERS)
+    assert hybrid.stats()["borrowed_now"] == 0 and b.free_slots() == b.slots and len(b.slots) == 3 + 5
+
+
+def test_replacement_stays_within_a_pool():
+    hybrid, weights = _two_pools()
+    b = Borrowing(hybrid, every=10**9, wait_copies=True, margin=2.0)
+    hybrid.borrow = b
+    cold = {l: _cold_ids(hybrid, l, E) for l in LAYERS}  # 8 each
+    b.scores[1] = 100.0  # a layer without a pool (dense): never borrowed for
+    b.scores[0, cold[0][:3]] = 10.0  # fills pool 0's 3 slots
+    b.scores[2, cold[2][:4]] = 10.0  # 4 of pool 1's 5 slots
+    b.rebalance()
+    assert {l for l, _ in b.owner.values()} == {0, 2} and len(b.owner) == 7
+    assert not b.free_slots(0) and len(b.free_slots(1)) == 1
+    # pool 0 is full and its best newcomer fails the margin; pool 1's weaker one still takes its free slot
+    b.scores[0, cold[0][3]] = 15.0
+    b.scores[2, cold[2][4]] = 1.0
+    b.rebalance()
+    assert (0, cold[0][3]) not in b.owner.values() and (2, cold[2][4]) in b.owner.values()
+    assert b.counters["replaced"] == 0 and not b.free_slots()
+    # both full: each newcomer evicts its own pool's weakest borrowed expert
+    b.scores[0, cold[0][3]] = 25.0
+    b.scores[2, cold[2][5]] = 30.0
+    b.rebalance()
+    assert (0, cold[0][3]) in b.owner.values() and (2, cold[2][5]) in b.owner.values()
+    assert (2, cold[2][4]) not in b.owner.values()  # pool 1's weakest (score 1)
+    assert sorted(g for g, _ in b.owner) == [0] * 3 + [1] * 5 and b.counters["replaced"] == 2
+    _check_tables(hybrid, weights)
+    g = torch.Generator().manual_seed(1)
+    for l in LAYERS:  # every borrowed expert and the rest, in both branches
+        x = torch.randn(5, D, generator=g)
+        topk = TopKOutput(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)]),
+                          torch.rand(5, K, generator=g))
+        assert torch.allclose(hybrid.split_path(l, x, topk), moe_forward(x, topk, weights[l]), rtol=1e-4, atol=1e-5)
+    b.release_all()
+    assert not b.owner and b.counters["returned"] == 2 + 8
+    assert all(int(hybrid.table_row(l)[e]) < 0 for l in LAYERS for e in cold[l])
+    assert all(torch.equal(hybrid.host.compact[l], hybrid.host.rows[l]) for l in LAYERS)
+
+
+def test_borrowing_over_two_format_pools_keeps_the_logits(tinyk_q4km, tmp_path):  # noqa: F811
+    """tiny-k as Q4_K_M (two pools: layer 0 Q4_K/Q4_K, layer 1 Q4_K/Q6_K), half hot, decoding a fixed
+    token sequence with and without borrowing. A borrowed expert moves from the CPU branch (int8
+    activations) to the GPU branch (fp32): the tolerance of tests/test_quant_engine.py, 1% of the
+    largest logit; above 1e-6, since borrowed experts did compute."""
+    _residency(GGUFSource(tinyk_q4km), 0.5).save(tmp_path / "r.json")
+    tokens = [7, 300, 1200, 55, 900, 13, 401, 77, 1500, 260, 31, 808]
+
+    def run(borrow):
+        settings = RunnerSettings(device="cpu", dtype="fp32", max_context=128, prefill_chunk=64)
+        place = PlacementSettings(residency=str(tmp_path / "r.json"), borrow=borrow, borrow_wait_copies=True)
+        r = load_engine(str(tinyk_q4km), settings, place).runner
+        rows = [r.forward(PROMPT, 0)[None]] + [r.forward([t], len(PROMPT) + i)[None] for i, t in enumerate(tokens)]
+        hybrid = r.experts.unwrapped
+        owner = dict(hybrid.borrow.owner) if borrow else {}
+        stats = r.placement_stats()
+        r.experts.close()
+        return torch.cat(rows), stats, hybrid, owner
+
+    ref, _, _, _ = run(False)
+    got, stats, hybrid, owner = run(True)
+    assert [p.qtypes for p in hybrid.pools.groups] == [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")]
+    assert stats["borrowed"] > 0 and stats["borrowed_hits"] > 0
+    assert {l for l, _ in owner.values()} == {0, 1}  # both pools lent slots
+    for (g, s), (l, _) in owner.items():
+        assert hybrid.pools.groups[g] is hybrid.pools.of(l) and hybrid.pools.of(l).flex_lo <= s
+    assert 1e-6 < _rel(got, ref) < 1e-2, _rel(got, ref)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ostinato.config import ConfigError
 from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sizes import expert_sizes
@@ -36,7 +35,6 @@ from tests.test_quant_engine import _logits, _rel, _residency, tinyk_q4km  # noq
 EXTRA = {"cpu": 0, "gpu": 16, "layers": 16, "fixed-per-layer": 8, "fixed-uniform": 8, "expert-cache": 24,
          "decaying-cache": 24}
 ALL_ON_POOLS = ("gpu", "layers")  # every route from the pools under their budgets here
-ONE_POOL_ONLY = ("ostinato-borrow",)  # borrowed memory lends one pool's flex slots (layers/moe/borrow.py)
 
 
 def _counts(cfg) -> RouteCounts:
@@ -83,10 +81,6 @@ def _settings(name, setup, experts):
 def test_policy_on_quantized_experts_matches_dequantized(tinyk_q4km, setup, name):  # noqa: F811
     source, residency, counts, b = setup
     settings = _settings(name, setup, "native")
-    if name in ONE_POOL_ONLY:  # bench reports it skipped with this message
-        with pytest.raises(ConfigError, match="one expert pool"):
-            _build(tinyk_q4km, name, settings)
-        return
     native = _build(tinyk_q4km, name, settings)
     backend = native.runner.experts.unwrapped
     pools = backend.pools
@@ -114,7 +108,7 @@ def test_budget_is_bytes_per_group(tinyk_q4km, setup):  # noqa: F811
     source, residency, counts, b = setup
     K, E = source.config.num_experts_per_tok, source.config.num_experts
     budget = sum(b) * (K + E + 8)
-    for name in (p for p in POLICIES if p not in ONE_POOL_ONLY):
+    for name in POLICIES:
         settings = PolicySettings(budget_bytes=budget, profile=counts, residency=residency, cpu_backend="torch",
                                   allow_over_budget=True)
         engine = _build(tinyk_q4km, name, settings)
