@@ -35,7 +35,8 @@
 #   bench_gguf [K] `ostinato bench` on that file under $QCAP (default 12GiB; QBENCH_ARGS: policies, sizes, --merge)
 #   ab_gguf    a change measured before and after on one machine: Ostinato's replay on that file from this tree (A),
 #              from another commit's `git archive` (B: AB_TGZ, default .carry/ab.tgz, of commit AB_COMMIT), or
-#              from this tree with AB_ENV's settings (B: e.g. AB_ENV="OSTINATO_AMX_QUANT=4"), and from this tree
+#              from this tree with AB_ENV's settings and AB_ARGS' bench flags (B: e.g. AB_ENV="OSTINATO_AMX_QUANT=4",
+#              AB_ARGS="--margin 0.5GiB"), and from this tree
 #              again, in turn, on one calibration (AB_CAL, default bench_gguf's), into $R/ab/{a1,b,a2}
 #   llama_tune [L] llama.cpp tuned on development sessions under $QCAP (else $CAP) on that file, then the
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
@@ -495,16 +496,17 @@ phase_bench_gguf() {  # [K] bench on the quantized file under $QCAP (QBENCH_ARGS
 phase_ab_gguf() {  # A, B, A on one calibration: drift between the replays shows as A's two results apart
   local cal=${AB_CAL:-$R/${QBENCH_OUT:-bench_q4}/residency.json} tgz=${AB_TGZ:-.carry/ab.tgz} b=/tmp/ab_tree
   [[ -f $cal ]] || { say "ab_gguf: needs a calibration ($cal)"; return 1; }
-  if [[ -z ${AB_ENV:-} ]]; then
-    [[ -f $tgz && -n ${AB_COMMIT:-} ]] || { say "ab_gguf: needs AB_ENV, or AB_COMMIT and $tgz"; return 1; }
+  local here=${AB_ENV:-}${AB_ARGS:-}  # B is this tree with other settings, else another commit
+  if [[ -z $here ]]; then
+    [[ -f $tgz && -n ${AB_COMMIT:-} ]] || { say "ab_gguf: needs AB_ENV or AB_ARGS, or AB_COMMIT and $tgz"; return 1; }
     rm -rf "$b" && mkdir -p "$b" && tar xzf "$tgz" -C "$b" && ln -sfn "$PWD/.carry" "$b/.carry"
   fi
   local v args="--policies ostinato --calibration $cal"
   rm -rf "$R/ab"  # an earlier call's A/B/A is in its res.tgz
   for v in ${AB_RUNS:-a1 b a2}; do  # AB_RUNS="a1 b": no second A where the device time is short (no drift check)
-    if [[ $v == b && -n ${AB_ENV:-} ]]; then
-      say "ab_gguf: B is this tree with $AB_ENV"
-      (export $AB_ENV; QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args" phase_bench_gguf)
+    if [[ $v == b && -n $here ]]; then
+      say "ab_gguf: B is this tree with${AB_ENV:+ $AB_ENV}${AB_ARGS:+ $AB_ARGS}"
+      ([[ -n ${AB_ENV:-} ]] && export $AB_ENV; QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args ${AB_ARGS:-}" phase_bench_gguf)
     elif [[ $v == b ]]; then
       (cd "$b" && OSTINATO_COMMIT=$AB_COMMIT QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args" \
         BUDGET_S=$((DEADLINE - SECONDS)) OUT=/tmp/ab_out R=$R bash scripts/device/run.sh bench_gguf)
@@ -518,7 +520,7 @@ for v in ("a1", "b", "a2"):
     if not os.path.exists(f):
         print(f"{v}: no result"); continue
     d = json.load(open(f)); r = d["policies"]["ostinato"]; s = r["summary"]
-    print(f"{v} {d['commit']} (OSTINATO_AMX_QUANT {d.get('amx_quant_min_tokens', 0)}, OSTINATO_AMX_INT8 {d.get('amx_int8_min_tokens', 0)}, deferred combine {d.get('defer_combine', False)}, pass graphs {d.get('pass_graphs', 0)}): TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
+    print(f"{v} {d['commit']} (OSTINATO_AMX_QUANT {d.get('amx_quant_min_tokens', 0)}, OSTINATO_AMX_INT8 {d.get('amx_int8_min_tokens', 0)}, deferred combine {d.get('defer_combine', False)}, pass graphs {d.get('pass_graphs', 0)}, staging {d.get('stage_routes')}, resident {r.get('resident_experts')}): TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
           f"TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s, host read {r.get('host_read_gbps')}")
 PY
 }
