@@ -186,6 +186,16 @@ def test_pass_graphs_stage_cold_experts(tiny_dir, tmp_path):
 
 
 @pytest.mark.gpu
+def test_pass_graphs_stage_from_a_pass_size(tiny_dir, tmp_path):
+    """The same with OSTINATO_STAGE_FROM=32: the passes padded to 8 and 16 rows stage nothing, those of 64 do,
+    and the last pass (2 tokens, 8 rows), after one that staged, posts zero marks: were the worker to keep the
+    earlier marks, it would leave out routes that no branch computes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OSTINATO_STAGE_FROM", "32")
+        pass_graphs_vs_host_driven(tiny_dir, tmp_path, 0.5, staged=True)
+
+
+@pytest.mark.gpu
 def test_pass_graphs_stage_by_the_calibrated_costs(tiny_dir, tmp_path):
     """The same with the rule "balance" (OSTINATO_STAGE_ROUTES=balance): as many of a layer's most-routed
     cold experts as the split with uploads would upload, by a calibration's costs (an upload 0.01 ms, the

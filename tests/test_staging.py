@@ -142,6 +142,32 @@ def test_rules_resolve_as_a_pass_takes_them(monkeypatch):
     assert "at least 7 routes" in describe(7) and "mean" in describe("mean") and "balance" in describe("balance")
 
 
+def test_stage_from_is_the_rules_count_unless_set(monkeypatch):
+    """Unset: a pass of fewer rows than the rule's count cannot stage (1 under "balance"); OSTINATO_STAGE_FROM
+    a count of rows, at least 1, anything else refused with the variable's name."""
+    from ostinato.layers.moe.staging import StageCosts, stage_from
+
+    monkeypatch.delenv("OSTINATO_STAGE_FROM", raising=False)
+    assert stage_from(16) == 16 and stage_from(MeanRoutes(12)) == 12 and stage_from(StageCosts(1, 2, 3, 4)) == 1
+    monkeypatch.setenv("OSTINATO_STAGE_FROM", "256")
+    assert stage_from(16) == 256 and stage_from(StageCosts(1, 2, 3, 4)) == 256
+    for bad in ("0", "-4", "many", "2.5"):
+        monkeypatch.setenv("OSTINATO_STAGE_FROM", bad)
+        with pytest.raises(ConfigError, match="OSTINATO_STAGE_FROM"):
+            stage_from(16)
+
+
+def test_report_says_which_passes_stage():
+    """A bench report names the staging rule of its captured passes, and the pass size they stage from
+    where OSTINATO_STAGE_FROM set one."""
+    from ostinato.bench.report import _cpu_note
+
+    run = {"device": "cuda", "pass_graphs": 511, "stage_routes": 16, "stage_from": None}
+    assert any("at least 16 routes" in line for line in _cpu_note(run))
+    assert not any("OSTINATO_STAGE_FROM" in line for line in _cpu_note(run))
+    assert any("at least 256 rows stage" in line for line in _cpu_note(run | {"stage_from": "256"}))
+
+
 KERNEL = """
 import torch
 from ostinato.kernels.triton import stage

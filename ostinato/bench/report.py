@@ -64,6 +64,7 @@ def environment(loaded, bs) -> dict:
             "defer_combine": defer_combine() and loaded.runner.device.type == "cuda",  # it defers on CUDA only
             "pass_graphs": loaded.runner.pass_graph_rows() if loaded.runner.device.type == "cuda" else 0,
             "stage_routes": env_stage_routes() if loaded.runner.device.type == "cuda" else 0,
+            "stage_from": os.environ.get("OSTINATO_STAGE_FROM"),  # None: the rule's count (staging.stage_from)
             **routing_knobs(loaded.source)}
 
 
@@ -569,6 +570,8 @@ def _cpu_note(result: dict) -> list[str]:
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens replayed as CUDA graphs, padded to powers "
                      f"of two (OSTINATO_PASS_GRAPHS); each copies {which} into flex slots and computes them on the "
                      "GPU (OSTINATO_STAGE_ROUTES)")
+        if result.get("stage_from"):
+            lines.append(f"- only the passes of at least {result['stage_from']} rows stage (OSTINATO_STAGE_FROM)")
     elif result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
                      "uploads replayed as CUDA graphs, padded to powers of two (OSTINATO_PASS_GRAPHS)")

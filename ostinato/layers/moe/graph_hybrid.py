@@ -29,7 +29,7 @@ from ostinato.layers.moe.backend import StepRows
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
 from ostinato.layers.moe.segmented import SegmentedExperts
-from ostinato.layers.moe.staging import PassStaging, env_stage_routes, resolve
+from ostinato.layers.moe.staging import PassStaging, env_stage_routes, resolve, stage_from
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -71,6 +71,10 @@ class GraphHybridExperts(HybridWrapper):
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
         self.staging = PassStaging(hybrid, rule) if stages else None
+        # passes of fewer rows stage nothing (staging.stage_from); they post these zero marks, so that the worker
+        # does not leave out the experts an earlier pass staged
+        self.stage_from = stage_from(rule) if stages else 0
+        self.no_marks = torch.zeros(sh.staged.shape[1], dtype=torch.uint8, device=hybrid.device) if stages else None
         self.worker.start(1)
         atexit.register(self.stop)
 
@@ -148,10 +152,13 @@ class GraphHybridExperts(HybridWrapper):
         staged = None
         if rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
             count = rows.count
-            if self.staging is not None:  # chosen first: the worker reads the marks with the routing
-                staged = self.staging.choose(layer, topk.ids, rows)
-            marks = ((staged.pick.view(torch.uint8), self.staged_views[self.index[layer]]) if staged is not None
-                     else (None, None))  # a pool without flex slots never stages: its marks stay zero
+            marks = (None, None)  # where nothing stages, the marks stay zero
+            if self.staging is not None and T >= self.stage_from:  # chosen first: the worker reads the marks
+                staged = self.staging.choose(layer, topk.ids, rows)  # None: a pool without flex slots
+                if staged is not None:
+                    marks = (staged.pick.view(torch.uint8), self.staged_views[self.index[layer]])
+            elif self.staging is not None:  # too few rows to stage: clear what an earlier pass marked
+                marks = (self.no_marks, self.staged_views[self.index[layer]])
             self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x,
                               h_has, h_post, h_tokens, *marks)
             if staged is not None:  # the copies run beside the GPU branch over the pool's own experts

@@ -15,7 +15,8 @@ layer of a captured pass of n real rows:
    "balance": as many of the most-routed as the split with uploads would upload (MixedPass.choose's
    count, by the calibrated costs: the copies against the CPU branch's time), where the placement has
    a calibration (HybridExperts.stage_costs; without one, the default m), or "mean": at least m routes and
-   at least the layer's mean expert's in that pass (MeanRoutes).
+   at least the layer's mean expert's in that pass (MeanRoutes). A pass of fewer rows than `stage_from`
+   (OSTINATO_STAGE_FROM, by default the rule's m) stages nothing and runs none of this.
 2. `copy`: on the executor's copy stream, a kernel copies each staged expert's blocks (and biases)
    from its page-locked host stack (pool.py HostExperts, the upload path's source) into its flex slot.
 3. Meanwhile the GPU branch runs over the layer's own index row: the hot routes. Then the stream
@@ -116,6 +117,20 @@ def env_stage_routes() -> int | str:
     default_stage_routes()."""
     rule = _env_rule()
     return default_stage_routes() if rule is None else rule
+
+
+def stage_from(rule: int | MeanRoutes | StageCosts) -> int:
+    """The fewest rows of a captured pass that stages (GraphHybridExperts): OSTINATO_STAGE_FROM, else the rule's
+    least count of routes, since a pass of fewer rows cannot give an expert that many (1 under "balance").
+    Passes of fewer rows run no staging kernel: the plan, the copies, the wait and the second GPU branch."""
+    v = os.environ.get("OSTINATO_STAGE_FROM")
+    if v is not None:
+        if not v.isdigit() or int(v) < 1:
+            raise ConfigError(f"OSTINATO_STAGE_FROM must be a count of rows, at least 1, not {v!r}")
+        return int(v)
+    if isinstance(rule, StageCosts):
+        return 1
+    return rule.least if isinstance(rule, MeanRoutes) else rule
 
 
 def stages() -> bool:
