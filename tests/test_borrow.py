@@ -3,6 +3,7 @@ tokens, results stay those of the reference, and a prefill gets every slot back;
 pool per expert format, each pool lends its slots to its own layers only."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ostinato.engine.placement import PlacementSettings
@@ -172,30 +173,53 @@ def test_replacement_stays_within_a_pool():
     assert all(torch.equal(hybrid.host.compact[l], hybrid.host.rows[l]) for l in LAYERS)
 
 
+TWO_POOL_TOKENS = [7, 300, 1200, 55, 900, 13, 401, 77, 1500, 260, 31, 808]
+
+
+def _decode_two_pools(path, residency: str, borrow: bool, device: str):
+    """tiny-k's Q4_K_M file decoding TWO_POOL_TOKENS after PROMPT on `device` (CUDA: the decode graph, the
+    worker's handshake scoring the routes) -> (logits [1 + steps, V], placement stats, the backend, the
+    borrowed experts {(pool, slot): (layer, expert)})."""
+    settings = RunnerSettings(device=device, dtype="fp32" if device == "cpu" else "bf16", max_context=128,
+                              prefill_chunk=64)
+    place = PlacementSettings(residency=residency, borrow=borrow, borrow_wait_copies=True)
+    r = load_engine(str(path), settings, place).runner
+    rows = [r.forward(PROMPT, 0)[None]] + [r.forward([t], len(PROMPT) + i)[None]
+                                           for i, t in enumerate(TWO_POOL_TOKENS)]
+    hybrid = r.experts.unwrapped
+    owner = dict(hybrid.borrow.owner) if borrow else {}
+    stats = r.placement_stats()
+    r.experts.close()
+    return torch.cat(rows).float(), stats, hybrid, owner
+
+
+def _check_two_pools_lent(stats, hybrid, owner) -> None:
+    assert [p.qtypes for p in hybrid.pools.groups] == [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")]
+    assert stats["borrowed"] > 0 and stats["borrowed_hits"] > 0
+    assert {l for l, _ in owner.values()} == {0, 1}  # both pools lent slots
+    for (g, s), (l, _) in owner.items():
+        assert hybrid.pools.groups[g] is hybrid.pools.of(l) and hybrid.pools.of(l).flex_lo <= s
+
+
 def test_borrowing_over_two_format_pools_keeps_the_logits(tinyk_q4km, tmp_path):  # noqa: F811
     """tiny-k as Q4_K_M (two pools: layer 0 Q4_K/Q4_K, layer 1 Q4_K/Q6_K), half hot, decoding a fixed
     token sequence with and without borrowing. A borrowed expert moves from the CPU branch (int8
     activations) to the GPU branch (fp32): the tolerance of tests/test_quant_engine.py, 1% of the
     largest logit; above 1e-6, since borrowed experts did compute."""
     _residency(GGUFSource(tinyk_q4km), 0.5).save(tmp_path / "r.json")
-    tokens = [7, 300, 1200, 55, 900, 13, 401, 77, 1500, 260, 31, 808]
-
-    def run(borrow):
-        settings = RunnerSettings(device="cpu", dtype="fp32", max_context=128, prefill_chunk=64)
-        place = PlacementSettings(residency=str(tmp_path / "r.json"), borrow=borrow, borrow_wait_copies=True)
-        r = load_engine(str(tinyk_q4km), settings, place).runner
-        rows = [r.forward(PROMPT, 0)[None]] + [r.forward([t], len(PROMPT) + i)[None] for i, t in enumerate(tokens)]
-        hybrid = r.experts.unwrapped
-        owner = dict(hybrid.borrow.owner) if borrow else {}
-        stats = r.placement_stats()
-        r.experts.close()
-        return torch.cat(rows), stats, hybrid, owner
-
-    ref, _, _, _ = run(False)
-    got, stats, hybrid, owner = run(True)
-    assert [p.qtypes for p in hybrid.pools.groups] == [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")]
-    assert stats["borrowed"] > 0 and stats["borrowed_hits"] > 0
-    assert {l for l, _ in owner.values()} == {0, 1}  # both pools lent slots
-    for (g, s), (l, _) in owner.items():
-        assert hybrid.pools.groups[g] is hybrid.pools.of(l) and hybrid.pools.of(l).flex_lo <= s
+    ref, _, _, _ = _decode_two_pools(tinyk_q4km, str(tmp_path / "r.json"), False, "cpu")
+    got, stats, hybrid, owner = _decode_two_pools(tinyk_q4km, str(tmp_path / "r.json"), True, "cpu")
+    _check_two_pools_lent(stats, hybrid, owner)
     assert 1e-6 < _rel(got, ref) < 1e-2, _rel(got, ref)
+
+
+@pytest.mark.gpu
+def test_borrowing_over_two_format_pools_in_the_decode_graph(tinyk_q4km, tmp_path):  # noqa: F811
+    """The same on CUDA, where decode steps replay as one graph and the handshake's post kernel scores each
+    layer's cold routes against its own pool's flex slots: both pools lend, and the logits stay within 2% of
+    the largest of a run without borrowing (bf16 activations on the GPU branch, int8 on the CPU's)."""
+    _residency(GGUFSource(tinyk_q4km), 0.5).save(tmp_path / "r.json")
+    ref, _, _, _ = _decode_two_pools(tinyk_q4km, str(tmp_path / "r.json"), False, "cuda")
+    got, stats, hybrid, owner = _decode_two_pools(tinyk_q4km, str(tmp_path / "r.json"), True, "cuda")
+    _check_two_pools_lent(stats, hybrid, owner)
+    assert _rel(got, ref) < 2e-2, _rel(got, ref)

@@ -181,11 +181,11 @@ phase_tests() {  # decode graphs bitwise equal to the synchronous path; the embe
 }
 phase_tests_passes() {  # short prefill passes as graphs: the multi-token attention (gpt-oss's sinks, MLA's
   # latent too), the worker's rows (native), the captured passes against the host-driven ones (Qwen3, gpt-oss
-  # and DeepSeek-V3)
+  # and DeepSeek-V3), borrowed memory in the decode graph over two expert pools
   run 150 "$R/tests_passes.txt" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_graph_worker.py \
     tests/test_handshake.py tests/test_staging.py
   run 300 "$R/tests_passes.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
-    tests/test_decode_attention.py tests/test_gpt_oss.py tests/test_deepseek_v3.py
+    tests/test_decode_attention.py tests/test_gpt_oss.py tests/test_deepseek_v3.py tests/test_borrow.py
 }
 phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on CUDA
   run 200 "$R/tests_kernels.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
