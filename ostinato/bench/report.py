@@ -19,7 +19,7 @@ import torch
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
 from ostinato.layers.moe.hybrid import defer_combine
-from ostinato.layers.moe.staging import describe, env_stage_routes
+from ostinato.layers.moe.staging import describe, env_stage_from, env_stage_routes
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.calibrate import cpu_model
 from ostinato.planner.pipeline import fill_text
@@ -64,7 +64,7 @@ def environment(loaded, bs) -> dict:
             "defer_combine": defer_combine() and loaded.runner.device.type == "cuda",  # it defers on CUDA only
             "pass_graphs": loaded.runner.pass_graph_rows() if loaded.runner.device.type == "cuda" else 0,
             "stage_routes": env_stage_routes() if loaded.runner.device.type == "cuda" else 0,
-            "stage_from": os.environ.get("OSTINATO_STAGE_FROM"),  # None: the rule's count (staging.stage_from)
+            "stage_from": env_stage_from(),  # None: the rule's count (staging.stage_from)
             **routing_knobs(loaded.source)}
 
 

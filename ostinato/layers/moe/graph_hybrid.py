@@ -152,13 +152,13 @@ class GraphHybridExperts(HybridWrapper):
         staged = None
         if rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
             count = rows.count
-            marks = (None, None)  # where nothing stages, the marks stay zero
-            if self.staging is not None and T >= self.stage_from:  # chosen first: the worker reads the marks
-                staged = self.staging.choose(layer, topk.ids, rows)  # None: a pool without flex slots
-                if staged is not None:
-                    marks = (staged.pick.view(torch.uint8), self.staged_views[self.index[layer]])
-            elif self.staging is not None:  # too few rows to stage: clear what an earlier pass marked
-                marks = (self.no_marks, self.staged_views[self.index[layer]])
+            marks = (None, None)
+            if self.staging is not None:  # chosen first: the worker reads the marks with the routing
+                if T >= self.stage_from:
+                    staged = self.staging.choose(layer, topk.ids, rows)  # None: a pool without flex slots
+                # nothing staged posts zero marks: none of an earlier pass's stays
+                pick = staged.pick.view(torch.uint8) if staged is not None else self.no_marks
+                marks = (pick, self.staged_views[self.index[layer]])
             self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x,
                               h_has, h_post, h_tokens, *marks)
             if staged is not None:  # the copies run beside the GPU branch over the pool's own experts

@@ -119,18 +119,27 @@ def env_stage_routes() -> int | str:
     return default_stage_routes() if rule is None else rule
 
 
-def stage_from(rule: int | MeanRoutes | StageCosts) -> int:
-    """The fewest rows of a captured pass that stages (GraphHybridExperts): OSTINATO_STAGE_FROM, else the rule's
-    least count of routes, since a pass of fewer rows cannot give an expert that many (1 under "balance").
-    Passes of fewer rows run no staging kernel: the plan, the copies, the wait and the second GPU branch."""
-    v = os.environ.get("OSTINATO_STAGE_FROM")
-    if v is not None:
-        if not v.isdigit() or int(v) < 1:
-            raise ConfigError(f"OSTINATO_STAGE_FROM must be a count of rows, at least 1, not {v!r}")
-        return int(v)
+def least_routes(rule: int | MeanRoutes | StageCosts) -> int:
+    """The fewest routes with which the rule stages an expert: m, MeanRoutes' least, 1 under the costs."""
     if isinstance(rule, StageCosts):
         return 1
     return rule.least if isinstance(rule, MeanRoutes) else rule
+
+
+def env_stage_from() -> int | None:
+    """OSTINATO_STAGE_FROM, the fewest rows of a captured pass that stages (None: unset, stage_from's default)."""
+    v = os.environ.get("OSTINATO_STAGE_FROM")
+    if v is not None and (not v.isdigit() or int(v) < 1):
+        raise ConfigError(f"OSTINATO_STAGE_FROM must be a count of rows, at least 1, not {v!r}")
+    return None if v is None else int(v)
+
+
+def stage_from(rule: int | MeanRoutes | StageCosts) -> int:
+    """The fewest rows of a captured pass that stages (GraphHybridExperts): OSTINATO_STAGE_FROM, else the rule's
+    least_routes, since a pass of fewer rows cannot give an expert that many. Passes of fewer rows run no
+    staging kernel: the plan, the copies, the wait and the second GPU branch."""
+    n = env_stage_from()
+    return least_routes(rule) if n is None else n
 
 
 def stages() -> bool:
@@ -173,9 +182,7 @@ def kernel_rule(rule: int | MeanRoutes | StageCosts) -> dict:
     """`plan`'s rule as the plan kernel (kernels/triton/stage.py plan_experts) takes it, in plain values."""
     if isinstance(rule, StageCosts):
         return {"costs": tuple(rule)}
-    if isinstance(rule, MeanRoutes):
-        return {"least": rule.least, "mean": True}
-    return {"least": rule}
+    return {"least": least_routes(rule), "mean": isinstance(rule, MeanRoutes)}
 
 
 def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int | MeanRoutes | StageCosts,
@@ -262,9 +269,8 @@ class PassStaging:
 
     def __init__(self, hybrid, rule: int | MeanRoutes | StageCosts):
         """rule: plan's, a count m >= 1, MeanRoutes over one, or the calibrated costs."""
-        least = rule.least if isinstance(rule, MeanRoutes) else rule
-        if not isinstance(rule, StageCosts) and least < 1:
-            raise ValueError(f"the staging rule's count must be at least 1, not {least}")
+        if least_routes(rule) < 1:
+            raise ValueError(f"the staging rule's count must be at least 1, not {least_routes(rule)}")
         self.rule, self.pools, self.hybrid, self.device = rule, hybrid.pools, hybrid, hybrid.device
         self.layers = [l for l, cold in hybrid.has_cold.items() if cold]
         self.rows, self.pairs = {}, {}
