@@ -173,6 +173,31 @@ def test_replacement_stays_within_a_pool():
     assert all(torch.equal(hybrid.host.compact[l], hybrid.host.rows[l]) for l in LAYERS)
 
 
+def test_a_rebalance_copies_once_a_layer_and_publishes_once(monkeypatch):
+    """The rebalance runs on the host between two decode steps: after a prefill returned every slot,
+    its refill issues one upload per layer (not one per expert), publishes the tables once, and tells
+    the graph worker once per layer switched. Equal scores go in (layer, expert) order."""
+    hybrid, weights = _two_pools(flex=(3, 5))
+    b = Borrowing(hybrid, every=10**9, wait_copies=True)
+    hybrid.borrow = b
+    cold = {l: _cold_ids(hybrid, l, E) for l in LAYERS}
+    b.scores[0, cold[0]] = 1.0  # ties: pool 0 takes layer 0's first three cold experts
+    b.scores[2, cold[2][:5]] = 2.0
+    uploads, publishes, told = [], [], []
+    for p in hybrid.pools.groups:
+        monkeypatch.setattr(p, "upload", lambda slots, host, layer, experts, f=p.upload:
+                            uploads.append((layer, len(experts))) or f(slots, host, layer, experts))
+    monkeypatch.setattr(hybrid, "publish", lambda f=hybrid.publish: publishes.append(1) or f())
+    b.on_switch = lambda layer, table: told.append(layer)
+    b.rebalance()
+    assert sorted(uploads) == [(0, 3), (2, 5)] and len(publishes) == 1 and sorted(told) == [0, 2]
+    assert sorted(e for l, e in b.owner.values() if l == 0) == cold[0][:3]
+    _check_tables(hybrid, weights)
+    publishes.clear()
+    b.release_all()
+    assert len(publishes) == 1 and not b.owner
+
+
 TWO_POOL_TOKENS = [7, 300, 1200, 55, 900, 13, 401, 77, 1500, 260, 31, 808]
 
 

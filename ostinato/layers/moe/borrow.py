@@ -20,6 +20,7 @@ Legend: L layers (model indexing), E experts per layer.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ostinato.layers.moe.pool import COLD
@@ -78,100 +79,121 @@ class Borrowing:
         """Between tokens: start copies for the best-scored cold experts, into every free slot of
         their layer's pool (after a prefill returned them all, the first rebalance refills them at
         once) and in place of at most max_replace (over all pools) weaker borrowed ones of the same
-        pool; apply finished copies."""
+        pool; apply finished copies.
+
+        It runs on the host between two decode steps, so every step waits for it: the scores are read
+        once into a numpy array, each pool's free slots and weakest borrowed experts are listed once,
+        the copies go out one upload per layer under one event, and the tables are published once.
+        scripts/bench_borrow_host.py times it at the 30B file's shape."""
         self._apply_finished()
-        scores = self.scores.cpu()
+        scores = self.scores.cpu().numpy()
         in_flight = {(l, e) for _, l, e, _ in self.pending}
-        best = [c for g in self.layers for c in self._best(g, scores, in_flight, max_replace)]
-        if not best:
-            return
-        best.sort(key=lambda c: -c[0])  # stable: one pool keeps its argsort order
-        done = set()  # pools whose slots no weaker candidate can take now
+        free = {g: self.free_slots(g) for g in self.layers}
+        weak = {g: sorted((s for s in self.owner if s[0] == g), key=lambda s: scores[self.owner[s]])
+                for g in self.layers}  # each pool's borrowed experts, weakest first
+        best = [c for g in self.layers for c in self._best(g, scores, in_flight, len(free[g]) + max_replace)]
+        best.sort(key=lambda c: -c[0])  # stable: one pool keeps its own order
+        starts, returned, done = [], set(), set()  # done: pools whose slots no weaker candidate can take now
         for score, l, e in best:
             g = self.group[l]
             if g in done:
                 continue
-            free = self.free_slots(g)
-            if not free:
-                mine = [s for s in self.owner if s[0] == g]
-                if max_replace == 0 or not mine:  # every slot taken by a copy in flight
-                    done.add(g)
-                    continue
-                weakest = min(mine, key=lambda s: scores[self.owner[s]])
-                if score < self.margin * scores[self.owner[weakest]]:
-                    done.add(g)
-                    continue
-                max_replace -= 1
-                self._return(weakest)
-                self.counters["replaced"] += 1
-                free = [weakest]
-            self._start_copy(free[0], l, e)
+            if free[g]:
+                starts.append((free[g].pop(0), l, e))
+                continue
+            if max_replace == 0 or not weak[g] or score < self.margin * scores[self.owner[weak[g][0]]]:
+                done.add(g)  # every slot in flight, or the newcomer not clearly better than the weakest
+                continue
+            max_replace -= 1
+            slot = weak[g].pop(0)
+            returned.add(self._return(slot))
+            self.counters["replaced"] += 1
+            starts.append((slot, l, e))
+        self._publish(returned)  # before the copies: no kernel queued after this reads a returned slot
+        self._start_copies(starts)
         if self.wait_copies:
             if self.copy_stream is not None:
                 self.copy_stream.synchronize()
             self._apply_finished()
 
-    def _best(self, group: int, scores: torch.Tensor, in_flight: set, max_replace: int) -> list[tuple]:
-        """(score, layer, expert) of pool `group`'s best-scored cold experts not being copied, as
-        many as its free slots and max_replace could take, best first."""
+    def _best(self, group: int, scores, in_flight: set, n: int) -> list[tuple]:
+        """(score, layer, expert) of pool `group`'s n best-scored cold experts not being copied (scores:
+        the numpy array of every layer's), best first."""
         layers = self.layers[group]
-        if not layers:
+        if not layers or n <= 0:
             return []
-        cold = torch.zeros_like(scores, dtype=torch.bool)
-        cold[layers] = self.pools.groups[group].table_host[layers] < 0
-        cold &= scores > 0
+        cold = np.where(self.pools.groups[group].table_host[layers].numpy() < 0, scores[layers], 0.0)
+        row = {l: i for i, l in enumerate(layers)}
         for l, e in in_flight:
-            cold[l, e] = False
-        if not cold.any():
-            return []
-        flat = torch.where(cold, scores, torch.zeros_like(scores)).flatten()
-        order = torch.argsort(flat, descending=True)[:len(self.free_slots(group)) + max_replace]
-        return [(float(flat[i]), *divmod(i, scores.shape[1])) for i in order.tolist() if flat[i] > 0]
+            if l in row:
+                cold[row[l], e] = 0.0
+        flat = cold.ravel()
+        order = np.argsort(-flat, kind="stable")[:n]
+        E = cold.shape[1]
+        return [(float(flat[i]), layers[i // E], int(i % E)) for i in order.tolist() if flat[i] > 0]
 
-    def _start_copy(self, slot: tuple[int, int], layer: int, expert: int) -> None:
-        pool = self.pools.groups[slot[0]]
+    def _start_copies(self, starts: list[tuple[tuple[int, int], int, int]]) -> None:
+        """Copy each (slot, layer, expert) of starts from page-locked memory, one upload per layer of a
+        pool, on the copy stream after the work queued so far (which may still read the slots), with
+        one event for them all."""
+        if not starts:
+            return
+        by_layer: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for (g, s), l, e in starts:
+            by_layer.setdefault((g, l), []).append((s, e))
+
+        def issue():
+            for (g, l), pairs in by_layer.items():
+                self.pools.groups[g].upload([s for s, _ in pairs], self.host, l, [e for _, e in pairs])
+
         event = None
         if self.copy_stream is not None:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(pool.device))  # slot no longer read
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.pools.device))
             with torch.cuda.stream(self.copy_stream):
-                pool.upload([slot[1]], self.host, layer, [expert])
+                issue()
                 event = torch.cuda.Event()
                 event.record()
         else:
-            pool.upload([slot[1]], self.host, layer, [expert])
-        self.pending.append((slot, layer, expert, event))
+            issue()
+        self.pending += [(slot, l, e, event) for slot, l, e in starts]
 
     def _apply_finished(self) -> None:
-        still = []
+        ready: dict[int, bool] = {}  # an event's query, once (the copies of one rebalance share it)
+        still, switched = [], set()
         for slot, layer, expert, event in self.pending:
-            if event is not None and not event.query():
+            if event is not None and not ready.setdefault(id(event), event.query()):
                 still.append((slot, layer, expert, event))
                 continue
-            self._switch(layer, expert, slot[1])
+            self.hybrid.switch(layer, expert, slot[1])
             self.owner[slot] = (layer, expert)
             self.counters["borrowed"] += 1
+            switched.add(layer)
         self.pending = still
+        self._publish(switched)
 
-    def _switch(self, layer: int, expert: int, slot: int) -> None:
-        """Both branches at once (HybridExperts.switch): slot >= 0 borrows, COLD returns the expert
-        to the CPU."""
-        self.hybrid.switch(layer, expert, slot)
+    def _publish(self, layers: set[int]) -> None:
+        """The switched layers' tables to both branches at once (HybridExperts.switch, publish), and to
+        another consumer of the host tables (on_switch: the graph worker), once a layer."""
+        if not layers:
+            return
         self.hybrid.publish()
         if self.on_switch is not None:
-            self.on_switch(layer, self.host.compact[layer])
+            for layer in sorted(layers):
+                self.on_switch(layer, self.host.compact[layer])
 
-    def _return(self, slot: tuple[int, int]) -> None:
+    def _return(self, slot: tuple[int, int]) -> int:
+        """The expert borrowed at slot back to the CPU (the tables switched, not yet published); -> its layer."""
         layer, expert = self.owner.pop(slot)
-        self._switch(layer, expert, COLD)
+        self.hybrid.switch(layer, expert, COLD)
         self.counters["returned"] += 1
+        return layer
 
     def release_all(self) -> None:
         """Before a prefill: every borrowed expert back to the CPU, every slot free."""
         if self.copy_stream is not None and self.pending:
             self.copy_stream.synchronize()
         self.pending = []
-        for slot in list(self.owner):
-            self._return(slot)
+        self._publish({self._return(slot) for slot in list(self.owner)})
 
     def stats(self) -> dict[str, float]:
         return {**self.counters, "borrowed_now": len(self.owner), "borrowed_hits": int(self.hits)}
