@@ -22,8 +22,10 @@ def test_pyflakes_finds_nothing(folder):
 
 
 def _module_imports() -> dict[str, set[str]]:
-    """Each module of the package -> the package's modules it imports at module level (imports inside
-    functions are the deliberate lazy ones: a command loading the engine only when it runs)."""
+    """Each module of the package -> the package's modules it imports, inside functions too: a lazy
+    import (a command loading the engine only when it runs) is still a dependency, and one inside a
+    kernel's function was session 43's way back from kernels to layers, which a count of module-level
+    imports missed."""
     import ast
 
     names = {}
@@ -33,7 +35,7 @@ def _module_imports() -> dict[str, set[str]]:
     graph = {}
     for mod, path in names.items():
         deps = set()
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ostinato"):
                 deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
             elif isinstance(node, ast.Import):
