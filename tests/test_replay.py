@@ -486,6 +486,19 @@ def test_targets_of_a_bench_result():
     assert got["decode TPOT vs its bound"][0] == pytest.approx(20 / 17, abs=1e-3)
 
 
+def test_a_run_that_replayed_no_turn_meets_no_target():
+    """A bench whose held-out turns were all cut (a context too small for them) compares nothing: its
+    targets are unmeasured, not met (0/0 sessions read as every session) nor missed."""
+    from ostinato.bench.report import comparisons, targets
+
+    empty = {"summary": _summary(None, None, 0, {})}
+    policies = {"ostinato": empty, "ktransformers": dict(empty), "layers": dict(empty)}
+    result = {"policies": policies, "np": {}, "comparisons": comparisons(policies)}
+    got = {t["what"].split(" (")[0]: (t["measured"], t["met"]) for t in targets(result)}
+    assert got["held-out sessions sooner than under every baseline"] == (None, None)
+    assert got["total request time speed-up vs ktransformers"] == (None, None)
+
+
 def test_the_report_orders_the_ablation_from_nothing_resident():
     from ostinato.bench.report import ablation_rows
 
