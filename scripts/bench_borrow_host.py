@@ -47,13 +47,14 @@ def build(hot_per_layer: int, flex: int, seed: int = 0) -> HybridExperts:
     return HybridExperts(pools, host, cpu, 10**9, max_tokens=16)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """-> the borrowing's counters and the timings (ms)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--hot", type=int, default=62, help="resident experts a layer")
     p.add_argument("--flex", type=int, default=75, help="flex slots a pool")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     hybrid = build(a.hot, a.flex)
     b = hybrid.borrow = Borrowing(hybrid)
@@ -82,6 +83,7 @@ def main() -> None:
     print(f"later rebalances: median {statistics.median(later):.3f} ms, max {max(later):.3f} ms ({len(later)})")
     print(f"end_step over every step: mean {statistics.fmean(every):.3f} ms")
     print(f"borrowed {c['borrowed']}, replaced {c['replaced']}, returned {c['returned']}")
+    return {**c, "first_ms": first, "later_ms": later, "every_ms": every}
 
 
 if __name__ == "__main__":

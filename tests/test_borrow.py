@@ -198,6 +198,21 @@ def test_a_rebalance_copies_once_a_layer_and_publishes_once(monkeypatch):
     assert len(publishes) == 1 and not b.owner
 
 
+def test_the_host_time_bench_refills_and_replaces():
+    """scripts/bench_borrow_host.py times what it claims to: each turn's first rebalance refills the
+    slots a prefill returned, and the later ones replace borrowed experts."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_borrow_host import main
+
+    got = main(["--turns", "2", "--steps", "16", "--flex", "20"])
+    assert len(got["first_ms"]) == 2 and len(got["later_ms"]) == 2 * 3 and len(got["every_ms"]) == 2 * 16
+    assert got["borrowed"] > 2 * 2 * 20 and got["replaced"] > 0  # both pools filled twice, then replacements
+    assert got["returned"] >= 2 * 20  # the second prefill returned the first turn's
+
+
 TWO_POOL_TOKENS = [7, 300, 1200, 55, 900, 13, 401, 77, 1500, 260, 31, 808]
 
 
