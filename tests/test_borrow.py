@@ -198,6 +198,35 @@ def test_a_rebalance_copies_once_a_layer_and_publishes_once(monkeypatch):
     assert len(publishes) == 1 and not b.owner
 
 
+def test_a_copy_switches_in_once_its_event_is_done():
+    """On a GPU the copies of one rebalance share one event on the copy stream: the next rebalance asks
+    it once, switches in the experts whose copies finished and keeps the others pending."""
+    hybrid, weights = _two_pools(flex=(3, 5))
+    b = Borrowing(hybrid, every=10**9)
+    hybrid.borrow = b
+    cold = {l: _cold_ids(hybrid, l, E) for l in LAYERS}
+    b.scores[0, cold[0][:2]] = 5.0
+    b.scores[2, cold[2][:3]] = 5.0
+    b.rebalance()  # on the CPU the copies are made at once; their pending entries carry no event
+    assert not b.owner and len(b.pending) == 5
+
+    class Event:
+        def __init__(self, done):
+            self.done, self.asked = done, 0
+
+        def query(self):
+            self.asked += 1
+            return self.done
+
+    done, running = Event(True), Event(False)
+    b.pending = [(s, l, e, done if l == 0 else running) for s, l, e, _ in b.pending]
+    b.scores.zero_()  # nothing new to copy
+    b.rebalance()
+    assert done.asked == 1 and running.asked == 1
+    assert sorted(e for l, e in b.owner.values()) == cold[0][:2] and {l for _, l, _, _ in b.pending} == {2}
+    _check_tables(hybrid, weights)
+
+
 def test_the_host_time_bench_refills_and_replaces():
     """scripts/bench_borrow_host.py times what it claims to: each turn's first rebalance refills the
     slots a prefill returned, and the later ones replace borrowed experts."""

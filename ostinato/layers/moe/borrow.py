@@ -161,9 +161,12 @@ class Borrowing:
         ready: dict[int, bool] = {}  # an event's query, once (the copies of one rebalance share it)
         still, switched = [], set()
         for slot, layer, expert, event in self.pending:
-            if event is not None and not ready.setdefault(id(event), event.query()):
-                still.append((slot, layer, expert, event))
-                continue
+            if event is not None:
+                if id(event) not in ready:
+                    ready[id(event)] = event.query()
+                if not ready[id(event)]:
+                    still.append((slot, layer, expert, event))
+                    continue
             self.hybrid.switch(layer, expert, slot[1])
             self.owner[slot] = (layer, expert)
             self.counters["borrowed"] += 1
