@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--b", default="ostinato-borrow")
     p.add_argument("--min-tokens", type=int, default=8)
     args = p.parse_args(argv)
-    got = rows(json.loads((args.run / "results.json").read_text()), args.a, args.b, args.min_tokens)
+    result = json.loads((args.run / "results.json").read_text())
+    missing = [n for n in (args.a, args.b) if n not in result.get("turns", {})]
+    if missing:
+        p.error(f"{args.run / 'results.json'} has no turns of {', '.join(missing)} (it has {', '.join(result.get('turns', {}))})")
+    got = rows(result, args.a, args.b, args.min_tokens)
     print(f"| tokens | {args.b} - {args.a} ms | a step | " + " | ".join(COUNTERS) + " |")
     print("|---|---|---|" + "---|" * len(COUNTERS))
     for r in got:
