@@ -280,6 +280,30 @@ def test_captured_passes_below_the_dequantized_path_hold_no_scratch():
     assert 190e6 < part[512] - part[STAGED_PASS_ROWS] < 240e6, part
 
 
+def test_captured_passes_stop_below_the_dequantized_path(tinyk_q4km, tmp_path):
+    """Quantized experts in the compute dtype cap the rows of a captured pass below their device's
+    dequant_min_tokens (that path finds a pass's distinct experts on the host: not capturable; session 46's
+    OSTINATO_PASS_GRAPHS=1023 stopped with a capture error); float experts, or quantized ones computed in fp32
+    (no dequantized path), do not. The runner reports the capped count."""
+    from ostinato.layers.moe.gpu_quant import quant_tuning
+
+    D, F, K, E = 256, 256, 2, 6
+    hot = {0: [0, 2], 1: [1]}
+    qt = {0: ("Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K")}
+    build = lambda dtype, qtypes: ExpertPools.build(hot, 2, E, K, None, (2 * F, D), (D, F), "cpu", dtype, qtypes)  # noqa: E731
+    limit = quant_tuning(torch.device("cpu"))["dequant_min_tokens"]
+    assert build(torch.bfloat16, qt).graph_rows() == limit - 1
+    assert build(torch.bfloat16, None).graph_rows() == float("inf")
+    assert build(torch.float32, qt).graph_rows() == float("inf")
+
+    _residency(GGUFSource(tinyk_q4km), 0.5).save(tmp_path / "half.json")
+    place = lambda experts: PlacementSettings(residency=str(tmp_path / "half.json"), experts=experts)  # noqa: E731
+    settings = RunnerSettings(device="cpu", dtype="bf16", max_context=2048, pass_graphs=1023)
+    rows = {experts: load_engine(str(tinyk_q4km), settings, place(experts)).runner.pass_graph_rows()
+            for experts in ("native", "bf16")}
+    assert rows == {"native": limit - 1, "bf16": 1023}
+
+
 @pytest.mark.gpu
 def test_graph_replay_with_quantized_pools_bitwise(tinyk_q4km, tmp_path):
     """CUDA: the decode graph over two quantized pools (Triton kernels, the handshake with the

@@ -289,7 +289,11 @@ def env_pass_rows() -> int:
     511, not the 512 measured: a 512-row pass may take quantized experts' dequantized path (the default
     tuning's threshold, layers/moe/gpu_quant.py fewest_dequant_tokens), whose scratch the capacity test
     then counts once more for the graphs' own memory pool: about 200 MB of the 215 MB that the 512 rows
-    cost the 30B shape above, some 70 experts. A 512-token pass runs host-driven."""
+    cost the 30B shape above, some 70 experts. A 512-token pass runs host-driven. A larger setting over
+    quantized experts captures no pass their dequantized path would serve: that path finds a pass's
+    distinct experts on the host, which a graph cannot hold (session 46's OSTINATO_PASS_GRAPHS=1023 stopped
+    the bench with a capture error); the runner caps it there (ModelRunner.pass_graph_rows), while the
+    capacity test, which does not know the device's tuning, counts the setting."""
     from ostinato.layers.moe.staging import stages
 
     default = STAGED_PASS_ROWS if stages() else DEFAULT_PASS_ROWS

@@ -183,8 +183,11 @@ class ModelRunner:
             self.enable_graphs()  # may wrap a HybridExperts (each device's) in its graph backend
 
     def pass_graph_rows(self) -> int:
-        """The most tokens of a prefill pass captured as a graph (0: none; graph.pass_rows)."""
-        return pass_rows(self.settings.pass_graphs, self.layer_devices is not None, self.max_context)
+        """The most tokens of a prefill pass captured as a graph (0: none; graph.pass_rows), as many as the
+        experts' kernels run inside a graph (MoEBackend.graph_rows: OSTINATO_PASS_GRAPHS=1023 over Q4_K_M
+        experts captures up to 511 rows, below their dequantized path)."""
+        rows = pass_rows(self.settings.pass_graphs, self.layer_devices is not None, self.max_context)
+        return self.experts.graph_rows(rows) if rows > 1 else rows
 
     def enable_graphs(self) -> None:
         """Capture decode steps when the placement allows it: every expert resident, or the

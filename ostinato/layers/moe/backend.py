@@ -44,6 +44,11 @@ class MoEBackend:
         PassGraphs) and compute what the host-driven pass computes."""
         return False
 
+    def graph_rows(self, rows: int) -> int:
+        """Of the `rows` a runner would capture prefill passes up to (engine/graph.py pass_rows), the most
+        this backend's kernels run inside a CUDA graph."""
+        return rows
+
     def before_prefill(self) -> None:
         """Before a pass of more than one token (borrowed slots go back to the upload path)."""
 

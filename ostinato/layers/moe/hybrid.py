@@ -292,6 +292,9 @@ class HybridWrapper(MoEBackend):
     def resident_experts(self) -> int:
         return self.hybrid.resident_experts()
 
+    def graph_rows(self, rows: int) -> int:
+        return self.hybrid.graph_rows(rows)
+
     def after_decode_step(self) -> None:
         self.hybrid.after_decode_step()
 
@@ -392,6 +395,10 @@ class HybridExperts(MoEBackend):
     def settle(self) -> None:
         if self.cpu is not None:
             self.cpu.settle()
+
+    def graph_rows(self, rows: int) -> int:
+        """At most `rows`, below the dequantized path of any quantized pool (ExpertPools.graph_rows)."""
+        return int(min(rows, self.pools.graph_rows()))
 
     def captures_pass(self, T: int) -> bool:
         """Every expert resident: any pass is the GPU branch alone (with cold experts, the handshake's
