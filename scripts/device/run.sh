@@ -14,6 +14,7 @@
 #   micro_cpu  [B] CPU branch kernel against host read bandwidth (scripts/bench_cpu_experts.py)
 #   micro_attn [F] decode attention over a device-side length: Triton split-K against SDPA
 #   micro_handshake [Q] the handshake's join of the CPU worker's partial (wait, copy, add) per pass size, and its copy alone
+#   micro_synth [O] where a synthetic gpt-oss-120b's load goes, step by step over one layer (scripts/bench_synth_load.py)
 #   micro_zero_copy [Q] a kernel's own reads of page-locked host memory over PCIe against a memcpy (scripts/bench_zero_copy.py)
 #   plans      residencies from the profiles: all, cold, 40% hot, and 40% over two GPUs
 #   check      [B][F] whole model: all-GPU reference, 40% hot under $CAP (+ decode ablation), all CPU
@@ -271,6 +272,9 @@ phase_micro_attn() {  # Qwen3-30B-A3B's heads, then DeepSeek-V3's latent attenti
 }
 phase_micro_handshake() {  # [Q] the join of the CPU worker's partial per pass size (scripts/bench_handshake.py)
   run 60 "$R/q_bench_handshake.txt" python3 scripts/bench_handshake.py
+}
+phase_micro_synth() {  # [O] the steps of a synthetic MXFP4 expert's load, and one layer through the loader
+  run 120 "$R/o_bench_synth_load.txt" python3 scripts/bench_synth_load.py --json "$R/o_bench_synth_load.json"
 }
 phase_micro_zero_copy() {  # [Q] can a captured pass's kernels read cold experts in host memory? (scripts/bench_zero_copy.py)
   run 120 "$R/q_bench_zero_copy.txt" python3 scripts/bench_zero_copy.py
