@@ -4,8 +4,8 @@ A synthetic checkpoint must be the same model whether it is written to disk on a
 or generated straight into GPU memory, tensor by tensor, in any order. torch's CPU and
 CUDA generators differ, so each element is instead a hash of (tensor key, element index)
 computed with 32-bit integer arithmetic held in int64 (no overflow anywhere), and turned
-into a uniform float with exact operations. The GPU generates the 58 GB of experts of
-the full-size preset in seconds; the CPU gives the same bits, only slower.
+into a uniform float with exact operations. On CUDA, fill_uniform_ runs that arithmetic in one
+Triton kernel (kernels/triton/uniform.py); the CPU gives the same bits, only slower.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27, so (2**32 - 1) * _MUL fits in int64
 _ODD = 0x9E3779B9  # moves the hash off its fixed point at zero
 _CHUNK = 1 << 24
+_SEGMENT = 1 << 30  # divides 2**32: a segment's indices share their high word
 
 
 def tensor_key(seed: int, name: str) -> int:
@@ -34,15 +35,27 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
 def uniform_bits(key: int, start: int, n: int, device) -> torch.Tensor:
     """n uniform floats in [0, 1) (24-bit resolution, fp32) for elements [start, start + n)."""
     idx = torch.arange(start, start + n, device=device, dtype=torch.int64)
-    hi = _mix(torch.full((1,), ((start >> 32) ^ (key >> 32)) & _M32, dtype=torch.int64, device=device))
+    hi = _high_word(key, start)
     h = _mix(_mix((((idx & _M32) ^ (key & _M32)) + _ODD) & _M32) ^ hi)
     return (h >> 8).float() * (2.0 ** -24)
 
 
+def _high_word(key: int, start: int) -> int:
+    """The hash of the high words of element `start`'s index and of the key, as uniform_bits mixes it in."""
+    return int(_mix(torch.full((1,), ((start >> 32) ^ (key >> 32)) & _M32, dtype=torch.int64))[0])
+
+
 def fill_uniform_(out: torch.Tensor, key: int, std: float) -> torch.Tensor:
-    """Fill a contiguous tensor with zero-mean uniform values of standard deviation `std`."""
+    """Fill a contiguous tensor with zero-mean uniform values of standard deviation `std`. On CUDA in
+    one kernel per 2**30 elements (kernels/triton/uniform.py: the same values, without the temporaries)."""
     flat = out.view(-1)
     half_width = std * 3.0 ** 0.5
+    if flat.is_cuda:
+        from ostinato.kernels.triton.uniform import uniform_
+
+        for start in range(0, flat.numel(), _SEGMENT):
+            uniform_(flat[start:start + _SEGMENT], start, key & _M32, _high_word(key, start), 2.0 * half_width)
+        return out
     for start in range(0, flat.numel(), _CHUNK):
         n = min(_CHUNK, flat.numel() - start)
         if (start & _M32) + n > _M32 + 1:

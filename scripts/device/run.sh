@@ -8,7 +8,7 @@
 #   tests      GPU-marked tests: decode graphs bitwise equal to the synchronous path, the two-GPU split
 #   tests_kernels  GPU-marked tests: kernel oracles, hybrid paths (bf16 and quantized), every policy on CUDA, triton's
 #              compiles (none after the warm-up), the cap
-#   skew       [A] the skew figure of $MODEL on the development / held-out split; saves the profiles
+#   skew       [A] the skew figure of $MODEL on the development / held-out split; saves the profiles (SKEW_LIMIT s, 200)
 #   generate   [A] 64 tokens with every expert in the GPU pool (decode graph)
 #   micro      [B] GPU branch kernels (scripts/bench_gpu_experts.py)
 #   micro_cpu  [B] CPU branch kernel against host read bandwidth (scripts/bench_cpu_experts.py)
@@ -255,7 +255,7 @@ for p in ('qwen3-30b-a3b', 'qwen3-235b-a22b', 'gpt-oss-120b', 'deepseek-v3-shape
 }
 phase_skew() {
   $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1
-  run 200 "$R/a_skew.txt" $O skew --model "$M" --residency "$R/all.json" --sessions "$S" --max-sessions "$NS" \
+  run ${SKEW_LIMIT:-200} "$R/a_skew.txt" $O skew --model "$M" --residency "$R/all.json" --sessions "$S" --max-sessions "$NS" \
     --fraction 0.40 0.44 --save-profiles "$R/profile"
 }
 phase_generate() {
