@@ -1,5 +1,5 @@
 """Where a synthetic gpt-oss-120b's load goes, one MoE layer at a time (session 46: 184-199 s a process, of
-which 161-195 s for the experts, against a few seconds that the generator's arithmetic needs on a GPU).
+which 161-195 s for the experts; which step costs it was not timed).
 
 The experts of `synth:gpt-oss-120b` are made on the GPU one at a time by the loader's reading of the
 Hugging Face layout (synth/gpt_oss.py reader, loader/gpt_oss.py load_quantized_): each expert's bf16 weights

@@ -174,6 +174,14 @@ def slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero
     return out.copy_(result)
 
 
+def dequant_from(tuning: dict, dtype: torch.dtype) -> float:
+    """The fewest tokens of a pass over quantized experts that takes the dequantized path under `tuning`,
+    with activations in `dtype` (inf: none; fp32 activations never do)."""
+    if dtype == torch.float32:
+        return float("inf")
+    return tuning.get("dequant_min_tokens") or float("inf")
+
+
 def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out=None, *,
                               qtypes, out_dtype=None, max_distinct=None, tuning=None, b13_pool=None,
                               b2_pool=None, act: ExpertAct = SILU):
@@ -189,7 +197,7 @@ def slot_experts_quant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zer
 
         return decode_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_hi, out,
                               tuning["decode_w13"], tuning["decode_w2"], epi)
-    if T >= (tuning.get("dequant_min_tokens") or float("inf")) and x.dtype != torch.float32:
+    if T >= dequant_from(tuning, x.dtype):
         chunk = min(DEQUANT_CHUNK, max_distinct or DEQUANT_CHUNK)  # never more than a call's distinct slots
         return slot_experts_dequant_triton(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, out,
                                            qtypes=qtypes, epi=epi, chunk=chunk)

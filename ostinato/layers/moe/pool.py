@@ -41,7 +41,7 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.kernels.triton import fused_dense
 from ostinato.layers.moe.gpu_experts import slot_experts_forward
-from ostinato.layers.moe.gpu_quant import quant_tuning, slot_experts_quant_forward
+from ostinato.layers.moe.gpu_quant import dequant_from, quant_tuning, slot_experts_quant_forward
 from ostinato.config import SILU, ExpertAct
 from ostinato.layers.moe.types import ExpertWeights, QuantExpertWeights
 from ostinato.quant.formats import row_bytes
@@ -138,9 +138,9 @@ class ExpertPool:
         """The most rows a captured pass may run through this pool's kernels: below the device's
         dequant_min_tokens where its quantized experts would take the dequantized path there, which finds
         a pass's distinct experts on the host (torch.unique) and so cannot be captured; else unbounded."""
-        if self.qtypes is None or self.dtype == torch.float32:
+        if self.qtypes is None:
             return float("inf")
-        return (quant_tuning(self.device).get("dequant_min_tokens") or float("inf")) - 1
+        return dequant_from(quant_tuning(self.device), self.dtype) - 1
 
     @staticmethod
     def bytes_for(slots: int, expert_bytes: int) -> int:
