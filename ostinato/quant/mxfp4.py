@@ -16,6 +16,8 @@ Legend: B blocks, G blocks of a row.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK_SIZE = 32
@@ -25,6 +27,13 @@ BLOCK_BYTES = 1 + BLOCK_SIZE // 2
 KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # Midpoints between consecutive magnitudes 0, 1, 2, 3, 4, 6, 8, 12.
 _MIDPOINTS = (0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A small float32 table on `device`, made once: building it per call is a copy from
+    pageable host memory, which waits for the device's queue."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def half_scale(e: torch.Tensor) -> torch.Tensor:
@@ -42,8 +51,7 @@ def encode(x: torch.Tensor) -> torch.Tensor:
     # ggml's log2f gives, on any device (CUDA's float32 log2 may be an ulp off).
     exp = torch.log2(amax.double()).float().floor()
     e = torch.where(amax > 0, (exp + 125).clamp(0, 255), 0).to(torch.uint8)
-    midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=x.device)
-    magnitude = torch.bucketize(x.abs() / half_scale(e), midpoints)  # ties -> lower entry
+    magnitude = torch.bucketize(x.abs() / half_scale(e), _constant(_MIDPOINTS, x.device))  # ties -> lower entry
     code = (magnitude + 8 * ((x < 0) & (magnitude > 0))).to(torch.uint8)
     qs = code[:, :16] | (code[:, 16:] << 4)
     return torch.cat([e, qs], dim=1)
@@ -53,8 +61,7 @@ def decode(b: torch.Tensor) -> torch.Tensor:
     """uint8 [B, 17] -> float32 [B, 32]."""
     qs = b[:, 1:]
     code = torch.cat([qs & 0x0F, qs >> 4], dim=1)
-    table = torch.tensor(KVALUES, dtype=torch.float32, device=b.device)
-    return table[code.long()] * half_scale(b[:, :1])
+    return _constant(KVALUES, b.device)[code.long()] * half_scale(b[:, :1])
 
 
 def from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
