@@ -8,7 +8,8 @@
 #   tests      GPU-marked tests: decode graphs bitwise equal to the synchronous path, the two-GPU split
 #   tests_kernels  GPU-marked tests: kernel oracles, hybrid paths (bf16 and quantized), every policy on CUDA, triton's
 #              compiles (none after the warm-up), the cap
-#   skew       [A] the skew figure of $MODEL on the development / held-out split; saves the profiles (SKEW_LIMIT s, 200)
+#   skew       [A] the skew figure of $MODEL on the development / held-out split; saves the profiles (SKEW_LIMIT s, 200;
+#              SKEW_HOT=0.0 profiles with every expert on the host, for models whose experts do not fit the GPU)
 #   generate   [A] 64 tokens with every expert in the GPU pool (decode graph)
 #   micro      [B] GPU branch kernels (scripts/bench_gpu_experts.py)
 #   micro_cpu  [B] CPU branch kernel against host read bandwidth (scripts/bench_cpu_experts.py)
@@ -254,8 +255,10 @@ for p in ('qwen3-30b-a3b', 'qwen3-235b-a22b', 'gpt-oss-120b', 'deepseek-v3-shape
           torch.bfloat16, 'cuda'))" 2>&1 | tee -a "$R/tests_wave2.txt" "$LOG"
 }
 phase_skew() {
-  $O plan --model "$M" --hot-fraction 1.0 --no-verify -o "$R/all.json" >> "$LOG" 2>&1
-  run ${SKEW_LIMIT:-200} "$R/a_skew.txt" $O skew --model "$M" --residency "$R/all.json" --sessions "$S" --max-sessions "$NS" \
+  local res=$R/all.json
+  [[ ${SKEW_HOT:-1.0} == 1.0 ]] || res=$R/skew_hot.json
+  $O plan --model "$M" --hot-fraction "${SKEW_HOT:-1.0}" --no-verify -o "$res" >> "$LOG" 2>&1
+  run ${SKEW_LIMIT:-200} "$R/a_skew.txt" $O skew --model "$M" --residency "$res" --sessions "$S" --max-sessions "$NS" \
     --fraction 0.40 0.44 --save-profiles "$R/profile"
 }
 phase_generate() {
