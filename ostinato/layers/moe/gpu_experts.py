@@ -121,7 +121,16 @@ def slot_experts_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, o
     optional biases b13_pool[N, 2F], b2_pool[N, D] (fp32)
     -> out[T, D] = sum_k weights[t,k] * (w2[s] @ act(w13[s][:F] @ x[t] + b13[s][:F],
                                                      w13[s][F:] @ x[t] + b13[s][F:]) + b2[s])
+    with act's output rounded to the weights' dtype, as the kernels do.
     """
+    return slot_loop(x, slots, weights, lambda s: (w13_pool[s].float(), w2_pool[s].float()), w2_pool.dtype,
+                     zero_lo, zero_hi, out, out_dtype=out_dtype, b13_pool=b13_pool, b2_pool=b2_pool, act=act)
+
+
+def slot_loop(x, slots, weights, weights_of, h_dtype, zero_lo, zero_hi, out=None, *,
+              out_dtype=None, b13_pool=None, b2_pool=None, act: ExpertAct = SILU):
+    """The plain-PyTorch oracle of a hot-slot pass, over any weight format: `weights_of(s)` gives slot s's
+    (w13 [2F, D], w2 [D, F]) as fp32, and act's output is rounded to `h_dtype` before the down projection."""
     T, K = slots.shape
     flat = slots.reshape(-1).long()  # [R]
     partial = torch.zeros(T * K, x.shape[1], dtype=torch.float32, device=x.device)  # [R, D]
@@ -129,12 +138,13 @@ def slot_experts_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero_hi, o
     for s in torch.unique(flat[_is_hot(flat, zero_lo, zero_hi)]).tolist():
         routes = (flat == s).nonzero().squeeze(1)
         xs = x[routes // K].float()  # [n, D]
-        gu = xs @ w13_pool[s].float().t()  # [n, 2F]
+        w13, w2 = weights_of(s)
+        gu = xs @ w13.t()  # [n, 2F]
         if b13_pool is not None:
             gu = gu + b13_pool[s].float()
         gate, up = gu.chunk(2, dim=-1)  # [n, F] each
-        h = act(gate, up).to(w2_pool.dtype).float()  # rounded to the weights' dtype, as the kernels
-        y = h @ w2_pool[s].float().t()
+        h = act(gate, up).to(h_dtype).float()
+        y = h @ w2.t()
         if b2_pool is not None:
             y = y + b2_pool[s].float()
         partial[routes] = y * wflat[routes, None]

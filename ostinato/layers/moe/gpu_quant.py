@@ -149,29 +149,11 @@ def slot_experts_quant_torch(x, slots, weights, w13_pool, w2_pool, zero_lo, zero
                                                         w13[s][F:] @ x[t] + b13[s][F:])) + b2[s])
     with w = dequantize(pool[s]), round() to x's dtype, the biases optional.
     """
-    T, K = slots.shape
-    D = x.shape[1]
-    F = w13_pool.shape[1] // 2
-    flat = slots.reshape(-1).long()  # [R]
-    partial = torch.zeros(T * K, D, dtype=torch.float32, device=x.device)  # [R, D]
-    wflat = weights.reshape(-1).float()
-    hot = (flat < zero_lo) | (flat >= zero_hi)
-    for s in torch.unique(flat[hot]).tolist():
-        routes = (flat == s).nonzero().squeeze(1)
-        xs = x[routes // K].float()  # [n, D]
-        gu = xs @ dequantize(w13_pool[s], qtypes[0], D).t()  # [n, 2F]
-        if b13_pool is not None:
-            gu = gu + b13_pool[s].float()
-        gate, up = gu.chunk(2, dim=-1)  # [n, F]
-        h = act(gate, up).to(x.dtype).float()
-        y = h @ dequantize(w2_pool[s], qtypes[1], F).t()
-        if b2_pool is not None:
-            y = y + b2_pool[s].float()
-        partial[routes] = y * wflat[routes, None]
-    result = partial.view(T, K, -1).sum(1)  # fixed order over k
-    if out is None:
-        return result.to(out_dtype or x.dtype)
-    return out.copy_(result)
+    D, F = x.shape[1], w13_pool.shape[1] // 2
+    return ge.slot_loop(x, slots, weights,
+                        lambda s: (dequantize(w13_pool[s], qtypes[0], D), dequantize(w2_pool[s], qtypes[1], F)),
+                        x.dtype, zero_lo, zero_hi, out, out_dtype=out_dtype, b13_pool=b13_pool, b2_pool=b2_pool,
+                        act=act)
 
 
 def dequant_from(tuning: dict, dtype: torch.dtype) -> float:
