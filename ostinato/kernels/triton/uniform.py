@@ -12,6 +12,13 @@ fp32 operations, so the values are bit for bit those of the torch expression
 
 Grid (ceil(n / BLOCK),): each program BLOCK consecutive elements of one segment, a run of elements within
 which the index's high word is constant (the caller passes that word's hash, `hi`).
+
+The two 32-bit words (the key's low word and `hi`) travel as signed int32 and are masked back to unsigned
+in the kernel. Triton types a Python int of 2**31 or more as int64 and one below as int32, and compiles a
+kernel per signature: passed as they are, random words need up to four compiles in a process's first
+calls. Session 47's step-by-step timing (scripts/bench_synth_load.py, on an H100) gave the generator 30 ms
+an expert's gate_up where the loader's whole expert took 11 ms; those compiles are the likely cause, not
+yet confirmed by a timing.
 """
 from __future__ import annotations
 
@@ -33,8 +40,9 @@ def _uniform_kernel(out_ptr, n, first, key_lo, hi, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     idx = first.to(tl.int64) + offs  # the element's index, its high word `hi`'s
-    h = (((idx & 0xFFFFFFFF) ^ key_lo.to(tl.int64)) + 0x9E3779B9) & 0xFFFFFFFF
-    h = _mix(_mix(h) ^ hi.to(tl.int64))
+    key = key_lo.to(tl.int64) & 0xFFFFFFFF  # the words as unsigned (they come as int32)
+    h = (((idx & 0xFFFFFFFF) ^ key) + 0x9E3779B9) & 0xFFFFFFFF
+    h = _mix(_mix(h) ^ (hi.to(tl.int64) & 0xFFFFFFFF))
     u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
     tl.store(out_ptr + offs, ((u - 0.5) * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -44,4 +52,9 @@ def uniform_(flat, first: int, key_lo: int, hi: int, scale: float) -> None:
     indices first .. first + numel - 1 share one high word (hashrand.fill_uniform_ passes segments of 2**30)."""
     n = flat.numel()
     if n:
-        _uniform_kernel[(triton.cdiv(n, BLOCK),)](flat, n, first, key_lo, hi, scale, BLOCK=BLOCK)
+        _uniform_kernel[(triton.cdiv(n, BLOCK),)](flat, n, first, _int32(key_lo), _int32(hi), scale, BLOCK=BLOCK)
+
+
+def _int32(word: int) -> int:
+    """A 32-bit word as the signed int32 of the same bits: one kernel signature for every word."""
+    return word - (1 << 32) if word >= 1 << 31 else word
