@@ -5,9 +5,10 @@ The experts of `synth:gpt-oss-120b` are made on the GPU one at a time by the loa
 Hugging Face layout (synth/gpt_oss.py reader, loader/gpt_oss.py load_quantized_): each expert's bf16 weights
 from the counter-based generator, quantized to MXFP4, repacked to Hugging Face's nibble order and back,
 de-interleaved, and copied into the layer's host tensor. This times each of those steps alone (the device
-synchronized around each, over --experts experts of layer 0) and then the loader's whole layer
-(loader/build.py load_quantized_experts: into pageable host memory, as every policy's build reads it), so
-that the step that costs the time is known before it is changed.
+synchronized around each, over --experts experts of layer 0) and then the loader's whole layer twice:
+into pageable host memory (loader/build.py load_quantized_experts, as every policy's build read it before
+session 47) and staged on the device the source generates on (loader/build.py load_layer_experts, as a
+build reads it since), so that the step that costs the time is known before it is changed.
 
     python scripts/bench_synth_load.py [--preset gpt-oss-120b] [--experts 16] [--json out.json]
 """
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.loader import gpt_oss as layout  # noqa: E402
-from ostinato.loader.build import load_quantized_experts  # noqa: E402
+from ostinato.loader.build import load_layer_experts, load_quantized_experts  # noqa: E402
 from ostinato.quant import formats  # noqa: E402
 from ostinato.quant.mxfp4 import from_hf, to_hf  # noqa: E402
 from ostinato.synth import gpt_oss as synth  # noqa: E402
@@ -80,17 +81,24 @@ def main(argv: list[str] | None = None) -> dict:
                 add(name, t)
     per_expert = {name: round(1e3 * t / a.experts, 3) for name, t in steps.items()}
     layer, t_layer = timed(lambda: load_quantized_experts(spec_source(spec), 0), device)
+    source = spec_source(spec)
+    staged, t_staged = timed(lambda: load_layer_experts(source, 0, source.expert_qtypes(0), device), device)
     E, layers = c["num_local_experts"], SynthSpec(a.preset).config["num_hidden_layers"]
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "preset": a.preset,
            "gate_up_ms_per_expert": per_expert, "gate_up_ms_per_expert_total": round(sum(per_expert.values()), 3),
            "layer_s": round(t_layer, 3), "experts_per_layer": E, "layers": layers,
            "all_layers_s_at_this_rate": round(t_layer * layers, 1),
+           "staged_layer_s": round(t_staged, 3), "staged_on": staged.w13.device.type,
+           "all_layers_staged_s_at_this_rate": round(t_staged * layers, 1),
            # the steps timed are the loader's: their rows equal its layer's
-           "steps_equal_loader": torch.equal(layer.w13[:a.experts], host13)}
+           "steps_equal_loader": torch.equal(layer.w13[:a.experts], host13),
+           "staged_equal_loader": torch.equal(staged.w13.cpu(), layer.w13)}
     for name, ms in per_expert.items():
         print(f"{name:28s} {ms:9.3f} ms an expert's gate_up")
     print(f"one layer through the loader (load_quantized_experts, {E} experts): {t_layer:.2f} s; "
           f"{out['layers']} layers at this rate: {out['all_layers_s_at_this_rate']} s")
+    print(f"one layer staged on {out['staged_on']} (load_layer_experts): {t_staged:.2f} s; "
+          f"{out['layers']} layers at this rate: {out['all_layers_staged_s_at_this_rate']} s")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return out

@@ -218,3 +218,29 @@ def test_a_layer_staged_on_the_gpu_falls_back_to_host_memory_when_the_cap_is_ful
     tried.clear()
     assert build.load_experts_staged(SimpleNamespace(), 3, "meta") == "staged in host memory"
     assert tried == ["cpu"]  # a source that does not generate on the device stages on the host at once
+
+
+def test_quantized_experts_are_staged_where_the_source_makes_them(monkeypatch):
+    """A layer of block-format experts (a synthetic gpt-oss's MXFP4) is staged on the device the source
+    generates on, as float experts are, and in host memory where that device has no room for it."""
+    from types import SimpleNamespace
+
+    from ostinato.loader import build
+
+    tried = []
+
+    def load(source, layer, device="cpu", pin=False):
+        tried.append(torch.device(device).type)
+        if torch.device(device).type != "cpu":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.66 GiB")
+        return SimpleNamespace(qt13="MXFP4", qt2="MXFP4", where="host memory")
+
+    monkeypatch.setattr(build, "load_quantized_experts", load)
+    qtypes = ("MXFP4", "MXFP4")
+    assert build.load_layer_experts(SimpleNamespace(generate_on="meta"), 3, qtypes, "meta").where == "host memory"
+    assert tried == ["meta", "cpu"]
+    tried.clear()
+    assert build.load_layer_experts(SimpleNamespace(), 3, qtypes, "meta").where == "host memory"
+    assert tried == ["cpu"]  # a file is read into host memory at once
+    with pytest.raises(ConfigError, match="experts are MXFP4/MXFP4, the placement expected Q4_K/Q6_K"):
+        build.load_layer_experts(SimpleNamespace(), 3, ("Q4_K", "Q6_K"), "meta")
