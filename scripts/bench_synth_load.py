@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
                             ("copy into pageable host", t_pageable), ("copy into page-locked host", t_pinned)):
                 add(name, t)
     per_expert = {name: round(1e3 * t / a.experts, 3) for name, t in steps.items()}
-    layer, t_layer = timed(lambda: load_quantized_experts(spec_source(spec), 0), device)
     source = spec_source(spec)
+    layer, t_layer = timed(lambda: load_quantized_experts(source, 0), device)
     staged, t_staged = timed(lambda: load_layer_experts(source, 0, source.expert_qtypes(0), device), device)
     E, layers = c["num_local_experts"], SynthSpec(a.preset).config["num_hidden_layers"]
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "preset": a.preset,
