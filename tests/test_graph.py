@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ostinato.config import ConfigError
 from ostinato.engine.graph import PassGraphs, pass_sizes, window_sizes
 from ostinato.engine.runner import ModelRunner, RunnerSettings
 from ostinato.loader.source import CheckpointSource
@@ -38,13 +39,23 @@ def test_pass_sizes():
     assert pass_sizes(256) == [8, 16, 32, 64, 128, 256]
     assert pass_sizes(100) == [8, 16, 32, 64, 100]
     assert pass_sizes(8) == [8] and pass_sizes(5) == [5] and pass_sizes(1) == pass_sizes(0) == []
+    assert pass_sizes(511, midpoints=128) == [8, 16, 32, 64, 128, 192, 256, 383, 511]
+    assert pass_sizes(100, midpoints=8) == [8, 12, 16, 24, 32, 48, 64, 82, 100]
+    assert pass_sizes(256, midpoints=512) == pass_sizes(256, midpoints=0) == pass_sizes(256)
+
+
+def test_pass_midpoints_from_the_environment(monkeypatch):
+    monkeypatch.setenv("OSTINATO_PASS_MIDPOINTS", "128")
+    assert pass_sizes(511) == [8, 16, 32, 64, 128, 192, 256, 383, 511]
+    monkeypatch.setenv("OSTINATO_PASS_MIDPOINTS", "half")
+    with pytest.raises(ConfigError, match="OSTINATO_PASS_MIDPOINTS must be a count of rows"):
+        pass_sizes(511)
 
 
 def test_pass_rows_setting(monkeypatch):
     """The captured pass rows: the setting, else OSTINATO_PASS_GRAPHS, else 511 where captured passes stage
     their cold experts (the default) and 256 where they do not; at most the context; none on a split model;
     a value that is not a count is refused with a message."""
-    from ostinato.config import ConfigError
     from ostinato.engine.graph import pass_rows
 
     monkeypatch.delenv("OSTINATO_PASS_GRAPHS", raising=False)
@@ -98,9 +109,10 @@ def test_pass_buffers_match_host_driven_pass(tiny_dir):
     alone, as prefill."""
     r = ModelRunner(CheckpointSource(tiny_dir), RunnerSettings(device="cpu", dtype="fp32", max_context=2048,
                                                                 count_routes=True))
-    passes = PassGraphs(r, pass_sizes(16))
+    passes = PassGraphs(r, pass_sizes(16, midpoints=8))
+    assert passes.sizes == [8, 12, 16] and passes.size_for(10, 0) == passes.size_for(12, 0) is None
     ids = list(range(10, 70))
-    for start, n, B in ((40, 13, 16), (53, 5, 8), (58, 2, 8)):
+    for start, n, B in ((40, 13, 16), (45, 10, 12), (53, 5, 8), (58, 2, 8)):
         r.forward(ids[:start], 0)
         r.routes.reset()
         want = r.forward(ids[start:start + n], start)

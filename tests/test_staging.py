@@ -166,6 +166,9 @@ def test_report_says_which_passes_stage():
     assert any("at least 16 routes" in line for line in _cpu_note(run))
     assert not any("OSTINATO_STAGE_FROM" in line for line in _cpu_note(run))
     assert any("at least 256 rows stage" in line for line in _cpu_note(run | {"stage_from": "256"}))
+    assert any("padded to 8, 16, 32, 64, 128, 256, 511 rows (" in line for line in _cpu_note(run))
+    assert any("128, 192, 256, 383, 511 rows (with the midpoints from 128 rows" in line
+               for line in _cpu_note(run | {"pass_midpoints": 128}))
 
 
 KERNEL = """

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
+from ostinato.engine.graph import env_pass_midpoints, pass_sizes
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
 from ostinato.layers.moe.hybrid import defer_combine
 from ostinato.layers.moe.staging import describe, env_stage_from, env_stage_routes
@@ -65,6 +66,7 @@ def environment(loaded, bs) -> dict:
             "pass_graphs": loaded.runner.pass_graph_rows() if loaded.runner.device.type == "cuda" else 0,
             "stage_routes": env_stage_routes() if loaded.runner.device.type == "cuda" else 0,
             "stage_from": env_stage_from(),  # None: the rule's count (staging.stage_from)
+            "pass_midpoints": env_pass_midpoints(),
             **routing_knobs(loaded.source)}
 
 
@@ -567,18 +569,25 @@ def _cpu_note(result: dict) -> list[str]:
                      "(OSTINATO_DEFER_COMBINE, on unless 0)")
     if result.get("pass_graphs") and result.get("stage_routes"):
         which = describe(result["stage_routes"])
-        lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens replayed as CUDA graphs, padded to powers "
-                     f"of two (OSTINATO_PASS_GRAPHS); each copies {which} into flex slots and computes them on the "
+        lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens replayed as CUDA graphs, padded to "
+                     f"{_padded_to(result)} (OSTINATO_PASS_GRAPHS); each copies {which} into flex slots and computes them on the "
                      "GPU (OSTINATO_STAGE_ROUTES)")
         if result.get("stage_from"):
             lines.append(f"- only the passes of at least {result['stage_from']} rows stage (OSTINATO_STAGE_FROM)")
     elif result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
-                     "uploads replayed as CUDA graphs, padded to powers of two (OSTINATO_PASS_GRAPHS)")
+                     f"uploads replayed as CUDA graphs, padded to {_padded_to(result)} (OSTINATO_PASS_GRAPHS)")
     if not str(result["device"]).startswith("cpu"):
         return lines
     return lines + ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical "
                     "and the timings show the mechanics of each policy, not the speed of the design"]
+
+
+def _padded_to(result: dict) -> str:
+    """The captured pass sizes a run padded to (engine/graph.py pass_sizes)."""
+    m = result.get("pass_midpoints")
+    sizes = ", ".join(map(str, pass_sizes(result["pass_graphs"], midpoints=m or 0)))
+    return f"{sizes} rows" + (f" (with the midpoints from {m} rows, OSTINATO_PASS_MIDPOINTS)" if m else "")
 
 
 def _np_text(np_: dict) -> str:

@@ -310,10 +310,24 @@ def pass_rows(setting: int | None, split: bool, max_context: int) -> int:
     return min(setting if setting is not None else env_pass_rows(), max_context)
 
 
-def pass_sizes(largest: int, smallest: int = 8) -> list[int]:
+def env_pass_midpoints() -> int:
+    """OSTINATO_PASS_MIDPOINTS: the fewest rows of a captured pass size whose doubling also gets its midpoint
+    (pass_sizes; 0: none, the default). A pass replays at the next captured size, and its padding rows
+    still run the dense layers and attention: in session 45's held-out replay (results/2026-12-06-h200-s45/,
+    the Q4_K_M 30B shape under 12 GiB), tool turns of 253 new tokens, in the 256-row graph, took 89.8-92.4 ms
+    and those of 269-339, padded to 511, 100.4-116.0 ms. 128 adds 192 and 383: smaller ones share the
+    largest's memory pool (planner/capacity.py pass_graph_bytes counts the largest alone)."""
+    return env_count("OSTINATO_PASS_MIDPOINTS", 0, "rows")
+
+
+def pass_sizes(largest: int, smallest: int = 8, midpoints: int | None = None) -> list[int]:
     """The row counts passes are captured at: doubling from `smallest` up to `largest` (itself the
-    last), as decode windows double (window_sizes); none below 2."""
-    return window_sizes(largest, smallest) if largest >= 2 else []
+    last), as decode windows double (window_sizes), and the midpoint of each doubling from a size of at
+    least `midpoints` rows on (None: env_pass_midpoints; 0: none); none below 2."""
+    sizes = window_sizes(largest, smallest) if largest >= 2 else []
+    m = env_pass_midpoints() if midpoints is None else midpoints
+    mids = [(a + b) // 2 for a, b in zip(sizes, sizes[1:]) if m and a >= m and b - a > 1]
+    return sorted(sizes + mids)
 
 
 class PassGraphs:
