@@ -468,12 +468,13 @@ def amx_int8(native):
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "random"])
 @pytest.mark.parametrize("T", [7, 20, 64, 512])  # groups of 4, 8 or 12, and 16 routes an expert
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_K/Q6_K", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_K/Q6_K", "MXFP4", "Q8_0"])
 def test_amx_int8_matches_oracle(amx_int8, name, T, exact):
-    """Experts with at least 2 routes on the int8 tiles, their Q4_K / Q6_K projections (Q6_K's gate/up
-    and Q8_0 stay on the row kernels, in the same call), against the same oracle as the row kernels:
-    per-32 quantized activations, fp32 sums. Exact blocks within EXACT_TOL: the tiles' integers are
-    the row kernels', only the fp32 combination of the sub-blocks' sums runs in another order."""
+    """Experts with at least 2 routes on the int8 tiles, their Q4_K / Q6_K / MXFP4 projections (Q6_K's
+    gate/up and Q8_0 stay on the row kernels, in the same call), against the same oracle as the row
+    kernels: per-32 quantized activations, fp32 sums. Exact blocks within EXACT_TOL: the tiles' integers
+    are the row kernels', only the fp32 combination of the sub-blocks' sums runs in another order.
+    MXFP4's layer (D 224, F 160) ends its rows with 3 and 1 blocks of a 4-block step."""
     w = make_layer(name, exact=exact, seed=41)
     x = make_x(T, w.hidden, exact=exact, seed=42)
     tok, ids, wts = make_routes(T, seed=43)
@@ -512,13 +513,29 @@ def test_amx_int8_threads_and_down_modes_give_identical_bits(amx_int8):
         assert torch.equal(r, results[0])
 
 
+def test_mxfp4_experts_take_the_int8_tiles_from_their_own_default(amx_int8, monkeypatch):
+    """Unset, the tiles' threshold is the layer format's: an MXFP4 expert of 8 routes goes to the tiles,
+    one of 5 stays on the row kernels, where a Q4_K expert of 5 would go (AMX_INT8_MIN_TOKENS_MXFP4)."""
+    monkeypatch.delenv("OSTINATO_AMX_INT8", raising=False)
+    w = make_layer("MXFP4", exact=False, seed=48)
+    x = make_x(8, w.hidden, exact=False, seed=49)
+    tok = torch.tensor(list(range(8)) + list(range(5)), dtype=torch.int32)
+    ids = torch.tensor([0] * 8 + [1] * 5, dtype=torch.int32)
+    experts = CpuExperts([w], num_threads=2, backend="native", spin_us=100)
+    out = experts.forward(0, x, tok, ids, torch.ones(13))
+    assert experts.last_stats()["int8_experts"] == 1
+    assert rel_err(out, oracle(w, x, tok, ids, torch.ones(13))[0]) < RANDOM_TOL
+    experts.close()
+
+
 def test_amx_int8_switch(monkeypatch):
     """OSTINATO_AMX_INT8 sets the engine's default; a value that is not a whole number of routes is
     refused with its name."""
     monkeypatch.delenv("OSTINATO_AMX_INT8", raising=False)
-    assert ce_mod.default_amx_int8_min_tokens() == ce_mod.AMX_INT8_MIN_TOKENS
+    assert ce_mod.default_amx_int8_min_tokens() == ce_mod.default_amx_int8_min_tokens("Q4_K") == ce_mod.AMX_INT8_MIN_TOKENS
+    assert ce_mod.default_amx_int8_min_tokens("MXFP4") == ce_mod.AMX_INT8_MIN_TOKENS_MXFP4 == 8
     monkeypatch.setenv("OSTINATO_AMX_INT8", "0")
-    assert ce_mod.default_amx_int8_min_tokens() == 0
+    assert ce_mod.default_amx_int8_min_tokens() == ce_mod.default_amx_int8_min_tokens("MXFP4") == 0
     monkeypatch.setenv("OSTINATO_AMX_INT8", "bad")
     with pytest.raises(ConfigError, match="OSTINATO_AMX_INT8"):
         ce_mod.default_amx_int8_min_tokens()

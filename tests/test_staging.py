@@ -167,6 +167,15 @@ def test_report_says_which_passes_stage():
     assert not any("OSTINATO_STAGE_FROM" in line for line in _cpu_note(run))
     assert any("at least 256 rows stage" in line for line in _cpu_note(run | {"stage_from": "256"}))
     assert any("padded to 8, 16, 32, 64, 128, 256, 511 rows (" in line for line in _cpu_note(run))
+    # the AMX int8 tiles take Q4_K and Q6_K projections alone: not said of an MXFP4 model's run
+    run = run | {"amx_int8_min_tokens": 4}
+    assert any("AMX int8 tiles" in line for line in _cpu_note(run))
+    assert any("AMX int8 tiles" in line for line in _cpu_note(run | {"budget": {"groups": {"Q4_K/Q6_K": {}}}}))
+    assert not any("AMX int8 tiles" in line for line in _cpu_note(run | {"budget": {"groups": {"MXFP4/MXFP4": {}}}}))
+    mx = run | {"amx_int8_min_tokens_mxfp4": 8, "budget": {"groups": {"MXFP4/MXFP4": {}}}}
+    assert [line for line in _cpu_note(mx) if "AMX int8" in line] == [
+        "- CPU experts: the MXFP4 projections of quantized experts with at least 8 routes of a pass on the AMX int8 "
+        "tiles (OSTINATO_AMX_INT8)"]
     assert any("128, 192, 256, 383, 511 rows (with the midpoints from 128 rows" in line
                for line in _cpu_note(run | {"pass_midpoints": 128}))
 

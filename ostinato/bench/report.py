@@ -62,6 +62,7 @@ def environment(loaded, bs) -> dict:
                 "torch.", ""), "max_context": loaded.engine.max_context, "cap": bs.gpu_memory,
             "threads": loaded.runner.threads.as_dict(), "amx_quant_min_tokens": default_amx_quant_min_tokens(),
             "amx_int8_min_tokens": default_amx_int8_min_tokens(),
+            "amx_int8_min_tokens_mxfp4": default_amx_int8_min_tokens("MXFP4"),
             "defer_combine": defer_combine() and loaded.runner.device.type == "cuda",  # it defers on CUDA only
             "pass_graphs": loaded.runner.pass_graph_rows() if loaded.runner.device.type == "cuda" else 0,
             "stage_routes": env_stage_routes() if loaded.runner.device.type == "cuda" else 0,
@@ -561,9 +562,15 @@ def _cpu_note(result: dict) -> list[str]:
     amx = result.get("amx_quant_min_tokens")
     lines = [f"- CPU experts: quantized experts with at least {amx} routes of a pass on the AMX tiles, their rows "
              "decoded to bf16 (OSTINATO_AMX_QUANT)"] if amx else []
-    if result.get("amx_int8_min_tokens"):
-        lines.append(f"- CPU experts: the Q4_K / Q6_K projections of quantized experts with at least "
-                     f"{result['amx_int8_min_tokens']} routes of a pass on the AMX int8 tiles (OSTINATO_AMX_INT8)")
+    groups = (result.get("budget") or {}).get("groups")  # the experts' formats, where the run recorded them
+
+    def has(*qtypes) -> bool:
+        return groups is None or any(q in g for g in groups for q in qtypes)
+
+    for which, key in (("Q4_K / Q6_K", "amx_int8_min_tokens"), ("MXFP4", "amx_int8_min_tokens_mxfp4")):
+        if result.get(key) and has(*which.split(" / ")):  # runs before session 48 put no MXFP4 on the tiles
+            lines.append(f"- CPU experts: the {which} projections of quantized experts with at least {result[key]} "
+                         "routes of a pass on the AMX int8 tiles (OSTINATO_AMX_INT8)")
     if result.get("defer_combine"):
         lines.append("- split passes that upload nothing join their CPU branch on the GPU stream, the host going on "
                      "(OSTINATO_DEFER_COMBINE, on unless 0)")

@@ -272,8 +272,8 @@ void ColdExperts::Impl::plan_call(const ColdArgs& args) {
   // the bf16 tiles, for each projection of a format the tiles take; their activations' packs.
   const bool i8_ok = p.quant && a.amx_int8_min_tokens > 0 && cpu_features().amx_int8 &&
                      (a.isa == Isa::kAuto || a.isa == Isa::kAmx);
-  const bool i8_13 = i8_ok && a.qt13 == QType::kQ4_K;
-  const bool i8_2 = i8_ok && (a.qt2 == QType::kQ4_K || a.qt2 == QType::kQ6_K);
+  const bool i8_13 = i8_ok && (a.qt13 == QType::kQ4_K || a.qt13 == QType::kMXFP4);
+  const bool i8_2 = i8_ok && (a.qt2 == QType::kQ4_K || a.qt2 == QType::kQ6_K || a.qt2 == QType::kMXFP4);
   p.i8_13.assign(size_t(S), 0);
   p.i8_2.assign(size_t(S), 0);
   p.xpk_off.assign(size_t(S), 0);

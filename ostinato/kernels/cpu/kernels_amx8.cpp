@@ -1,5 +1,5 @@
-// Quantized experts on the AMX int8 tiles: the row kernels' integer dots, 16 weight rows by up to 16
-// routes at once.
+// Quantized experts (Q4_K, Q6_K, MXFP4) on the AMX int8 tiles: the row kernels' integer dots, 16 weight
+// rows by up to 16 routes at once.
 //
 // Why: the row kernels (kernels_quant.cpp) spend, per route and 32 weight values, a VPDPBUSD and
 // three vector instructions to scale its int32 sums (convert, permute, FMA), so a prefill's cold
@@ -30,6 +30,13 @@
 // (results/2026-12-06-h100-s42/amx_int8_30b.txt, from 4 routes an expert): Q4_K/Q6_K 1.04x at 64
 // tokens, 0.81x at 128, 0.65x at 256; Q4_K 0.84x, 0.61x, 0.52x (32 tokens not run). On by default from 4 routes
 // (cpu_experts.py AMX_INT8_MIN_TOKENS; OSTINATO_AMX_INT8=0 turns it off).
+//
+// MXFP4 (session 48, for gpt-oss): the doubled e2m1 values + 12 (0-24, the row kernels' table) as the B
+// operand, a tile op per 32-value block (K = 32), the block's 2^(e - 128) as Q4_K's d sc and 12 times it as
+// its min (decode_mxfp4). One gpt-oss-120b layer on the 2-core development host, one worker
+// (results/2026-12-07-h100-s48/amx_int8_mxfp4_local.txt): 1.5x the row kernels' time from 2 routes an
+// expert, 1.0x from 4, 0.72x at 256 tokens and 0.62x at 512 from 8; hence from 8 by default
+// (AMX_INT8_MIN_TOKENS_MXFP4).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -282,13 +289,123 @@ void rows16(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t
   for (int m = 0; m < M && m < n; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 
-template <bool kQ6>
+// Q: 0 Q4_K, 1 Q6_K, 2 MXFP4; a group of n routes as M = 4, 8, 12 or 16 tile rows.
+template <int Q, int M>
+void rows16_q(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
+              int64_t ldo, const uint8_t* next) {
+  if constexpr (Q == 2) rows16_mx<M>(tiles, w, rb, K, group, n, out, ldo, next);
+  else rows16<Q == 1, M>(tiles, w, rb, K, group, n, out, ldo, next);
+}
+
+template <int Q>
 void rows16_m(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
               int64_t ldo, const uint8_t* next) {
-  if (n <= 4) rows16<kQ6, 4>(tiles, w, rb, K, group, n, out, ldo, next);
-  else if (n <= 8) rows16<kQ6, 8>(tiles, w, rb, K, group, n, out, ldo, next);
-  else if (n <= 12) rows16<kQ6, 12>(tiles, w, rb, K, group, n, out, ldo, next);
-  else rows16<kQ6, 16>(tiles, w, rb, K, group, n, out, ldo, next);
+  if (n <= 4) rows16_q<Q, 4>(tiles, w, rb, K, group, n, out, ldo, next);
+  else if (n <= 8) rows16_q<Q, 8>(tiles, w, rb, K, group, n, out, ldo, next);
+  else if (n <= 12) rows16_q<Q, 12>(tiles, w, rb, K, group, n, out, ldo, next);
+  else rows16_q<Q, 16>(tiles, w, rb, K, group, n, out, ldo, next);
+}
+
+// Blocks c .. c + n - 1 (n <= 4) of 16 MXFP4 rows (17 bytes a 32-value block: the E8M0 exponent e,
+// then qs, whose low nibbles are values 0-15 and high nibbles 16-31): sub-block u's B tile holds the
+// doubled e2m1 values + 12 (0-24, the row kernels' table and integers), its scale 2^(e - 128) (the
+// row kernels' VSCALEFPS, subnormal for e < 2 too) and 12 times it, the +12's share (as Q4_K's mins):
+//   MXFP4  dot += (2^(e-128) C_u) dx_u - (12 2^(e-128)) (dx_u sum_u)
+// Rows are decoded two blocks at a time, 64 bytes a row (block 2i's values, then 2i + 1's), whose
+// dwords the 16 x 16 transpose turns into both blocks' B tiles.
+void decode_mxfp4(const uint8_t* w, int64_t rb, int64_t c, int n, Block16& k) {
+  const uint8_t* blk = w + c * 17;
+  const __m512i rows = row_offsets(rb);
+  for (int u = 0; u < n; ++u) {  // the exponent byte opens its block: the dword read stays in it
+    const __m512i e = bytes_of(_mm512_i32gather_epi32(rows, blk + 17 * u, 1), 0);
+    k.rs[u] = _mm512_scalef_ps(_mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
+    k.ms[u] = _mm512_mul_ps(k.rs[u], _mm512_set1_ps(12.0f));
+  }
+  const __m512i tbl = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512i T[16];
+  for (int u0 = 0; u0 < n; u0 += 2) {
+    const bool two = u0 + 1 < n;
+    for (int r = 0; r < 16; ++r) {  // lanes: block u0's qs, its qs again (high nibbles), then u0 + 1's
+      const uint8_t* q = blk + r * rb + 17 * u0 + 1;
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 17)) : _mm_setzero_si128();
+      __m512i v = _mm512_inserti32x4(_mm512_castsi128_si512(q0), q0, 1);
+      v = _mm512_inserti32x4(_mm512_inserti32x4(v, q1, 2), q1, 3);
+      v = _mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4);  // 128-bit lanes 1 and 3: the high nibbles
+      T[r] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, m4));
+    }
+    transpose16(T);
+    for (int uu = 0; uu < (two ? 2 : 1); ++uu)
+      for (int kr = 0; kr < 8; ++kr) _mm512_store_si512(k.B + (u0 + uu) * 512 + 64 * kr, T[8 * uu + kr]);
+  }
+}
+
+// The sums of chunks c .. c + N - 1 (N <= 4, 32 values each) into k.C[0 .. N - 1]: A from the group's
+// routes (rows K bytes apart), B from the decoded blocks (the tile registers as tile_ops uses them).
+template <int N>
+inline void tile_ops_mx(Block16& k, const uint8_t* group, int64_t K, int64_t c) {
+  const uint8_t* a = group + 32 * c;
+  _tile_zero(0);
+  _tile_loadd(1, a, K);
+  _tile_loadd(2, k.B, 64);
+  _tile_dpbsud(0, 1, 2);
+  if constexpr (N > 1) {
+    _tile_zero(5);
+    _tile_loadd(3, a + 32, K);
+    _tile_loadd(4, k.B + 512, 64);
+    _tile_dpbsud(5, 3, 4);
+  }
+  if constexpr (N > 2) {
+    _tile_zero(6);
+    _tile_loadd(1, a + 64, K);
+    _tile_loadd(2, k.B + 1024, 64);
+    _tile_dpbsud(6, 1, 2);
+  }
+  if constexpr (N > 3) {
+    _tile_zero(7);
+    _tile_loadd(3, a + 96, K);
+    _tile_loadd(4, k.B + 1536, 64);
+    _tile_dpbsud(7, 3, 4);
+  }
+  _tile_stored(0, k.C[0][0], 64);
+  if constexpr (N > 1) _tile_stored(5, k.C[1][0], 64);
+  if constexpr (N > 2) _tile_stored(6, k.C[2][0], 64);
+  if constexpr (N > 3) _tile_stored(7, k.C[3][0], 64);
+}
+
+// rows16 for MXFP4 rows: K values in 32-value blocks, four at a time (K need not be a multiple of 128:
+// gpt-oss's 2880 ends with two).
+template <int M>
+void rows16_mx(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
+               int64_t ldo, const uint8_t* next) {
+  const float* scales = reinterpret_cast<const float*>(group + kI8Routes * K);
+  tiles.use(M, 32);
+  Block16 k;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t chunks = K / 32;
+  for (int64_t c = 0; c < chunks; c += 4) {
+    const int cnt = int(std::min<int64_t>(4, chunks - c));
+    if (c + 4 < chunks) prefetch16(w, rb, (c + 4) * 17, std::min<int64_t>(4, chunks - c - 4) * 17);
+    else if (next) prefetch16(next, rb, 0, std::min<int64_t>(4, chunks) * 17);
+    decode_mxfp4(w, rb, c, cnt, k);
+    switch (cnt) {
+      case 4: tile_ops_mx<4>(k, group, K, c); break;
+      case 3: tile_ops_mx<3>(k, group, K, c); break;
+      case 2: tile_ops_mx<2>(k, group, K, c); break;
+      default: tile_ops_mx<1>(k, group, K, c); break;
+    }
+    for (int u = 0; u < cnt; ++u) {
+      const float* f = scales + (c + u) * 64;  // d, d sum (kernels.h i8_pack)
+      for (int m = 0; m < M; ++m) {
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(k.C[u][m])), k.rs[u]);
+        acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(f[m]), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(k.ms[u], _mm512_set1_ps(f[16 + m]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M && m < n; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 
 // The 16 rows at w (of format qt) for every route of the slot (n, packed at pk): out[i * ldo + r] for
@@ -300,8 +417,9 @@ void rows16_all(Tiles& tiles, QType qt, const uint8_t* w, int64_t rb, int64_t K,
     const uint8_t* group = pk + g * i8_group_bytes(K);
     float* o = out + g * kI8Routes * ldo;
     const uint8_t* after = (g + 1) * kI8Routes < n ? w : next;  // the next group of routes reads w again
-    if (qt == QType::kQ6_K) rows16_m<true>(tiles, w, rb, K, group, m, o, ldo, after);
-    else rows16_m<false>(tiles, w, rb, K, group, m, o, ldo, after);
+    if (qt == QType::kQ6_K) rows16_m<1>(tiles, w, rb, K, group, m, o, ldo, after);
+    else if (qt == QType::kMXFP4) rows16_m<2>(tiles, w, rb, K, group, m, o, ldo, after);
+    else rows16_m<0>(tiles, w, rb, K, group, m, o, ldo, after);
   }
 }
 

@@ -55,6 +55,12 @@ QTYPE_CODES = {"Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}  # expert
 # header); in the held-out replays (results/2026-12-06-h100-s42/) the tiles let captured passes stage fewer
 # experts (staging.py default_stage_routes: m = 16 with the tiles, 12 without).
 AMX_INT8_MIN_TOKENS = 4
+# MXFP4's: from 8. Its 17-byte blocks cost the tiles more decoding than Q4_K's (kernels_amx8.cpp
+# decode_mxfp4). One gpt-oss-120b layer (128 experts of 2880 x 2880, top-4, every route cold) on the 2-core
+# development host with one worker (results/2026-12-07-h100-s48/amx_int8_mxfp4_local.txt) took, against the
+# row kernels, 1.51x / 1.48x the time at 32 / 64 tokens from 2 routes, 1.05x / 1.00x at 64 / 128 from 4,
+# and 0.72x / 0.62x at 256 / 512 from 8. Not yet measured on the GPU machine's 16 cores.
+AMX_INT8_MIN_TOKENS_MXFP4 = 8
 _MIN_AMAX = 2.0**-96  # activation blocks below count as zeros (127 / amax stays finite)
 _FLOAT_QTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
@@ -165,9 +171,9 @@ class CpuExperts:
     16-core GPU host; scripts/bench_cpu_experts.py --amx-min-tokens measures it).
     amx_quant_min_tokens: the same for quantized experts, whose rows the AMX path decodes to
     bf16 first (default: amx_quant_min_tokens(), 0 = never, until its break-even is measured).
-    amx_int8_min_tokens: fewest routes of a quantized expert that send its Q4_K / Q6_K projections
-    to the AMX int8 tiles, the row kernels' integers 16 rows by 16 routes at once (default:
-    default_amx_int8_min_tokens(); 0 = never; no effect without AMX-INT8).
+    amx_int8_min_tokens: fewest routes of a quantized expert that send its Q4_K / Q6_K / MXFP4
+    projections to the AMX int8 tiles, the row kernels' integers 16 rows by 16 routes at once (default:
+    default_amx_int8_min_tokens of the layer's format; 0 = never; no effect without AMX-INT8).
     """
 
     def __init__(
@@ -209,9 +215,9 @@ class CpuExperts:
             self._native = ext.ColdExperts(list(self.cpus), int(spin_us))
             if amx_quant_min_tokens is None:
                 amx_quant_min_tokens = default_amx_quant_min_tokens()
-            if amx_int8_min_tokens is None:
-                amx_int8_min_tokens = default_amx_int8_min_tokens()
-            self._args = {i: _layer_args(ext, w, isa, amx_min_tokens, amx_quant_min_tokens, amx_int8_min_tokens)
+            self._args = {i: _layer_args(ext, w, isa, amx_min_tokens, amx_quant_min_tokens,
+                                         default_amx_int8_min_tokens(getattr(w, "qt13", None))
+                                         if amx_int8_min_tokens is None else amx_int8_min_tokens)
                           for i, w in self.layers.items()}
         else:  # torch's intra-op pool on num_threads in its worker (a CUDA runner keeps its own threads at one)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts",
@@ -494,10 +500,12 @@ def default_amx_quant_min_tokens() -> int:
     return env_count("OSTINATO_AMX_QUANT", 0, "routes")
 
 
-def default_amx_int8_min_tokens() -> int:
-    """The fewest routes of a quantized expert that send its Q4_K / Q6_K projections to the AMX int8
-    tiles (ColdArgs::amx_int8_min_tokens): OSTINATO_AMX_INT8, default AMX_INT8_MIN_TOKENS (0: never)."""
-    return env_count("OSTINATO_AMX_INT8", AMX_INT8_MIN_TOKENS, "routes")
+def default_amx_int8_min_tokens(qtype: str | None = None) -> int:
+    """The fewest routes of a quantized expert that send its Q4_K / Q6_K / MXFP4 projections to the AMX
+    int8 tiles (ColdArgs::amx_int8_min_tokens): OSTINATO_AMX_INT8 (0: never), else AMX_INT8_MIN_TOKENS, or
+    AMX_INT8_MIN_TOKENS_MXFP4 for a layer whose gate/up are MXFP4 (qtype)."""
+    default = AMX_INT8_MIN_TOKENS_MXFP4 if qtype == "MXFP4" else AMX_INT8_MIN_TOKENS
+    return env_count("OSTINATO_AMX_INT8", default, "routes")
 
 
 def int8_tiles_by_default() -> bool:
