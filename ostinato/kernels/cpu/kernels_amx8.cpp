@@ -34,8 +34,8 @@
 // MXFP4 (session 48, for gpt-oss): the doubled e2m1 values + 12 (0-24, the row kernels' table) as the B
 // operand, a tile op per 32-value block (K = 32), the block's 2^(e - 128) as Q4_K's d sc and 12 times it as
 // its min (decode_mxfp4). One gpt-oss-120b layer on the 2-core development host, one worker
-// (results/2026-12-07-h100-s48/amx_int8_mxfp4_local.txt): 1.5x the row kernels' time from 2 routes an
-// expert, 1.0x from 4, 0.72x at 256 tokens and 0.62x at 512 from 8; hence from 8 by default
+// (results/2026-12-07-h100-s48/amx_int8_mxfp4_local.txt): 1.4-1.5x the row kernels' time from 2 routes an
+// expert, 1.0x from 4, 0.74x at 256 tokens and 0.55x at 512 from 8; hence from 8 by default
 // (AMX_INT8_MIN_TOKENS_MXFP4).
 #include <immintrin.h>
 

@@ -58,8 +58,8 @@ AMX_INT8_MIN_TOKENS = 4
 # MXFP4's: from 8. Its 17-byte blocks cost the tiles more decoding than Q4_K's (kernels_amx8.cpp
 # decode_mxfp4). One gpt-oss-120b layer (128 experts of 2880 x 2880, top-4, every route cold) on the 2-core
 # development host with one worker (results/2026-12-07-h100-s48/amx_int8_mxfp4_local.txt) took, against the
-# row kernels, 1.51x / 1.48x the time at 32 / 64 tokens from 2 routes, 1.05x / 1.00x at 64 / 128 from 4,
-# and 0.72x / 0.62x at 256 / 512 from 8. Not yet measured on the GPU machine's 16 cores.
+# row kernels, 1.48x / 1.39x the time at 32 / 64 tokens from 2 routes, 1.01x / 0.97x at 64 / 128 from 4,
+# and 0.74x / 0.55x at 256 / 512 from 8. Not yet measured on the GPU machine's 16 cores.
 AMX_INT8_MIN_TOKENS_MXFP4 = 8
 _MIN_AMAX = 2.0**-96  # activation blocks below count as zeros (127 / amax stays finite)
 _FLOAT_QTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
