@@ -8,6 +8,9 @@ AVX-512; the first build is cached (~10 s on 2 cores).
 """
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -223,6 +226,21 @@ def test_bad_inputs_raise_clear_errors(native, layers):
     assert rel_err(out, torch_reference(w.w13, w.w2, x, torch.tensor([1]), torch.tensor([2]), one)) < TOL
     with pytest.raises(ValueError, match="not contiguous"):
         CpuExperts([ExpertWeights(w.w13.transpose(1, 2), w.w2)], backend="native")
+
+
+def test_the_extension_builds_on_a_cpu_it_serves():
+    """Where the CPU has AVX-512 and the tools are there, the native extension builds. Its tests skip when
+    it does not (native_skip_reason), so a kernel that no longer compiles would otherwise pass CI as skips
+    (session 48: templated tile registers, which the AMX intrinsics paste into the assembly, did not)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if platform.machine() != "x86_64" or "avx512f" not in flags:
+        pytest.skip("no AVX-512 here: the torch fallback serves")
+    ext = build.load_cpu_extension()
+    error = build.load_error() or ""
+    if ext is None and ("no C++ compiler" in error or "Ninja" in error):
+        pytest.skip(f"no build tools: {error}")
+    assert ext is not None, error
 
 
 def test_fallbacks(monkeypatch, layers):
