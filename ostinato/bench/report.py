@@ -577,8 +577,8 @@ def _cpu_note(result: dict) -> list[str]:
     if result.get("pass_graphs") and result.get("stage_routes"):
         which = describe(result["stage_routes"])
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens replayed as CUDA graphs, padded to "
-                     f"{_padded_to(result)} (OSTINATO_PASS_GRAPHS); each copies {which} into flex slots and computes them on the "
-                     "GPU (OSTINATO_STAGE_ROUTES)")
+                     f"{_padded_to(result)} (OSTINATO_PASS_GRAPHS); each copies {which} into flex slots and computes "
+                     "them on the GPU (OSTINATO_STAGE_ROUTES)")
         if result.get("stage_from"):
             lines.append(f"- only the passes of at least {result['stage_from']} rows stage (OSTINATO_STAGE_FROM)")
     elif result.get("pass_graphs"):
