@@ -515,9 +515,10 @@ def test_amx_int8_threads_and_down_modes_give_identical_bits(amx_int8):
 
 def test_mxfp4_experts_take_the_int8_tiles_from_their_own_default(amx_int8, monkeypatch):
     """Unset, the tiles' threshold is the layer format's: an MXFP4 expert of 8 routes goes to the tiles,
-    one of 5 stays on the row kernels, where a Q4_K expert of 5 would go (AMX_INT8_MIN_TOKENS_MXFP4)."""
+    one of 5 stays on the row kernels, where a Q4_K expert of 5 would go (AMX_INT8_MIN_TOKENS_MXFP4). Its
+    hidden size of 6 blocks ends gate/up's rows with a step of 2, as gpt-oss's 2880 does."""
     monkeypatch.delenv("OSTINATO_AMX_INT8", raising=False)
-    w = make_layer("MXFP4", exact=False, seed=48)
+    w = _with_hidden("MXFP4", 192, seed=48)
     x = make_x(8, w.hidden, exact=False, seed=49)
     tok = torch.tensor(list(range(8)) + list(range(5)), dtype=torch.int32)
     ids = torch.tensor([0] * 8 + [1] * 5, dtype=torch.int32)

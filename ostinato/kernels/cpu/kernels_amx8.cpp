@@ -311,33 +311,35 @@ void rows16_m(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8
 // doubled e2m1 values + 12 (0-24, the row kernels' table and integers), its scale 2^(e - 128) (the
 // row kernels' VSCALEFPS, subnormal for e < 2 too) and 12 times it, the +12's share (as Q4_K's mins):
 //   MXFP4  dot += (2^(e-128) C_u) dx_u - (12 2^(e-128)) (dx_u sum_u)
-// Rows are decoded two blocks at a time, 64 bytes a row (block 2i's values, then 2i + 1's), whose
-// dwords the 16 x 16 transpose turns into both blocks' B tiles.
+// The step's 17 n bytes of each row are read once (masked: nothing past them) and transposed as Q4_K's
+// are, so that raw[q] holds dword q of every row; any 4 bytes of a row are then two shifts of its lane
+// away, 17-byte blocks or not.
 void decode_mxfp4(const uint8_t* w, int64_t rb, int64_t c, int n, Block16& k) {
   const uint8_t* blk = w + c * 17;
-  const __m512i rows = row_offsets(rb);
-  for (int u = 0; u < n; ++u) {  // the exponent byte opens its block: the dword read stays in it
-    const __m512i e = bytes_of(_mm512_i32gather_epi32(rows, blk + 17 * u, 1), 0);
-    k.rs[u] = _mm512_scalef_ps(_mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
-    k.ms[u] = _mm512_mul_ps(k.rs[u], _mm512_set1_ps(12.0f));
-  }
+  const int len = 17 * n;  // <= 68: dwords 0-15 by the transpose, 16 (bytes 64-67) by a gather
+  __m512i raw[17];
+  const __mmask64 first = len >= 64 ? ~__mmask64(0) : (__mmask64(1) << len) - 1;
+  for (int r = 0; r < 16; ++r) raw[r] = _mm512_maskz_loadu_epi8(first, blk + r * rb);
+  transpose16(raw);
+  raw[16] = len > 64 ? _mm512_i32gather_epi32(row_offsets(rb), blk + 64, 1) : _mm512_setzero_si512();
+  const auto at = [&](int b) {  // bytes b .. b + 3 of every row, byte b lowest
+    const int q = b / 4, t = 8 * (b % 4);
+    if (t == 0) return raw[q];
+    return _mm512_or_si512(_mm512_srlv_epi32(raw[q], _mm512_set1_epi32(t)),
+                           _mm512_sllv_epi32(raw[q + 1], _mm512_set1_epi32(32 - t)));
+  };
   const __m512i tbl = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  __m512i T[16];
-  for (int u0 = 0; u0 < n; u0 += 2) {
-    const bool two = u0 + 1 < n;
-    for (int r = 0; r < 16; ++r) {  // lanes: block u0's qs, its qs again (high nibbles), then u0 + 1's
-      const uint8_t* q = blk + r * rb + 17 * u0 + 1;
-      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-      const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 17)) : _mm_setzero_si128();
-      __m512i v = _mm512_inserti32x4(_mm512_castsi128_si512(q0), q0, 1);
-      v = _mm512_inserti32x4(_mm512_inserti32x4(v, q1, 2), q1, 3);
-      v = _mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4);  // 128-bit lanes 1 and 3: the high nibbles
-      T[r] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, m4));
+  for (int u = 0; u < n; ++u) {
+    const __m512i e = bytes_of(at(17 * u), 0);
+    k.rs[u] = _mm512_scalef_ps(_mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
+    k.ms[u] = _mm512_mul_ps(k.rs[u], _mm512_set1_ps(12.0f));
+    uint8_t* B = k.B + u * 512;
+    for (int kr = 0; kr < 4; ++kr) {  // qs bytes 4 kr .. 4 kr + 3: values 4 kr .. (low nibbles), 16 + 4 kr .. (high)
+      const __m512i q = at(17 * u + 1 + 4 * kr);
+      _mm512_store_si512(B + 64 * kr, _mm512_shuffle_epi8(tbl, _mm512_and_si512(q, m4)));
+      _mm512_store_si512(B + 64 * (4 + kr), _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi32(q, 4), m4)));
     }
-    transpose16(T);
-    for (int uu = 0; uu < (two ? 2 : 1); ++uu)
-      for (int kr = 0; kr < 8; ++kr) _mm512_store_si512(k.B + (u0 + uu) * 512 + 64 * kr, T[8 * uu + kr]);
   }
 }
 
