@@ -214,33 +214,38 @@ void decode_q6k(const uint8_t* w, int64_t rb, int64_t b, Block16& k) {
   }
 }
 
-// The sums of sub-blocks j0 .. j0 + 3 of block b, into k.C: A from the group's routes (rows K bytes
-// apart), B from the decoded block.
-template <bool kQ6>
-inline void tile_ops(Block16& k, const uint8_t* acts, int64_t K, int64_t b, int j0) {
-  constexpr int kK = kQ6 ? 16 : 32;
-  const uint8_t* a = acts + b * 256;
-  const auto bt = [&](int j) { return k.B + j * (kQ6 ? 256 : 512); };
+// The sums of N sub-blocks (N <= 4) into k.C[0 .. N - 1]: sub-block u's A at a + u kK (the group's routes, rows
+// K bytes apart), its B at b + u bstride (the decoded block). Two A / B pairs (tmm1-2, tmm3-4) in turn, so that
+// two tile ops run back to back; Q4_K and Q6_K take four sub-blocks of a 256-value block, MXFP4 up to four
+// 32-value blocks (a row's last step may hold fewer).
+template <int N>
+inline void tile_ops(Block16& k, const uint8_t* a, int64_t K, int kK, const uint8_t* b, int bstride) {
   _tile_zero(0);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  _tile_loadd(1, a + kK * j0, K);
-  _tile_loadd(2, bt(j0), 64);
-  _tile_loadd(3, a + kK * (j0 + 1), K);
-  _tile_loadd(4, bt(j0 + 1), 64);
+  if constexpr (N > 1) _tile_zero(5);
+  if constexpr (N > 2) _tile_zero(6);
+  if constexpr (N > 3) _tile_zero(7);
+  _tile_loadd(1, a, K);
+  _tile_loadd(2, b, 64);
+  if constexpr (N > 1) {
+    _tile_loadd(3, a + kK, K);
+    _tile_loadd(4, b + bstride, 64);
+  }
   _tile_dpbsud(0, 1, 2);
-  _tile_dpbsud(5, 3, 4);
-  _tile_loadd(1, a + kK * (j0 + 2), K);
-  _tile_loadd(2, bt(j0 + 2), 64);
-  _tile_loadd(3, a + kK * (j0 + 3), K);
-  _tile_loadd(4, bt(j0 + 3), 64);
-  _tile_dpbsud(6, 1, 2);
-  _tile_dpbsud(7, 3, 4);
+  if constexpr (N > 1) _tile_dpbsud(5, 3, 4);
+  if constexpr (N > 2) {
+    _tile_loadd(1, a + 2 * kK, K);
+    _tile_loadd(2, b + 2 * bstride, 64);
+  }
+  if constexpr (N > 3) {
+    _tile_loadd(3, a + 3 * kK, K);
+    _tile_loadd(4, b + 3 * bstride, 64);
+  }
+  if constexpr (N > 2) _tile_dpbsud(6, 1, 2);
+  if constexpr (N > 3) _tile_dpbsud(7, 3, 4);
   _tile_stored(0, k.C[0][0], 64);
-  _tile_stored(5, k.C[1][0], 64);
-  _tile_stored(6, k.C[2][0], 64);
-  _tile_stored(7, k.C[3][0], 64);
+  if constexpr (N > 1) _tile_stored(5, k.C[1][0], 64);
+  if constexpr (N > 2) _tile_stored(6, k.C[2][0], 64);
+  if constexpr (N > 3) _tile_stored(7, k.C[3][0], 64);
 }
 
 // The bytes [o, o + len) of 16 rows (rb apart) on their way into L1: the weights stream from memory
@@ -273,7 +278,8 @@ void rows16(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t
     if constexpr (kQ6) decode_q6k(w, rb, b, k);
     else decode_q4k(w, rb, b, k);
     for (int j0 = 0; j0 < (kQ6 ? 16 : 8); j0 += 4) {
-      tile_ops<kQ6>(k, group, K, b, j0);
+      constexpr int kK = kQ6 ? 16 : 32, kBytes = kQ6 ? 256 : 512;  // a sub-block's values, its B tile's bytes
+      tile_ops<4>(k, group + b * 256 + kK * j0, K, kK, k.B + kBytes * j0, kBytes);
       for (int u = 0; u < 4; ++u) {
         const int j = j0 + u;
         const float* f = scales + (8 * b + (kQ6 ? j / 2 : j)) * 64;  // d, d sum, d sum of 16 first, last
@@ -343,39 +349,6 @@ void decode_mxfp4(const uint8_t* w, int64_t rb, int64_t c, int n, Block16& k) {
   }
 }
 
-// The sums of chunks c .. c + N - 1 (N <= 4, 32 values each) into k.C[0 .. N - 1]: A from the group's
-// routes (rows K bytes apart), B from the decoded blocks (the tile registers as tile_ops uses them).
-template <int N>
-inline void tile_ops_mx(Block16& k, const uint8_t* group, int64_t K, int64_t c) {
-  const uint8_t* a = group + 32 * c;
-  _tile_zero(0);
-  _tile_loadd(1, a, K);
-  _tile_loadd(2, k.B, 64);
-  _tile_dpbsud(0, 1, 2);
-  if constexpr (N > 1) {
-    _tile_zero(5);
-    _tile_loadd(3, a + 32, K);
-    _tile_loadd(4, k.B + 512, 64);
-    _tile_dpbsud(5, 3, 4);
-  }
-  if constexpr (N > 2) {
-    _tile_zero(6);
-    _tile_loadd(1, a + 64, K);
-    _tile_loadd(2, k.B + 1024, 64);
-    _tile_dpbsud(6, 1, 2);
-  }
-  if constexpr (N > 3) {
-    _tile_zero(7);
-    _tile_loadd(3, a + 96, K);
-    _tile_loadd(4, k.B + 1536, 64);
-    _tile_dpbsud(7, 3, 4);
-  }
-  _tile_stored(0, k.C[0][0], 64);
-  if constexpr (N > 1) _tile_stored(5, k.C[1][0], 64);
-  if constexpr (N > 2) _tile_stored(6, k.C[2][0], 64);
-  if constexpr (N > 3) _tile_stored(7, k.C[3][0], 64);
-}
-
 // rows16 for MXFP4 rows: K values in 32-value blocks, four at a time (K need not be a multiple of 128:
 // gpt-oss's 2880 ends with two).
 template <int M>
@@ -392,11 +365,12 @@ void rows16_mx(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint
     if (c + 4 < chunks) prefetch16(w, rb, (c + 4) * 17, std::min<int64_t>(4, chunks - c - 4) * 17);
     else if (next) prefetch16(next, rb, 0, std::min<int64_t>(4, chunks) * 17);
     decode_mxfp4(w, rb, c, cnt, k);
+    const uint8_t* a = group + 32 * c;
     switch (cnt) {
-      case 4: tile_ops_mx<4>(k, group, K, c); break;
-      case 3: tile_ops_mx<3>(k, group, K, c); break;
-      case 2: tile_ops_mx<2>(k, group, K, c); break;
-      default: tile_ops_mx<1>(k, group, K, c); break;
+      case 4: tile_ops<4>(k, a, K, 32, k.B, 512); break;
+      case 3: tile_ops<3>(k, a, K, 32, k.B, 512); break;
+      case 2: tile_ops<2>(k, a, K, 32, k.B, 512); break;
+      default: tile_ops<1>(k, a, K, 32, k.B, 512); break;
     }
     for (int u = 0; u < cnt; ++u) {
       const float* f = scales + (c + u) * 64;  // d, d sum (kernels.h i8_pack)
