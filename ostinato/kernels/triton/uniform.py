@@ -17,8 +17,8 @@ The two 32-bit words (the key's low word and `hi`) travel as signed int32 and ar
 in the kernel. Triton types a Python int of 2**31 or more as int64 and one below as int32, and compiles a
 kernel per signature: passed as they are, random words need up to four compiles in a process's first
 calls. Session 47's step-by-step timing (scripts/bench_synth_load.py, on an H100) gave the generator 30 ms
-an expert's gate_up where the loader's whole expert took 11 ms; those compiles are the likely cause, not
-yet confirmed by a timing.
+an expert's gate_up where the loader's whole expert took 11 ms; with one signature, session 48's gave
+0.45 ms on the same machine kind (results/2026-12-07-h100-s48/).
 """
 from __future__ import annotations
 
