@@ -388,11 +388,18 @@ ostinato ostinato-borrow expert-cache"} d=$R/ablation todo merge=--merge f
   [[ $todo == - ]] && { say "ablation: every policy measured in $d (remove it to measure again)"; return 0; }
   [[ -z $todo ]] && { todo=$pols; merge=""; }
   f=${ABLATION_CAL:-}
-  [[ -z $f && -n $merge ]] && f=$d/residency.json
+  # the folder's plan: a run cut by the deadline before its first policy ended has one too (written before any replay)
+  [[ -z $f && -f $d/residency.json ]] && f=$d/residency.json
   [[ -z $f ]] && f=$(usable_calibration "$R/res-cap.json" "")
-  say "ablation: $todo${merge:+ (added to $d)}"
+  # the route counts of phase skew, else those the folder's first run profiled, else this run profiles (one load less)
+  local prof="" p
+  for p in "$R" "$d"; do
+    [[ -f $p/profile-dev.json && -f $p/profile-held-out.json ]] || continue
+    prof="--profiles $p/profile-dev.json $p/profile-held-out.json"; break
+  done
+  say "ablation: $todo${merge:+ (added to $d)}${prof:- (profiled by this run)}"
   run 560 "$R/i_ablation.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} \
-    --sessions "$S" --profiles "$R/profile-dev.json" "$R/profile-held-out.json" $(calibration_arg "$f") --no-progress \
+    --sessions "$S" $prof $(calibration_arg "$f") --no-progress \
     $(att) --policies $todo --out "$d" $merge \
     ${ABLATION_ARGS:---max-context 8292 --rounds 1 --max-sessions 8 --max-turns 12 --max-output 64 --sweep-prefixes 0}
 }
