@@ -574,6 +574,43 @@ def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
     assert _earlier(again, {**base, "np": {"value": 1024}})[0] == {"expert-cache": {"x": 2}}
 
 
+def test_bench_merge_knows_route_counts_by_their_digest_not_their_path(tmp_path):
+    """A run that profiled its sessions and one that reads the profiles it saved are the same split
+    (run.sh's ablation adds policies that way); other counts, or an older split named only by its
+    profiles' paths, are not."""
+    import json
+
+    from ostinato.bench.bench import BenchSettings, _earlier
+    from ostinato.config import ConfigError
+    from ostinato.engine.routes import RouteCounts
+
+    counts = RouteCounts.zeros([0, 1], 4)
+    counts.prefill[1][2] = 7
+    counts.prompts = [5, 3]
+    path = tmp_path / "profile-dev.json"
+    counts.save(path)
+    loaded = RouteCounts.load(path)
+    assert loaded.digest() == counts.digest()
+    loaded.decode[0][3] += 1
+    assert loaded.digest() != counts.digest()
+
+    def doc(profiles, digests):
+        split = {"held_out": 2, "profiles": profiles, **({"route_counts": digests} if digests else {})}
+        return {"model": "m", "dtype": "bfloat16", "max_context": 8, "cap": 1, "budget": {}, "split": split,
+                "np": {"value": 512}}
+
+    bs = BenchSettings(model="m", policies=("expert-cache",), out=tmp_path, merge=True)
+    same = [counts.digest(), "h"]
+    (tmp_path / "results.json").write_text(json.dumps({**doc(None, same), "policies": {"ostinato": {}}}))
+    assert _earlier(bs, doc([str(path), "held.json"], same))[0] == {"ostinato": {}}
+    with pytest.raises(ConfigError, match="--merge.*split"):
+        _earlier(bs, doc([str(path), "held.json"], [loaded.digest(), "h"]))
+    (tmp_path / "results.json").write_text(json.dumps({**doc(["a", "b"], None), "policies": {"ostinato": {}}}))
+    assert _earlier(bs, doc(["a", "b"], same))[0] == {"ostinato": {}}
+    with pytest.raises(ConfigError, match="--merge.*split"):
+        _earlier(bs, doc(None, same))
+
+
 def test_bench_refuses_a_calibration_file_that_holds_only_an_np(tmp_path):
     """A bench whose calibration failed saves its residency with the default Np alone: given back
     as --calibration, it is refused by name (it once failed later, on a missing layer constant)."""

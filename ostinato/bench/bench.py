@@ -246,6 +246,7 @@ class Prepared:
     np_info: dict
     base: PolicySettings  # the settings every policy is built with
     load_s: float  # the model's load, every expert on the host (most of it: the experts' copies)
+    route_counts: list[str]  # the development and held-out counts' digests (RouteCounts.digest)
 
 
 def prepare(bs: BenchSettings, t_start: float) -> Prepared:
@@ -299,7 +300,8 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
              f"{bs.out / 'residency.json'}; fill {fill_text(residency.calibration.get('fill'))}; "
              f"Np = {np_info['value']} ({np_info['how']})")
     return Prepared(loaded, dev, held, budget, skew, np_info,
-                    base.with_(residency=residency, upload_threshold=np_info["value"]), load_s)
+                    base.with_(residency=residency, upload_threshold=np_info["value"]), load_s,
+                    [counts.digest(), held_counts.digest()])
 
 
 def decide_upload_path(loaded, bs: BenchSettings, residency: Residency, counts, budget: dict, np_info: dict):
@@ -362,7 +364,7 @@ def run_bench(bs: BenchSettings) -> dict:
         "kind": "ostinato.bench", **environment(loaded, bs), "load_s": p.load_s, "budget": p.budget,
         "split": {"sessions": bs.sessions, "development": len(p.dev), "held_out": len(p.held),
                   "max_turns": bs.max_turns, "max_output": bs.max_output,
-                  "profiles": list(bs.profiles) if bs.profiles else None},
+                  "profiles": list(bs.profiles) if bs.profiles else None, "route_counts": p.route_counts},
         "skew": p.skew, "np": {**{k: v for k, v in p.np_info.items() if k != "calibration"},
                                "calibration": _calibration_summary(p.np_info.get("calibration"))},
     }
@@ -437,7 +439,7 @@ def _earlier(bs: BenchSettings, base: dict) -> tuple[dict, dict, list]:
     if not path.is_file():
         return {}, {}, []
     prev = json.loads(path.read_text())
-    differ = [k for k in MERGE_KEYS if prev.get(k) != base.get(k)]
+    differ = [k for k in MERGE_KEYS if not _same_for_merge(prev, base, k)]
     if (prev.get("np") or {}).get("value") != base["np"]["value"] and "ostinato" not in bs.policies:
         differ.append("Np")
     if differ:
@@ -446,6 +448,17 @@ def _earlier(bs: BenchSettings, base: dict) -> tuple[dict, dict, list]:
                                           "policies": [n for n in prev["policies"] if n not in bs.policies]}]
     return ({n: e for n, e in prev["policies"].items() if n not in bs.policies},
             {n: t for n, t in prev.get("turns", {}).items() if n not in bs.policies}, src)
+
+
+def _same_for_merge(prev: dict, base: dict, key: str) -> bool:
+    """Whether two runs' `key` agree for --merge. Splits that both name their route counts (digests) agree
+    whether a run profiled them or read the files an earlier run saved; an older split without them
+    agrees only by the profiles' paths."""
+    a, b = prev.get(key), base.get(key)
+    if key == "split" and isinstance(a, dict) and isinstance(b, dict):
+        drop = "profiles" if a.get("route_counts") and b.get("route_counts") else "route_counts"
+        a, b = ({k: v for k, v in s.items() if k != drop} for s in (a, b))
+    return a == b
 
 
 def _calibration_summary(cal: dict | None) -> dict | None:

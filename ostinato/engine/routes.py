@@ -11,6 +11,7 @@ Legend: E experts per layer, K top-k.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,10 @@ class RouteCounts:
             n = max(1, round(fraction * c.numel()))
             out[l] = float(c[:n].sum() / c.sum()) if c.sum() > 0 else 0.0
         return out
+
+    def digest(self) -> str:
+        """What identifies these counts wherever they were read from: the same before a save and after a load."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()) + "\n")

@@ -392,12 +392,12 @@ ostinato ostinato-borrow expert-cache"} d=$R/ablation todo merge=--merge f
   [[ -z $f && -f $d/residency.json ]] && f=$d/residency.json
   [[ -z $f ]] && f=$(usable_calibration "$R/res-cap.json" "")
   # the route counts of phase skew, else those the folder's first run profiled, else this run profiles (one load less)
-  local prof="" p
+  local prof="" src="profiled by this run" p
   for p in "$R" "$d"; do
     [[ -f $p/profile-dev.json && -f $p/profile-held-out.json ]] || continue
-    prof="--profiles $p/profile-dev.json $p/profile-held-out.json"; break
+    prof="--profiles $p/profile-dev.json $p/profile-held-out.json"; src="from $p"; break
   done
-  say "ablation: $todo${merge:+ (added to $d)}${prof:- (profiled by this run)}"
+  say "ablation: $todo${merge:+ (added to $d)}; route counts $src"
   run 560 "$R/i_ablation.txt" $O bench --model "$M" --gpu-memory "$CAP" ${THREADS:+--cpu-threads $THREADS} \
     --sessions "$S" $prof $(calibration_arg "$f") --no-progress \
     $(att) --policies $todo --out "$d" $merge \
