@@ -87,14 +87,17 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
     if settings.torch_device().type == "cuda":  # the host thread on its core before the experts load
         claim_host_thread(settings.thread_layout())  # (its page-locked copies land on that core's node)
     t0 = time.perf_counter()
+    step = "its experts"
     try:
         experts = experts_factory(source, settings) if experts_factory else None
         t_experts = time.perf_counter()
+        step = "its dense weights, KV cache and graphs"
         # a GPU keeps the dense linear weights in their blocks too; a CPU computes with them dequantized once
         quantized = dense_formats(source, placement.experts if placement else "native") if on_gpu else None
         runner = ModelRunner(source, settings, experts=experts, quantized=quantized)
-    except torch.OutOfMemoryError:
-        raise ConfigError(f"{model}: out of GPU memory while loading; plan a residency that fits "
+    except torch.OutOfMemoryError as e:  # the allocator's first sentences: what did not fit, and what was held
+        what = str(e).splitlines()[0].split(" If reserved but unallocated")[0] if str(e) else "no detail"
+        raise ConfigError(f"{model}: out of GPU memory while loading {step} ({what}); plan a residency that fits "
                           "(`ostinato plan --gpu-memory ...`, then --residency) or give a smaller "
                           "--max-context") from None
     loaded = Loaded(Engine(runner, set(tok.eos_ids)), tok, source, str(model), placement, residency)

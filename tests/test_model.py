@@ -244,3 +244,18 @@ def test_quantized_experts_are_staged_where_the_source_makes_them(monkeypatch):
     assert tried == ["cpu"]  # a file is read into host memory at once
     with pytest.raises(ConfigError, match="experts are MXFP4/MXFP4, the placement expected Q4_K/Q6_K"):
         build.load_layer_experts(SimpleNamespace(), 3, ("Q4_K", "Q6_K"), "meta")
+
+
+def test_a_load_out_of_gpu_memory_says_which_step_and_what_did_not_fit():
+    """The load's error names its step and keeps the allocator's account (session 49: a DeepSeek-V3-shaped
+    load ran out of GPU memory after 172 s, and the message said nothing more)."""
+    from ostinato.load import load_engine
+
+    def experts(source, settings):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 21.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 3.10 GiB is free. If reserved but unallocated memory "
+                                     "is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\nmore")
+
+    with pytest.raises(ConfigError, match=r"loading its experts \(CUDA out of memory\. Tried to allocate 21\.00 GiB\. "
+                                          r"GPU 0 has a total capacity of 79\.19 GiB of which 3\.10 GiB is free\.\);"):
+        load_engine("synth:tiny", experts_factory=experts, announce=False)

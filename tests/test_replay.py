@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 
 from ostinato.bench.metrics import (TurnResult, client_timing, percentile, session_totals, slope, summarize,
                                     sweep_summary, wins)
@@ -736,3 +737,28 @@ def test_ttft_after_tool_outputs_by_new_tokens_pairs_the_same_turns():
     assert comp["llama.cpp"]["ttft_tool_by_size"] == rows
     md = "\n".join(size_lines(comp))
     assert "| llama.cpp | 20-60 | 2 | 110.0 | 150.0 | 0.85 (0.50-1.20) |" in md
+
+
+@pytest.mark.parametrize("preset, cap_gib, expect", [("deepseek-v3-shaped", 24, "cpu"), ("deepseek-v3-shaped", 80, "layers"),
+                                                     ("qwen3-30b-a3b", 12, "layers"), ("gpt-oss-120b", 24, "layers")])
+def test_the_profiling_backend_stages_a_layer_only_where_the_cap_leaves_room(preset, cap_gib, expect):
+    """Session 49: under a 24 GiB cap the profiling `layers` staged DeepSeek-V3's 256 bf16 experts of 88 MB
+    (23.2 GB with the zero slots) and the load ran out of GPU memory; where a layer does not fit beside the
+    dense weights, KV cache and activations, the CPU computes the profiling passes."""
+    from ostinato.bench.bench import probe_policy
+    from ostinato.config import ModelConfig
+    from ostinato.engine.sizes import expert_sizes
+    from ostinato.planner.capacity import plan_capacity
+    from ostinato.synth.presets import preset_config
+
+    cfg = ModelConfig.from_dict(preset_config(preset))
+    sizes = expert_sizes(cfg, torch.bfloat16)
+    cap = cap_gib * 2**30
+    room = cap - plan_capacity(cfg, {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}, cap, 8292,
+                               torch.bfloat16).fixed
+    one = next(iter(sizes.values()))[1]
+    name, budget = probe_policy(cfg, sizes, room)
+    assert name == expect
+    K, E = cfg.num_experts_per_tok, cfg.num_experts
+    assert budget == (K + E) * one if expect == "layers" else budget == K * one
+    assert probe_policy(cfg, sizes, None) == ("layers", (K + E) * one)  # no cap: always a staged layer

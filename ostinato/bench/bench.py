@@ -48,7 +48,7 @@ from ostinato.kernels.triton import compiles as triton_compiles
 from ostinato.load import load_engine, warm_up
 from ostinato.loader.build import expert_formats, weight_formats
 from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
-from ostinato.planner.capacity import CapacitySettings, hot_groups, pool_groups
+from ostinato.planner.capacity import CapacitySettings, hot_groups, plan_capacity, pool_groups
 from ostinato.planner.measure.transfers import host_read_gbps, read_buffer
 from ostinato.planner.pipeline import fill_text, plan_residency, plan_upload_path, size_pool, upload_path_text
 from ostinato.planner.profile import session_stream
@@ -261,7 +261,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
                            cpu_backend=bs.cpu_backend, experts=bs.experts)
     t_load = time.perf_counter()
     loaded = load_engine(bs.model, bs.runner, PlacementSettings(experts=bs.experts),  # the formats every policy keeps
-                         experts_factory=_probe_factory(probe))
+                         experts_factory=_probe_factory(probe, lambda m: _say(bs, m)))
     load_s = round(time.perf_counter() - t_load, 2)
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] model {bs.model} loaded")
     if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
@@ -481,14 +481,39 @@ def _fitting(sessions, loaded, n: int) -> list:
     return out
 
 
-def _probe_factory(probe: PolicySettings):
-    """The profiling backend: `layers` with no resident layer and an offload threshold of 1."""
+def probe_policy(cfg, sizes: dict[int, tuple[str, int]], room: int | None) -> tuple[str, int]:
+    """The profiling backend's policy and expert budget: `layers` with no resident layer (its K zero slots and
+    one layer staged whole, E slots, in every format group), where those fit `room` (the bytes the cap leaves
+    the experts; None: no cap); else `cpu` (K zero slots), as where DeepSeek-V3's 22.5 GB bf16 layers meet a
+    24 GiB cap (session 49: the staging took the cap, and the load ran out of GPU memory). Either computes
+    every expert of every pass exactly, so the routes are the model's."""
+    per_expert = sum(dict(sizes.values()).values())  # one expert of each format group
+    staged = per_expert * (cfg.num_experts_per_tok + cfg.num_experts)
+    if room is None or staged <= room:
+        return "layers", staged
+    return "cpu", per_expert * cfg.num_experts_per_tok
+
+
+def _probe_factory(probe: PolicySettings, say=None):
+    """The profiling backend (probe_policy), with an offload threshold of 1: every pass stages its layers'
+    experts on the GPU, or, where they do not fit the cap, the CPU computes them."""
     def make(source, runner_settings):
         cfg = source.config
         dtype = runner_settings.torch_dtype(cfg.torch_dtype)
-        groups = dict(expert_sizes(cfg, dtype, expert_formats(source, probe.experts)).values())
-        zero_and_staging = sum(groups.values()) * (cfg.num_experts_per_tok + cfg.num_experts)  # K + E per group
-        return policy_factory("layers", probe.with_(budget_bytes=zero_and_staging))(source, runner_settings)
+        sizes = expert_sizes(cfg, dtype, expert_formats(source, probe.experts))
+        room = None
+        if probe.gpu_memory is not None and runner_settings.torch_device().type == "cuda":
+            ones = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
+            room = probe.gpu_memory - plan_capacity(
+                cfg, ones, probe.gpu_memory, runner_settings.context(cfg), dtype,
+                CapacitySettings(prefill_chunk=runner_settings.prefill_chunk,
+                                 pass_graph_rows=runner_settings.pass_graphs),
+                formats=weight_formats(source, probe.experts)).fixed
+        name, budget = probe_policy(cfg, sizes, room)
+        if name != "layers" and say is not None:
+            say(f"profiling on the CPU: a layer staged whole ({probe_policy(cfg, sizes, None)[1] / 2**30:.1f} GiB "
+                f"with the zero slots) does not fit the {room / 2**30:.1f} GiB the cap leaves the experts")
+        return policy_factory(name, probe.with_(budget_bytes=budget))(source, runner_settings)
     return make
 
 
