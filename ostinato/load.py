@@ -119,18 +119,23 @@ def all_resident(source, settings: RunnerSettings, experts: str = "native") -> R
     return plan_residency(source, ones, size, notes={"planned_by": "every expert resident (no residency given)"})
 
 
+def capacity_under(source, settings: RunnerSettings, cap: int, experts: str = "native"):
+    """The capacity test of this model under `cap` as the runner's settings would load it (its KV cache,
+    prefill chunk and captured passes; the experts' bytes in the formats `experts` keeps); CapacityError
+    where the dense weights, KV cache, activations and margin alone do not fit."""
+    cfg = source.config
+    return plan_capacity(cfg, {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}, cap, settings.context(cfg),
+                         settings.torch_dtype(cfg.torch_dtype),
+                         CapacitySettings(prefill_chunk=settings.prefill_chunk, pass_graph_rows=settings.pass_graphs),
+                         formats=weight_formats(source, experts))
+
+
 def all_resident_fit(source, settings: RunnerSettings, cap: int, experts: str = "native") -> bool:
     """Whether every expert (its bytes in the formats `experts` keeps) fits on the GPU under `cap`
     beside the dense weights, the KV cache, the activations and the margin (the capacity test)."""
     cfg = source.config
-    dtype = settings.torch_dtype(cfg.torch_dtype)
-    counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
     try:
-        return plan_capacity(cfg, counts, cap, settings.context(cfg), dtype,
-                             CapacitySettings(prefill_chunk=settings.prefill_chunk,
-                                              pass_graph_rows=settings.pass_graphs),
-                             formats=weight_formats(source, experts)).max_hot_slots >= \
-            len(cfg.moe_layers) * cfg.num_experts
+        return capacity_under(source, settings, cap, experts).max_hot_slots >= len(cfg.moe_layers) * cfg.num_experts
     except CapacityError:
         return False
 

@@ -45,10 +45,10 @@ from ostinato.engine.routes import RouteCounts
 from ostinato.engine.runner import RunnerSettings
 from ostinato.engine.sizes import expert_sizes
 from ostinato.kernels.triton import compiles as triton_compiles
-from ostinato.load import load_engine, warm_up
+from ostinato.load import capacity_under, load_engine, warm_up
 from ostinato.loader.build import expert_formats, weight_formats
 from ostinato.planner.calibrate import CalibrateSettings, calibrate, model_checks
-from ostinato.planner.capacity import CapacitySettings, hot_groups, plan_capacity, pool_groups
+from ostinato.planner.capacity import CapacitySettings, hot_groups, pool_groups
 from ostinato.planner.measure.transfers import host_read_gbps, read_buffer
 from ostinato.planner.pipeline import fill_text, plan_residency, plan_upload_path, size_pool, upload_path_text
 from ostinato.planner.profile import session_stream
@@ -503,12 +503,7 @@ def _probe_factory(probe: PolicySettings, say=None):
         sizes = expert_sizes(cfg, dtype, expert_formats(source, probe.experts))
         room = None
         if probe.gpu_memory is not None and runner_settings.torch_device().type == "cuda":
-            ones = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
-            room = probe.gpu_memory - plan_capacity(
-                cfg, ones, probe.gpu_memory, runner_settings.context(cfg), dtype,
-                CapacitySettings(prefill_chunk=runner_settings.prefill_chunk,
-                                 pass_graph_rows=runner_settings.pass_graphs),
-                formats=weight_formats(source, probe.experts)).fixed
+            room = probe.gpu_memory - capacity_under(source, runner_settings, probe.gpu_memory, probe.experts).fixed
         name, budget = probe_policy(cfg, sizes, room)
         if name != "layers" and say is not None:
             say(f"profiling on the CPU: a layer staged whole ({probe_policy(cfg, sizes, None)[1] / 2**30:.1f} GiB "
