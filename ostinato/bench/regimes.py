@@ -85,7 +85,8 @@ def signature(run: RegimeRun, same_code: tuple[str, ...] = ()) -> dict:
         "machine": {**(r.get("hardware") or {}), "device": r.get("device"), "threads": r.get("threads")},
         "dtype, context and cap": {"dtype": r.get("dtype"), "max_context": r.get("max_context"), "cap": r.get("cap")},
         "budget": {k: b.get(k) for k in BUDGET_KEYS},
-        "sessions": {k: v for k, v in (r.get("split") or {}).items() if k != "profiles"},
+        # the sessions, not what they routed to: each regime routes them its own way
+        "sessions": {k: v for k, v in (r.get("split") or {}).items() if k not in ("profiles", "route_counts")},
         "policies": sorted(pol),
         "held-out turns": {n: {"turns": e["summary"]["turns"], "sessions": sorted(e["summary"]["session_s"]),
                                "output_tokens": e["summary"]["output_tokens"]["total"]} for n, e in pol.items()},
