@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.gpu_memory import apply_memory_cap
+from ostinato.engine.gpu_memory import allocator_account, apply_memory_cap
 from ostinato.engine.placement import PlacementSettings, hybrid_factory, placed_residency, resolve_np
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.engine.runner import ModelRunner, RunnerSettings
@@ -95,9 +95,9 @@ def load_engine(model: str, settings: RunnerSettings = RunnerSettings(), placeme
         # a GPU keeps the dense linear weights in their blocks too; a CPU computes with them dequantized once
         quantized = dense_formats(source, placement.experts if placement else "native") if on_gpu else None
         runner = ModelRunner(source, settings, experts=experts, quantized=quantized)
-    except torch.OutOfMemoryError as e:  # the allocator's first sentences: what did not fit, and what was held
-        what = str(e).splitlines()[0].split(" If reserved but unallocated")[0] if str(e) else "no detail"
-        raise ConfigError(f"{model}: out of GPU memory while loading {step} ({what}); plan a residency that fits "
+    except torch.OutOfMemoryError as e:
+        raise ConfigError(f"{model}: out of GPU memory while loading {step} ({allocator_account(e)}); plan a "
+                          "residency that fits "
                           "(`ostinato plan --gpu-memory ...`, then --residency) or give a smaller "
                           "--max-context") from None
     loaded = Loaded(Engine(runner, set(tok.eos_ids)), tok, source, str(model), placement, residency)

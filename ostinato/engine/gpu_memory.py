@@ -78,6 +78,12 @@ def allocator_limit(cap: int, total: int, outside: int) -> int:
     return cap - outside
 
 
+def allocator_account(e: torch.OutOfMemoryError) -> str:
+    """What an out-of-memory error's first sentences say: what did not fit, and what was free and held
+    (without the allocator's advice on fragmentation)."""
+    return str(e).splitlines()[0].split(" If reserved but unallocated")[0] if str(e) else "no detail"
+
+
 def apply_memory_cap(device: torch.device, cap: int | None) -> None:
     """Hold this process under `cap` bytes on `device`, as nvidia-smi counts it (module docstring).
     Applied again (another placement in the same process), it recounts what lies outside."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.gpu_memory import apply_memory_cap
+from ostinato.engine.gpu_memory import allocator_account, apply_memory_cap
 from ostinato.engine.placement import PlacementSettings, build_hybrid, flex_of, placed_residency, resolve_np
 from ostinato.engine.residency import Residency
 from ostinato.engine.routes import RouteCounts
@@ -98,8 +98,8 @@ def make_policy(name: str, source, runner_settings, settings: PolicySettings = P
     apply_memory_cap(spec.device, settings.gpu_memory)
     try:
         return build_policy(name, spec, settings)
-    except torch.OutOfMemoryError as e:  # the allocator's first line says what did not fit and what was free
-        raise ConfigError(f"policy {name}: its expert slots do not fit the GPU memory cap ({str(e).splitlines()[0]}); "
+    except torch.OutOfMemoryError as e:
+        raise ConfigError(f"policy {name}: its expert slots do not fit the GPU memory cap ({allocator_account(e)}); "
                           "give a smaller expert budget or a larger --gpu-memory") from None
 
 
