@@ -62,6 +62,7 @@
 #              (scripts/bench_cpu_quant.py --amx-quant)
 #   amx_int8   [L] quantized experts on the AMX int8 tiles (ColdArgs::amx_int8_min_tokens): their tests, and
 #              scripts/bench_cpu_quant.py --amx-int8 (AMX8_MIN) at the 30B shape, by prefill size (AMX8_PREFILL)
+#   cpu_threads [H][K] one decode token's cold experts (bench_cpu_quant.py) at pool sizes CPU_THREADS (1 4 8 14)
 #   micro_quant [K] their benchmarks (scripts/bench_gpu_quant.py, scripts/bench_cpu_quant.py; QTUNE=1 tunes the GPU
 #              kernels first and sets dequant_min_tokens by measurement, QGPU=0 or QCPU=0 leaves one side out,
 #              QPF=1,4,8 sweeps the CPU kernels' prefetch distance)
@@ -221,6 +222,14 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
     run 240 "$R/k_bench_cpu_pf${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K \
       --prefill "" --rounds 3 --prefetch-kib "$QPF" $hp
   elif [[ ${QCPU:-1} == 1 ]]; then run 120 "$R/k_bench_cpu${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py $hp; fi
+}
+phase_cpu_threads() {  # [H][K] one decode token's cold experts by pool size: does spreading an expert over more
+  # workers cost bandwidth? (CPU_THREADS, default 1 4 8 14; CPU_SHAPE: bench_cpu_quant.py's shape flags, gpt-oss-120b's)
+  local t
+  for t in ${CPU_THREADS:-1 4 8 14}; do
+    run 60 "$R/cpu_threads.txt" python3 scripts/bench_cpu_quant.py --threads "$t" --prefill "" --rounds 3 \
+      ${CPU_SHAPE:---formats MXFP4 --experts 128 --hidden 2880 --ffn 2880 --topk 4}
+  done
 }
 phase_amx_quant() {  # the break-even of ColdArgs::amx_quant_min_tokens, by routes an expert (T * 8 / 128)
   run 240 "$R/amx_quant_tests.txt" python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant.py
