@@ -250,7 +250,8 @@ def test_fallbacks(monkeypatch, layers):
     assert "compiler" in build.load_error()
 
     monkeypatch.setattr(ce_mod, "_native_unavailable", lambda isa: "no AVX-512 here")
-    experts = CpuExperts([layers[torch.float32]], backend="auto")
+    with pytest.warns(RuntimeWarning, match="plain torch, not the native kernels: no AVX-512 here"):
+        experts = CpuExperts([layers[torch.float32]], backend="auto")
     assert experts.backend == "torch" and experts.fallback_reason == "no AVX-512 here"
     with pytest.raises(RuntimeError, match="no AVX-512 here"):
         CpuExperts([layers[torch.float32]], backend="native")

@@ -359,7 +359,8 @@ def test_fallback_without_vnni(monkeypatch):
     monkeypatch.setattr(ce_mod, "_native_unavailable", lambda isa: None)
     monkeypatch.setattr(ce_mod, "_quant_unavailable", lambda: "no VNNI here")
     w = make_layer("Q8_0", exact=True)
-    experts = CpuExperts([w], backend="auto")
+    with pytest.warns(RuntimeWarning, match="plain torch, not the native kernels: no VNNI here"):
+        experts = CpuExperts([w], backend="auto")
     assert experts.backend == "torch" and experts.fallback_reason == "no VNNI here"
     with pytest.raises(RuntimeError, match="no VNNI here"):
         CpuExperts([w], backend="native")

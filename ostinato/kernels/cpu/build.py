@@ -35,7 +35,10 @@ SOURCES = ("experts.cpp", "kernels_avx512.cpp", "kernels_amx.cpp", "kernels_amx8
            "graph_worker.cpp",
            "bindings.cpp")
 HEADERS = ("experts.h", "kernels.h", "threadpool.h", "graph_worker.h", "vecmath.h", "dequant.h")
-CFLAGS = ("-O3", "-Wall", "-Wno-maybe-uninitialized")
+# -std=c++17: the oldest standard a supported torch builds extensions with (2.11's; 2.13 passes c++20 before
+# these flags). One standard everywhere, so that code C++20 accepts and C++17 does not (a template called by
+# name before its declaration, session 50) fails here and in CI, not on the GPU machine alone.
+CFLAGS = ("-O3", "-Wall", "-Wno-maybe-uninitialized", "-std=c++17")
 
 _error: str | None = None
 

@@ -295,23 +295,6 @@ void rows16(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t
   for (int m = 0; m < M && m < n; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 
-// Q: 0 Q4_K, 1 Q6_K, 2 MXFP4; a group of n routes as M = 4, 8, 12 or 16 tile rows.
-template <int Q, int M>
-void rows16_q(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
-              int64_t ldo, const uint8_t* next) {
-  if constexpr (Q == 2) rows16_mx<M>(tiles, w, rb, K, group, n, out, ldo, next);
-  else rows16<Q == 1, M>(tiles, w, rb, K, group, n, out, ldo, next);
-}
-
-template <int Q>
-void rows16_m(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
-              int64_t ldo, const uint8_t* next) {
-  if (n <= 4) rows16_q<Q, 4>(tiles, w, rb, K, group, n, out, ldo, next);
-  else if (n <= 8) rows16_q<Q, 8>(tiles, w, rb, K, group, n, out, ldo, next);
-  else if (n <= 12) rows16_q<Q, 12>(tiles, w, rb, K, group, n, out, ldo, next);
-  else rows16_q<Q, 16>(tiles, w, rb, K, group, n, out, ldo, next);
-}
-
 // Blocks c .. c + n - 1 (n <= 4) of 16 MXFP4 rows (17 bytes a 32-value block: the E8M0 exponent e,
 // then qs, whose low nibbles are values 0-15 and high nibbles 16-31): sub-block u's B tile holds the
 // doubled e2m1 values + 12 (0-24, the row kernels' table and integers), its scale 2^(e - 128) (the
@@ -382,6 +365,23 @@ void rows16_mx(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint
     }
   }
   for (int m = 0; m < M && m < n; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
+// Q: 0 Q4_K, 1 Q6_K, 2 MXFP4; a group of n routes as M = 4, 8, 12 or 16 tile rows.
+template <int Q, int M>
+void rows16_q(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
+              int64_t ldo, const uint8_t* next) {
+  if constexpr (Q == 2) rows16_mx<M>(tiles, w, rb, K, group, n, out, ldo, next);
+  else rows16<Q == 1, M>(tiles, w, rb, K, group, n, out, ldo, next);
+}
+
+template <int Q>
+void rows16_m(Tiles& tiles, const uint8_t* w, int64_t rb, int64_t K, const uint8_t* group, int n, float* out,
+              int64_t ldo, const uint8_t* next) {
+  if (n <= 4) rows16_q<Q, 4>(tiles, w, rb, K, group, n, out, ldo, next);
+  else if (n <= 8) rows16_q<Q, 8>(tiles, w, rb, K, group, n, out, ldo, next);
+  else if (n <= 12) rows16_q<Q, 12>(tiles, w, rb, K, group, n, out, ldo, next);
+  else rows16_q<Q, 16>(tiles, w, rb, K, group, n, out, ldo, next);
 }
 
 // The 16 rows at w (of format qt) for every route of the slot (n, packed at pk): out[i * ldo + r] for

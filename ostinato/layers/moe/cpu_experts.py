@@ -36,6 +36,7 @@ keeps bf16 activations, so the two branches of a layer agree to that order, not 
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -209,6 +210,9 @@ class CpuExperts:
                 self.fallback_reason = _quant_unavailable()
             if self.fallback_reason and backend == "native":
                 raise RuntimeError(f"native CPU experts unavailable: {self.fallback_reason}")
+            if self.fallback_reason:  # said, not silent: a hybrid pass is many times slower on plain torch
+                warnings.warn(f"CPU experts on plain torch, not the native kernels: {self.fallback_reason}",
+                              RuntimeWarning, stacklevel=2)
         self.backend = "torch" if backend == "torch" or self.fallback_reason else "native"
         if self.backend == "native":
             ext = _extension()
