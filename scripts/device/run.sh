@@ -241,7 +241,9 @@ phase_amx_quant() {  # the break-even of ColdArgs::amx_quant_min_tokens, by rout
 phase_amx_int8() {  # the quantized experts on the AMX int8 tiles (ColdArgs::amx_int8_min_tokens): their tests, and
   # the prefill of one layer against the row kernels by routes an expert (T * 8 / 128), 15 workers
   run 120 "$R/amx_int8_tests.txt" python3 -m pytest -q -p no:cacheprovider tests/test_cpu_quant.py -k "amx_int8 or exact"
-  run 150 "$R/amx_int8_30b.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K/Q6_K,Q4_K --rounds 1 --iters 10 \
+  # AMX8_SHAPE: bench_cpu_quant.py's format and shape flags (default Qwen3-30B-A3B's; AMX8_NAME names the file)
+  run 150 "$R/amx_int8_${AMX8_NAME:-30b}.txt" python3 scripts/bench_cpu_quant.py \
+    ${AMX8_SHAPE:---formats Q4_K/Q6_K,Q4_K} --rounds 1 --iters 10 \
     --prefill ${AMX8_PREFILL:-32,64,128,256,512} --amx-int8 ${AMX8_MIN:-4,6,8,12}
 }
 phase_tests_wave2() {  # [M][O][K][Q] the GPU-marked tests of the served-route tally, the new model families, the
