@@ -187,6 +187,12 @@ def test_calibrate_refuses_a_starved_graph_poller():
         check_handshake(tight, {"alpha_ms": 0.004}, lay)  # 12x the host-driven alpha
     check_handshake(dict(tight, graph_fit={"alpha_ms": 0.024, "beta_ms": 0.077}), glob, lay)  # the good layout
     check_handshake({"forced_steps": {}}, glob, lay)  # host-driven: no graph fit to judge
+    # DeepSeek-V3-shaped's 88 MB experts on the H100 machine (session 50): the graph's alpha is above the
+    # handshake's few microseconds, but below the host-driven branch's own: a good layout, not a starved one
+    big = {"graph_fit": {"alpha_ms": 0.323, "beta_ms": 0.93}, "forced_steps": {"r": [0, 1], "measured_ms": [4.42, 8.09]}}
+    check_handshake(big, {"alpha_ms": 0.433}, lay)
+    with pytest.raises(ConfigError, match="starved"):
+        check_handshake(dict(big, graph_fit={"alpha_ms": 0.7, "beta_ms": 0.93}), {"alpha_ms": 0.433}, lay)
 
 
 def test_on_workers_runs_each_item_once_on_the_workers_cpus():
