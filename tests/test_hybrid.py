@@ -15,7 +15,7 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.engine.residency import Residency, model_fingerprint
 from ostinato.layers.moe.cpu_experts import CpuExperts
-from ostinato.layers.moe.hybrid import HybridExperts, MixedPass, choose_path, stage_most, upload_plan
+from ostinato.layers.moe.hybrid import HybridExperts, MixedPass, choose_path, upload_plan
 from ostinato.layers.moe.pool import ExpertPool, HostExperts, gather_rows
 from ostinato.layers.moe.reference import moe_forward
 from ostinato.layers.moe.router import route
@@ -107,9 +107,9 @@ FLEX = 2  # flex slots, fewer than the distinct cold experts of most passes (E =
 @pytest.mark.parametrize("path", ["upload", "mixed"])
 def test_fewer_flex_slots_than_cold_experts(tokens, hot_fraction, path, device):
     """A bounded flex region (planner/capacity.py): a pass routing to more distinct cold experts than
-    the FLEX slots uploads the FLEX most-routed of them and computes the others on the CPU, on the
-    upload path and in a split with uploads alike; the result is the reference MoE's, and the
-    counters say what went where."""
+    the FLEX slots uploads them all in waves of FLEX on the upload path, and the FLEX most-routed in a
+    split with uploads, the others on the CPU; the result is the reference MoE's, and the counters say
+    what went where."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -120,7 +120,7 @@ def test_fewer_flex_slots_than_cold_experts(tokens, hot_fraction, path, device):
     pool = hybrid.pool
     assert pool.num_slots - pool.flex_lo == FLEX
     g = torch.Generator().manual_seed(100 + tokens)
-    uploaded = on_cpu = overflows = cold_routes = 0
+    uploaded = on_cpu = waves = cold_routes = 0
     for layer in LAYERS:
         x = torch.randn(tokens, D, generator=g)
         topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
@@ -129,9 +129,10 @@ def test_fewer_flex_slots_than_cold_experts(tokens, hot_fraction, path, device):
         order = torch.argsort(routes, descending=True, stable=True)
         distinct, cold_routes = experts.numel(), cold_routes + int(cold.sum())
         # decode takes the split path with no upload where `mixed` runs it; the upload path uploads
-        ups = min(distinct, FLEX) if path == "upload" or tokens > 1 else 0
+        # every distinct cold expert, in waves of FLEX
+        ups = distinct if path == "upload" else min(distinct, FLEX) if tokens > 1 else 0
         uploaded, on_cpu = uploaded + ups, on_cpu + distinct - ups
-        overflows += path == "upload" and distinct > FLEX
+        waves += path == "upload" and distinct > FLEX
         if device == "cpu":
             got = hybrid(layer, x, topk)
             want = moe_forward(x, topk, weights[layer])
@@ -143,15 +144,17 @@ def test_fewer_flex_slots_than_cold_experts(tokens, hot_fraction, path, device):
             got = hybrid(layer, x.to(dtype).to(device), TopKOutput(topk.ids.to(device), topk.weights.to(device)))
             err = float((got.float().cpu() - want).abs().max() / want.abs().max())
             assert err < 2e-2, err
-        if ups and distinct > FLEX:  # the staging slots hold the pass's most-routed cold experts
-            staged = {int(e) for e in experts[order[:FLEX]]}
+        if ups and distinct > FLEX:  # the staging slots hold the mixed pass's most-routed cold experts, the
+            # upload path's last wave (its experts in ascending ids)
+            staged = {int(e) for e in (experts[order[:FLEX]] if path == "mixed" else experts[-FLEX:])}
             held = [next(e for e in staged if torch.equal(pool.w13[s].cpu().float(), weights[layer].w13[e].to(dtype)
                                                           .float())) for s in range(pool.flex_lo, pool.num_slots)]
             assert set(held) == staged
     stats = hybrid.stats()
-    assert overflows == 2 or tokens == 1 or path == "mixed"  # a pass of 7+ tokens routes to more than FLEX
+    assert waves == 2 or tokens == 1 or path == "mixed"  # a pass of 7+ tokens routes to more than FLEX
     assert stats.get("uploaded_experts", 0) == uploaded and stats.get("cpu_experts", 0) == on_cpu
-    assert stats.get("overflow_passes", 0) == overflows
+    assert stats.get("wave_passes", 0) == waves
+    assert path == "mixed" or tokens == 1 or on_cpu == 0
     assert stats.get("mixed_passes", 0) == (2 if path == "mixed" and tokens > 1 else 0)
     assert stats["cold_routes"] == cold_routes and stats["routes"] == 2 * tokens * K
 
@@ -164,7 +167,7 @@ def test_no_flex_slot_runs_the_upload_path_as_the_split_path():
     topk = route(torch.randn(64, E, generator=g), K, True, x.dtype)
     assert torch.allclose(hybrid(0, x, topk), moe_forward(x, topk, weights[0]), rtol=1e-4, atol=1e-5)
     s = hybrid.stats()
-    assert s.get("uploaded_experts", 0) == 0 and s["overflow_passes"] == 1 and s["cpu_experts"] == 8
+    assert s.get("uploaded_experts", 0) == 0 and s.get("wave_passes", 0) == 0 and s["cpu_experts"] == 8
 
 
 def test_mixed_pass_choice_balances_the_two_links():
@@ -202,7 +205,7 @@ def test_upload_plan_takes_the_most_routed_cold_experts_first(tokens, k, seed, l
     num_experts = 16
     ids = np.stack([rng.choice(num_experts, k, replace=False) for _ in range(tokens)])
     cold = np.isin(ids, rng.choice(num_experts, 9, replace=False))
-    up = upload_plan(ids, cold, num_experts, stage_most, limit)
+    up = upload_plan(ids, cold, num_experts, lambda routes, n: min(len(routes), n), limit)
     counts = Counter(ids[cold].tolist())
     expected = sorted(counts, key=lambda e: (-counts[e], e))[:limit]
     assert up.tolist() == expected
@@ -250,7 +253,7 @@ def _residency_for(source, fraction, seed=0):
 @pytest.mark.parametrize("threshold,max_flex", [(10**9, None), (16, None), (16, 2)])
 def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold, max_flex):
     """max_flex: the plan's bound on the flex slots (Residency.max_flex), which the engine allocates;
-    passes with more distinct cold experts upload two and compute the rest on the CPU."""
+    upload-path passes with more distinct cold experts upload them all, two at a time."""
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
     from ostinato.load import load_engine
@@ -272,12 +275,11 @@ def test_whole_model_hybrid_matches_reference(tiny_dir, tmp_path, threshold, max
     stats = hyb.runner.placement_stats()
     assert stats["cold_routes"] > 0
     assert (stats.get("bytes_uploaded", 0) > 0) == (threshold == 16)
-    assert (stats.get("overflow_passes", 0) > 0) == (max_flex is not None)
-    if max_flex is not None:  # both chunks (64 + 36 tokens) of each MoE layer overflow: 2 uploads each, rest CPU
-        assert stats["overflow_passes"] == 2 * len(cfg.moe_layers)
-        # run layer by layer, the second chunk finds some of the first one's still staged: not copied again
-        assert stats["uploaded_experts"] + stats["restaged_experts"] == max_flex * stats["overflow_passes"]
-        assert stats["restaged_experts"] > 0 and stats["cpu_experts"] > 0
+    assert (stats.get("wave_passes", 0) > 0) == (max_flex is not None)
+    if max_flex is not None:  # both chunks (64 + 36 tokens) of each MoE layer upload in waves of 2, nothing on the CPU
+        assert stats["wave_passes"] == 2 * len(cfg.moe_layers)
+        # run layer by layer, the second chunk finds the first one's last wave still staged: not copied again
+        assert stats["restaged_experts"] > 0 and stats.get("cpu_experts", 0) == 0
 
 
 def test_residency_file_checks(tiny_dir, tmp_path):

@@ -167,6 +167,37 @@ def test_expert_cache_smaller_than_a_pass_computes_the_rest_on_the_cpu():
     assert torch.allclose(out, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_baselines_under_a_budget_smaller_than_a_layer(device):
+    """12 slots, fewer than K zero + E staging (DeepSeek-V3's bf16 layers under 24 GiB): layers keeps no
+    layer and stages a quarter of the budget (3 slots), expert-cache the same 3 beside a cache of 5; a
+    pass at the threshold uploads all its experts in waves of 3, and nothing runs on the CPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    spec, big = _spec(device), _routing([[0, 1, 2, 3]] * 40 + [[4, 5, 6, 7]] * 24)
+    x = _x(64)
+    want = moe_forward(x, big, WEIGHTS[0])
+    dev = lambda t: TopKOutput(t.ids.to(device), t.weights.to(device))  # noqa: E731
+    lay = build_policy("layers", spec, _settings(expert_slots=12, offload_threshold=32))
+    assert lay.resident_experts() == 0 and lay.pool.num_slots - lay.pool.flex_lo == 3
+    assert torch.allclose(lay(0, x.to(device), dev(big)).cpu(), want, rtol=1e-4, atol=1e-5)
+    s = lay.stats()
+    assert s["uploaded_experts"] == 8 and s["wave_passes"] == 1 and s.get("cpu_experts", 0) == 0
+    lay(0, _x(2).to(device), dev(_routing([[0, 1, 2, 3]] * 2)))  # below the threshold: the CPU
+    assert lay.stats()["cpu_experts"] == 4 and lay.stats()["uploaded_experts"] == 8
+    cache = build_policy("expert-cache", spec, _settings(expert_slots=12, offload_threshold=32))
+    assert cache.resident_experts() == 5 and cache.pool.num_slots - cache.pool.flex_lo == 5 + 3
+    cache(0, _x(1).to(device), dev(_routing([[8, 9, 10, 11]])))  # admitted: 4 misses into the cache
+    assert sorted(cache.admission.cached(0)) == [8, 9, 10, 11]
+    assert torch.allclose(cache(0, x.to(device), dev(big)).cpu(), want, rtol=1e-4, atol=1e-5)
+    s = cache.stats()
+    assert s["uploaded_experts"] == 4 + 8 and s["wave_passes"] == 1 and s.get("cpu_experts", 0) == 0
+    assert sorted(cache.admission.cached(0)) == [8, 9, 10, 11]  # the waves stage above the cache's entries
+    for name in ("layers", "expert-cache"):
+        with pytest.raises(ConfigError, match="zero"):
+            build_policy(name, spec, _settings(expert_slots=K - 1))
+
+
 def test_decaying_cache_warm_start_and_admission():
     p = build_policy("decaying-cache", _spec(), _settings(expert_slots=4 + K + E, decay=0.9))
     # scores: decode rate / (1 - decay): expert 0: 5.0, 1: 4.7, 13: 1.1, 14: 0.8, 15: 0.5 in every layer;
@@ -252,7 +283,7 @@ def test_ostinato_policy_split_and_upload_paths():
 def test_bounded_flex_residency_on_the_policies():
     """A plan whose flex slots are bounded (Residency.max_flex): Ostinato's pool has that many, its
     budget (what the baselines share) counts them, an upload-path pass with more distinct cold
-    experts uploads the most-routed that fit and computes the rest on the CPU; ktransformers keeps
+    experts uploads them all in waves of that many; ktransformers keeps
     its own staging (a layer's cold experts whole), the layers policy its E slots."""
     bounded = Residency("sha256:test", E, {l: list(range(8)) for l in LAYERS}, max_flex=3)
     spec = _spec()
@@ -262,12 +293,12 @@ def test_bounded_flex_residency_on_the_policies():
     x, ids = _x(64), _routing([[0, 8, 9, 10]] * 32 + [[1, 8, 11, 12]] * 16 + [[2, 9, 13, 12]] * 16)
     got = p(0, x, ids)
     assert torch.allclose(got, moe_forward(x, ids, WEIGHTS[0]), rtol=1e-4, atol=1e-5)
-    s = p.stats()  # cold 8 and 9 (48 routes each), 10 and 12 (32), 11 and 13 (16): 8, 9 and 10 uploaded
-    assert s["uploaded_experts"] == 3 and s["cpu_experts"] == 3 and s["overflow_passes"] == 1
+    s = p.stats()  # cold 8-13: two waves of 3, by ascending id, nothing on the CPU
+    assert s["uploaded_experts"] == 6 and s.get("cpu_experts", 0) == 0 and s["wave_passes"] == 1
     pool = p.pools.groups[0]
     staged = [next(e for e in range(E) if torch.equal(pool.w13[i], WEIGHTS[0].w13[e]))
               for i in range(pool.flex_lo, pool.num_slots)]
-    assert sorted(staged) == [8, 9, 10]
+    assert sorted(staged) == [11, 12, 13]
     assert s["cold_routes"] == 64 * 3
     kt = build_policy("ktransformers", spec, _settings(residency=bounded, expert_slots=None, offload_threshold=32))
     assert [g.num_slots - g.flex_lo for g in kt.pools.groups] == [E - 8]

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ostinato.config import SILU, ConfigError, ExpertAct
+from ostinato.engine.sizes import FLEX_SHARE
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts
 from ostinato.layers.moe.pool import ExpertPools, HostExperts, Qtypes, expert_nbytes, group_flex, group_layers
@@ -87,6 +88,20 @@ class ModelExperts:
         """graphs: the policy decodes through the graph handshake (a poller core is kept for it)."""
         return cls.of(source, runner_settings.torch_device(), runner_settings.torch_dtype(source.config.torch_dtype),
                       runner_settings.prefill_chunk, runner_settings.thread_layout(graphs=graphs), experts)
+
+
+def baseline_staging(spec: ModelExperts, budget: int) -> int | None:
+    """A baseline's staging slots in each format group (a `flex` for build_parts): None, one layer's
+    (the group's most cold experts of a layer, E with none resident), where the budget holds them with
+    the K zero slots; else FLEX_SHARE of the budget split evenly over the groups, in the largest group's
+    expert bytes (Ostinato's bound on its flex slots, planner/capacity.py), and a pass that uploads more
+    experts than that runs in waves (layers/moe/hybrid.py upload_path). Why: a DeepSeek-V3 layer of bf16
+    experts is 22.5 GB, more than a 24 GiB cap leaves the pools (session 49), and llama.cpp's op offload
+    needs only one expert tensor's room, not a layer's."""
+    if pools_bytes(spec, {}, None) <= budget:
+        return None
+    sizes = [spec.expert_size(layers[0]) for layers in spec.groups().values()]
+    return int(FLEX_SHARE * budget) // (len(sizes) * max(sizes))
 
 
 def pools_bytes(spec: ModelExperts, hot: dict[int, list[int]], flex) -> int:

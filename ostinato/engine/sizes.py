@@ -18,6 +18,11 @@ from ostinato.loader.build import host_embedding
 from ostinato.models.registry import new_model, param_bytes
 
 
+# A quarter of the pool's bytes: the most a plan gives its flex slots (planner/capacity.py flex_bound, whose
+# default share this is) and a baseline its staging where one layer's does not fit (experts.baseline_staging).
+FLEX_SHARE = 0.25
+
+
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -67,8 +67,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ostinato.config import ConfigError, ModelConfig
-from ostinato.engine.sizes import (dense_dequant_bytes, dense_parts, dense_weight_bytes, expert_bytes, expert_sizes,
-                                   itemsize, kv_bytes)
+from ostinato.engine.sizes import (FLEX_SHARE, dense_dequant_bytes, dense_parts, dense_weight_bytes, expert_bytes,
+                                   expert_sizes, itemsize, kv_bytes)
 from ostinato.kernels.triton.decode_plan import partials_bytes
 from ostinato.loader.build import WeightFormats
 from ostinato.models.common import fused_attention_available
@@ -93,7 +93,7 @@ class CapacitySettings:
     # the upload path's flex slots per format group: at most max_flex; None: flex_share of the pool's
     # bytes, split evenly over the groups (flex_bound; the module docstring says why a quarter)
     max_flex: int | None = None
-    flex_share: float = 0.25
+    flex_share: float = FLEX_SHARE
     # the most tokens of a prefill pass the runner captures as a graph (engine/graph.py PassGraphs),
     # whose private memory pool holds that pass's buffers beside the allocator's; None: the engine's
     # default (engine/graph.py env_pass_rows); 0 or 1: none

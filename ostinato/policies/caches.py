@@ -1,7 +1,8 @@
 """Baselines that cache experts on the GPU: expert-cache (LRU) and decaying-cache.
 
 Both keep every expert in page-locked host memory and use the budget (less the K zero
-slots and one layer of staging slots) as a cache of expert slots shared by the MoE layers
+slots and one layer of staging slots, or where a layer's do not fit, engine/experts.py
+baseline_staging's, filled in waves) as a cache of expert slots shared by the MoE layers
 of the GPU (an entry is a (layer, expert) copy). Experts keep their format (engine/experts.py),
 so there is a pool per format group, and a cache per pool: each pool has its own K zero and E
 staging slots, and the bytes left after them are split over the groups in proportion to their
@@ -47,24 +48,27 @@ import torch
 
 from ostinato.layers.moe.hybrid import Admission, HybridExperts
 from ostinato.layers.moe.pool import COLD
-from ostinato.engine.experts import ModelExperts, build_parts, check_fits, pools_bytes
+from ostinato.engine.experts import ModelExperts, baseline_staging, build_parts, check_fits, pools_bytes
 
 
-def cache_slots(spec: ModelExperts, budget: int, name: str) -> dict:
-    """Cache slots per format group (qtypes -> slots) from `budget` bytes: what is left after every
-    group's K zero and E staging slots, split over the groups by their share of the MoE layers."""
-    fixed = pools_bytes(spec, {}, spec.num_experts)  # K zero + E staging slots per group
+def cache_slots(spec: ModelExperts, budget: int, name: str) -> tuple[dict, int]:
+    """(cache slots per format group (qtypes -> slots), staging slots per group) from `budget` bytes:
+    the cache has what is left after every group's K zero and staging slots (E, else
+    baseline_staging's), split over the groups by their share of the MoE layers."""
+    staging = baseline_staging(spec, budget)
+    staging = spec.num_experts if staging is None else staging
+    fixed = pools_bytes(spec, {}, staging)  # K zero + the staging slots per group
     check_fits(spec, fixed, budget, name, "the zero and staging slots")
     L = len(spec.moe_layers)
     return {qt: (budget - fixed) * len(layers) // L // spec.expert_size(layers[0])
-            for qt, layers in spec.groups().items()}
+            for qt, layers in spec.groups().items()}, staging
 
 
-def cache_executor(spec: ModelExperts, cache: dict, settings) -> HybridExperts:
+def cache_executor(spec: ModelExperts, cache: dict, staging: int, settings) -> HybridExperts:
     """The executor of a cache: every expert in host memory, nothing resident, each pool's flex
-    region the cache's slots and then one layer of staging slots (hybrid.staging)."""
+    region the cache's slots and then its staging slots (hybrid.staging)."""
     every = list(range(spec.num_experts))
-    flex = {qt: n + spec.num_experts for qt, n in cache.items()}
+    flex = {qt: n + staging for qt, n in cache.items()}
     pools, host, cpu = build_parts(spec, {}, {l: every for l in spec.moe_layers}, flex, settings.cpu_backend)
     return HybridExperts(pools, host, cpu, settings.offload_threshold, spec.max_tokens)
 
@@ -86,6 +90,9 @@ class _Cache(Admission):
     def resident_experts(self) -> int:
         return sum(self.sizes)
 
+    def entries(self, pool) -> int:
+        return self.sizes[self.hybrid.pools.groups.index(pool)]
+
     def stats(self) -> dict[str, float]:
         return dict(self.counters)
 
@@ -105,8 +112,8 @@ class ExpertCache(_Cache):
 
     @classmethod
     def build(cls, spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
-        cache = cache_slots(spec, budget, cls.name)
-        hybrid = cache_executor(spec, cache, settings)
+        cache, staging = cache_slots(spec, budget, cls.name)
+        hybrid = cache_executor(spec, cache, staging, settings)
         cls(hybrid, cache, settings.cache_max_tokens)
         return hybrid
 
@@ -150,8 +157,8 @@ class DecayingCache(_Cache):
 
     @classmethod
     def build(cls, spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
-        cache = cache_slots(spec, budget, cls.name)
-        hybrid = cache_executor(spec, cache, settings)
+        cache, staging = cache_slots(spec, budget, cls.name)
+        hybrid = cache_executor(spec, cache, staging, settings)
         policy = cls(hybrid, cache, settings.decay)
         if counts is not None:
             policy.warm(counts)

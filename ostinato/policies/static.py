@@ -25,7 +25,9 @@ kernels") defines them:
   on the CPU and offloads the last layers first). A host layer computes its routed experts on
   the CPU in passes below the offload threshold; a pass of at least the threshold copies each
   expert it uses in that layer once into the staging slots and computes the layer on the GPU
-  (llama.cpp's op-offload rule; its default threshold is 32).
+  (llama.cpp's op-offload rule; its default threshold is 32). Where not even E staging slots fit
+  (DeepSeek-V3's bf16 layers under 24 GiB), no layer is resident and the staging is
+  engine/experts.py baseline_staging's, which such a pass fills in waves.
 * `ktransformers`: KTransformers at its best. Its `frequency` strategy takes the experts most
   routed over all layers (kt-kernel's generate_gpu_experts_masks), the set of Ostinato's
   cross-layer fill by routes (Residency.frequency_plan: Ostinato fills again by time saved once
@@ -48,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from ostinato.config import ConfigError
-from ostinato.engine.experts import ModelExperts, check_fits, hybrid_from_parts, pools_bytes
+from ostinato.engine.experts import ModelExperts, baseline_staging, check_fits, hybrid_from_parts, pools_bytes
 from ostinato.layers.moe.hybrid import HybridExperts
 
 
@@ -98,22 +100,24 @@ def fixed_uniform_policy(spec: ModelExperts, budget: int, settings, counts=None)
     return hybrid_from_parts(spec, {l: list(range(n)) for l in spec.moe_layers}, None, settings.cpu_backend, flex=0)
 
 
-def layers_resident(spec: ModelExperts, budget: int) -> dict[int, list[int]]:
-    """The last n MoE layers whole, n the most whose pools fit `budget` bytes: each group's K zero
-    slots, and one layer of staging (E slots) in a group that keeps a host layer, for passes at or
-    above the threshold (flex None: the group's most cold experts of a layer, E or 0)."""
+def layers_resident(spec: ModelExperts, budget: int) -> tuple[dict[int, list[int]], int | None]:
+    """(resident, flex): the last n MoE layers whole, n the most whose pools fit `budget` bytes: each
+    group's K zero slots, and one layer of staging (E slots) in a group that keeps a host layer, for
+    passes at or above the threshold (flex None: the group's most cold experts of a layer, E or 0);
+    where not even n = 0 fits, no layer and baseline_staging's slots."""
     L, every = len(spec.moe_layers), list(range(spec.num_experts))
     for n in range(L, -1, -1):
         resident = {l: every for l in spec.moe_layers[L - n:]}
         if pools_bytes(spec, resident, None) <= budget:
-            return resident
-    check_fits(spec, pools_bytes(spec, {}, None), budget, "layers", "its zero and staging slots")
-    return {}
+            return resident, None
+    flex = baseline_staging(spec, budget)
+    check_fits(spec, pools_bytes(spec, {}, flex), budget, "layers", "its zero slots")
+    return {}, flex
 
 
 def layers_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
-    return hybrid_from_parts(spec, layers_resident(spec, budget), settings.offload_threshold, settings.cpu_backend,
-                             flex=None)
+    resident, flex = layers_resident(spec, budget)
+    return hybrid_from_parts(spec, resident, settings.offload_threshold, settings.cpu_backend, flex=flex)
 
 
 def ktransformers_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:

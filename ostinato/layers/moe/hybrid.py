@@ -10,10 +10,12 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
   of several chunks runs layer by layer (engine/devices.py forward_layer_major), so its later
   chunks find the layer's experts still staged and do not copy them again (`_stage`).
   The flex slots are bounded (planner/capacity.py: a DeepSeek-V3 layer's 256 cold experts
-  would take 21 GiB), so a pass may route to more distinct cold experts than they hold: it
-  then runs as a split pass with uploads whose count is fixed, the most-routed cold experts
-  that fit (`stage_most`), the rest on the CPU (split_path, `staged`; counted as
-  `overflow_passes`).
+  would take 21 GiB; a baseline's staging under a cap smaller than a layer: engine/experts.py
+  baseline_staging), so a pass may route to more distinct cold experts than they hold: it then
+  uploads them in waves of as many as the slots hold, each wave's copies after the previous
+  wave's GEMM, which read the same slots (counted as `wave_passes`), as llama.cpp's op offload
+  copies a host layer's weights whatever the pass. Where splitting is cheaper, the split with
+  uploads below takes those sizes (by calibration), and Np puts the upload path where it wins.
 * split with uploads (`mixed.min_tokens` <= T <= `mixed.max_tokens`, with `mixed` set from a
   calibration; Np then plays no part for those passes): the split path, but the most-routed
   cold experts of the pass cross PCIe into flex slots while the CPU computes the rest, so the
@@ -180,12 +182,6 @@ def window_text(lo: int, hi: int | None) -> str:
     return f"{lo}-{hi}" if hi is not None else f"from {lo}"
 
 
-def stage_most(routes: np.ndarray, limit: int) -> int:
-    """The upload path's count where a pass's distinct cold experts outnumber the `limit` flex slots
-    (routes: cold routes per expert, most first): as many of the most-routed as the slots hold."""
-    return min(len(routes), limit)
-
-
 def choose_path(T: int, has_cold: bool, upload_threshold: int | None, mixed: MixedPass | None) -> str:
     """The path of a pass of T tokens through a layer (DESIGN.md, "Three execution paths"):
     "gpu" (every expert of the layer resident), "upload" (T >= upload_threshold; never with
@@ -211,7 +207,7 @@ def upload_plan(ids: np.ndarray, cold: np.ndarray, num_experts: int, choose: Cal
                 limit: int) -> np.ndarray:
     """The cold experts a split pass uploads (ids, cold [T, K] on the host): the most-routed
     first (a tie: the lower id), as many as `choose` says given their cold routes, most first,
-    and the `limit` flex slots (MixedPass.choose, or stage_most). numpy: this runs on the host
+    and the `limit` flex slots (MixedPass.choose). numpy: this runs on the host
     between a layer's routing and its branches, while the GPU waits; the host's whole part of a
     split pass with uploads took 777 µs a layer with torch's ops and 398 µs with numpy's at 256
     tokens, 1554 and 467 µs at 1024, on the 2-core development host (scripts/bench_split_host.py)."""
@@ -255,6 +251,10 @@ class Admission:
     def admit(self, layer: int, ids: np.ndarray) -> list[tuple[int, int]]:
         """ids [T, K] of an admitted pass -> (expert, slot) to copy from host memory before it
         runs; the tables already place them there (and no longer place what they evicted)."""
+        raise NotImplementedError
+
+    def entries(self, pool: ExpertPool) -> int:
+        """The slots of `pool`'s flex region the cache keeps its entries in (the bottom ones)."""
         raise NotImplementedError
 
     def resident_experts(self) -> int:
@@ -504,14 +504,13 @@ class HybridExperts(MoEBackend):
         # the fp32 sum rounded once to x's dtype in the combine: the value the split path's cast gives
         return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=x.dtype)
 
-    def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput, staged: bool = False) -> torch.Tensor:
+    def split_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """Decode and split path: GPU branch || CPU branch, then combine. The CPU branch is
         handed its routes first and the GPU branch launched while it computes (launching a
         prefill's GPU branch takes the host about 0.6 ms, measured on the H200 machine). A
         cache admits the pass first: its copies and the table switch come before the GPU branch.
-        Uploads part of the cold experts where `mixed` applies (MixedPass.choose says how many), or
-        `staged`: an upload-path pass with more distinct cold experts than flex slots, whose
-        most-routed fill the slots (stage_most). Then the order is: the CPU branch (its routes
+        Uploads part of the cold experts where `mixed` applies (MixedPass.choose says how many).
+        Then the order is: the CPU branch (its routes
         are known once the uploads are chosen), the copies on the copy stream (issuing them takes
         the host two copy launches an expert), the GPU branch over the pool's experts, and only
         then the wait for the copies and the GEMM of the uploaded experts: the pool's experts never
@@ -526,12 +525,10 @@ class HybridExperts(MoEBackend):
         cid, cold = self.route_cold(layer, ids_h)
         pool = self.pools.of(layer)
         up, slots = None, None
-        mixed = not staged and self.mixed is not None and self.mixed.applies(T)
-        if (staged or mixed) and cold.any():
-            choose = stage_most if staged else self.mixed.choose
-            up = upload_plan(ids_h.numpy(), cold, pool.table.shape[1], choose, pool.num_slots - pool.flex_lo)
+        if self.mixed is not None and self.mixed.applies(T) and cold.any():
+            up = upload_plan(ids_h.numpy(), cold, pool.table.shape[1], self.mixed.choose, self.stage_room(pool))
             if len(up):
-                self.counters["mixed_passes"] += int(mixed)
+                self.counters["mixed_passes"] += 1
                 dst, copies = self._stage(pool, layer, up.tolist())
                 zero = np.arange(pool.zero_lo, pool.zero_hi, dtype=np.int32)[:topk.ids.shape[1]]
                 slots, cold = flex_slots(ids_h.numpy(), cold, up, dst, zero)
@@ -691,11 +688,15 @@ class HybridExperts(MoEBackend):
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
+    def stage_room(self, pool: ExpertPool) -> int:
+        """How many experts one pass may stage at once in `pool`: its flex region, less a cache's
+        entries (which lie below the slots it stages in: `staging`)."""
+        return pool.num_slots - pool.flex_lo - (self.admission.entries(pool) if self.admission is not None else 0)
+
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once
-        into a flex slot, all on the GPU. With more of them than the pool has flex slots (a
-        bounded flex region), the split path with the most-routed of the pass's cold experts
-        uploaded into every flex slot and the rest on the CPU (split_path, staged)."""
+        """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once into a
+        flex slot, all on the GPU; with more of them than the pass may stage at once (stage_room), in
+        waves of that many (module docstring); with no slot to stage in, the split path."""
         pool = self.pools.of(layer)
         table = pool.table[layer]
         slot = table[topk.ids]
@@ -703,22 +704,27 @@ class HybridExperts(MoEBackend):
             cold_ids = self.cold_experts(layer)
         else:
             cold_ids = torch.unique(topk.ids[slot < 0]).cpu()
-        n = cold_ids.numel()
-        if n > pool.num_slots - pool.flex_lo:
-            self.counters["overflow_passes"] += 1
-            return self.split_path(layer, x, topk, staged=True)
+        n, room = cold_ids.numel(), self.stage_room(pool)
         if not n:
             return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=x.dtype)
+        if not room:
+            return self.split_path(layer, x, topk)
         # counted now, while the stream is idle after the sync above: a host read after the GEMMs
         # below would hold the host until they end
         self.counters["cold_routes"] += int((slot < 0).sum())
-        dst, copies = self._stage(pool, layer, cold_ids.tolist())
-        self._copy_in(layer, *copies)  # once the flex slots' earlier readers are done
-        # the pool's experts meanwhile, then the uploaded ones once their copies land (split_path)
-        out = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
-        flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)
-        flex[cold_ids.to(self.device)] = torch.tensor(dst, dtype=torch.int32).to(self.device)
-        slot = pool.slots_in(flex, topk.ids)
-        self.copies_landed()
-        out = out + pool.forward(x, slot, topk.weights, out_dtype=torch.float32)
+        if n > room:  # the experts an earlier chunk left staged go first, in the wave that finds them there
+            self.counters["wave_passes"] += 1
+            held = pool.staged(layer)
+            cold_ids = cold_ids[torch.tensor([e not in held for e in cold_ids.tolist()]).argsort(stable=True)]
+        out = None
+        for lo in range(0, n, room):
+            wave = cold_ids[lo:lo + room]
+            dst, copies = self._stage(pool, layer, wave.tolist())
+            self._copy_in(layer, *copies)  # once the slots' earlier readers (the previous wave's GEMM) are done
+            if out is None:  # the pool's experts while the first wave's copies run, then each wave's (split_path)
+                out = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
+            flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)
+            flex[wave.to(self.device)] = torch.tensor(dst, dtype=torch.int32).to(self.device)
+            self.copies_landed()
+            out = out + pool.forward(x, pool.slots_in(flex, topk.ids), topk.weights, out_dtype=torch.float32)
         return out.to(x.dtype)

@@ -204,6 +204,10 @@ class ExpertPool:
         again and again must copy its experts each time, as a pass whose other layers ran between)."""
         self._flex.clear()
 
+    def staged(self, layer: int) -> set[int]:
+        """The experts of `layer` whose copies flex slots still hold (stage keeps them there)."""
+        return {e for l, e in self._flex.values() if l == layer}
+
     def stage(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[int]]:
         """Flex slots for cold experts of `layer` that a pass uploads: an expert whose copy a flex slot
         still holds keeps that slot (a pass run layer by layer finds the previous chunk's there:
