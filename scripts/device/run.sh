@@ -101,6 +101,12 @@ if ! python3 -c "import gguf, fastapi, uvicorn, pydantic, openai, anthropic" 2>/
       >> "$OUT/pip.txt" 2>&1; then export PYTHONPATH=$PWD:/tmp/site
   else echo "note: the carried wheels did not install ($OUT/pip.txt): the CLI or the server may not start" >&2; fi
 fi
+# the package imports gguf at every entry point: without it every phase fails, so stop at once (session 50's first
+# call lost its budget so: the run tool's carry argument had not named .carry)
+if ! python3 -c "import gguf" 2>/dev/null; then
+  echo "error: gguf is not importable: carry .carry (with .carry/wheels, scripts/device/wheels.sh) to this machine" >&2
+  exit 2
+fi
 if [[ -d .carry/res && ! -f $R/.restored ]]; then cp -rn .carry/res/. "$R"/; touch "$R/.restored"; fi
 # KEEP_TUNED=1: the kernel tunings an earlier call's phase wrote into $R (micro_quant with QTUNE=1, micro_dense) replace
 # the tree's, so that a later call on the same warm machine runs with them (the tree is copied afresh each call)
