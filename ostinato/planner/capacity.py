@@ -29,11 +29,10 @@
   (`flex_share`) of the bytes left for the pools, split evenly over the format groups, in
   the largest group's expert bytes. Why a bound: unbounded, a DeepSeek-V3 layer's 256 cold
   experts of 84 MiB (bf16) reserve 21 GiB of staging, more than a 24 GiB cap leaves for the
-  whole pool, so not one expert could be resident; with it, a pass whose distinct cold
-  experts outnumber the flex slots uploads the most-routed that fit and computes the rest
-  on the CPU beside the copies (the shape of the split with uploads, layers/moe/hybrid.py,
-  which session 15's calibration of the 30B model timed faster than the upload path from
-  384 tokens up), exact whatever the pass. Why a quarter:
+  whole pool, so not one expert could be resident; with it, an upload-path pass whose
+  distinct cold experts outnumber the flex slots uploads them in waves of as many as the
+  slots hold (layers/moe/hybrid.py), and a split with uploads uploads the most-routed that
+  fit, exact whatever the pass. Why a quarter:
   a flex slot is an expert slot a hot expert cannot take, worth something only to passes
   at or above Np, whereas a hot expert serves its routes in every pass; and it leaves the
   plans of 128-expert models as they were: the plans in results/ (Qwen3-30B-A3B, bf16 at

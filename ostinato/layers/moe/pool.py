@@ -10,8 +10,8 @@ Pool slots (equal size, one tensor per weight, allocated once, before anything e
 
 Ostinato's U is a format group's most cold experts of a layer (what a pass routing to all of them
 stages), at most the plan's bound `max_flex` (planner/capacity.py: a DeepSeek-V3 layer's 256 cold
-experts would take 21 GiB); a pass with more distinct cold experts than U uploads the most-routed
-U of them and computes the rest on the CPU (layers/moe/hybrid.py). `bounded_flex` says how many.
+experts would take 21 GiB); an upload-path pass with more distinct cold experts than U uploads them
+in waves of U (layers/moe/hybrid.py). `bounded_flex` says how many.
 
 The index table maps (layer, expert) -> slot, or -1 for "cold". Host memory holds only
 the cold experts (page-locked once, in place), compacted per layer, so a resident
