@@ -316,6 +316,35 @@ def test_hybrid_residency_matches_transformers(ds_dir, ref, tmp_path):
     assert r.placement_stats()["cold_routes"] > stats["cold_routes"] + 2 * STEPS  # decode had cold routes too
 
 
+def test_baselines_under_a_cap_smaller_than_a_layer_match_transformers(ds_dir, ref):
+    """layers and expert-cache with a pool of K + 8 slots, less than K zero + E staging (DeepSeek-V3's bf16
+    layers under 24 GiB): no layer resident, a quarter of the pool as staging, prefill chunks of 32 (at the
+    offload threshold of 16) uploaded in waves, decode on the CPU or from the cache: transformers' logits
+    and greedy tokens."""
+    from ostinato.load import load_engine
+    from ostinato.policies.factory import make_policy, policy_factory, use_policy
+    from ostinato.policies.settings import PolicySettings
+
+    ids, want, logits_ref = ref
+    cfg = CheckpointSource(ds_dir).config
+    settings = RunnerSettings(device="cpu", dtype="fp32", max_context=256, prefill_chunk=32)
+    slots = cfg.num_experts_per_tok + 8
+    assert slots < cfg.num_experts_per_tok + cfg.num_experts
+    ps = PolicySettings(expert_slots=slots, offload_threshold=16, cpu_backend="torch")
+    loaded = load_engine(str(ds_dir), settings, experts_factory=policy_factory("layers", ps), announce=False)
+    for name in ("layers", "expert-cache"):
+        if name != "layers":
+            use_policy(loaded, make_policy(name, loaded.source, settings, ps))
+        r = loaded.runner
+        (pool,) = r.experts.unwrapped.pools.groups
+        assert r.experts.unwrapped.stage_room(pool) == slots // 4  # a quarter of the pool (baseline_staging)
+        assert _err(r.forward(ids, 0, all_logits=True), logits_ref[:len(ids)]) < TOL, name
+        stats = r.placement_stats()
+        assert stats["wave_passes"] > 0 and stats.get("cpu_experts", 0) == 0, name
+        assert _greedy(lambda t, p: r.forward([t], p), r.forward(ids, 0), len(ids), STEPS) == want, name
+    use_policy(loaded, make_policy("cpu", loaded.source, settings, ps))
+
+
 def test_split_over_two_devices(ds_dir):
     """Layers and their latent caches on two logical devices: the same logits as one."""
     one, two = _ours(ds_dir), _ours(ds_dir, devices="cpu:0,cpu:1")
