@@ -176,6 +176,8 @@ def test_rounds_interleave_the_policies_over_slices_of_the_held_out_sessions(tmp
         assert {t["session"] for t in result["turns"][name]} == set(slices[0]) | set(slices[2])
     layers = result["policies"]["layers"]
     assert layers["offload_threshold"] == layers["tuning"]["chosen"]
+    assert layers["cpu_backend"] == "torch"  # asked for: the report says its CPU times are plain torch's
+    assert "layers: its CPU experts ran on plain torch" in (tmp_path / "report.md").read_text()
     for name in ("ostinato", "layers"):  # each round's own figures, and the totals add up
         rounds = result["policies"][name]["by_round"]
         assert [r["sessions"] for r in rounds] == [len(slices[0]), len(slices[2])]

@@ -243,6 +243,16 @@ def test_the_extension_builds_on_a_cpu_it_serves():
     assert ext is not None, error
 
 
+def test_a_bench_report_says_which_policy_ran_on_plain_torch():
+    from ostinato.bench.report import _cpu_note
+
+    run = {"device": "cuda", "policies": {"ostinato": {"cpu_backend": "native"},
+                                          "layers": {"cpu_backend": "torch (building the CPU extension failed: x)"}}}
+    lines = _cpu_note(run)
+    assert len(lines) == 1 and "layers: its CPU experts ran on plain torch" in lines[0] and "failed: x" in lines[0]
+    assert _cpu_note({"device": "cuda", "policies": {"ostinato": {"cpu_backend": "native"}}}) == []
+
+
 def test_fallbacks(monkeypatch, layers):
     monkeypatch.setattr(build, "_error", None)
     monkeypatch.setenv("CXX", "/nonexistent/c++")

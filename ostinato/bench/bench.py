@@ -521,6 +521,9 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
     cpu = backend.cpu
     if cpu is not None:  # the pool's workers (a host-driven baseline's host thread is its last worker)
         entry["cpu_workers"] = list(cpu.cpus)
+        # "torch": the native kernels did not build or run here, and the report says so (session 50: a build that
+        # failed on the GPU machine alone fell back without a word)
+        entry["cpu_backend"] = cpu.backend + (f" ({cpu.fallback_reason})" if cpu.fallback_reason else "")
     if bs.tune and name in TUNED and tune_set:
         turns = bs.tune_max_turns or bs.max_turns
         totals = tune_threshold(loaded, backend, name, tune_set, bs.thresholds, turns, _log(bs), bs.max_output)

@@ -584,6 +584,10 @@ def _cpu_note(result: dict) -> list[str]:
     elif result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
                      f"uploads replayed as CUDA graphs, padded to {_padded_to(result)} (OSTINATO_PASS_GRAPHS)")
+    for name, p in result.get("policies", {}).items():
+        if str(p.get("cpu_backend", "native")).startswith("torch"):
+            lines.append(f"- **{name}: its CPU experts ran on plain torch, not the native kernels**: "
+                         f"{p['cpu_backend']}; its CPU branch's times do not measure the design")
     if not str(result["device"]).startswith("cpu"):
         return lines
     return lines + ["- no GPU: the \"GPU\" side ran on the CPU device through the same code, so the budget is logical "
