@@ -283,8 +283,8 @@ def test_ostinato_policy_split_and_upload_paths():
 def test_bounded_flex_residency_on_the_policies():
     """A plan whose flex slots are bounded (Residency.max_flex): Ostinato's pool has that many, its
     budget (what the baselines share) counts them, an upload-path pass with more distinct cold
-    experts uploads them all in waves of that many; ktransformers keeps
-    its own staging (a layer's cold experts whole), the layers policy its E slots."""
+    experts uploads them all in waves of that many, and so does ktransformers (its fill's most cold experts
+    of a layer, at most the bound); the layers policy keeps its E slots."""
     bounded = Residency("sha256:test", E, {l: list(range(8)) for l in LAYERS}, max_flex=3)
     spec = _spec()
     p = build_policy("ostinato", spec, _settings(residency=bounded, expert_slots=None))
@@ -301,11 +301,13 @@ def test_bounded_flex_residency_on_the_policies():
     assert sorted(staged) == [11, 12, 13]
     assert s["cold_routes"] == 64 * 3
     kt = build_policy("ktransformers", spec, _settings(residency=bounded, expert_slots=None, offload_threshold=32))
-    assert [g.num_slots - g.flex_lo for g in kt.pools.groups] == [E - 8]
-    kt(0, x, ids)
-    assert kt.stats()["uploaded_experts"] == E - 8 and kt.stats().get("cpu_experts", 0) == 0
-    with pytest.raises(ConfigError, match="budget"):  # ktransformers' staging does not fit Ostinato's pool
-        build_policy("ktransformers", spec, _settings(residency=bounded, expert_slots=24 + K + 3))
+    assert [g.num_slots - g.flex_lo for g in kt.pools.groups] == [3]
+    assert torch.allclose(kt(0, x, ids), moe_forward(x, ids, WEIGHTS[0]), rtol=1e-4, atol=1e-5)
+    s = kt.stats()  # every cold expert of the layer (its rule), in waves of 3
+    assert s["uploaded_experts"] == E - 8 and s.get("cpu_experts", 0) == 0 and s["wave_passes"] == 1
+    build_policy("ktransformers", spec, _settings(residency=bounded, expert_slots=24 + K + 3))  # Ostinato's pool
+    with pytest.raises(ConfigError, match="budget"):
+        build_policy("ktransformers", spec, _settings(residency=bounded, expert_slots=24 + K + 2))
     build_policy("ostinato", spec, _settings(residency=bounded, expert_slots=24 + K + 3))
 
 

@@ -21,7 +21,7 @@ from ostinato.engine.routes import RouteCounts
 from ostinato.engine.experts import ModelExperts, hybrid_from_parts, pools_bytes
 from ostinato.policies.caches import DecayingCache, ExpertCache
 from ostinato.policies.settings import FLEX_STEPS, OSTINATO_STEPS, PolicySettings, check_policy
-from ostinato.policies.static import BUILDERS
+from ostinato.policies.static import BUILDERS, ktransformers_flex
 
 # policy -> build(spec, budget bytes, settings, development counts): each an executor (HybridExperts);
 # the static placements decode as one CUDA graph per GPU, the caches (an admission on it) as graph segments
@@ -75,8 +75,9 @@ def build_policy(name: str, spec: ModelExperts, settings: PolicySettings):
                                  flex=flex_of(residency, spec.num_experts, spec.formats))
     settings = settings.with_(residency=load_residency(settings.residency))
     if name == "ktransformers" and settings.residency is not None:  # the fill by routes (its frequency strategy);
-        settings = settings.with_(residency=settings.residency.frequency_plan())  # staging: a layer's cold experts
-        _check_budget(spec, settings, settings.residency, pools_bytes(spec, settings.residency.hot, None))
+        settings = settings.with_(residency=settings.residency.frequency_plan())
+        kt = settings.residency
+        _check_budget(spec, settings, kt, pools_bytes(spec, kt.hot, ktransformers_flex(spec, kt)))
     return BUILD[name](spec, budget_bytes(spec, settings), settings, load_profile(settings.profile))
 
 

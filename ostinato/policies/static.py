@@ -35,9 +35,10 @@ kernels") defines them:
   routes in every pass below its prefill threshold (`--kt-gpu-prefill-token-threshold`, the
   offload threshold here); at or above it, each layer uploads all its cold experts, not only
   those the pass uses, and computes the layer on the GPU. It isolates Ostinato's execution
-  paths and its fill by time from the cross-layer fill. Its staging holds a layer's cold experts whole (flex None), not
-  Ostinato's bounded flex slots (planner/capacity.py), so on a plan whose bound binds its pool is
-  the larger of the two.
+  paths and its fill by time from the cross-layer fill. Its staging holds a layer's cold experts whole, at most
+  the plan's bound on flex slots (Residency.max_flex, planner/capacity.py), and a layer with more cold experts
+  uploads them in waves (DeepSeek-V3's 256-expert layers under 24 GiB); its fill may leave some layer more cold
+  experts than Ostinato's does, and its pool is then the larger of the two.
 
 The budget is bytes (engine/experts.py): each format group's slots cost its expert bytes, so on
 a Q4_K_M file a Q6_K-down layer costs more than a Q4_K one. Bytes a rule cannot use (the
@@ -52,6 +53,7 @@ import torch
 from ostinato.config import ConfigError
 from ostinato.engine.experts import ModelExperts, baseline_staging, check_fits, hybrid_from_parts, pools_bytes
 from ostinato.layers.moe.hybrid import HybridExperts
+from ostinato.layers.moe.pool import bounded_flex
 
 
 def cpu_policy(spec: ModelExperts, budget: int, settings, counts=None) -> HybridExperts:
@@ -126,7 +128,13 @@ def ktransformers_policy(spec: ModelExperts, budget: int, settings, counts=None)
         raise ConfigError("policy ktransformers runs Ostinato's residency by KTransformers' rules: give the "
                           "--residency (from `ostinato plan`)")
     return hybrid_from_parts(spec, residency.hot, settings.offload_threshold, settings.cpu_backend,
-                             upload_all=True)
+                             flex=ktransformers_flex(spec, residency), upload_all=True)
+
+
+def ktransformers_flex(spec: ModelExperts, residency) -> dict:
+    """ktransformers' staging slots per format group: its fill's most cold experts of a layer, at most the
+    plan's bound (pool.bounded_flex; None: unbounded)."""
+    return bounded_flex(residency.hot, spec.num_experts, spec.formats, residency.max_flex)
 
 
 BUILDERS = {"cpu": cpu_policy, "gpu": gpu_policy, "fixed-per-layer": fixed_per_layer_policy,
