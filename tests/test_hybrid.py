@@ -159,6 +159,41 @@ def test_fewer_flex_slots_than_cold_experts(tokens, hot_fraction, path, device):
     assert stats["cold_routes"] == cold_routes and stats["routes"] == 2 * tokens * K
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_calibrations_all_staged_branch_under_fewer_flex_slots_than_cold_experts(device):
+    """The calibration's GPU branch over a pass's cold experts staged (planner/measure/prefill.py
+    all_staged_slots) under a bounded flex region: the first FLEX of them in the flex slots, the others at
+    the zero slots, so the branch is the reference MoE over the hot and staged experts' routes alone. It
+    gave the others slot -1: on the CPU the last flex slot's expert, on CUDA a device-side assert in the
+    prefill kernels' alignment (DeepSeek-V3-shaped, 31 flex slots of 256 experts, session 51)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from ostinato.planner.measure.prefill import all_staged_slots
+    from ostinato.planner.measure.timing import gpu_branch
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    hybrid, weights = _hybrid(0.5, upload_threshold=10**9, device=device, dtype=dtype, flex=FLEX)
+    pool, layer, T = hybrid.pool, 2, 512
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, D, generator=g)
+    topk = route(torch.randn(T, E, generator=g), K, True, x.dtype)
+    cold_ids = torch.unique(topk.ids[pool.table_host[layer][topk.ids] < 0])
+    assert cold_ids.numel() > FLEX
+    staged = cold_ids[:FLEX]
+    pool.upload(list(range(pool.flex_lo, pool.num_slots)), hybrid.host, layer, staged.tolist())
+    ids = topk.ids.to(device)
+    slots = all_staged_slots(pool, layer, cold_ids, ids).cpu()
+    on_gpu = (pool.table_host[layer][topk.ids] >= 0) | torch.isin(topk.ids, staged)
+    assert torch.equal(slots >= pool.flex_lo, torch.isin(topk.ids, staged))
+    assert ((slots >= pool.zero_lo) & (slots < pool.zero_hi)).eq(~on_gpu).all()
+    w = weights[layer]
+    rounded = type(w)(w.w13.to(dtype).float(), w.w2.to(dtype).float())
+    want = moe_forward(x.to(dtype).float(), TopKOutput(topk.ids, topk.weights * on_gpu), rounded)
+    got = gpu_branch(hybrid, layer, x.to(dtype).to(device), ids, topk.weights.to(device), slots.to(device))
+    err = float((got.float().cpu() - want).abs().max() / want.abs().max())
+    assert err < (1e-5 if device == "cpu" else 2e-2), err
+
+
 def test_no_flex_slot_runs_the_upload_path_as_the_split_path():
     """flex 0 (a bound of 0, or a pool too small for any): every cold route on the CPU, nothing uploaded."""
     hybrid, weights = _hybrid(0.5, upload_threshold=1, flex=0)

@@ -88,13 +88,7 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, sizes: list[
             row["upload_ms"].append(med(lambda: clock.wall(lambda: fresh(h).upload_path(layer, x, topk))))
             row["gpu_hot_ms"].append(med(lambda: clock.device(lambda: gpu_branch(h, layer, x, topk.ids,
                                                                                  topk.weights))))
-            # the flex slots now hold this pass's cold experts (as many as they hold: a bounded flex
-            # region leaves the others at their zero slots, upload_path computes them on the CPU)
-            lookup = table.clone()
-            staged = cold_ids[:pool.num_slots - pool.flex_lo]
-            lookup[staged.to(h.device)] = torch.arange(pool.flex_lo, pool.flex_lo + staged.numel(),
-                                                       dtype=torch.int32, device=h.device)
-            slots = lookup[topk.ids]
+            slots = all_staged_slots(pool, layer, cold_ids, topk.ids)
             row["gpu_all_ms"].append(med(lambda: clock.device(lambda: gpu_branch(h, layer, x, topk.ids,
                                                                                  topk.weights, slots))))
             points.append((row["distinct_cold"][-1], row["cold_routes"][-1], row["cpu_ms"][-1]))
@@ -103,6 +97,18 @@ def measure_passes(runner, h, tok, layers: list[int], clock: Clock, sizes: list[
     np_, crossings = cm.one_switch(sizes, curves["split_ms"], curves["upload_ms"])
     return {"sizes": sizes, "layers": layers, **curves, "upload_threshold": np_, "crossings": crossings,
             "cpu_points": points, "cpu_detail": detail, "routing": routing}
+
+
+def all_staged_slots(pool, layer: int, cold_ids: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The slots of a pass whose cold experts `cold_ids` sit in the pool's flex slots, as many as those
+    hold (the first of them); the others at their zero slots, as the kernels take cold routes (a slot
+    < 0 is no slot: the prefill kernels' alignment reads it as one more distinct expert and
+    overruns its buffer, a device-side assert on DeepSeek-V3's 31 flex slots of 256 experts)."""
+    lookup = pool.table[layer].clone()
+    staged = cold_ids[:pool.num_slots - pool.flex_lo].to(lookup.device)
+    lookup[staged] = torch.arange(pool.flex_lo, pool.flex_lo + staged.numel(), dtype=torch.int32,
+                                  device=lookup.device)
+    return pool.slots_in(lookup, ids)
 
 
 def cpu_alone(h, layer: int, x: torch.Tensor, topk: TopKOutput, clock: Clock, reps: int) -> tuple[float, dict]:
