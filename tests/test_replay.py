@@ -558,7 +558,8 @@ def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
     from ostinato.config import ConfigError
 
     base = {"model": "m", "dtype": "bfloat16", "max_context": 8, "cap": 1, "budget": {"pool_slots": 5},
-            "split": {"held_out": 2}, "np": {"value": 512}}
+            "split": {"held_out": 2}, "np": {"value": 512}, "hardware": {"gpu": "NVIDIA H100 80GB HBM3"},
+            "threads": {"num_workers": 14}}
     bs = BenchSettings(model="m", policies=("expert-cache",), out=tmp_path, merge=True)
     assert _earlier(bs, base) == ({}, {}, [])  # nothing there yet
     prev = {**base, "commit": "abc", "date": "d", "policies": {"ostinato": {"x": 1}, "expert-cache": {"x": 2}},
@@ -567,7 +568,8 @@ def test_bench_merge_takes_only_a_run_of_the_same_setup(tmp_path):
     policies, turns, src = _earlier(bs, base)
     assert policies == {"ostinato": {"x": 1}} and turns == {"ostinato": [1]}  # expert-cache is measured again
     assert src == [{"commit": "abc", "date": "d", "policies": ["ostinato"]}]
-    for key, other in (("budget", {"pool_slots": 6}), ("np", {"value": 64}), ("split", {"held_out": 3})):
+    for key, other in (("budget", {"pool_slots": 6}), ("np", {"value": 64}), ("split", {"held_out": 3}),
+                       ("hardware", {"gpu": "NVIDIA H200"}), ("threads", {"num_workers": 13})):
         with pytest.raises(ConfigError, match="--merge"):
             _earlier(bs, {**base, key: other})
     # another Np is fine when Ostinato, the only policy that uses it, is measured again
@@ -598,7 +600,7 @@ def test_bench_merge_knows_route_counts_by_their_digest_not_their_path(tmp_path)
     def doc(profiles, digests):
         split = {"held_out": 2, "profiles": profiles, **({"route_counts": digests} if digests else {})}
         return {"model": "m", "dtype": "bfloat16", "max_context": 8, "cap": 1, "budget": {}, "split": split,
-                "np": {"value": 512}}
+                "np": {"value": 512}, "hardware": {}, "threads": {}}
 
     bs = BenchSettings(model="m", policies=("expert-cache",), out=tmp_path, merge=True)
     same = [counts.digest(), "h"]

@@ -426,7 +426,9 @@ def run_bench(bs: BenchSettings) -> dict:
     return write(with_plots=True)
 
 
-MERGE_KEYS = ("model", "dtype", "max_context", "cap", "budget", "split")
+# what two runs must share for --merge to set their policies side by side: the machine (GPU and CPU models,
+# cores, torch) and the thread layout too, or a baseline from an H200 would meet Ostinato from an H100
+MERGE_KEYS = ("model", "dtype", "max_context", "cap", "budget", "split", "hardware", "threads")
 
 
 def _earlier(bs: BenchSettings, base: dict) -> tuple[dict, dict, list]:

@@ -269,7 +269,7 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--cpu-backend", default="auto", choices=["auto", "native", "torch"])
     p.add_argument("--out", default="ostinato-bench", help="folder for report.md, results.json and plots")
     p.add_argument("--merge", action="store_true", help="add these policies to the results.json in --out (a run "
-                   "of the same model, budget and split, e.g. the other policies in another call)")
+                   "of the same model, budget, split, machine and thread layout, e.g. the other policies in another call)")
     p.add_argument("--rounds", type=int, default=1,
                    help="cut the held-out sessions into this many slices and replay every policy on each in turn, "
                         "the order reversed every other round, so that the machine's drift during the run falls on "
