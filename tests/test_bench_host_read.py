@@ -132,6 +132,14 @@ def _read(gbps, probe="torch-sum"):
 WARNING = "between the two replays: the decode ratio is confounded by machine drift"
 
 
+def test_every_policy_reads_the_profiling_placements_host_copies(run):
+    """The profiling placement (every expert on the host) is kept as the store every policy's host copies
+    are views of (engine/experts.py keep_host_experts), and the results say so."""
+    out, first, events = run
+    assert first["host_store"] is True
+    assert json.loads((out / "results.json").read_text())["host_store"] is True  # the merged run's too
+
+
 def test_the_report_warns_of_drift_between_compared_replays(run, tmp_path):
     out = run[0]
     comp, md = _report(out, tmp_path / "drift", {"ostinato": {"before": 10.8, "after": 11.2, "probe": "torch-sum"},

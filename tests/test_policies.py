@@ -87,6 +87,53 @@ def test_policy_matches_reference(name, tokens, device):
     policy.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", POLICIES)
+def test_policy_over_a_kept_store_reads_it_and_matches_reference(name, device):
+    """A bench keeps its first placement's host copies of every expert (engine/experts.py keep_host_experts):
+    every policy built afterwards takes its host copies as views of that store (no copy: the same memory)
+    and its pools' fill from it, never the model's load, and computes what the reference MoE does."""
+    from ostinato.engine.experts import expert_loader
+
+    first = build_policy("cpu", _spec(device), _settings())  # nothing resident: every expert on the host
+    store = first.unwrapped.host
+    store.keep()
+    first.close()  # as release() closes it: the kept store stays usable
+
+    spec = _spec(device)  # no source to load from: the store's loader or nothing
+    spec.load, spec.store = expert_loader(None, {}, torch.device(device), torch.float32, store), store
+    policy = build_policy(name, spec, _settings())
+    host = getattr(policy.unwrapped, "host", None)
+    for layer, w in (host.layers if host is not None else {}).items():
+        assert w.w13.data_ptr() == store.layers[layer].w13.data_ptr()
+    g = torch.Generator().manual_seed(3)
+    for tokens in (1, 64):
+        for layer in LAYERS:
+            x = torch.randn(tokens, D, generator=g)
+            topk = route(torch.randn(tokens, E, generator=g), K, True, x.dtype)
+            got = policy(layer, x.to(device), TopKOutput(topk.ids.to(device), topk.weights.to(device))).cpu()
+            want = moe_forward(x, topk, WEIGHTS[layer])
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (name, (got - want).abs().max())
+    policy.close()
+
+
+def test_only_a_store_of_every_expert_is_kept_and_shared():
+    from ostinato.layers.moe.pool import HostExperts
+
+    some = build_policy("layers", _spec(), _settings()).unwrapped.host  # layers keeps some layers resident
+    assert not some.holds_every_expert()
+    with pytest.raises(ValueError, match="every expert"):
+        some.keep()
+    store = build_policy("cpu", _spec(), _settings()).unwrapped.host
+    with pytest.raises(ValueError, match="kept store"):
+        HostExperts.over(store, {0: [1]})
+    store.keep()
+    view = HostExperts.over(store, {0: [1, 5], 2: []})
+    assert set(view.layers) == {0}
+    assert view.compact[0].tolist() == [-1, 1, -1, -1, -1, 5] + [-1] * (E - 6)
+    assert torch.equal(view.rows[0], view.compact[0]) and view.rows[0] is not view.compact[0]
+
+
 def test_cpu_policy_computes_every_route_on_the_cpu():
     p = build_policy("cpu", _spec(), _settings())
     p(0, _x(2), _routing([[0, 1, 2, 3], [2, 3, 4, 5]]))
@@ -323,9 +370,13 @@ def test_budget_is_the_same_for_every_policy():
         build_policy("nope", spec, _settings())
 
 
+@pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_policies_in_the_whole_model(tiny_dir, device):
-    """Every policy plugged into the engine gives the reference model's logits."""
+def test_policies_in_the_whole_model(tiny_dir, device, kept, monkeypatch):
+    """Every policy plugged into the engine gives the reference model's logits; also (kept) as the bench
+    builds them, over the first placement's host copies of every expert kept as a store, the model's
+    experts never loaded again."""
+    from ostinato.engine.experts import keep_host_experts
     from ostinato.engine.residency import model_fingerprint
     from ostinato.engine.runner import RunnerSettings
     from ostinato.load import load_engine
@@ -344,12 +395,18 @@ def test_policies_in_the_whole_model(tiny_dir, device):
     counts.tokens["decode"] = 10
     ps = PolicySettings(expert_slots=cfg.num_experts * len(cfg.moe_layers) // 2 + 20, profile=counts,
                         offload_threshold=32, cpu_backend="torch", allow_over_budget=True)
-    loaded = load_engine(str(tiny_dir), settings, experts_factory=policy_factory("layers", ps))
+    loaded = load_engine(str(tiny_dir), settings, experts_factory=policy_factory("cpu" if kept else "layers", ps))
+    if kept:
+        assert keep_host_experts(loaded.source, loaded.runner.experts.unwrapped.host)
+
+        def no_load(*a, **kw):
+            raise AssertionError("a placement over the kept store loaded the model's experts")
+        monkeypatch.setattr("ostinato.engine.experts.load_layer_experts", no_load)
     hot = fill({l: torch.arange(cfg.num_experts, 0, -1) for l in cfg.moe_layers}, 24)
     ps = ps.with_(residency=Residency(model_fingerprint(loaded.source), cfg.num_experts, hot), upload_threshold=32)
     for name in ("layers", "expert-cache", "decaying-cache", "fixed-per-layer", "fixed-uniform", "ktransformers",
                  "cpu", "gpu", "ostinato-split", "ostinato-upload", "ostinato", "ostinato-borrow"):
-        if name != "layers":
+        if name != "layers" or kept:
             use_policy(loaded, make_policy(name, loaded.source, settings, ps))
         got = loaded.runner.forward(ids, 0, all_logits=True)
         step = loaded.runner.forward([7], len(ids))  # a decode pass too

@@ -128,3 +128,33 @@ def test_budget_is_bytes_per_group(tinyk_q4km, setup):  # noqa: F811
                                                                   cpu_backend="torch"))
     assert [p.num_hot for p in engine.runner.experts.unwrapped.pools.groups] == [5, 5]
     engine.runner.experts.close()
+
+
+def test_policies_over_a_kept_store_of_block_formats(tinyk_q4km, setup, monkeypatch):  # noqa: F811
+    """As the bench builds them: the profiling placement's host copies of every expert, in the file's two
+    block-format groups, kept as the store (engine/experts.py keep_host_experts); each policy built over it
+    loads nothing from the file and gives the logits of the same policy loaded from the file. A policy in
+    another format (experts="bf16") does not take the store."""
+    from ostinato.engine.experts import keep_host_experts, stored_experts
+    from ostinato.policies.factory import make_policy, use_policy
+
+    rs = RunnerSettings(device="cpu", dtype="fp32", max_context=128, prefill_chunk=64, cuda_graph=False)
+    loaded = _build(tinyk_q4km, "cpu", _settings("cpu", setup, "native"))
+    store = loaded.runner.experts.unwrapped.host
+    assert keep_host_experts(loaded.source, store)
+    assert stored_experts(loaded.source, expert_formats(loaded.source, "bf16"), torch.float32) is None
+    wants = {}
+    for name in ("ostinato", "layers", "expert-cache"):
+        engine = _build(tinyk_q4km, name, _settings(name, setup, "native"))
+        wants[name] = _logits(engine)
+        engine.runner.experts.close()
+
+    def no_load(*a, **kw):
+        raise AssertionError("a placement over the kept store loaded the file's experts")
+    monkeypatch.setattr("ostinato.engine.experts.load_layer_experts", no_load)
+    for name, want in wants.items():
+        use_policy(loaded, make_policy(name, loaded.source, rs, _settings(name, setup, "native")))
+        host = loaded.runner.experts.unwrapped.host
+        assert all(w.w13.data_ptr() == store.layers[l].w13.data_ptr() for l, w in host.layers.items())
+        assert torch.equal(_logits(loaded), want), name
+    loaded.runner.experts.close()

@@ -4,7 +4,11 @@ every baseline policy in one process, plus the length sweep, and write the repor
 One run, one machine, one budget (BENCHMARK.md): the dense model is loaded once; each
 policy's experts backend is built in turn under the same expert budget, swapped into the
 engine (the previous one closed and freed first), warmed up, tuned on development sessions
-where it has a threshold, and replayed on the held-out sessions. Steps:
+where it has a threshold, and replayed on the held-out sessions. The experts are loaded once
+too: the profiling placement's page-locked host copies of every expert are kept, and every
+policy's host copies are views of them and its pools fill from them (engine/experts.py
+keep_host_experts; each policy had loaded them again, 167 s of a 175 s build for
+DeepSeek-V3-shaped). Steps:
 
 1. split the sessions by task into development and held-out (sessions/read.py);
 2. profile development sessions (and held-out ones, for the skew figure, its spread over the
@@ -38,6 +42,7 @@ from ostinato.bench.metrics import TurnResult, summarize, sweep_summary
 from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions, session_requests
 from ostinato.bench.report import environment, finish_result
 from ostinato.config import ConfigError
+from ostinato.engine.experts import keep_host_experts, release_host_experts
 from ostinato.engine.gpu_memory import memory_figures
 from ostinato.engine.placement import DEFAULT_UPLOAD_THRESHOLD, PlacementSettings
 from ostinato.engine.residency import Residency, measured
@@ -246,6 +251,7 @@ class Prepared:
     np_info: dict
     base: PolicySettings  # the settings every policy is built with
     load_s: float  # the model's load, every expert on the host (most of it: the experts' copies)
+    host_store: bool  # those copies kept for every policy (engine/experts.py keep_host_experts)
     route_counts: list[str]  # the development and held-out counts' digests (RouteCounts.digest)
 
 
@@ -264,6 +270,11 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
                          experts_factory=_probe_factory(probe, lambda m: _say(bs, m)))
     load_s = round(time.perf_counter() - t_load, 2)
     _say(bs, f"[{time.perf_counter() - t_start:.0f} s] model {bs.model} loaded")
+    probe_backend = loaded.runner.experts.unwrapped if loaded.runner.experts is not None else None
+    host_store = keep_host_experts(loaded.source, getattr(probe_backend, "host", None))
+    if host_store:
+        _say(bs, "host copies: the profiling placement's page-locked copies of every expert are kept; every policy's "
+                 "host copies are views of them and its pools fill from them (no load from the model per policy)")
     if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
         counts, held_counts = (RouteCounts.load(p) for p in bs.profiles)
         held_stats = None  # per-token statistics are not saved with the counts: no persistence figure
@@ -300,7 +311,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
              f"{bs.out / 'residency.json'}; fill {fill_text(residency.calibration.get('fill'))}; "
              f"Np = {np_info['value']} ({np_info['how']})")
     return Prepared(loaded, dev, held, budget, skew, np_info,
-                    base.with_(residency=residency, upload_threshold=np_info["value"]), load_s,
+                    base.with_(residency=residency, upload_threshold=np_info["value"]), load_s, host_store,
                     [counts.digest(), held_counts.digest()])
 
 
@@ -361,7 +372,8 @@ def run_bench(bs: BenchSettings) -> dict:
         _say(bs, "no development session's first turn fits the context: offload thresholds stay untuned")
     sweep_plan = sweep_requests(loaded.tokenizer, p.dev, bs, loaded.engine.max_context)
     base = {
-        "kind": "ostinato.bench", **environment(loaded, bs), "load_s": p.load_s, "budget": p.budget,
+        "kind": "ostinato.bench", **environment(loaded, bs), "load_s": p.load_s, "host_store": p.host_store,
+        "budget": p.budget,
         "split": {"sessions": bs.sessions, "development": len(p.dev), "held_out": len(p.held),
                   "max_turns": bs.max_turns, "max_output": bs.max_output,
                   "profiles": list(bs.profiles) if bs.profiles else None, "route_counts": p.route_counts},
@@ -423,6 +435,7 @@ def run_bench(bs: BenchSettings) -> dict:
             backend = None  # nothing but the engine may hold it: release() must free its pool for the next
             write(with_plots=False)
     release(loaded)
+    release_host_experts(loaded.source)
     return write(with_plots=True)
 
 

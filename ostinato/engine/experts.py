@@ -50,6 +50,7 @@ class ModelExperts:
     act: ExpertAct = SILU  # the experts' activation
     bias: bool = False  # the experts have biases (gpt-oss), kept in fp32 beside each slot
     load_jobs: int = 1  # layers loaded at once (loader/build.load_jobs)
+    store: HostExperts | None = None  # a kept store of every expert (stored_experts): `load` reads it
 
     def expert_size(self, layer: int) -> int:
         """Bytes of one expert (gate, up, down, its biases) of `layer` as its pool holds it."""
@@ -77,17 +78,59 @@ class ModelExperts:
         """experts: "native" keeps a GGUF file's block formats, "bf16" dequantizes them at load."""
         cfg = source.config
         formats = expert_formats(source, experts)
+        store = stored_experts(source, formats, dtype)
         return cls(cfg.num_hidden_layers, list(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok,
                    cfg.hidden_size, cfg.moe_intermediate_size, device, dtype,
-                   lambda layer: load_layer_experts(source, layer, formats[layer], device, dtype),
+                   expert_loader(source, formats, device, dtype, store),
                    max_tokens, threads, {l: qt for l, qt in formats.items() if qt is not None},
-                   cfg.expert_act, cfg.expert_bias, load_jobs(source, device))
+                   cfg.expert_act, cfg.expert_bias, load_jobs(source, device), store)
 
     @classmethod
     def from_source(cls, source, runner_settings, graphs: bool = True, experts: str = "native") -> "ModelExperts":
         """graphs: the policy decodes through the graph handshake (a poller core is kept for it)."""
         return cls.of(source, runner_settings.torch_device(), runner_settings.torch_dtype(source.config.torch_dtype),
                       runner_settings.prefill_chunk, runner_settings.thread_layout(graphs=graphs), experts)
+
+
+def keep_host_experts(source, host: HostExperts | None) -> bool:
+    """Keep `host`, where it holds every expert of each MoE layer of `source`, as the store that every
+    placement built on `source` from now on takes its host copies (views) and pool fills from
+    (HostExperts.keep says why); -> whether it was kept. The bench keeps its profiling placement's
+    copies (bench.py prepare); release_host_experts ends it."""
+    cfg = source.config
+    if host is None or set(host.layers) != set(cfg.moe_layers) or not host.holds_every_expert():
+        return False
+    host.keep()
+    source.host_store = host
+    return True
+
+
+def release_host_experts(source) -> None:
+    """Placements built on `source` load their experts again; the store's buffers are freed, and
+    unpinned, with the last placement that reads them."""
+    source.host_store = None
+
+
+def stored_experts(source, formats: dict[int, Qtypes | None], dtype: torch.dtype) -> HostExperts | None:
+    """The store kept on `source` (keep_host_experts), where it holds the experts in these formats and
+    dtype; else None (a placement then loads them from the source)."""
+    store = getattr(source, "host_store", None)
+    if store is None:
+        return None
+    for layer, w in store.layers.items():
+        qt = (w.qt13, w.qt2) if isinstance(w, QuantExpertWeights) else None
+        if qt != formats.get(layer) or (qt is None and w.w13.dtype != dtype):
+            return None
+    return store
+
+
+def expert_loader(source, formats: dict[int, Qtypes | None], device: torch.device, dtype: torch.dtype,
+                  store: HostExperts | None) -> Callable[[int], ExpertWeights | QuantExpertWeights]:
+    """One layer's stacked experts, every one in id order, in its format: from the store where there is
+    one (page-locked host memory), else loaded from the source onto `device` (loader/build.py)."""
+    if store is not None:
+        return lambda layer: store.layers[layer]
+    return lambda layer: load_layer_experts(source, layer, formats[layer], device, dtype)
 
 
 def baseline_staging(spec: ModelExperts, budget: int) -> int | None:
@@ -130,19 +173,28 @@ def build_parts(spec: ModelExperts, resident: dict[int, list[int]], on_host: dic
     pools = ExpertPools.build(hot, spec.num_layers, spec.num_experts, spec.top_k, flex, shape13, shape2, spec.device,
                               spec.dtype, spec.formats, act=spec.act, bias=spec.bias)
     host_sets = {l: sorted(v) for l, v in on_host.items() if v}
-    host = HostExperts(host_sets, spec.num_experts, shape13, shape2, spec.dtype, spec.formats, act=spec.act,
-                       bias=spec.bias)
+    host = host_copies(spec.store, host_sets, spec.num_experts, shape13, shape2, spec.dtype, spec.formats,
+                       act=spec.act, bias=spec.bias)
 
     def fill(layer: int) -> None:
         w = spec.load(layer)
         pools.fill_layer(layer, w)
-        if layer in host_sets:
+        if layer in host_sets and spec.store is None:
             host.fill_layer(layer, w)
 
     on_workers(fill, spec.moe_layers, spec.threads, spec.load_jobs)
     cpus = spec.threads.workers if spec.threads is not None else None
     cpu = CpuExperts(host.layers, backend=cpu_backend, cpus=cpus) if host.layers else None
     return pools, host, cpu
+
+
+def host_copies(store: HostExperts | None, cold: dict[int, list[int]], num_experts: int, shape13, shape2, dtype,
+                formats, **math) -> HostExperts:
+    """The page-locked host copies of the `cold` experts: views of the store where there is one (nothing
+    to fill), else new buffers that the placement fills from each layer's load."""
+    if store is not None:
+        return HostExperts.over(store, cold)
+    return HostExperts(cold, num_experts, shape13, shape2, dtype, formats, **math)
 
 
 def hybrid_from_parts(spec: ModelExperts, hot: dict[int, list[int]], upload_threshold: int | None,

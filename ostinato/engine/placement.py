@@ -23,15 +23,15 @@ import torch
 
 from ostinato.config import ConfigError
 from ostinato.engine.devices import SplitExperts, device_scope, gpus_in_order, in_order, physical, resolve_layer_devices
-from ostinato.engine.experts import ModelExperts, hybrid_from_parts
+from ostinato.engine.experts import ModelExperts, expert_loader, host_copies, hybrid_from_parts, stored_experts
 from ostinato.engine.gpu_memory import apply_memory_cap
 from ostinato.engine.residency import Residency
 from ostinato.threads import ThreadLayout, on_workers
 from ostinato.layers.moe.borrow import Borrowing
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.layers.moe.hybrid import HybridExperts, MixedPass
-from ostinato.layers.moe.pool import ExpertPools, HostExperts, bounded_flex
-from ostinato.loader.build import check_mode, expert_formats, load_jobs, load_layer_experts, weight_formats
+from ostinato.layers.moe.pool import ExpertPools, bounded_flex
+from ostinato.loader.build import check_mode, expert_formats, load_jobs, weight_formats
 
 
 @dataclass(frozen=True)
@@ -181,13 +181,15 @@ def build_split_hybrid(source, residency, place, layer_devices: list[str], dtype
         except torch.OutOfMemoryError:
             raise ConfigError(f"the expert pool of {name} does not fit its GPU memory cap: plan with a smaller "
                               "--gpu-memory or --hot-fraction") from None
-    host = HostExperts(cold, E, (2 * F, D), (D, F), dtype, formats, **expert_math(cfg))
+    store = stored_experts(source, formats, dtype)
+    host = host_copies(store, cold, E, (2 * F, D), (D, F), dtype, formats, **expert_math(cfg))
 
     def fill(layer: int) -> None:
         pool = pools[layer_devices[layer]]
-        experts = load_layer_experts(source, layer, formats[layer], pool.device, dtype)
+        experts = expert_loader(source, formats, pool.device, dtype, store)(layer)
         pool.fill_layer(layer, experts)
-        host.fill_layer(layer, experts)
+        if store is None:
+            host.fill_layer(layer, experts)
 
     on_workers(fill, cfg.moe_layers, threads, load_jobs(source, physical(layer_devices[cfg.moe_layers[0]])))
     gpu_of = {n: i for i, n in enumerate(gpus_in_order(layer_devices))}
