@@ -614,6 +614,22 @@ def test_bench_merge_knows_route_counts_by_their_digest_not_their_path(tmp_path)
         _earlier(bs, doc(None, same))
 
 
+def test_saved_profiles_of_another_model_are_refused_by_name(tmp_path):
+    """A bench or plan given saved route counts checks them against the model: another model's layers or
+    experts (run.sh's folder once held the 30B model's beside DeepSeek-V3-shaped's) are refused, not planned on."""
+    from types import SimpleNamespace
+
+    from ostinato.config import ConfigError
+    from ostinato.engine.routes import RouteCounts
+
+    path = tmp_path / "profile-dev.json"
+    RouteCounts.zeros([1, 2], 8).save(path)
+    assert RouteCounts.load(path, SimpleNamespace(moe_layers=[1, 2], num_experts=8)).prefill.keys() == {1, 2}
+    for cfg in (SimpleNamespace(moe_layers=[1, 2, 3], num_experts=8), SimpleNamespace(moe_layers=[1, 2], num_experts=16)):
+        with pytest.raises(ConfigError, match="profile-dev.json: route counts of 2 MoE layers of \\[8\\] experts"):
+            RouteCounts.load(path, cfg)
+
+
 def test_bench_refuses_a_calibration_file_that_holds_only_an_np(tmp_path):
     """A bench whose calibration failed saves its residency with the default Np alone: given back
     as --calibration, it is refused by name (it once failed later, on a missing layer constant)."""

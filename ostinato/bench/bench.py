@@ -276,7 +276,7 @@ def prepare(bs: BenchSettings, t_start: float) -> Prepared:
         _say(bs, "host copies: the profiling placement's page-locked copies of every expert are kept; every policy's "
                  "host copies are views of them and its pools fill from them (no load from the model per policy)")
     if bs.profiles:  # made by `ostinato skew --save-profiles` or an earlier bench on this model
-        counts, held_counts = (RouteCounts.load(p) for p in bs.profiles)
+        counts, held_counts = (RouteCounts.load(p, loaded.source.config) for p in bs.profiles)
         held_stats = None  # per-token statistics are not saved with the counts: no persistence figure
         _say(bs, f"profiles: {counts.sessions} development and {held_counts.sessions} held-out sessions from "
                  f"{', '.join(bs.profiles)}")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ostinato.config import ConfigError
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -82,8 +83,21 @@ class RouteCounts:
         Path(path).write_text(json.dumps(self.to_json()) + "\n")
 
     @classmethod
-    def load(cls, path: Path) -> "RouteCounts":
-        return cls.from_json(json.loads(Path(path).read_text()))
+    def load(cls, path: Path, config=None) -> "RouteCounts":
+        """config: the model's (ModelConfig); counts of another model's MoE layers or experts are refused."""
+        counts = cls.from_json(json.loads(Path(path).read_text()))
+        if config is not None:
+            counts.check_model(config, str(path))
+        return counts
+
+    def check_model(self, config, where: str) -> None:
+        """ConfigError unless these are counts of the model's MoE layers and experts (a bench given another
+        model's saved profiles would plan on them)."""
+        sizes = {int(c.numel()) for c in (*self.prefill.values(), *self.decode.values())}
+        if sorted(self.prefill) != sorted(config.moe_layers) or sizes != {config.num_experts}:
+            raise ConfigError(f"{where}: route counts of {len(self.prefill)} MoE layers of {sorted(sizes)} experts, "
+                              f"not this model's {len(config.moe_layers)} of {config.num_experts}: profile this model "
+                              "(leave the profiles out) or give its own")
 
 
 class RouteTally:

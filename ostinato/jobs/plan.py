@@ -89,7 +89,7 @@ def _plan_profile(a, source):
     from ostinato.engine.routes import RouteCounts
 
     if a.profile:
-        return RouteCounts.load(a.profile), a.profile
+        return RouteCounts.load(a.profile, source.config), a.profile
     if a.sessions:
         import tempfile
 
