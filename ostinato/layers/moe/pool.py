@@ -423,9 +423,10 @@ class HostExperts:
         """Make these copies a store (holds_every_expert) that outlives the placement that built them: its
         unpin() does nothing from now on, as placements built later read views of its buffers, and
         the buffers stay page-locked until they are collected with the last view (pin_in_place). Why: a
-        bench builds one placement per policy, and each built its own copies from the model's files, 167 s
-        of 175 for DeepSeek-V3-shaped under 24 GiB on an H100 (results/2026-12-07-h100-s51/), the page
-        cache unable to hold the 90 GB file beside 80 GB of page-locked copies."""
+        bench builds one placement per policy, and each loaded its experts from the model's files again: the
+        placement took 167 s of a 175 s build for DeepSeek-V3-shaped under 24 GiB on an H100
+        (results/2026-12-07-h100-s51/; likely the page cache unable to hold the 90 GB file beside 80 GB of
+        page-locked copies)."""
         if not self.holds_every_expert():
             raise ValueError("only host copies of every expert of each layer can be kept as a store")
         self.kept = True
@@ -445,8 +446,8 @@ class HostExperts:
             if not ids:
                 continue
             self.layers[layer] = store.layers[layer]
-            c = torch.full_like(store.rows[layer], COLD)
-            c[sorted(ids)] = store.rows[layer][sorted(ids)]
+            c, ids = torch.full_like(store.rows[layer], COLD), sorted(ids)
+            c[ids] = store.rows[layer][ids]
             self.compact[layer] = c
             self.rows[layer] = c.clone()
         self._row_views, self._row_lists = {}, {}
