@@ -56,6 +56,7 @@ from ostinato.engine.kv_cache import KVCache  # noqa: E402
 from ostinato.engine.placement import PlacementSettings  # noqa: E402
 from ostinato.engine.runner import RunnerSettings  # noqa: E402
 from ostinato.kernels.triton import fused_dense  # noqa: E402
+from ostinato.layers.moe.backend import MoEBackend  # noqa: E402
 from ostinato.load import load_engine  # noqa: E402
 from ostinato.loader.build import expert_formats  # noqa: E402
 
@@ -331,15 +332,27 @@ def marked_backend(runner):
 
         cpu.wait = marked_wait
 
-    def backend(layer, x, topk):
-        with record_function(MOE):
-            return inner(layer, x, topk)
-
     def undo():
         if cpu is not None and "wait" in vars(cpu):
             del cpu.wait
 
-    return backend, undo
+    return MarkedExperts(inner), undo
+
+
+class MarkedExperts(MoEBackend):
+    """The runner's backend with each MoE call marked (MOE) for the profiler: one chunk's, or every
+    chunk's of a layer at once (MoEBackend.many), as the runner makes them."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, layer, x, topk):
+        with torch.profiler.record_function(MOE):
+            return self.inner(layer, x, topk)
+
+    def many(self, layer, xs, topks):
+        with torch.profiler.record_function(MOE):
+            return self.inner.many(layer, xs, topks)
 
 
 def python_profile(fn, passes: int, n: int = 30) -> dict:

@@ -36,7 +36,7 @@ from ostinato.engine.kv_cache import allocate, layer_views
 from ostinato.layers.moe.backend import MoEBackend
 from ostinato.layers.moe.reference import ReferenceExperts
 from ostinato.loader.build import WeightFormats, host_embedding, load_experts
-from ostinato.models.common import DecodeWindow
+from ostinato.models.common import DecodeWindow, PassChunk
 
 
 def physical(name: str) -> torch.device:
@@ -185,19 +185,24 @@ def forward_layer_major(model, parts: list[Segment], chunks: list[tuple], kv: li
     Why: an upload pass stages a layer's cold experts in the pool's flex slots, and in chunk order
     every other layer overwrites them before the next chunk comes back, so a prompt of n chunks
     copied each cold expert n times (session 28: 183 GB over the 30B file's 71 held-out turns,
-    mostly first turns). Layer by layer, the next chunk finds them still staged
-    (HybridExperts.upload_path, ExpertPool.stage). Every chunk's hidden states wait between
-    layers: the capacity test counts them (planner/capacity.py activation_bytes, "chunk_states")."""
-    states = [list(model.embed(ids, pos, start, None, rows)) + [start] for ids, pos, start, rows in chunks]
+    mostly first turns). Layer by layer, at an MoE layer every chunk attends first, then the routed
+    experts of all chunks go to the backend in one call (DecoderLayer.forward_chunks,
+    MoEBackend.many), which stages each of the layer's cold experts once for all of them: where
+    they outnumber the flex slots and go up in waves (HybridExperts.upload_chunks), every chunk's
+    routes to a wave are computed while it is staged; one chunk after the other, only the last wave
+    would still be staged for the next chunk. One chunk is the model's own layer, unchanged. Every
+    chunk's hidden states wait between layers, and its residual, MLP input and expert sums while
+    the waves run: the capacity test counts them (planner/capacity.py activation_bytes,
+    "chunk_states")."""
+    states = [PassChunk(*model.embed(ids, pos, start, None, rows), start) for ids, pos, start, rows in chunks]
     for seg in parts:
         dev = seg.device
         if not seg.first:
-            states = [[t.to(dev) for t in st[:3]] + st[3:] for st in states]
+            states = [st.to(dev) for st in states]
         with device_scope(dev):
             for layer in seg.layers:
-                for st in states:
-                    st[0] = model.run_layers(range(layer, layer + 1), st[0], st[1], st[2], kv, st[3])
-    return [model.model.norm(st[0]) for st in states]
+                model.model.layers[layer].forward_chunks(states, kv[layer])
+    return [model.model.norm(st.x) for st in states]
 
 
 class SplitExperts(MoEBackend):
@@ -209,6 +214,9 @@ class SplitExperts(MoEBackend):
 
     def __call__(self, layer: int, x: torch.Tensor, topk):
         return self.backends[self.layer_devices[layer]](layer, x, topk)
+
+    def many(self, layer: int, xs: list[torch.Tensor], topks: list) -> list[torch.Tensor]:
+        return self.backends[self.layer_devices[layer]].many(layer, xs, topks)
 
     @property
     def capturable(self) -> bool:

@@ -138,7 +138,7 @@ def baseline_staging(spec: ModelExperts, budget: int) -> int | None:
     (the group's most cold experts of a layer, E with none resident), where the budget holds them with
     the K zero slots; else FLEX_SHARE of the budget split evenly over the groups, in the largest group's
     expert bytes (Ostinato's bound on its flex slots, planner/capacity.py), and a pass that uploads more
-    experts than that runs in waves (layers/moe/hybrid.py upload_path). Why: a DeepSeek-V3 layer of bf16
+    experts than that runs in waves (layers/moe/hybrid.py upload_chunks, once for all the chunks of a pass). Why: a DeepSeek-V3 layer of bf16
     experts is 22.5 GB, more than a 24 GiB cap leaves the pools (session 49), and llama.cpp's op offload
     needs only one expert tensor's room, not a layer's."""
     if pools_bytes(spec, {}, None) <= budget:

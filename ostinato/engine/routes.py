@@ -168,3 +168,9 @@ class _Counting:
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         self.tally.add(layer, topk)
         return self.inner(layer, x, topk)
+
+    def many(self, layer: int, xs: list[torch.Tensor], topks: list[TopKOutput]) -> list[torch.Tensor]:
+        """Each chunk counted as a pass of its own, as when the chunks ran one after the other."""
+        for topk in topks:
+            self.tally.add(layer, topk)
+        return self.inner.many(layer, xs, topks)

@@ -13,6 +13,7 @@ Legend: T new tokens, D hidden, Hd rotary dim, V vocabulary.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
 
 import torch
@@ -114,6 +115,10 @@ class ExpertsBackend(Protocol):
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """x [T, D], topk ids/weights [T, K] -> routing-weighted sum of experts [T, D]."""
 
+    def many(self, layer: int, xs: list[torch.Tensor], topks: list[TopKOutput]) -> list[torch.Tensor]:
+        """The chunks of one pass through a layer at once (RoutedBlock.forward_chunks) -> each chunk's
+        sum, as __call__ gives it (layers/moe/backend.py MoEBackend.many)."""
+
 
 class RMSNorm(nn.Module):
     """fp32 statistics; the result cast back before the weight multiplies it (Qwen3, DeepSeek), or with
@@ -199,9 +204,31 @@ class DenseMLP(nn.Module):
 
 class RoutedBlock(nn.Module):
     """An MoE block: its router is a parameter of the model, its routed experts the backend
-    the runner plugs in (`experts`)."""
+    the runner plugs in (`experts`). A family says how its block routes (`route`) and what it adds
+    to the routed experts' sum (`finish`: shared experts); the block is the two around one call of
+    the backend, or (`forward_chunks`) around one call for every chunk of a pass, so that a backend
+    which stages experts does so once for all of them (engine/devices.py forward_layer_major)."""
 
+    layer: int
     experts: ExpertsBackend | None = None
+
+    def route(self, h: torch.Tensor) -> TopKOutput:
+        """h [T, D], the MLP's input -> the routing, ids and weights [T, K]."""
+        raise NotImplementedError
+
+    def finish(self, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The block's output [T, D] from its input h and the routed experts' sum [T, D]: that sum,
+        unless the family adds to it."""
+        return routed
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.finish(h, self.experts(self.layer, h, self.route(h)))
+
+    def forward_chunks(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """forward of each chunk of a pass (hs: their inputs [T_c, D]), the routed experts of all of them
+        in one call of the backend (ExpertsBackend.many)."""
+        routed = self.experts.many(self.layer, hs, [self.route(h) for h in hs])
+        return [self.finish(h, routed.pop(0)) for h in hs]  # each sum let go once finished
 
 
 class DecodeWindow:
@@ -262,10 +289,47 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
 
-    def forward(self, x, cos, sin, kv, start: int, window=None) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, kv,
+    def attend(self, x, cos, sin, kv, start: int, window=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention half: x [T, D] -> (the residual after attention, the MLP's input h), both [T, D]."""
+        return self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, kv,
                                                                            start, window))
+
+    def forward(self, x, cos, sin, kv, start: int, window=None) -> torch.Tensor:
+        x, h = self.attend(x, cos, sin, kv, start, window)
         return x + self.mlp(h)
+
+    def forward_chunks(self, chunks: list["PassChunk"], kv) -> None:
+        """Every chunk of a pass through this layer, in order: chunk c attends over the cache rows that
+        chunks 0..c wrote, as forward would one chunk after the other; each chunk's x becomes its output.
+        A routed MLP takes the chunks together (RoutedBlock.forward_chunks) once all have attended: each
+        chunk's input is dropped as its attention ends, its residual and MLP input wait for the others
+        (planner/capacity.py activation_bytes, "chunk_states", counts them)."""
+        if len(chunks) == 1 or not isinstance(self.mlp, RoutedBlock):
+            for c in chunks:
+                c.x = self(c.x, c.cos, c.sin, kv, c.start)
+            return
+        hs = []
+        for c in chunks:
+            c.x, h = self.attend(c.x, c.cos, c.sin, kv, c.start)
+            hs.append(h)
+        ys = self.mlp.forward_chunks(hs)
+        del hs  # the MLP inputs go before the residual sums are made
+        for c, y in zip(chunks, ys):
+            c.x = c.x + y
+
+
+@dataclass
+class PassChunk:
+    """One chunk of a pass run layer by layer (engine/devices.py forward_layer_major): its hidden states
+    x [T, D] between layers, its rotary cos, sin [T, Hd] and its first position."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    start: int
+
+    def to(self, device: torch.device) -> "PassChunk":
+        return PassChunk(self.x.to(device), self.cos.to(device), self.sin.to(device), self.start)
 
 
 class DecoderStack(nn.Module):

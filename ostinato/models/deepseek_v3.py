@@ -162,9 +162,12 @@ class MoE(RoutedBlock):
         n = cfg.n_shared_experts
         self.shared_experts = DenseMLP(cfg.hidden_size, n * cfg.moe_intermediate_size) if n else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(self.layer, x, self.gate(x))
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+    def route(self, h: torch.Tensor) -> TopKOutput:
+        return self.gate(h)
+
+    def finish(self, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output added to the routed experts' sum."""
+        return routed if self.shared_experts is None else routed + self.shared_experts(h)
 
 
 class DeepseekV3ForCausalLM(MoECausalLM):

@@ -31,6 +31,7 @@ from torch import nn
 
 from ostinato.config import ModelConfig
 from ostinato.layers.moe.router import route_topk_softmax
+from ostinato.layers.moe.types import TopKOutput
 from ostinato.models.common import (AttentionShape, DecodeWindow, DecoderLayer, FusedProjections, KVShapes,
                                     MoECausalLM, RMSNorm, RoutedBlock)
 from ostinato.models.rope import norm_rotate_qk
@@ -136,8 +137,8 @@ class GptOssMoE(RoutedBlock):
         self.layer, self.top_k = layer, cfg.num_experts_per_tok
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(self.layer, x, route_topk_softmax(self.router(x), self.top_k, x.dtype))
+    def route(self, h: torch.Tensor) -> TopKOutput:
+        return route_topk_softmax(self.router(h), self.top_k, h.dtype)
 
 
 class GptOssForCausalLM(MoECausalLM):

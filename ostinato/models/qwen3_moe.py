@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ostinato.config import ModelConfig
-from ostinato.layers.moe.router import route
+from ostinato.layers.moe import router
+from ostinato.layers.moe.types import TopKOutput
 from ostinato.models.common import (AttentionShape, causal_attention, DecodeWindow, DecoderLayer, DenseMLP, ExpertsBackend,
                                     FusedProjections, KVShapes, MoECausalLM, RMSNorm, RoutedBlock)
 from ostinato.models.rope import apply_rotary, norm_rotate_qk, store_kv
@@ -131,9 +132,8 @@ class SparseMoeBlock(RoutedBlock):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts: ExpertsBackend | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk = route(self.gate(x), self.top_k, self.norm_topk, x.dtype)
-        return self.experts(self.layer, x, topk)
+    def route(self, h: torch.Tensor) -> TopKOutput:
+        return router.route(self.gate(h), self.top_k, self.norm_topk, h.dtype)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):

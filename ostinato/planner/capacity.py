@@ -303,9 +303,16 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
                  Qwen3-30B-A3B, 2048 tokens over 8292) peaked 733 MB under the math-kernel bound;
                  this one counts 406 MB less there.
       rope       2 T Dr (4 + b)           cos/sin
-      chunk states (N - T) (D + 2 Dr) b   a longer pass runs layer by layer (engine/devices.py
-                                          forward_layer_major): its other chunks' hidden states
-                                          and cos/sin wait between layers (N > T only)
+      chunk states (N - T) ((2 D + 2 Dr) b + D 4 + K 13)
+                                          a longer pass runs layer by layer (engine/devices.py
+                                          forward_layer_major), and its chunks' routed experts
+                                          in one call per MoE layer: while that call runs (the
+                                          waves of an upload pass, HybridExperts.upload_chunks)
+                                          each other chunk holds its residual and MLP input
+                                          (DecoderLayer.forward_chunks), cos/sin, its routing
+                                          (int64 ids, fp32 weights), the upload path's cold mask
+                                          and the fp32 sum of its experts; between layers only
+                                          its hidden states and cos/sin wait (N > T only)
       router     T E (b + 8) + T K 12     logits, fp32 softmax, top-k ids (int64) and weights;
                  + T E 13 + T D 4         sigmoid routing: fp32 input, scores, biased and masked
                                           scores, the group mask
@@ -343,7 +350,7 @@ def activation_bytes(cfg: ModelConfig, T: int, N: int, dtype: torch.dtype, score
         "qkv": 3 * T * (H * Dq + Hkv * (Dq + Dv)) * b,
         "attention": attention,
         "rope": 2 * T * Dr * (4 + b),
-        "chunk_states": max(0, N - T) * (D + 2 * Dr) * b,
+        "chunk_states": max(0, N - T) * ((2 * D + 2 * Dr) * b + D * 4 + K * 13),
         "router": T * E * (b + 8) + T * K * 12 + (T * E * 13 + T * D * 4 if cfg.scoring_func == "sigmoid" else 0),
         "experts": T * K * (2 * F * 4 + D * 4 + 8) + T * D * (3 * 4 + b),
         "dequant_scratch": dequant_scratch,

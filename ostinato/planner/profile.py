@@ -73,10 +73,19 @@ class CountingExperts:
         self.is_output: torch.Tensor | None = None  # [T] bool of the pass being run
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        E = self.counts.prefill[layer].numel()
-        mask = self.is_output[:, None].expand_as(topk.ids)
-        ones = torch.ones_like(topk.ids)
-        self.counts.decode[layer].index_add_(0, topk.ids[mask], ones[mask])
-        self.counts.prefill[layer].index_add_(0, topk.ids[~mask], ones[~mask])
-        assert self.counts.prefill[layer].numel() == E
+        self._count(layer, topk.ids)
         return self.inner(layer, x, topk)
+
+    def many(self, layer: int, xs: list[torch.Tensor], topks: list[TopKOutput]) -> list[torch.Tensor]:
+        """Every chunk of the pass counted (is_output covers the pass), then handed on together."""
+        self._count(layer, torch.cat([t.ids for t in topks]))
+        return self.inner.many(layer, xs, topks)
+
+    def _count(self, layer: int, ids: torch.Tensor) -> None:
+        """ids [T, K] of the pass being run, whose tokens' phases is_output [T] gives."""
+        E = self.counts.prefill[layer].numel()
+        mask = self.is_output[:, None].expand_as(ids)
+        ones = torch.ones_like(ids)
+        self.counts.decode[layer].index_add_(0, ids[mask], ones[mask])
+        self.counts.prefill[layer].index_add_(0, ids[~mask], ones[~mask])
+        assert self.counts.prefill[layer].numel() == E

@@ -128,6 +128,11 @@ class RouteTrace:
         self.ids[layer] = topk.ids
         return self.inner(layer, x, topk)
 
+    def many(self, layer: int, xs: list[torch.Tensor], topks: list) -> list[torch.Tensor]:
+        """The chunks of one pass: their ids together are the pass's."""
+        self.ids[layer] = torch.cat([t.ids for t in topks])
+        return self.inner.many(layer, xs, topks)
+
 
 def _add_pass(stats: RouteStats, ids: dict[int, torch.Tensor], prev: dict[int, torch.Tensor],
               cls: torch.Tensor, num_experts: int) -> dict[int, torch.Tensor]:

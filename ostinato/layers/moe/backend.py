@@ -1,10 +1,13 @@
-"""The experts backend as the runner sees it: the model's one call (models/qwen3_moe.py), the
-hooks the runner, the decode graphs and a split model's devices call around passes, and what
-its owners ask of it (a report, a threshold to tune, its end).
+"""The experts backend as the runner sees it: the model's call (models/common.py RoutedBlock), for
+one chunk or for every chunk of a pass at once (`many`), the hooks the runner, the decode graphs
+and a split model's devices call around passes, and what its owners ask of it (a report, a
+threshold to tune, its end).
 
 Every backend (the reference, the hybrid and its graph wrapper, the caches, a split model's
 set of per-device backends) derives from MoEBackend, so a hook it does not need is the no-op
-here and the callers call each hook directly; a wrapper answers for what it wraps.
+here and the callers call each hook directly; a wrapper answers for what it wraps, and hands
+`many` on whole (wrappers outside this hierarchy, planner/profile.py's and engine/routes.py's
+counters, do too).
 
 Legend: T tokens, K top-k, D hidden.
 """
@@ -38,6 +41,14 @@ class MoEBackend:
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         """x [T, D], topk ids / weights [T, K] -> routing-weighted sum of the experts [T, D]."""
         raise NotImplementedError
+
+    def many(self, layer: int, xs: list[torch.Tensor], topks: list[TopKOutput]) -> list[torch.Tensor]:
+        """The chunks of one host-driven pass through a layer at once (xs [T_c, D], topks [T_c, K] each;
+        engine/devices.py forward_layer_major, never inside a captured graph) -> each chunk's sum, as
+        __call__ gives it. Here: __call__ on each chunk, in order. A backend that stages experts for a
+        pass stages them once for all its chunks (HybridExperts.many); a wrapper hands the chunks on
+        whole to what it wraps."""
+        return [self(layer, x, topk) for x, topk in zip(xs, topks)]
 
     def captures_pass(self, T: int) -> bool:
         """Whether a prefill pass of T tokens may replay as a captured graph (engine/graph.py
@@ -89,3 +100,14 @@ class MoEBackend:
     def close(self) -> None:
         """Stop its threads and return its page-locked host memory (a wrapper: what it wraps too);
         after this it serves no pass."""
+
+
+class CallableBackend(MoEBackend):
+    """A function (layer, x, topk) -> sum as a backend (a measurement's forced routing, a profiler's
+    marks around the runner's backend): a pass of several chunks calls it once a chunk (MoEBackend.many)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        return self.fn(layer, x, topk)

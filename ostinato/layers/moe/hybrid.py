@@ -7,15 +7,20 @@ over PCIe, chosen by the size of the pass (DESIGN.md, "Three execution paths").
   then the GPU branch is launched, so the two overlap; nothing but activations crosses PCIe.
 * upload (T >= Np): each distinct cold expert of the pass is copied once into a flex
   slot of the pool, then the GPU computes everything; hot experts are never uploaded. A pass
-  of several chunks runs layer by layer (engine/devices.py forward_layer_major), so its later
-  chunks find the layer's experts still staged and do not copy them again (`_stage`).
+  of several chunks runs layer by layer (engine/devices.py forward_layer_major) and hands a
+  layer every chunk at once (`many`): the chunks on the upload path stage the union of their
+  cold experts once (`upload_chunks`), each computing its own routes to them.
   The flex slots are bounded (planner/capacity.py: a DeepSeek-V3 layer's 256 cold experts
   would take 21 GiB; a baseline's staging under a cap smaller than a layer: engine/experts.py
   baseline_staging), so a pass may route to more distinct cold experts than they hold: it then
   uploads them in waves of as many as the slots hold, each wave's copies after the previous
-  wave's GEMM, which read the same slots (counted as `wave_passes`), as llama.cpp's op offload
-  copies a host layer's weights whatever the pass. Where splitting is cheaper, the split with
-  uploads below takes those sizes (by calibration), and Np puts the upload path where it wins.
+  wave's GEMMs, which read the same slots (counted as `wave_passes`: once per layer and pass,
+  however many chunks), as llama.cpp's op offload copies a host layer's weights whatever the
+  pass. Every chunk's routes to a wave are computed while it is staged, each chunk summing
+  into its own fp32 accumulator over the waves: staged one chunk after the other, only the last
+  wave would still be there for the next chunk, and a pass of n chunks copied nearly every cold
+  expert n times. Where splitting is cheaper, the split with uploads below takes those sizes
+  (by calibration), and Np puts the upload path where it wins.
 * split with uploads (`mixed.min_tokens` <= T <= `mixed.max_tokens`, with `mixed` set from a
   calibration; Np then plays no part for those passes): the split path, but the most-routed
   cold experts of the pass cross PCIe into flex slots while the CPU computes the rest, so the
@@ -277,6 +282,11 @@ class HybridWrapper(MoEBackend):
     def unwrapped(self) -> "HybridExperts":
         return self.hybrid
 
+    def many(self, layer: int, xs: list[torch.Tensor], topks: list[TopKOutput]) -> list[torch.Tensor]:
+        """A pass of several chunks is host-driven, never a captured step's or a capture's warm-up
+        (MoEBackend.many): the executor takes it, as __call__ hands it such passes."""
+        return self.hybrid.many(layer, xs, topks)
+
     @property
     def offload_threshold(self) -> int | None:
         return self.hybrid.offload_threshold
@@ -499,6 +509,20 @@ class HybridExperts(MoEBackend):
             return self.upload_path(layer, x, topk)
         return self.split_path(layer, x, topk)
 
+    def many(self, layer: int, xs: list[torch.Tensor], topks: list[TopKOutput]) -> list[torch.Tensor]:
+        """The chunks of one pass through a layer (engine/devices.py forward_layer_major): those that take
+        the upload path stage the layer's cold experts together, each wave once for all of them
+        (upload_chunks); the others run one by one as __call__ runs them (the split path, with a cache's
+        admission or a split with uploads; the GPU alone), after those."""
+        up = [i for i, x in enumerate(xs)
+              if choose_path(x.shape[0], self.has_cold[layer], self.upload_threshold, self.mixed) == "upload"]
+        if len(up) < 2:
+            return super().many(layer, xs, topks)
+        for i in up:
+            self.counters["routes"] += topks[i].ids.numel()
+        outs = dict(zip(up, self.upload_chunks(layer, [xs[i] for i in up], [topks[i] for i in up])))
+        return [outs.pop(i) if i in outs else self(layer, x, topk) for i, (x, topk) in enumerate(zip(xs, topks))]
+
     def _gpu_only(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         pool = self.pools.of(layer)
         # the fp32 sum rounded once to x's dtype in the combine: the value the split path's cast gives
@@ -694,37 +718,49 @@ class HybridExperts(MoEBackend):
         return pool.num_slots - pool.flex_lo - (self.admission.entries(pool) if self.admission is not None else 0)
 
     def upload_path(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        """Upload path: each distinct cold expert of the pass (upload_all: of the layer) once into a
-        flex slot, all on the GPU; with more of them than the pass may stage at once (stage_room), in
-        waves of that many (module docstring); with no slot to stage in, the split path."""
+        """Upload path of a pass of one chunk (upload_chunks)."""
+        return self.upload_chunks(layer, [x], [topk])[0]
+
+    def upload_chunks(self, layer: int, xs: list[torch.Tensor], topks: list[TopKOutput]) -> list[torch.Tensor]:
+        """Upload path of the chunks of a pass through a layer (one, or several run layer by layer: many):
+        each distinct cold expert of the chunks (upload_all: of the layer) once into a flex slot, then every
+        chunk's routes to it, all on the GPU; with more of them than the pass may stage at once (stage_room),
+        in waves of that many (module docstring), each wave's GEMMs for every chunk before the next wave's
+        copies take the slots; with no slot to stage in, the split path. Each chunk keeps its fp32 sum until
+        the last wave (planner/capacity.py activation_bytes counts every chunk's)."""
         pool = self.pools.of(layer)
         table = pool.table[layer]
-        slot = table[topk.ids]
+        cold = [table[t.ids] < 0 for t in topks]
         if self.upload_all:
             cold_ids = self.cold_experts(layer)
         else:
-            cold_ids = torch.unique(topk.ids[slot < 0]).cpu()
+            cold_ids = torch.unique(torch.cat([t.ids[c] for t, c in zip(topks, cold)])).cpu()
         n, room = cold_ids.numel(), self.stage_room(pool)
         if not n:
-            return pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=x.dtype)
+            return [pool.forward(x, pool.slots_for(layer, t.ids), t.weights, out_dtype=x.dtype)
+                    for x, t in zip(xs, topks)]
         if not room:
-            return self.split_path(layer, x, topk)
+            return [self.split_path(layer, x, t) for x, t in zip(xs, topks)]
         # counted now, while the stream is idle after the sync above: a host read after the GEMMs
         # below would hold the host until they end
-        self.counters["cold_routes"] += int((slot < 0).sum())
-        if n > room:  # the experts an earlier chunk left staged go first, in the wave that finds them there
+        self.counters["cold_routes"] += int(sum(c.sum() for c in cold))
+        if n > room:  # the experts an earlier pass left staged go first, in the wave that finds them there
             self.counters["wave_passes"] += 1
             held = pool.staged(layer)
             cold_ids = cold_ids[torch.tensor([e not in held for e in cold_ids.tolist()]).argsort(stable=True)]
-        out = None
+        outs = None
         for lo in range(0, n, room):
             wave = cold_ids[lo:lo + room]
             dst, copies = self._stage(pool, layer, wave.tolist())
-            self._copy_in(layer, *copies)  # once the slots' earlier readers (the previous wave's GEMM) are done
-            if out is None:  # the pool's experts while the first wave's copies run, then each wave's (split_path)
-                out = pool.forward(x, pool.slots_for(layer, topk.ids), topk.weights, out_dtype=torch.float32)
+            self._copy_in(layer, *copies)  # once the slots' earlier readers (the previous wave's GEMMs) are done
+            if outs is None:  # the pool's experts while the first wave's copies run, then each wave's (split_path)
+                outs = [pool.forward(x, pool.slots_for(layer, t.ids), t.weights, out_dtype=torch.float32)
+                        for x, t in zip(xs, topks)]
             flex = torch.full((table.shape[0],), -1, dtype=torch.int32, device=self.device)
             flex[wave.to(self.device)] = torch.tensor(dst, dtype=torch.int32).to(self.device)
             self.copies_landed()
-            out = out + pool.forward(x, pool.slots_in(flex, topk.ids), topk.weights, out_dtype=torch.float32)
-        return out.to(x.dtype)
+            for x, t, out in zip(xs, topks, outs):
+                out += pool.forward(x, pool.slots_in(flex, t.ids), t.weights, out_dtype=torch.float32)
+        for i, x in enumerate(xs):  # one chunk's fp32 sum let go at a time
+            outs[i] = outs[i].to(x.dtype)
+        return outs

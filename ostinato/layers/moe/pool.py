@@ -210,9 +210,10 @@ class ExpertPool:
 
     def stage(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[int]]:
         """Flex slots for cold experts of `layer` that a pass uploads: an expert whose copy a flex slot
-        still holds keeps that slot (a pass run layer by layer finds the previous chunk's there:
-        engine/devices.py forward_layer_major), the others take the other flex slots from the top
-        down. -> (a slot per expert, the positions in `experts` whose copies must still be made)."""
+        still holds keeps that slot (a pass run layer by layer whose chunks stage one by one, as
+        splits with uploads do, finds the previous chunk's there: engine/devices.py
+        forward_layer_major), the others take the other flex slots from the top down. -> (a slot per
+        expert, the positions in `experts` whose copies must still be made)."""
         if len(experts) > self.num_slots - self.flex_lo:
             raise RuntimeError(f"{len(experts)} experts to stage exceed the {self.num_slots - self.flex_lo} flex slots")
         held = {e: s for s, (l, e) in self._flex.items() if l == layer}

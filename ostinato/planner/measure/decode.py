@@ -25,6 +25,7 @@ import statistics
 import torch
 
 from ostinato.engine.graph import DecodeGraphs
+from ostinato.layers.moe.backend import CallableBackend
 from ostinato.layers.moe.types import TopKOutput
 from ostinato.planner import cost_model as cm
 from ostinato.planner.measure.timing import Clock, fit_line, gpu_branch
@@ -138,7 +139,7 @@ def measure_steps(runner, h, costs: dict[int, cm.LayerCost], clock: Clock, reps:
             out.append(clock.wall(lambda: runner.forward([tokens[i]], start + i)))
         return out[2:]
 
-    with runner.experts_swapped(backend):
+    with runner.experts_swapped(CallableBackend(backend)):
         runner.forward(tokens[:32], 0)
         measured = {r: statistics.median(run(j, 32)) for j, r in enumerate(rs)}
         long_ms = statistics.median(run(0, long_start)) if has_long else None
@@ -168,7 +169,7 @@ def _graph_steps(runner, graph, ids: dict, rs, steps: int, tokens: list[int], lo
             out.append(clock.wall(lambda: g.replay(tokens[i], start + i)))
         return out[2:]
 
-    with runner.experts_swapped(backend):
+    with runner.experts_swapped(CallableBackend(backend)):
         runner.forward(tokens[:32], 0)
         g = DecodeGraphs(runner)  # the hooks of runner.experts (the graph backend), our routing in the model
         starts = [32] + ([long_start] if long_start is not None else [])

@@ -16,6 +16,7 @@ import statistics
 import torch
 
 from ostinato.sessions.read import load_sessions
+from ostinato.layers.moe.backend import CallableBackend
 from ostinato.layers.moe.types import TopKOutput
 from ostinato.planner import cost_model as cm
 from ostinato.planner.measure.timing import Clock, gpu_branch, nnls
@@ -52,7 +53,7 @@ def capture_routing(runner, ids: list[int], layers: list[int]) -> dict[int, tupl
             seen[layer] = (x.clone(), TopKOutput(topk.ids.clone(), topk.weights.clone()))
         return inner(layer, x, topk)
 
-    with runner.experts_swapped(backend):
+    with runner.experts_swapped(CallableBackend(backend)):
         runner.forward(ids, 0)
     return seen
 
