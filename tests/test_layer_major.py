@@ -28,7 +28,7 @@ def checkpoint(request, tmp_path_factory, _isolated_cache):
     return write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def _engine(path, chunk: int, policy: str | None = None):
+def _engine(path, chunk: int, policy: str | None = None, device: str = "cpu"):
     """The engine over a tiny checkpoint, passes in chunks of `chunk`, its routes tallied; `policy` (a
     baseline with an offload threshold) under K + 8 expert slots, fewer than K zero + E staging slots
     (DeepSeek-V3's bf16 layers under 24 GiB): no layer resident, a quarter of the pool to stage in."""
@@ -38,7 +38,7 @@ def _engine(path, chunk: int, policy: str | None = None):
     from ostinato.policies.factory import policy_factory
     from ostinato.policies.settings import PolicySettings
 
-    settings = RunnerSettings(device="cpu", dtype="fp32", max_context=256, prefill_chunk=chunk, count_routes=True)
+    settings = RunnerSettings(device=device, dtype="fp32", max_context=256, prefill_chunk=chunk, count_routes=True)
     if policy is None:
         return load_engine(str(path), settings, announce=False)
     cfg = CheckpointSource(path).config
@@ -54,16 +54,20 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("policy", ["layers", "expert-cache"])
-def test_a_pass_of_chunks_stages_each_wave_once(checkpoint, policy):
+def test_a_pass_of_chunks_stages_each_wave_once(checkpoint, policy, device):
     """Three chunks on the upload path, each routing to more distinct cold experts than the staging slots:
     the logits of the same placement over one chunk and of the all-resident model; each MoE layer stages in
     waves once for the pass, and each distinct cold expert the pass routes to in a layer is copied once
-    (one chunk after the other, a chunk's waves overwrote the previous chunk's: nearly three copies)."""
+    (one chunk after the other, a chunk's waves overwrote the previous chunk's: nearly three copies). On
+    CUDA each wave's copies run on the copy stream and must wait for every chunk's GEMMs over the last wave."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
     ids = _prompt()
-    want = _engine(checkpoint, CHUNK).runner.forward(ids, 0, all_logits=True)
-    one = _engine(checkpoint, PROMPT, policy).runner
-    three = _engine(checkpoint, CHUNK, policy).runner
+    want = _engine(checkpoint, CHUNK, device=device).runner.forward(ids, 0, all_logits=True)
+    one = _engine(checkpoint, PROMPT, policy, device).runner
+    three = _engine(checkpoint, CHUNK, policy, device).runner
     h = three.experts.unwrapped
     cfg = three.config
     room = h.stage_room(h.pools.of(cfg.moe_layers[0]))

@@ -6,7 +6,8 @@
 #   env        machine facts (GPUs, CPU, NUMA, memory, versions)
 #   native     the native CPU expert kernel builds and runs here (else the call stops)
 #   tests      GPU-marked tests: decode graphs bitwise equal to the synchronous path, the two-GPU split
-#   tests_store    GPU-marked tests of every policy over a bench's kept store of host copies (session 51)
+#   tests_store    GPU-marked tests of every policy over a bench's kept store of host copies (session 51) and of a pass of
+#                  several chunks staging each wave once (session 52: tests/test_layer_major.py)
 #   tests_kernels  GPU-marked tests: kernel oracles, hybrid paths (bf16 and quantized), every policy on CUDA, triton's
 #              compiles (none after the warm-up), the cap
 #   skew       [A] the skew figure of $MODEL on the development / held-out split; saves the profiles (SKEW_LIMIT s, 200;
@@ -202,10 +203,12 @@ phase_tests_kernels() {  # kernel oracles, the hybrid paths and every policy on 
     tests/test_gpu_experts.py tests/test_hybrid.py tests/test_policies.py tests/test_decode_attention.py \
     tests/test_triton_compiles.py tests/test_gpu_memory.py tests/test_quant_engine.py
 }
-phase_tests_store() {  # session 51's changes on CUDA before a bench relies on them: every policy over a kept store
-  # of host copies (views of page-locked memory, their pools filled from it), the calibration's staged branch
+phase_tests_store() {  # sessions 51-52's changes on CUDA before a bench relies on them: every policy over a kept
+  # store of host copies (views of page-locked memory, their pools filled from it), the calibration's staged branch,
+  # a pass of several chunks staging each wave once for all of them (copies after every chunk's GEMMs)
   run 150 "$R/tests_store.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_policies.py \
     tests/test_hybrid.py -k "kept_store or whole_model or all_staged"
+  run 120 "$R/tests_chunks.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_layer_major.py
 }
 # [K] the quantized-expert kernels: the Triton ones compiled on CUDA (their interpreted runs are CI's), the
 # native CPU ones on this machine's AVX-512/AMX, the GGUF loader
