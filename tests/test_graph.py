@@ -215,6 +215,17 @@ def test_pass_graphs_stage_by_the_calibrated_costs(tiny_dir, tmp_path):
     pass_graphs_vs_host_driven(tiny_dir, tmp_path, 0.5, staged="balance")
 
 
+@pytest.mark.gpu
+def test_pass_graphs_prefetch_the_next_layers_experts(tiny_dir, tmp_path):
+    """The same with OSTINATO_PREFETCH=2 from 8 rows: each layer of a pass also copies, on the copy stream
+    while it runs, the next layer's two cold experts of most routes in the passes before; the next layer
+    computes them on the GPU where routed, its own plan and its worker leaving them out."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OSTINATO_PREFETCH", "2")
+        mp.setenv("OSTINATO_PREFETCH_FROM", "8")
+        pass_graphs_vs_host_driven(tiny_dir, tmp_path, 0.5, staged=True, prefetch=True)
+
+
 def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
     """Logits a and b [V] pick the same greedy token up to a tie within tol: each one's pick scores within
     tol of the other's best. The tiny random model's top two logits may lie a bf16 step apart, where
@@ -223,17 +234,18 @@ def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
         assert float(x[int(y.argmax())]) >= float(x.max()) - tol, (int(a.argmax()), int(b.argmax()))
 
 
-def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool | str = False) -> None:
+def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool | str = False, prefetch: bool = False) -> None:
     """test_pass_graphs_match_host_driven_passes on the checkpoint ckpt, a fraction `cold` of its
     experts on the CPU; staged: the graphed engine's passes stage their cold experts of 2 routes or more
     (True: OSTINATO_STAGE_ROUTES=2), or by the rule "balance" and a calibration's costs, else none (0,
-    whatever the default)."""
+    whatever the default); prefetch: the passes after the first copy some of the next layer's experts
+    (OSTINATO_PREFETCH set by the caller)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OSTINATO_STAGE_ROUTES", "balance" if staged == "balance" else "2" if staged else "0")
-        _pass_graphs_vs_host_driven(ckpt, tmp_path, cold, bool(staged), staged == "balance")
+        _pass_graphs_vs_host_driven(ckpt, tmp_path, cold, bool(staged), staged == "balance", prefetch)
 
 
-def _pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool, costs: bool) -> None:
+def _pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool, costs: bool, prefetch: bool) -> None:
     from ostinato.engine.placement import PlacementSettings
     from ostinato.layers.moe.staging import StageCosts
     from ostinato.load import load_engine
@@ -276,6 +288,7 @@ def _pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool, costs
         for key in ("cold_routes", "cpu_experts"):  # routing may differ where bf16 rounding breaks a tie
             got, want = (s[key] - b[key] for s, b in zip(after, before))
             assert want > 0 and abs(got - want) <= 0.02 * want, (key, got, want)
+    assert (after[0].get("bytes_prefetched", 0) > before[0].get("bytes_prefetched", 0)) == prefetch
     token = 7
     for _ in range(4):
         a, b = graphed.runner.forward([token], pos), sync.runner.forward([token], pos)

@@ -293,6 +293,7 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
 
 
 CAPTURED_PASS = """
+import os
 import torch
 from ostinato.engine.placement import PlacementSettings
 from ostinato.engine.runner import RunnerSettings
@@ -307,9 +308,10 @@ hyb = load_engine(CKPT, RunnerSettings(device="cpu", dtype="fp32", max_context=2
                   PlacementSettings(residency=RES, cpu_backend="native")).runner.experts
 # as apply_calibration sets them on a GPU: an upload 0.01 ms, the CPU 0.005 ms an expert and a route
 hyb.stage_passes, hyb.stage_costs = True, MixedPass(0.01, 0.0, 0.005, 0.005)
-for rule in (2, "balance"):
+for rule, prefetch in ((2, 0), ("balance", 0), (2, 2)):
+    os.environ["OSTINATO_PREFETCH"], os.environ["OSTINATO_PREFETCH_FROM"] = str(prefetch), "8"
     g = GraphHybridExperts(hyb, max_rows=16, stage_routes=rule)
-    assert g.staging is not None and g.shared.staged is not None
+    assert g.staging is not None and g.shared.staged is not None and g.staging.prefetches == bool(prefetch)
     assert g.staging.rule == (2 if rule == 2 else StageCosts(10_000, 0, 5_000, 5_000))
     # the interpreter takes the shared tensors themselves (a HostPointer is the GPU's view of them)
     g.views = {i: tuple(p.t for p in v) for i, v in g.views.items()}
@@ -330,6 +332,8 @@ for rule in (2, "balance"):
         g.after_step()
     stats = g.worker.stats()
     assert stats["staged_experts"] > 0 and stats["desync"] == stats["errors"] == 0, stats
+    # the first pass prefetches nothing (no history yet), the later ones do
+    assert (int(g.staging.prefetched_bytes) > 0) == bool(prefetch), int(g.staging.prefetched_bytes)
     g.stop()
 print("INTERPRETER_OK")
 """
@@ -339,7 +343,9 @@ def test_a_captured_pass_under_the_interpreter_equals_the_split_path(tiny_dir, t
     """GraphHybridExperts' captured-pass path on the CPU, its handshake kernels under the interpreter and
     the native worker beside them: the rule chooses (m = 2, and balance by given costs), the marks go to
     the worker with the routing, the staged experts are copied and computed apart, padding rows past n are
-    left alone; the n rows equal the host-driven split path, and both rules staged some experts."""
+    left alone; the n rows equal the host-driven split path, and both rules staged some experts. With
+    OSTINATO_PREFETCH=2, each layer also copies two experts for the next by the passes before, which the
+    next layer leaves out of its own plan and its worker out of the CPU branch: the rows still equal."""
     pytest.importorskip("triton")
     from ostinato.kernels.cpu.build import load_cpu_extension
     from tests.test_hybrid import _residency_for

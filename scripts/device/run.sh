@@ -6,6 +6,7 @@
 #   env        machine facts (GPUs, CPU, NUMA, memory, versions)
 #   native     the native CPU expert kernel builds and runs here (else the call stops)
 #   tests      GPU-marked tests: decode graphs bitwise equal to the synchronous path, the two-GPU split
+#   tests_prefetch GPU-marked tests of captured passes: staging, and the next layer's experts prefetched (session 53)
 #   tests_store    GPU-marked tests of every policy over a bench's kept store of host copies (session 51) and of a pass of
 #                  several chunks staging each wave once (session 52: tests/test_layer_major.py)
 #   tests_kernels  GPU-marked tests: kernel oracles, hybrid paths (bf16 and quantized), every policy on CUDA, triton's
@@ -41,7 +42,8 @@
 #              from another commit's `git archive` (B: AB_TGZ, default .carry/ab.tgz, of commit AB_COMMIT), or
 #              from this tree with AB_ENV's settings and AB_ARGS' bench flags (B: e.g. AB_ENV="OSTINATO_AMX_QUANT=4",
 #              AB_ARGS="--margin 0.5GiB"), and from this tree
-#              again, in turn, on one calibration (AB_CAL, default bench_gguf's), into $R/ab/{a1,b,a2}
+#              again, in turn, on one calibration (AB_CAL, default bench_gguf's), into $R/ab/{a1,b,a2}; more runs
+#              of this tree by AB_RUNS (e.g. "a1 b c a2", run c with AB_ENV_C's settings)
 #   llama_tune [L] llama.cpp tuned on development sessions under $QCAP (else $CAP) on that file, then the
 #              held-out replay (scripts/llama_tune.py; the kit from .carry/llama-kit: ../shared/llama's kit)
 #   ik_tune    [L] ik_llama.cpp as llama_tune tunes and replays llama.cpp (--flavor ik_llama.cpp; $R/ik_tune,
@@ -209,6 +211,11 @@ phase_tests_store() {  # sessions 51-52's changes on CUDA before a bench relies 
   run 150 "$R/tests_store.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_policies.py \
     tests/test_hybrid.py -k "kept_store or whole_model or all_staged"
   run 120 "$R/tests_chunks.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_layer_major.py
+}
+phase_tests_prefetch() {  # session 53's prefetch of the next layer's experts in captured passes, with the other
+  # captured-pass tests it must leave as they were (staging by either rule, from a pass size, none)
+  run 150 "$R/tests_prefetch.txt" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/test_graph.py \
+    -k "pass_graphs"
 }
 # [K] the quantized-expert kernels: the Triton ones compiled on CUDA (their interpreted runs are CI's), the
 # native CPU ones on this machine's AVX-512/AMX, the GGUF loader
@@ -544,9 +551,11 @@ phase_ab_gguf() {  # A, B, A on one calibration: drift between the replays shows
   local v args="--policies ostinato --calibration $cal"
   rm -rf "$R/ab"  # an earlier call's A/B/A is in its res.tgz
   for v in ${AB_RUNS:-a1 b a2}; do  # AB_RUNS="a1 b": no second A where the device time is short (no drift check)
-    if [[ $v == b && -n $here ]]; then
-      say "ab_gguf: B is this tree with${AB_ENV:+ $AB_ENV}${AB_ARGS:+ $AB_ARGS}"
-      ([[ -n ${AB_ENV:-} ]] && export $AB_ENV; QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args ${AB_ARGS:-}" phase_bench_gguf)
+    local env_v="AB_ENV_${v^^}"  # a run other than a1 / a2 / b (AB_RUNS="a1 b c a2") takes AB_ENV_C, else AB_ENV
+    local e=${!env_v:-${AB_ENV:-}}
+    if [[ $v != a* && -n $here ]]; then
+      say "ab_gguf: $v is this tree with${e:+ $e}${AB_ARGS:+ $AB_ARGS}"
+      ([[ -n $e ]] && export $e; QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args ${AB_ARGS:-}" phase_bench_gguf)
     elif [[ $v == b ]]; then
       (cd "$b" && OSTINATO_COMMIT=$AB_COMMIT QBENCH_OUT=ab/$v QBENCH_ARGS="${QBENCH_ARGS:-} $args" \
         BUDGET_S=$((DEADLINE - SECONDS)) OUT=/tmp/ab_out R=$R bash scripts/device/run.sh bench_gguf)
@@ -555,12 +564,12 @@ phase_ab_gguf() {  # A, B, A on one calibration: drift between the replays shows
   done
   python3 - "$R/ab" <<'PY' | tee -a "$LOG"
 import json, os, sys
-for v in ("a1", "b", "a2"):
+for v in sorted(os.listdir(sys.argv[1])):
     f = os.path.join(sys.argv[1], v, "results.json")
     if not os.path.exists(f):
         print(f"{v}: no result"); continue
     d = json.load(open(f)); r = d["policies"]["ostinato"]; s = r["summary"]
-    print(f"{v} {d['commit']} (OSTINATO_AMX_QUANT {d.get('amx_quant_min_tokens', 0)}, OSTINATO_AMX_INT8 {d.get('amx_int8_min_tokens', 0)}, deferred combine {d.get('defer_combine', False)}, pass graphs {d.get('pass_graphs', 0)} (midpoints from {d.get('pass_midpoints', 0)}), staging {d.get('stage_routes')}, OSTINATO_STAGE_FROM {d.get('stage_from')}, resident {r.get('resident_experts')}): TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
+    print(f"{v} {d['commit']} (OSTINATO_AMX_QUANT {d.get('amx_quant_min_tokens', 0)}, OSTINATO_AMX_INT8 {d.get('amx_int8_min_tokens', 0)}, deferred combine {d.get('defer_combine', False)}, pass graphs {d.get('pass_graphs', 0)} (midpoints from {d.get('pass_midpoints', 0)}), staging {d.get('stage_routes')}, OSTINATO_STAGE_FROM {d.get('stage_from')}, prefetch {d.get('prefetch', 0)} from {d.get('prefetch_from')}, resident {r.get('resident_experts')}): TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
           f"TPOT {s['tpot_ms']['median']} ms, total {s['request_s']['total']} s, host read {r.get('host_read_gbps')}")
 PY
 }

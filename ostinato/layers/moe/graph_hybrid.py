@@ -29,7 +29,8 @@ from ostinato.layers.moe.backend import StepRows
 from ostinato.layers.moe.graph_worker import GraphHandshake, GraphWorker
 from ostinato.layers.moe.hybrid import HybridExperts, HybridWrapper
 from ostinato.layers.moe.segmented import SegmentedExperts
-from ostinato.layers.moe.staging import PassStaging, env_stage_routes, resolve, stage_from
+from ostinato.layers.moe.staging import (PassStaging, env_prefetch, env_prefetch_from, env_stage_routes, joined,
+                                         resolve, stage_from)
 from ostinato.layers.moe.types import TopKOutput
 
 
@@ -70,7 +71,8 @@ class GraphHybridExperts(HybridWrapper):
         self.in_step = False
         if hybrid.borrow is not None:  # table switches reach the worker at the next step
             hybrid.borrow.on_switch = lambda layer, table: self.worker.set_compact(layer, table)
-        self.staging = PassStaging(hybrid, rule) if stages else None
+        self.staging = PassStaging(hybrid, rule, env_prefetch()) if stages else None
+        self.prefetch_from = env_prefetch_from()  # the fewest rows of a pass that prefetches (staging.py)
         # passes of fewer rows stage nothing (staging.stage_from); they post these zero marks, so that the worker
         # does not leave out the experts an earlier pass staged
         self.stage_from = stage_from(rule) if stages else 0
@@ -101,6 +103,8 @@ class GraphHybridExperts(HybridWrapper):
         """First thing of a graph step: the device-side step number moves on."""
         self.hs.bump(self.seq)
         self.in_step = True
+        if self.staging is not None:
+            self.staging.start_pass()
         self.hybrid.before_step(rows)  # the pass's real rows are the executor's step_rows
 
     def after_step(self) -> None:
@@ -137,6 +141,8 @@ class GraphHybridExperts(HybridWrapper):
         if self.staging is not None:  # staged experts crossed PCIe as uploads do
             out["uploaded_experts"] = out.get("uploaded_experts", 0) + worker["staged_experts"]
             out["bytes_uploaded"] = out.get("bytes_uploaded", 0) + int(self.staging.staged_bytes)
+            if self.staging.prefetches:  # those among them copied for a next layer, routed there or not
+                out["bytes_prefetched"] = int(self.staging.prefetched_bytes)
         return out
 
     def __call__(self, layer: int, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
@@ -149,16 +155,18 @@ class GraphHybridExperts(HybridWrapper):
         if self.hybrid.on_cuda and torch.cuda.is_current_stream_capturing():
             self.hybrid.count_captured(layer, topk.ids)
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done, h_tokens = self.views[self.index[layer]]
-        staged = None
+        staged = prefetched = both = None
         if rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
             count = rows.count
             marks = (None, None)
             if self.staging is not None:  # chosen first: the worker reads the marks with the routing
+                prefetched = self.staging.prefetched(layer)  # copied while the layer before ran
                 if T >= self.stage_from:
-                    staged = self.staging.choose(layer, topk.ids, rows)  # None: a pool without flex slots
+                    staged = self.staging.choose(layer, topk.ids, rows, prefetched)  # None: no flex slots
+                both = joined(prefetched, staged)
                 # nothing staged posts zero marks: none of an earlier pass's stays
-                pick = staged.pick.view(torch.uint8) if staged is not None else self.no_marks
-                marks = (pick, self.staged_views[self.index[layer]])
+                marks = (both.pick.view(torch.uint8) if both is not None else self.no_marks,
+                         self.staged_views[self.index[layer]])
             self.hs.post_rows(topk.ids, topk.weights, x, pool.table[layer], self.seq, count, h_ids, h_w, h_x,
                               h_has, h_post, h_tokens, *marks)
             if staged is not None:  # the copies run beside the GPU branch over the pool's own experts
@@ -169,12 +177,15 @@ class GraphHybridExperts(HybridWrapper):
             score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
             self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post,
                          h_tokens, score)
+        landed = self.staging.landed() if both is not None else None  # this layer's copies, before the next's
+        if rows is not None and self.staging is not None and self.staging.prefetches and T >= self.prefetch_from:
+            self.staging.observe(layer, topk.ids, rows)
+            self.staging.prefetch_next(layer)  # the next layer's copies, on the copy stream while this one runs
         # a pass's padding rows (from count on) compute no expert
         gpu = pool.forward(x, pool.slots_in(pool.table[layer], topk.ids, count), topk.weights, out_dtype=torch.float32)
-        if staged is not None:
-            self.hybrid.copies_landed()
-            gpu = gpu + pool.forward(x, pool.slots_in(staged.row, topk.ids, count), topk.weights,
-                                     out_dtype=torch.float32)
+        if both is not None:
+            self.hybrid.copies_landed(landed)
+            gpu = gpu + pool.forward(x, pool.slots_in(both.row, topk.ids, count), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
         self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if count is not None else self.one, y,
                               self.join)

@@ -707,10 +707,12 @@ class HybridExperts(MoEBackend):
         with torch.cuda.stream(stream):
             yield
 
-    def copies_landed(self) -> None:
-        """The current stream waits for the copies issued so far (on_copy_stream)."""
+    def copies_landed(self, event=None) -> None:
+        """The current stream waits for the copies issued so far (on_copy_stream), or for those before
+        `event` (an event recorded on the copy stream)."""
         if self.copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_stream(self.copy_stream) if event is None else stream.wait_event(event)
 
     def stage_room(self, pool: ExpertPool) -> int:
         """How many experts one pass may stage at once in `pool`: its flex region, less a cache's

@@ -56,6 +56,18 @@ Session 43, on one H100 machine with 3007 experts resident (results/2026-12-06-h
 101.1 and 102.1 at m = 16, 102.1 at m = 24, with the tiles; so m = 16 stays ("mean", MeanRoutes below, showed
 no gain in session 44's replay).
 
+Prefetching the next layer (OSTINATO_PREFETCH, a count P of experts a layer; 0: off): the CPU branch
+of a layer is the longer side of most captured passes, and the PCIe link idles while it runs. So a
+captured pass of at least OSTINATO_PREFETCH_FROM rows also copies, while a layer runs, the next layer's
+P cold experts of most routes in the passes before it (`observe`: each layer's routes per expert over
+the real rows, decayed by PREFETCH_DECAY a pass; agent sessions route stably), into a region of P flex
+slots at the top of the pool's flex region (two regions, the layers taking them in turn, so a layer's
+copies never overwrite what the layer before it still reads). The next layer treats them as staged:
+its plan leaves them out, its worker leaves their routes out, and its GPU branch over the staged row
+computes them. An expert prefetched and not routed cost its copy and nothing else; which experts run
+where never changes what the layer computes. The copies of the next layer go after this layer's own
+on the copy stream, and this layer's staged branch waits only for its own (`landed`).
+
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
 from __future__ import annotations
@@ -65,7 +77,7 @@ from typing import NamedTuple
 
 import torch
 
-from ostinato.config import ConfigError
+from ostinato.config import ConfigError, env_count
 from ostinato.layers.moe.backend import StepRows
 
 
@@ -73,6 +85,9 @@ ROW_KERNELS_STAGE_ROUTES = 12  # default_stage_routes: the cold experts on the C
 TILED_STAGE_ROUTES = 16  # and with the int8 tiles taking their larger groups of routes
 BALANCE = "balance"
 MEAN = "mean"
+DEFAULT_PREFETCH = 0  # OSTINATO_PREFETCH's default: experts a layer
+DEFAULT_PREFETCH_FROM = 64  # OSTINATO_PREFETCH_FROM's: the fewest rows of a captured pass that prefetches
+PREFETCH_DECAY = 0.75  # a layer's route history, each pass: about the last four passes count (not tuned)
 
 
 class MeanRoutes(NamedTuple):
@@ -140,6 +155,19 @@ def stage_from(rule: int | MeanRoutes | StageCosts) -> int:
     staging kernel: the plan, the copies, the wait and the second GPU branch."""
     n = env_stage_from()
     return least_routes(rule) if n is None else n
+
+
+def env_prefetch() -> int:
+    """OSTINATO_PREFETCH: the cold experts a captured pass copies for each next layer (0: none)."""
+    return env_count("OSTINATO_PREFETCH", DEFAULT_PREFETCH, "experts a layer")
+
+
+def env_prefetch_from() -> int:
+    """OSTINATO_PREFETCH_FROM: the fewest rows of a captured pass that prefetches."""
+    n = env_count("OSTINATO_PREFETCH_FROM", DEFAULT_PREFETCH_FROM, "rows")
+    if n < 2:
+        raise ConfigError(f"OSTINATO_PREFETCH_FROM must be at least 2 rows (a decode step never prefetches), not {n}")
+    return n
 
 
 def stages() -> bool:
@@ -262,17 +290,28 @@ class Staged(NamedTuple):
     rank: torch.Tensor  # [E] int32: a staged expert's place among them
 
 
+def joined(a: Staged | None, b: Staged | None) -> Staged | None:
+    """Two disjoint sets of a layer's staged experts as one (the prefetched and the layer's own): a row
+    over both, either's pick; a rank only where one is None (the copies took each set's own)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return Staged(torch.where(a.row >= 0, a.row, b.row), a.pick | b.pick, a.rank)
+
+
 class PassStaging:
     """The staging of a HybridExperts' captured passes (the module docstring): per layer with cold
     experts, its host stacks and pool tensors paired, and the experts' host rows on the device; the
-    copies on the executor's copy stream (HybridExperts.on_copy_stream)."""
+    copies on the executor's copy stream (HybridExperts.on_copy_stream); with `prefetch`, the next
+    layer's experts too."""
 
-    def __init__(self, hybrid, rule: int | MeanRoutes | StageCosts):
-        """rule: plan's, a count m >= 1, MeanRoutes over one, or the calibrated costs."""
+    def __init__(self, hybrid, rule: int | MeanRoutes | StageCosts, prefetch: int = 0):
+        """rule: plan's, a count m >= 1, MeanRoutes over one, or the calibrated costs; prefetch: the experts
+        a pass copies for each next layer (at most a third of its pool's flex slots; 0: none)."""
         if least_routes(rule) < 1:
             raise ValueError(f"the staging rule's count must be at least 1, not {least_routes(rule)}")
         self.rule, self.pools, self.hybrid, self.device = rule, hybrid.pools, hybrid, hybrid.device
         self.layers = [l for l, cold in hybrid.has_cold.items() if cold]
+        self.index = {l: i for i, l in enumerate(self.layers)}
         self.rows, self.pairs = {}, {}
         for layer in self.layers:
             pool, w = hybrid.pools.of(layer), hybrid.host.layers[layer]
@@ -281,34 +320,104 @@ class PassStaging:
             if pool.b13 is not None:
                 tensors += [(w.b13, pool.b13), (w.b2, pool.b2)]
             self.pairs[layer] = [(src, dst, host_pointer(src) if dst.is_cuda else None) for src, dst in tensors]
-        # bytes staged over all replays, on the device (a replay cannot count on the host)
+        # bytes staged over all replays, on the device (a replay cannot count on the host); those prefetched
+        # among them
         self.staged_bytes = torch.zeros((), dtype=torch.int64, device=hybrid.device)
+        self.prefetched_bytes = torch.zeros((), dtype=torch.int64, device=hybrid.device)
+        # prefetching: each pool's count (its two regions at the top of its flex region), each layer's route
+        # history [layers, E], and the experts copied for a layer still to come in this pass
+        self.prefetch = {id(p): min(prefetch, (p.num_slots - p.flex_lo) // 3) for p in self.pools.groups}
+        E = self.pools.groups[0].table.shape[1]
+        self.history = torch.zeros((len(self.layers), E), dtype=torch.float32, device=hybrid.device)
+        self.pending: dict[int, Staged] = {}
 
-    def choose(self, layer: int, ids: torch.Tensor, rows: StepRows) -> Staged | None:
-        """The layer's experts this pass of `rows` stages, by the rule, on the current stream (no host sync:
-        on CUDA one kernel, kernels/triton/stage.py plan_experts; elsewhere `plan`); None for a pool without
-        flex slots (its plan dropped the upload path), which stages nothing."""
+    @property
+    def prefetches(self) -> bool:
+        return any(self.prefetch.values())
+
+    def cap(self, layer: int) -> int:
+        """The flex slots a layer's own staging takes (from flex_lo): those below the prefetch regions."""
         pool = self.pools.of(layer)
-        cap = pool.num_slots - pool.flex_lo
-        if not cap:
+        return pool.num_slots - pool.flex_lo - 2 * self.prefetch[id(pool)]
+
+    def choose(self, layer: int, ids: torch.Tensor, rows: StepRows, prefetched: Staged | None = None) -> Staged | None:
+        """The layer's experts this pass of `rows` stages, by the rule, on the current stream (no host sync:
+        on CUDA one kernel, kernels/triton/stage.py plan_experts; elsewhere `plan`), less those `prefetched`
+        for it; None for a pool without flex slots (its plan dropped the upload path), which stages nothing."""
+        pool = self.pools.of(layer)
+        cap = self.cap(layer)
+        if cap <= 0:
             return None
+        table = pool.table[layer]
+        if prefetched is not None:  # already in flex slots: not cold to the rule
+            table = torch.where(prefetched.pick, 0, table)
         if ids.is_cuda:
             from ostinato.kernels.triton.stage import plan_experts
 
-            return Staged(*plan_experts(ids, rows.count, pool.table[layer], cap, pool.flex_lo, pool.expert_bytes,
+            return Staged(*plan_experts(ids, rows.count, table, cap, pool.flex_lo, pool.expert_bytes,
                                         self.staged_bytes, **kernel_rule(self.rule)))
-        staged = Staged(*plan(ids, rows.valid, pool.table[layer], self.rule, cap, pool.flex_lo))
+        staged = Staged(*plan(ids, rows.valid, table, self.rule, cap, pool.flex_lo))
         self.staged_bytes += staged.pick.sum() * pool.expert_bytes
         return staged
 
-    def stage(self, layer: int, staged: Staged) -> None:
-        """Copy the chosen experts into their flex slots on the executor's copy stream, after all of the
-        current stream's work so far (the flex slots' earlier readers among it). The GPU branch reads them
-        over staged.row once the copies have landed (HybridExperts.copies_landed)."""
-        flex_lo = self.pools.of(layer).flex_lo
+    def stage(self, layer: int, staged: Staged, flex_lo: int | None = None) -> None:
+        """Copy the chosen experts into their flex slots (from flex_lo, default the pool's) on the executor's
+        copy stream, after all of the current stream's work so far (the flex slots' earlier readers among it).
+        The GPU branch reads them over staged.row once the copies have landed (`landed`)."""
+        flex_lo = self.pools.of(layer).flex_lo if flex_lo is None else flex_lo
         with self.hybrid.on_copy_stream():
             if staged.pick.is_cuda:  # read on the copy stream: the allocator must not hand them out before
                 for t in (staged.pick, staged.rank):
                     t.record_stream(torch.cuda.current_stream(self.device))
             for src, dst, host in self.pairs[layer]:
                 copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host)
+
+    def landed(self):
+        """An event after the copies issued so far, for the current stream to wait on
+        (HybridExperts.copies_landed); None off CUDA, where they ran in order."""
+        stream = self.hybrid.copy_stream
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def start_pass(self) -> None:
+        """A pass begins: nothing is prefetched for it yet."""
+        self.pending.clear()
+
+    def observe(self, layer: int, ids: torch.Tensor, rows: StepRows) -> None:
+        """Fold this pass's routes of `layer` over its real rows into the layer's history (capturable)."""
+        h = self.history[self.index[layer]]
+        h.mul_(PREFETCH_DECAY)
+        h.scatter_add_(0, ids.reshape(-1).long(), rows.valid.to(h.dtype)[:, None].expand(ids.shape).reshape(-1))
+
+    def prefetched(self, layer: int) -> Staged | None:
+        """The experts this pass copied for `layer` while the layer before it ran (None: none)."""
+        return self.pending.pop(layer, None)
+
+    def prefetch_next(self, layer: int) -> None:
+        """Copy the next layer's cold experts of most routes by its history (at most its pool's count; those
+        with some history) into the next layer's region, on the copy stream after the copies issued so far
+        (no host sync). Its region is the one the layer before this one read: the copies wait for all of
+        the current stream's work, which holds that layer's GPU branch."""
+        i = self.index[layer] + 1
+        if i == len(self.layers):
+            return
+        nxt = self.layers[i]
+        pool = self.pools.of(nxt)
+        count = self.prefetch[id(pool)]
+        if not count:
+            return
+        lo = pool.num_slots - (2 - i % 2) * count  # two regions, the layers taking them in turn
+        score = torch.where(pool.table[nxt] < 0, self.history[i], 0.0)
+        top = torch.topk(score, count)
+        pick = torch.zeros_like(score, dtype=torch.bool).scatter_(0, top.indices, top.values > 0)
+        rank = torch.zeros_like(score, dtype=torch.int32).scatter_(
+            0, top.indices, torch.arange(count, dtype=torch.int32, device=score.device))
+        staged = Staged(torch.where(pick, rank + lo, -1).to(torch.int32), pick, rank)
+        moved = pick.sum() * pool.expert_bytes
+        self.staged_bytes += moved
+        self.prefetched_bytes += moved
+        self.stage(nxt, staged, lo)
+        self.pending[nxt] = staged
