@@ -33,13 +33,44 @@ def _stage_kernel(src, dst, rows_ptr, pick_ptr, rank_ptr, flex_lo,
 
 
 def copy_experts(src, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor, rank: torch.Tensor,
-                 flex_lo: int) -> None:
+                 flex_lo: int, few: bool = False) -> None:
     """dst [slots, bytes] uint8: row flex_lo + rank[e] gets row rows[e] of src, for each e with pick[e];
     src: the host stack's bytes [rows, bytes] (a HostPointer on CUDA, a tensor under the interpreter);
-    rows, rank [E] int32, pick [E] bool. One launch, no host sync: capturable."""
+    rows, rank [E] int32, pick [E] bool. One launch, no host sync: capturable.
+    few: on FEW_PROGRAMS programs, for copies beside other work (a next layer's prefetch,
+    layers/moe/staging.py): the default grid, a program per 64 KiB of every expert, holds the GPU's
+    block scheduler until its last program has started, so a kernel of another stream waits for nearly
+    the whole copy (session 53: a captured pass's worker waited 1.2 ms longer a layer for 12 experts
+    prefetched that way, the GPU side become the longer)."""
     nbytes = dst.shape[1]
+    if few:
+        chunks = triton.cdiv(nbytes, FEW_CHUNK)
+        _stage_few_kernel[(min(FEW_PROGRAMS, chunks),)](src, dst, rows, pick, rank, flex_lo, pick.shape[0],
+                                                         NBYTES=nbytes, CHUNK=FEW_CHUNK, CHUNKS=chunks)
+        return
     _stage_kernel[(pick.shape[0], triton.cdiv(nbytes, CHUNK * STEPS))](src, dst, rows, pick, rank, flex_lo,
                                                                        NBYTES=nbytes, CHUNK=CHUNK, STEPS=STEPS)
+
+
+@triton.jit
+def _stage_few_kernel(src, dst, rows_ptr, pick_ptr, rank_ptr, flex_lo, E,
+                      NBYTES: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """Program p: for each staged expert e in turn, its chunks p, p + P, ... of CHUNK bytes (of NBYTES,
+    CHUNKS of them) from row rows[e] of src to row flex_lo + rank[e] of dst."""
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    for e in range(E):
+        if tl.load(pick_ptr + e) != 0:
+            row = tl.load(rows_ptr + e).to(tl.int64)
+            slot = (tl.load(rank_ptr + e) + flex_lo).to(tl.int64)
+            for c in range(p, CHUNKS, P):
+                o = c * CHUNK + tl.arange(0, CHUNK)  # within one expert's NBYTES: int32 will do
+                m = o < NBYTES
+                tl.store(dst + slot * NBYTES + o, tl.load(src + row * NBYTES + o, mask=m), mask=m)
+
+
+FEW_PROGRAMS = 64  # copy_experts(programs=...)'s grid where the copies must leave the SMs to other work
+FEW_CHUNK = 16384  # bytes a program copies a step there: 64 x 16 KiB in flight over PCIe
 
 
 @triton.jit(do_not_specialize=["R", "cap", "flex_lo", "min_routes"])

@@ -256,18 +256,19 @@ def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int |
 
 
 def copy(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor, rank: torch.Tensor,
-         flex_lo: int, host=None) -> None:
+         flex_lo: int, host=None, few: bool = False) -> None:
     """dst[flex_lo + rank[e]] = src[rows[e]] for each staged expert e (pick [E]); src [Ec, ...] a layer's
     host stack, dst [slots, ...] a pool tensor, of the same dtype and shape past the first dimension;
     rows [E] int32 (an expert's row in src). On CUDA one kernel with no host sync, reading src through
-    `host` (its HostPointer, as a byte view: kernels/triton/stage.py); elsewhere torch's indexing."""
+    `host` (its HostPointer, as a byte view: kernels/triton/stage.py; few: on a few programs, leaving the
+    SMs to other work); elsewhere torch's indexing."""
     if dst.device.type != "cuda":
         e = pick.nonzero().flatten()
         dst[flex_lo + rank[e].long()] = src[rows[e].long()]
         return
     from ostinato.kernels.triton.stage import copy_experts
 
-    copy_experts(host, as_bytes(dst), rows, pick, rank, flex_lo)
+    copy_experts(host, as_bytes(dst), rows, pick, rank, flex_lo, few)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -360,17 +361,18 @@ class PassStaging:
         self.staged_bytes += staged.pick.sum() * pool.expert_bytes
         return staged
 
-    def stage(self, layer: int, staged: Staged, flex_lo: int | None = None) -> None:
+    def stage(self, layer: int, staged: Staged, flex_lo: int | None = None, few: bool = False) -> None:
         """Copy the chosen experts into their flex slots (from flex_lo, default the pool's) on the executor's
         copy stream, after all of the current stream's work so far (the flex slots' earlier readers among it).
-        The GPU branch reads them over staged.row once the copies have landed (`landed`)."""
+        The GPU branch reads them over staged.row once the copies have landed (`landed`). few: by a few
+        programs (copy), for copies that run beside the work they do not feed."""
         flex_lo = self.pools.of(layer).flex_lo if flex_lo is None else flex_lo
         with self.hybrid.on_copy_stream():
             if staged.pick.is_cuda:  # read on the copy stream: the allocator must not hand them out before
                 for t in (staged.pick, staged.rank):
                     t.record_stream(torch.cuda.current_stream(self.device))
             for src, dst, host in self.pairs[layer]:
-                copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host)
+                copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host, few)
 
     def landed(self):
         """An event after the copies issued so far, for the current stream to wait on
@@ -419,5 +421,5 @@ class PassStaging:
         moved = pick.sum() * pool.expert_bytes
         self.staged_bytes += moved
         self.prefetched_bytes += moved
-        self.stage(nxt, staged, lo)
+        self.stage(nxt, staged, lo, few=True)  # beside this layer's work: a few programs
         self.pending[nxt] = staged
