@@ -38,10 +38,11 @@ def copy_experts(src, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor,
     src: the host stack's bytes [rows, bytes] (a HostPointer on CUDA, a tensor under the interpreter);
     rows, rank [E] int32, pick [E] bool. One launch, no host sync: capturable.
     few: on FEW_PROGRAMS programs, for copies beside other work (a next layer's prefetch,
-    layers/moe/staging.py): the default grid, a program per 64 KiB of every expert, holds the GPU's
-    block scheduler until its last program has started, so a kernel of another stream waits for nearly
-    the whole copy (session 53: a captured pass's worker waited 1.2 ms longer a layer for 12 experts
-    prefetched that way, the GPU side become the longer)."""
+    layers/moe/staging.py). Why, a hypothesis not yet measured: the default grid, a program per 64 KiB of
+    every expert, may hold the GPU's block scheduler until its last program has started, so that the
+    kernels of another stream wait for most of the copy. In session 53's replay a captured pass's worker
+    waited about 1.2 ms longer a layer for 12 experts prefetched on the default grid, more than their
+    copy takes at 51 GB/s (0.7 ms): the GPU side had become the longer (results/2026-12-07-h100-s53/)."""
     nbytes = dst.shape[1]
     if few:
         chunks = triton.cdiv(nbytes, FEW_CHUNK)

@@ -155,12 +155,12 @@ class GraphHybridExperts(HybridWrapper):
         if self.hybrid.on_cuda and torch.cuda.is_current_stream_capturing():
             self.hybrid.count_captured(layer, topk.ids)
         h_ids, h_w, h_x, h_has, h_post, h_out, h_done, h_tokens = self.views[self.index[layer]]
-        staged = prefetched = both = None
+        staged = prefetched = both = pre_landed = None
         if rows is not None:  # a captured prefill pass: never scored for borrowing (decode only)
             count = rows.count
             marks = (None, None)
             if self.staging is not None:  # chosen first: the worker reads the marks with the routing
-                prefetched = self.staging.prefetched(layer)  # copied while the layer before ran
+                prefetched, pre_landed = self.staging.prefetched(layer)  # copied while the layer before ran
                 if T >= self.stage_from:
                     staged = self.staging.choose(layer, topk.ids, rows, prefetched)  # None: no flex slots
                 both = joined(prefetched, staged)
@@ -177,14 +177,16 @@ class GraphHybridExperts(HybridWrapper):
             score = (borrow.scores[layer], borrow.hits, pool.flex_lo) if borrow is not None else None
             self.hs.post(topk.ids, topk.weights, x, pool.table[layer], self.seq, h_ids, h_w, h_x, h_has, h_post,
                          h_tokens, score)
-        landed = self.staging.landed() if both is not None else None  # this layer's copies, before the next's
+        # this layer's copies, before the next layer's prefetch; those prefetched for it
+        landed = [e for e in (self.staging.landed() if staged is not None else None, pre_landed) if e is not None]
         if rows is not None and self.staging is not None and self.staging.prefetches and T >= self.prefetch_from:
             self.staging.observe(layer, topk.ids, rows)
-            self.staging.prefetch_next(layer)  # the next layer's copies, on the copy stream while this one runs
+            self.staging.prefetch_next(layer)  # the next layer's copies, on their own stream while this one runs
         # a pass's padding rows (from count on) compute no expert
         gpu = pool.forward(x, pool.slots_in(pool.table[layer], topk.ids, count), topk.weights, out_dtype=torch.float32)
         if both is not None:
-            self.hybrid.copies_landed(landed)
+            for event in landed:
+                self.hybrid.copies_landed(event)
             gpu = gpu + pool.forward(x, pool.slots_in(both.row, topk.ids, count), topk.weights, out_dtype=torch.float32)
         y = torch.empty_like(x)
         self.hs.wait_add_rows(gpu, h_out, h_has, h_done, self.seq, count if count is not None else self.one, y,

@@ -692,11 +692,11 @@ class HybridExperts(MoEBackend):
         self.counters["bytes_uploaded"] += nbytes
 
     @contextlib.contextmanager
-    def on_copy_stream(self, ready=None):
-        """Work issued inside goes to the copy stream, once `ready` has passed (an event; None: all the
-        current stream's work so far); off CUDA, in order. The uploads' copies (_copy_in) and a captured
-        pass's staging copies (layers/moe/staging.py)."""
-        stream = self.copy_stream
+    def on_copy_stream(self, ready=None, stream=None):
+        """Work issued inside goes to the copy stream (or `stream`), once `ready` has passed (an event; None:
+        all the current stream's work so far); off CUDA, in order. The uploads' copies (_copy_in) and a
+        captured pass's staging copies (layers/moe/staging.py)."""
+        stream = self.copy_stream if stream is None else stream
         if stream is None:
             yield
             return

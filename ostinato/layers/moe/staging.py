@@ -66,7 +66,8 @@ copies never overwrite what the layer before it still reads). The next layer tre
 its plan leaves them out, its worker leaves their routes out, and its GPU branch over the staged row
 computes them. An expert prefetched and not routed cost its copy and nothing else; which experts run
 where never changes what the layer computes. The copies of the next layer go after this layer's own
-on the copy stream, and this layer's staged branch waits only for its own (`landed`).
+on a stream of their own, by a few programs (kernels/triton/stage.py copy_experts `few`), and the
+next layer's staged branch waits for both its own copies and those (`landed`).
 
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
@@ -330,7 +331,9 @@ class PassStaging:
         self.prefetch = {id(p): min(prefetch, (p.num_slots - p.flex_lo) // 3) for p in self.pools.groups}
         E = self.pools.groups[0].table.shape[1]
         self.history = torch.zeros((len(self.layers), E), dtype=torch.float32, device=hybrid.device)
-        self.pending: dict[int, Staged] = {}
+        self.pending: dict[int, tuple[Staged, object]] = {}  # layer -> its experts and their copies' event
+        # the prefetch's own stream: a layer's staging copies must not queue behind the next layer's prefetch
+        self.stream = torch.cuda.Stream(hybrid.device) if hybrid.on_cuda and self.prefetches else None
 
     @property
     def prefetches(self) -> bool:
@@ -361,23 +364,24 @@ class PassStaging:
         self.staged_bytes += staged.pick.sum() * pool.expert_bytes
         return staged
 
-    def stage(self, layer: int, staged: Staged, flex_lo: int | None = None, few: bool = False) -> None:
+    def stage(self, layer: int, staged: Staged, flex_lo: int | None = None, few: bool = False, stream=None) -> None:
         """Copy the chosen experts into their flex slots (from flex_lo, default the pool's) on the executor's
         copy stream, after all of the current stream's work so far (the flex slots' earlier readers among it).
         The GPU branch reads them over staged.row once the copies have landed (`landed`). few: by a few
-        programs (copy), for copies that run beside the work they do not feed."""
+        programs (copy), for copies that run beside the work they do not feed; stream: another than the
+        executor's copy stream."""
         flex_lo = self.pools.of(layer).flex_lo if flex_lo is None else flex_lo
-        with self.hybrid.on_copy_stream():
+        with self.hybrid.on_copy_stream(stream=stream):
             if staged.pick.is_cuda:  # read on the copy stream: the allocator must not hand them out before
                 for t in (staged.pick, staged.rank):
                     t.record_stream(torch.cuda.current_stream(self.device))
             for src, dst, host in self.pairs[layer]:
                 copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host, few)
 
-    def landed(self):
-        """An event after the copies issued so far, for the current stream to wait on
-        (HybridExperts.copies_landed); None off CUDA, where they ran in order."""
-        stream = self.hybrid.copy_stream
+    def landed(self, stream=None):
+        """An event after the copies issued so far on the copy stream (or `stream`), for the current stream to
+        wait on (HybridExperts.copies_landed); None off CUDA, where they ran in order."""
+        stream = self.hybrid.copy_stream if stream is None else stream
         if stream is None:
             return None
         event = torch.cuda.Event()
@@ -394,13 +398,14 @@ class PassStaging:
         h.mul_(PREFETCH_DECAY)
         h.scatter_add_(0, ids.reshape(-1).long(), rows.valid.to(h.dtype)[:, None].expand(ids.shape).reshape(-1))
 
-    def prefetched(self, layer: int) -> Staged | None:
-        """The experts this pass copied for `layer` while the layer before it ran (None: none)."""
-        return self.pending.pop(layer, None)
+    def prefetched(self, layer: int) -> tuple[Staged | None, object]:
+        """The experts this pass copied for `layer` while the layer before it ran, and the event after their
+        copies ((None, None): none; the event None off CUDA)."""
+        return self.pending.pop(layer, (None, None))
 
     def prefetch_next(self, layer: int) -> None:
         """Copy the next layer's cold experts of most routes by its history (at most its pool's count; those
-        with some history) into the next layer's region, on the copy stream after the copies issued so far
+        with some history) into the next layer's region, on the prefetch's own stream, by a few programs
         (no host sync). Its region is the one the layer before this one read: the copies wait for all of
         the current stream's work, which holds that layer's GPU branch."""
         i = self.index[layer] + 1
@@ -421,5 +426,5 @@ class PassStaging:
         moved = pick.sum() * pool.expert_bytes
         self.staged_bytes += moved
         self.prefetched_bytes += moved
-        self.stage(nxt, staged, lo, few=True)  # beside this layer's work: a few programs
-        self.pending[nxt] = staged
+        self.stage(nxt, staged, lo, few=True, stream=self.stream)  # beside this layer's work: a few programs
+        self.pending[nxt] = staged, self.landed(self.stream)
