@@ -70,7 +70,7 @@ def _stage_few_kernel(src, dst, rows_ptr, pick_ptr, rank_ptr, flex_lo, E,
                 tl.store(dst + slot * NBYTES + o, tl.load(src + row * NBYTES + o, mask=m), mask=m)
 
 
-FEW_PROGRAMS = 64  # copy_experts(programs=...)'s grid where the copies must leave the SMs to other work
+FEW_PROGRAMS = 64  # copy_experts(few=True)'s grid, where the copies must leave the SMs to other work
 FEW_CHUNK = 16384  # bytes a program copies a step there: 64 x 16 KiB in flight over PCIe
 
 
