@@ -239,9 +239,11 @@ def pass_graphs_vs_host_driven(ckpt, tmp_path, cold: float, staged: bool | str =
     experts on the CPU; staged: the graphed engine's passes stage their cold experts of 2 routes or more
     (True: OSTINATO_STAGE_ROUTES=2), or by the rule "balance" and a calibration's costs, else none (0,
     whatever the default); prefetch: the passes after the first copy some of the next layer's experts
-    (OSTINATO_PREFETCH set by the caller)."""
+    (OSTINATO_PREFETCH set by the caller), else none (OSTINATO_PREFETCH=0, whatever the default)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OSTINATO_STAGE_ROUTES", "balance" if staged == "balance" else "2" if staged else "0")
+        if not prefetch:
+            mp.setenv("OSTINATO_PREFETCH", "0")
         _pass_graphs_vs_host_driven(ckpt, tmp_path, cold, bool(staged), staged == "balance", prefetch)
 
 

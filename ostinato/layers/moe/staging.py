@@ -69,6 +69,15 @@ where never changes what the layer computes. The copies of the next layer go aft
 on a stream of their own, by a few programs (kernels/triton/stage.py copy_experts `few`), and the
 next layer's staged branch waits for both its own copies and those (`landed`).
 
+The default P = 12 is measured on the Q4_K_M 30B shape under 12 GiB on one H100 machine, replaying the
+held-out sessions (results/2026-12-07-h100-s54/, three calls): the median TTFT after tool outputs was
+141.4, 142.5, 148.1 and 136.0 ms with P = 0, 129.6 and 119.0 with P = 12, 127.5, 127.1 and 120.1 with P = 24;
+against the same call's P = 0, the turns of 64-255 new tokens took 0.80-0.85x as long at P = 12 and 24 in
+both calls that ran both (median ratio per band), those of 256-511 0.83-0.87x in one and 0.97-0.99x in the
+other. P = 24 left the GPU side the longer one (a 253-token turn: the worker's wait for the GPU 15 ms at P = 0,
+17 at P = 12, 47 at P = 24). As first built (one copy stream, the copies on the default grid) it was slower:
+147.3 ms at P = 12 and 200.0 at P = 24 against 111.5 (results/2026-12-07-h100-s53/).
+
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
 from __future__ import annotations
@@ -86,7 +95,7 @@ ROW_KERNELS_STAGE_ROUTES = 12  # default_stage_routes: the cold experts on the C
 TILED_STAGE_ROUTES = 16  # and with the int8 tiles taking their larger groups of routes
 BALANCE = "balance"
 MEAN = "mean"
-DEFAULT_PREFETCH = 0  # OSTINATO_PREFETCH's default: experts a layer
+DEFAULT_PREFETCH = 12  # OSTINATO_PREFETCH's default: experts a layer (the module docstring's figures)
 DEFAULT_PREFETCH_FROM = 64  # OSTINATO_PREFETCH_FROM's: the fewest rows of a captured pass that prefetches
 PREFETCH_DECAY = 0.75  # a layer's route history, each pass: about the last four passes count (not tuned)
 
@@ -364,19 +373,21 @@ class PassStaging:
         self.staged_bytes += staged.pick.sum() * pool.expert_bytes
         return staged
 
-    def stage(self, layer: int, staged: Staged, flex_lo: int | None = None, few: bool = False, stream=None) -> None:
-        """Copy the chosen experts into their flex slots (from flex_lo, default the pool's) on the executor's
-        copy stream, after all of the current stream's work so far (the flex slots' earlier readers among it).
-        The GPU branch reads them over staged.row once the copies have landed (`landed`). few: by a few
-        programs (copy), for copies that run beside the work they do not feed; stream: another than the
-        executor's copy stream."""
-        flex_lo = self.pools.of(layer).flex_lo if flex_lo is None else flex_lo
-        with self.hybrid.on_copy_stream(stream=stream):
+    def stage(self, layer: int, staged: Staged) -> None:
+        """Copy the layer's chosen experts into its flex slots (from the pool's flex_lo) on the executor's copy
+        stream, after all of the current stream's work so far (the flex slots' earlier readers among it). The
+        GPU branch reads them over staged.row once the copies have landed (`landed`)."""
+        self._copy(layer, staged, self.pools.of(layer).flex_lo)
+
+    def _copy(self, layer: int, staged: Staged, flex_lo: int, prefetch: bool = False) -> None:
+        """`stage`'s copies from flex slot flex_lo; with prefetch, on the prefetch's own stream by a few programs
+        (copy's `few`), since they run beside the work they do not feed."""
+        with self.hybrid.on_copy_stream(stream=self.stream if prefetch else None):
             if staged.pick.is_cuda:  # read on the copy stream: the allocator must not hand them out before
                 for t in (staged.pick, staged.rank):
                     t.record_stream(torch.cuda.current_stream(self.device))
             for src, dst, host in self.pairs[layer]:
-                copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host, few)
+                copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host, few=prefetch)
 
     def landed(self, stream=None):
         """An event after the copies issued so far on the copy stream (or `stream`), for the current stream to
@@ -426,5 +437,5 @@ class PassStaging:
         moved = pick.sum() * pool.expert_bytes
         self.staged_bytes += moved
         self.prefetched_bytes += moved
-        self.stage(nxt, staged, lo, few=True, stream=self.stream)  # beside this layer's work: a few programs
+        self._copy(nxt, staged, lo, prefetch=True)
         self.pending[nxt] = staged, self.landed(self.stream)
