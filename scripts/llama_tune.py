@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", type=Path,
                     help="tuning.json of an earlier run (same file recipe and cap): replay with its choice, no tuning")
     a = ap.parse_args(argv)
+    # `timeout` ends a run cut by its call's deadline with SIGTERM: exit through the servers' `finally`, which
+    # stops them, rather than leave one serving beside the next run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     a.max_context = a.max_context or a.context
     a.context = max(a.context, a.max_context)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +193,72 @@ def test_tune_moves_n_cpu_moe_on_while_every_value_fails():
     assert [r["settings"]["n_cpu_moe"] for r in rows if r["knob"] == "n_cpu_moe"] == [20, 21, 22, 23]
     with pytest.raises(RuntimeError, match="every value of n_cpu_moe failed"):
         tune(lambda s: None, LlamaSettings(46), knob_values(46, 48, [16]), layers=48)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_refuses_a_port_something_answers_on(tmp_path):
+    """A llama-server left on the port would answer this one's /health: LlamaServer says so and starts
+    nothing (the server path does not exist, so starting it would fail otherwise)."""
+    import socket
+
+    from ostinato.bench.llamacpp import LlamaServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} is in use"):
+            LlamaServer(str(tmp_path / "no-server"), LlamaSettings(0), "m.gguf", context=64, port=port, gpu="0",
+                        log=tmp_path / "log")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_server_dies_with_the_process_that_started_it(tmp_path):
+    """The tuner killed outright (SIGKILL: no `finally` runs) still leaves no server behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "server.pid"
+    server = tmp_path / "server.sh"
+    server.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 120\n")
+    server.chmod(0o755)
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "from pathlib import Path; from ostinato.bench.llamacpp import LlamaServer, LlamaSettings; "
+        f"LlamaServer({str(server)!r}, LlamaSettings(0), 'm.gguf', context=64, port={_free_port()}, gpu='0', "
+        f"log=Path({str(tmp_path / 'log')!r}), start_timeout=120)")])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert parent.poll() is None and time.monotonic() < deadline, "the fake server never started"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+
+        def alive() -> bool:
+            try:
+                return Path(f"/proc/{child}/status").read_text().split("State:")[1].split()[0] != "Z"
+            except (OSError, IndexError):
+                return False
+
+        deadline = time.monotonic() + 10
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(), "the server outlived the process that started it"
+    finally:
+        parent.kill()
+        if pid_file.exists() and pid_file.read_text().strip():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -32,7 +32,10 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -199,17 +202,24 @@ def tune(measure: Callable[[LlamaSettings], float | None], start: LlamaSettings,
 class LlamaServer:
     """One llama-server process with the given settings, on one GPU (CUDA_VISIBLE_DEVICES=gpu), its
     output in log; ready when /health answers 200 (within start_timeout seconds, else ready is False).
-    load_s: the seconds to ready; mib: its GPU memory once ready (nvidia-smi)."""
+    load_s: the seconds to ready; mib: its GPU memory once ready (nvidia-smi).
+
+    It refuses a port something already answers on: a server left running there would answer /health for
+    this one, and its GPU memory and threads would weigh on the measurement. On Linux the server gets
+    SIGTERM when the process that started it dies, however it dies."""
 
     def __init__(self, server: str, settings: LlamaSettings, model: str, *, context: int, port: int, gpu: str,
                  log: Path, start_timeout: float = 300):
         import httpx
 
+        if _answers(port):
+            raise RuntimeError(f"port {port} is in use on 127.0.0.1 (a llama-server left running?): stop it or "
+                               f"give another port")
         env = {**os.environ, **settings.env(), "CUDA_VISIBLE_DEVICES": gpu}
         self.url = f"http://127.0.0.1:{port}"
         self.log = log.open("w")
         self.proc = subprocess.Popen([server, *settings.args(model, context, port)], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         t0 = time.perf_counter()
         self.ready = False
         while time.perf_counter() - t0 < start_timeout and self.proc.poll() is None:
@@ -237,3 +247,20 @@ class LlamaServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _answers(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _die_with_parent() -> None:
+    """In the child before exec, on Linux: SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
