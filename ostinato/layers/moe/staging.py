@@ -276,9 +276,9 @@ def copy(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, pick: torch.T
         e = pick.nonzero().flatten()
         dst[flex_lo + rank[e].long()] = src[rows[e].long()]
         return
-    from ostinato.kernels.triton.stage import copy_experts
+    from ostinato.kernels.triton.stage import FEW_PROGRAMS, copy_experts
 
-    copy_experts(host, as_bytes(dst), rows, pick, rank, flex_lo, few)
+    copy_experts(host, as_bytes(dst), rows, pick, rank, flex_lo, FEW_PROGRAMS if few else None)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
