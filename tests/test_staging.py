@@ -167,6 +167,15 @@ def test_report_says_which_passes_stage():
     assert not any("OSTINATO_STAGE_FROM" in line for line in _cpu_note(run))
     assert any("at least 256 rows stage" in line for line in _cpu_note(run | {"stage_from": "256"}))
     assert any("padded to 8, 16, 32, 64, 128, 256, 511 rows (" in line for line in _cpu_note(run))
+    # the prefetch, as set, and what the pools took where that is less
+    assert not any("OSTINATO_PREFETCH" in line for line in _cpu_note(run | {"prefetch": 0, "prefetch_from": 64}))
+    pre = run | {"prefetch": 36, "prefetch_from": 64, "policies": {"ostinato": {"prefetch_taken": [36]}}}
+    assert [line for line in _cpu_note(pre) if "OSTINATO_PREFETCH" in line] == [
+        "- passes of at least 64 rows also copy each next layer's 36 cold experts of most routes in the passes "
+        "before, while the layer before it runs (OSTINATO_PREFETCH, OSTINATO_PREFETCH_FROM)"]
+    pre["policies"]["ostinato"]["prefetch_taken"] = [25, 36]
+    assert any(line.endswith("(the pools took 25, 36: a third of their flex slots at most)")
+               for line in _cpu_note(pre))
     # the AMX int8 tiles take Q4_K and Q6_K projections alone: not said of an MXFP4 model's run
     run = run | {"amx_int8_min_tokens": 4}
     assert any("AMX int8 tiles" in line for line in _cpu_note(run))

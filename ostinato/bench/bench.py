@@ -557,6 +557,9 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
             entry["split_uploads_from"] = hybrid.mixed.min_tokens
             entry["split_uploads_to"] = hybrid.mixed.max_tokens
         entry["borrowing"] = hybrid.borrow is not None
+        staging = getattr(backend, "staging", None)  # captured passes' (layers/moe/staging.py)
+        if staging is not None and staging.prefetches:  # what the pools took of OSTINATO_PREFETCH (a third of
+            entry["prefetch_taken"] = sorted(set(staging.prefetch.values()))  # their flex slots at most)
     if cpu is not None:  # the host's read bandwidth with the policy's own pool, just before and after its replay:
         # it drifts by 15-20% between runs of a shared VM, as much as policies differ by (report.py warns
         # where two compared replays ran at bandwidths that differ); one buffer for both, freed after

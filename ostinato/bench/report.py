@@ -603,9 +603,12 @@ def _cpu_note(result: dict) -> list[str]:
         if result.get("stage_from"):
             lines.append(f"- only the passes of at least {result['stage_from']} rows stage (OSTINATO_STAGE_FROM)")
         if result.get("prefetch"):
+            taken = {n for p in result.get("policies", {}).values() for n in p.get("prefetch_taken", [])}
+            less = f" (the pools took {', '.join(map(str, sorted(taken)))}: a third of their flex slots at most)" \
+                if taken - {result["prefetch"]} else ""
             lines.append(f"- passes of at least {result['prefetch_from']} rows also copy each next layer's "
                          f"{result['prefetch']} cold experts of most routes in the passes before, while the layer "
-                         "before it runs (OSTINATO_PREFETCH, OSTINATO_PREFETCH_FROM)")
+                         f"before it runs (OSTINATO_PREFETCH, OSTINATO_PREFETCH_FROM){less}")
     elif result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
                      f"uploads replayed as CUDA graphs, padded to {_padded_to(result)} (OSTINATO_PASS_GRAPHS)")
