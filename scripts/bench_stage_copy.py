@@ -31,9 +31,11 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.kernels.triton.handshake import HostPointer  # noqa: E402
-from ostinato.kernels.triton.stage import FEW_CHUNK, copy_experts  # noqa: E402
+from ostinato.kernels.triton import stage  # noqa: E402
+from ostinato.kernels.triton.stage import copy_experts  # noqa: E402
 from scripts.bench_gpu_experts import replay_times  # noqa: E402
 
+FEW_CHUNK = stage.FEW_CHUNK  # the prefetch's, before the sweep sets others
 Q4_K_M_EXPERT = 2_856_960  # bytes of one Qwen3-30B-A3B expert in the Q4_K_M file's mix (bench budget's expert_bytes)
 
 
@@ -64,6 +66,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, nargs="+", default=[12, 24], help="experts copied at once (K)")
     ap.add_argument("--programs", type=int, nargs="+", default=[32, 64, 132, 264],
                     help="copy_experts' programs (FEW_PROGRAMS is the prefetch's)")
+    ap.add_argument("--chunk", type=int, nargs="+", default=[8192, 16384, 32768],
+                    help="bytes a program copies a step on a few programs (FEW_CHUNK is the prefetch's)")
     ap.add_argument("--expert-bytes", type=int, default=Q4_K_M_EXPERT)
     ap.add_argument("--rows", type=int, default=256, help="the stand-in work's rows (a pass's tokens)")
     ap.add_argument("--work-ms", type=float, default=2.0, help="the stand-in work's time alone, about")
@@ -71,8 +75,11 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_stage_copy times CUDA kernels: no GPU here")
-    if min(a.experts) < 1 or min(a.programs) < 1 or a.expert_bytes < 1 or a.rows < 1 or a.work_ms <= 0 or a.reps < 1:
-        raise SystemExit("--experts, --programs, --expert-bytes, --rows, --work-ms and --reps must be positive")
+    if min(*a.experts, *a.programs, *a.chunk, a.expert_bytes, a.rows, a.reps) < 1 or a.work_ms <= 0:
+        raise SystemExit("--experts, --programs, --chunk, --expert-bytes, --rows, --work-ms and --reps must be "
+                         "positive")
+    if any(c & (c - 1) for c in a.chunk):
+        raise SystemExit("--chunk: powers of two (a Triton block)")
     dev, E, K_max = "cuda", 128, max(a.experts)
     if K_max > E:
         raise SystemExit(f"--experts: at most {E}")
@@ -102,7 +109,8 @@ def main() -> None:
     work_alone = statistics.median(work_times)
     print(f"staging copies beside GPU work, {torch.cuda.get_device_name()}; work: {n_work} GEMM pairs of "
           f"{a.rows} rows, {work_alone:.3f} ms alone")
-    print(f"{'K':>3} {'way':>8} {'copy ms':>8} {'GB/s':>7} {'beside ms':>9} {'GB/s':>7} {'work ms':>8} {'x alone':>7}  check")
+    print(f"{'K':>3} {'way':>8} {'chunk':>6} {'copy ms':>8} {'GB/s':>7} {'beside ms':>9} {'GB/s':>7} {'work ms':>8} "
+          f"{'x alone':>7}  check")
     results = []
     for K in a.experts:
         pick = torch.zeros(E, dtype=torch.bool, device=dev)
@@ -110,24 +118,26 @@ def main() -> None:
         pick[chosen] = True
         rank = (torch.cumsum(pick.to(torch.int32), 0, dtype=torch.int32) - 1)
         want = host[rows[chosen.sort().values].long().cpu()]  # the picked experts in expert order = rank order
-        ways = [("memcpy", lambda: dst[:K].copy_(host[:K], non_blocking=True), host[:K])]
-        ways.append(("grid", lambda: copy_experts(src, dst, rows, pick, rank, 0), want))
-        for p in a.programs:
-            ways.append((f"{p}", lambda p=p: copy_experts(src, dst, rows, pick, rank, 0, p), want))
-        for name, fn, expect in ways:
+        ways = [("memcpy", None, lambda: dst[:K].copy_(host[:K], non_blocking=True), host[:K])]
+        ways.append(("grid", None, lambda: copy_experts(src, dst, rows, pick, rank, 0), want))
+        for c in a.chunk:
+            for p in a.programs:
+                ways.append((f"{p}", c, lambda p=p: copy_experts(src, dst, rows, pick, rank, 0, p), want))
+        for name, chunk, fn, expect in ways:
+            stage.FEW_CHUNK = chunk or FEW_CHUNK  # read at each call: the captured graph keeps the one it saw
             dst.zero_()
             times, copy = replay_times(fn, a.reps)
             ok = bool(torch.equal(dst[:K].cpu(), expect))
             alone = statistics.median(times)
             beside, work_beside = together(copy, work, a.reps)
             nbytes = K * a.expert_bytes
-            r = {"experts": K, "way": name, "programs": int(name) if name.isdigit() else None,
+            r = {"experts": K, "way": name, "programs": int(name) if name.isdigit() else None, "chunk": chunk,
                  "copy_ms": alone, "gbps": nbytes / alone / 1e6, "copy_beside_ms": beside,
                  "gbps_beside": nbytes / beside / 1e6, "work_beside_ms": work_beside,
                  "work_slowdown": work_beside / work_alone, "ok": ok}
             results.append(r)
-            print(f"{K:3d} {name:>8} {alone:8.3f} {r['gbps']:7.2f} {beside:9.3f} {r['gbps_beside']:7.2f} "
-                  f"{work_beside:8.3f} {r['work_slowdown']:7.2f}  {'ok' if ok else 'WRONG'}")
+            print(f"{K:3d} {name:>8} {chunk or '-':>6} {alone:8.3f} {r['gbps']:7.2f} {beside:9.3f} "
+                  f"{r['gbps_beside']:7.2f} {work_beside:8.3f} {r['work_slowdown']:7.2f}  {'ok' if ok else 'WRONG'}")
     print(json.dumps({"bench": "stage_copy", **source_state(), "device": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "triton": triton.__version__, "expert_bytes": a.expert_bytes,
                       "few_chunk": FEW_CHUNK, "work": {"gemm_pairs": n_work, "rows": a.rows, "ms": work_alone},
