@@ -65,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, nargs="+", default=[12, 24], help="experts copied at once (K)")
     ap.add_argument("--programs", type=int, nargs="+", default=[32, 64, 132, 264],
-                    help="copy_experts' programs (FEW_PROGRAMS is the prefetch's)")
+                    help="copy_experts' programs (OSTINATO_PREFETCH_PROGRAMS: the prefetch's)")
     ap.add_argument("--chunk", type=int, nargs="+", default=[8192, 16384, 32768],
                     help="bytes a program copies a step on a few programs (FEW_CHUNK is the prefetch's)")
     ap.add_argument("--expert-bytes", type=int, default=Q4_K_M_EXPERT)

@@ -157,6 +157,28 @@ def test_stage_from_is_the_rules_count_unless_set(monkeypatch):
             stage_from(16)
 
 
+def test_the_prefetch_settings_refuse_what_is_not_a_count(monkeypatch):
+    """OSTINATO_PREFETCH (0: off), OSTINATO_PREFETCH_FROM (at least 2 rows) and OSTINATO_PREFETCH_PROGRAMS (at
+    least 1): their defaults where unset, and anything else refused by name."""
+    from ostinato.layers.moe.staging import (DEFAULT_PREFETCH, DEFAULT_PREFETCH_FROM, DEFAULT_PREFETCH_PROGRAMS,
+                                             env_prefetch, env_prefetch_from, env_prefetch_programs)
+
+    for name in ("OSTINATO_PREFETCH", "OSTINATO_PREFETCH_FROM", "OSTINATO_PREFETCH_PROGRAMS"):
+        monkeypatch.delenv(name, raising=False)
+    assert (env_prefetch(), env_prefetch_from(), env_prefetch_programs()) == (
+        DEFAULT_PREFETCH, DEFAULT_PREFETCH_FROM, DEFAULT_PREFETCH_PROGRAMS) == (12, 64, 64)
+    monkeypatch.setenv("OSTINATO_PREFETCH", "0")
+    assert env_prefetch() == 0
+    for name, fn, bad in (("OSTINATO_PREFETCH", env_prefetch, ("-1", "x", "1.5")),
+                          ("OSTINATO_PREFETCH_FROM", env_prefetch_from, ("1", "0", "many")),
+                          ("OSTINATO_PREFETCH_PROGRAMS", env_prefetch_programs, ("0", "-4", "all"))):
+        for v in bad:
+            monkeypatch.setenv(name, v)
+            with pytest.raises(ConfigError, match=name):
+                fn()
+        monkeypatch.delenv(name)
+
+
 def test_report_says_which_passes_stage():
     """A bench report names the staging rule of its captured passes, and the pass size they stage from
     where OSTINATO_STAGE_FROM set one."""
@@ -172,7 +194,8 @@ def test_report_says_which_passes_stage():
     pre = run | {"prefetch": 36, "prefetch_from": 64, "policies": {"ostinato": {"prefetch_taken": [36]}}}
     assert [line for line in _cpu_note(pre) if "OSTINATO_PREFETCH" in line] == [
         "- passes of at least 64 rows also copy each next layer's 36 cold experts of most routes in the passes "
-        "before, while the layer before it runs (OSTINATO_PREFETCH, OSTINATO_PREFETCH_FROM)"]
+        "before, while the layer before it runs, on 64 programs (OSTINATO_PREFETCH, OSTINATO_PREFETCH_FROM, "
+        "OSTINATO_PREFETCH_PROGRAMS)"]
     pre["policies"]["ostinato"]["prefetch_taken"] = [25, 36]
     assert any(line.endswith("(the pools took 25, 36: a third of their flex slots at most)")
                for line in _cpu_note(pre))

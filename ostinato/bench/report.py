@@ -20,7 +20,8 @@ from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.engine.graph import env_pass_midpoints, pass_sizes
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
 from ostinato.layers.moe.hybrid import defer_combine
-from ostinato.layers.moe.staging import describe, env_prefetch, env_prefetch_from, env_stage_from, env_stage_routes
+from ostinato.layers.moe.staging import (describe, env_prefetch, env_prefetch_from, env_prefetch_programs, env_stage_from,
+                                         env_stage_routes)
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.calibrate import cpu_model
 from ostinato.planner.pipeline import fill_text
@@ -69,6 +70,7 @@ def environment(loaded, bs) -> dict:
             "stage_from": env_stage_from(),  # None: the rule's count (staging.stage_from)
             "prefetch": env_prefetch() if loaded.runner.device.type == "cuda" else 0,
             "prefetch_from": env_prefetch_from(),
+            "prefetch_programs": env_prefetch_programs(),
             "pass_midpoints": env_pass_midpoints(),
             **routing_knobs(loaded.source)}
 
@@ -608,7 +610,8 @@ def _cpu_note(result: dict) -> list[str]:
                 if taken - {result["prefetch"]} else ""
             lines.append(f"- passes of at least {result['prefetch_from']} rows also copy each next layer's "
                          f"{result['prefetch']} cold experts of most routes in the passes before, while the layer "
-                         f"before it runs (OSTINATO_PREFETCH, OSTINATO_PREFETCH_FROM){less}")
+                         f"before it runs, on {result.get('prefetch_programs', 64)} programs (OSTINATO_PREFETCH, "
+                         f"OSTINATO_PREFETCH_FROM, OSTINATO_PREFETCH_PROGRAMS){less}")
     elif result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
                      f"uploads replayed as CUDA graphs, padded to {_padded_to(result)} (OSTINATO_PASS_GRAPHS)")

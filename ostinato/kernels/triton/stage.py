@@ -38,7 +38,7 @@ def copy_experts(src, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor,
     src: the host stack's bytes [rows, bytes] (a HostPointer on CUDA, a tensor under the interpreter);
     rows, rank [E] int32, pick [E] bool. One launch, no host sync: capturable.
     programs: on that many programs of FEW_CHUNK steps, for copies beside other work (a next layer's
-    prefetch, layers/moe/staging.py: FEW_PROGRAMS); None: the default grid, a program per 64 KiB of every
+    prefetch, layers/moe/staging.py: OSTINATO_PREFETCH_PROGRAMS); None: the default grid, a program per 64 KiB of every
     expert. In session 53's replay the prefetch on the default grid and the copy stream made a captured
     pass's worker wait about 1.2 ms longer a layer for 12 experts, more than their copy takes at 51 GB/s
     (0.7 ms; results/2026-12-07-h100-s53/); on 64 programs and a stream of its own, 1.8 ms longer in a whole
@@ -71,8 +71,7 @@ def _stage_few_kernel(src, dst, rows_ptr, pick_ptr, rank_ptr, flex_lo, E,
                 tl.store(dst + slot * NBYTES + o, tl.load(src + row * NBYTES + o, mask=m), mask=m)
 
 
-FEW_PROGRAMS = 64  # copy_experts' programs, where the copies must leave the SMs to other work
-FEW_CHUNK = 16384  # bytes a program copies a step there: 64 x 16 KiB in flight over PCIe
+FEW_CHUNK = 16384  # bytes a program copies a step on a few programs: 64 of them keep 1 MiB in flight
 
 
 @triton.jit(do_not_specialize=["R", "cap", "flex_lo", "min_routes"])

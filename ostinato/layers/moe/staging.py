@@ -66,7 +66,8 @@ copies never overwrite what the layer before it still reads). The next layer tre
 its plan leaves them out, its worker leaves their routes out, and its GPU branch over the staged row
 computes them. An expert prefetched and not routed cost its copy and nothing else; which experts run
 where never changes what the layer computes. The copies of the next layer go after this layer's own
-on a stream of their own, by a few programs (kernels/triton/stage.py copy_experts `few`), and the
+on a stream of their own, by a few programs (OSTINATO_PREFETCH_PROGRAMS, default 64: kernels/triton/stage.py
+copy_experts' `programs`), and the
 next layer's staged branch waits for both its own copies and those (`landed`).
 
 The default P = 12 is measured on the Q4_K_M 30B shape under 12 GiB on one H100 machine, replaying the
@@ -97,6 +98,7 @@ BALANCE = "balance"
 MEAN = "mean"
 DEFAULT_PREFETCH = 12  # OSTINATO_PREFETCH's default: experts a layer (the module docstring's figures)
 DEFAULT_PREFETCH_FROM = 64  # OSTINATO_PREFETCH_FROM's: the fewest rows of a captured pass that prefetches
+DEFAULT_PREFETCH_PROGRAMS = 64  # OSTINATO_PREFETCH_PROGRAMS': the prefetch copies' programs (not tuned)
 PREFETCH_DECAY = 0.75  # a layer's route history, each pass: about the last four passes count (not tuned)
 
 
@@ -177,6 +179,14 @@ def env_prefetch_from() -> int:
     n = env_count("OSTINATO_PREFETCH_FROM", DEFAULT_PREFETCH_FROM, "rows")
     if n < 2:
         raise ConfigError(f"OSTINATO_PREFETCH_FROM must be at least 2 rows (a decode step never prefetches), not {n}")
+    return n
+
+
+def env_prefetch_programs() -> int:
+    """OSTINATO_PREFETCH_PROGRAMS: the programs the prefetch's copies run on (kernels/triton/stage.py)."""
+    n = env_count("OSTINATO_PREFETCH_PROGRAMS", DEFAULT_PREFETCH_PROGRAMS, "programs")
+    if n < 1:
+        raise ConfigError("OSTINATO_PREFETCH_PROGRAMS must be at least 1 program")
     return n
 
 
@@ -266,19 +276,19 @@ def plan(ids: torch.Tensor, real: torch.Tensor, table: torch.Tensor, rule: int |
 
 
 def copy(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor, rank: torch.Tensor,
-         flex_lo: int, host=None, few: bool = False) -> None:
+         flex_lo: int, host=None, programs: int | None = None) -> None:
     """dst[flex_lo + rank[e]] = src[rows[e]] for each staged expert e (pick [E]); src [Ec, ...] a layer's
     host stack, dst [slots, ...] a pool tensor, of the same dtype and shape past the first dimension;
     rows [E] int32 (an expert's row in src). On CUDA one kernel with no host sync, reading src through
-    `host` (its HostPointer, as a byte view: kernels/triton/stage.py; few: on a few programs, leaving the
-    SMs to other work); elsewhere torch's indexing."""
+    `host` (its HostPointer, as a byte view: kernels/triton/stage.py; programs: on that many, leaving the
+    SMs to other work, else the default grid); elsewhere torch's indexing."""
     if dst.device.type != "cuda":
         e = pick.nonzero().flatten()
         dst[flex_lo + rank[e].long()] = src[rows[e].long()]
         return
-    from ostinato.kernels.triton.stage import FEW_PROGRAMS, copy_experts
+    from ostinato.kernels.triton.stage import copy_experts
 
-    copy_experts(host, as_bytes(dst), rows, pick, rank, flex_lo, FEW_PROGRAMS if few else None)
+    copy_experts(host, as_bytes(dst), rows, pick, rank, flex_lo, programs)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -341,6 +351,7 @@ class PassStaging:
         E = self.pools.groups[0].table.shape[1]
         self.history = torch.zeros((len(self.layers), E), dtype=torch.float32, device=hybrid.device)
         self.pending: dict[int, tuple[Staged, object]] = {}  # layer -> its experts and their copies' event
+        self.programs = env_prefetch_programs()
         # the prefetch's own stream: a layer's staging copies must not queue behind the next layer's prefetch
         self.stream = torch.cuda.Stream(hybrid.device) if hybrid.on_cuda and self.prefetches else None
 
@@ -381,13 +392,14 @@ class PassStaging:
 
     def _copy(self, layer: int, staged: Staged, flex_lo: int, prefetch: bool = False) -> None:
         """`stage`'s copies from flex slot flex_lo; with prefetch, on the prefetch's own stream by a few programs
-        (copy's `few`), since they run beside the work they do not feed."""
+        (OSTINATO_PREFETCH_PROGRAMS), since they run beside the work they do not feed."""
         with self.hybrid.on_copy_stream(stream=self.stream if prefetch else None):
             if staged.pick.is_cuda:  # read on the copy stream: the allocator must not hand them out before
                 for t in (staged.pick, staged.rank):
                     t.record_stream(torch.cuda.current_stream(self.device))
             for src, dst, host in self.pairs[layer]:
-                copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host, few=prefetch)
+                copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host,
+                     self.programs if prefetch else None)
 
     def landed(self, stream=None):
         """An event after the copies issued so far on the copy stream (or `stream`), for the current stream to
