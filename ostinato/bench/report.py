@@ -20,8 +20,8 @@ from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.engine.graph import env_pass_midpoints, pass_sizes
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
 from ostinato.layers.moe.hybrid import defer_combine
-from ostinato.layers.moe.staging import (describe, env_prefetch, env_prefetch_from, env_prefetch_programs, env_stage_from,
-                                         env_stage_routes)
+from ostinato.layers.moe.staging import (describe, env_prefetch, env_prefetch_from, env_prefetch_programs,
+                                         env_stage_from, env_stage_routes)
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.calibrate import cpu_model
 from ostinato.planner.pipeline import fill_text

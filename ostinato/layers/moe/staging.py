@@ -66,9 +66,9 @@ copies never overwrite what the layer before it still reads). The next layer tre
 its plan leaves them out, its worker leaves their routes out, and its GPU branch over the staged row
 computes them. An expert prefetched and not routed cost its copy and nothing else; which experts run
 where never changes what the layer computes. The copies of the next layer go after this layer's own
-on a stream of their own, by a few programs (OSTINATO_PREFETCH_PROGRAMS, default 64: kernels/triton/stage.py
-copy_experts' `programs`), and the
-next layer's staged branch waits for both its own copies and those (`landed`).
+on a stream of their own, by a few programs (OSTINATO_PREFETCH_PROGRAMS, default 64: kernels/triton/
+stage.py copy_experts' `programs`), and the next layer's staged branch waits for both its own copies
+and those (`landed`).
 
 The default P = 12 is measured on the Q4_K_M 30B shape under 12 GiB on one H100 machine, replaying the
 held-out sessions (results/2026-12-07-h100-s54/, three calls): the median TTFT after tool outputs was
