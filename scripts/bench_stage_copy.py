@@ -31,11 +31,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ostinato.bench.report import source_state  # noqa: E402
 from ostinato.kernels.triton.handshake import HostPointer  # noqa: E402
-from ostinato.kernels.triton import stage  # noqa: E402
-from ostinato.kernels.triton.stage import copy_experts  # noqa: E402
+from ostinato.kernels.triton.stage import FEW_CHUNK, copy_experts  # noqa: E402
 from scripts.bench_gpu_experts import replay_times  # noqa: E402
 
-FEW_CHUNK = stage.FEW_CHUNK  # the prefetch's, before the sweep sets others
 Q4_K_M_EXPERT = 2_856_960  # bytes of one Qwen3-30B-A3B expert in the Q4_K_M file's mix (bench budget's expert_bytes)
 
 
@@ -122,9 +120,8 @@ def main() -> None:
         ways.append(("grid", None, lambda: copy_experts(src, dst, rows, pick, rank, 0), want))
         for c in a.chunk:
             for p in a.programs:
-                ways.append((f"{p}", c, lambda p=p: copy_experts(src, dst, rows, pick, rank, 0, p), want))
+                ways.append((f"{p}", c, lambda p=p, c=c: copy_experts(src, dst, rows, pick, rank, 0, p, c), want))
         for name, chunk, fn, expect in ways:
-            stage.FEW_CHUNK = chunk or FEW_CHUNK  # read at each call: the captured graph keeps the one it saw
             dst.zero_()
             times, copy = replay_times(fn, a.reps)
             ok = bool(torch.equal(dst[:K].cpu(), expect))

@@ -219,7 +219,6 @@ from ostinato.layers.moe.staging import as_bytes, plan
 
 g = torch.Generator().manual_seed(0)
 stage.CHUNK, stage.STEPS = 64, 2  # an expert of 600 bytes: 5 programs, and a partial last step
-stage.FEW_CHUNK = 64  # on 3 programs: 10 chunks, a partial last chunk
 src = torch.randint(0, 256, (6, 600), dtype=torch.uint8, generator=g)
 for rows_of, programs in (("identity", None), ("shuffled", None), ("shuffled", 3)):
     rows = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5], dtype=torch.int32)
@@ -229,7 +228,7 @@ for rows_of, programs in (("identity", None), ("shuffled", None), ("shuffled", 3
     ids = torch.tensor([[0, 2], [2, 3], [3, 5], [7, 0]])
     dst = torch.zeros(12, 600, dtype=torch.uint8)
     _, pick, rank = plan(ids, torch.arange(4) < 4, table, 2, 8, 9)
-    stage.copy_experts(src, as_bytes(dst), rows, pick, rank, 9, programs)
+    stage.copy_experts(src, as_bytes(dst), rows, pick, rank, 9, programs, 64)  # 3 programs: 10 chunks, a partial last
     staged = pick.nonzero().flatten().tolist()
     assert staged == [0, 2, 3], staged
     for i, e in enumerate(staged):

@@ -33,22 +33,24 @@ def _stage_kernel(src, dst, rows_ptr, pick_ptr, rank_ptr, flex_lo,
 
 
 def copy_experts(src, dst: torch.Tensor, rows: torch.Tensor, pick: torch.Tensor, rank: torch.Tensor,
-                 flex_lo: int, programs: int | None = None) -> None:
+                 flex_lo: int, programs: int | None = None, chunk: int | None = None) -> None:
     """dst [slots, bytes] uint8: row flex_lo + rank[e] gets row rows[e] of src, for each e with pick[e];
     src: the host stack's bytes [rows, bytes] (a HostPointer on CUDA, a tensor under the interpreter);
     rows, rank [E] int32, pick [E] bool. One launch, no host sync: capturable.
-    programs: on that many programs of FEW_CHUNK steps, for copies beside other work (a next layer's
-    prefetch, layers/moe/staging.py: OSTINATO_PREFETCH_PROGRAMS); None: the default grid, a program per
-    64 KiB of every expert. In session 53's replay the prefetch on the default grid and the copy stream
-    made a captured pass's worker wait about 1.2 ms longer a layer for 12 experts, more than their copy
-    takes at 51 GB/s (0.7 ms; results/2026-12-07-h100-s53/); on 64 programs and a stream of its own,
-    1.8 ms longer in a whole 253-token turn (results/2026-12-07-h100-s54/). Which of the two changes did
-    it, and the few programs' pace over PCIe, are for scripts/bench_stage_copy.py to measure."""
+    programs: on that many programs of `chunk`-byte steps (a power of two, default FEW_CHUNK), for copies
+    beside other work (a next layer's prefetch, layers/moe/staging.py: OSTINATO_PREFETCH_PROGRAMS); None:
+    the default grid, a program per 64 KiB of every expert. In session 53's replay the prefetch on the
+    default grid and the copy stream made a captured pass's worker wait about 1.2 ms longer a layer for 12
+    experts, more than their copy takes at 51 GB/s (0.7 ms; results/2026-12-07-h100-s53/); on 64 programs
+    and a stream of its own, 1.8 ms longer in a whole 253-token turn (results/2026-12-07-h100-s54/).
+    Which of the two changes did it, and the few programs' pace over PCIe, are for
+    scripts/bench_stage_copy.py to measure."""
     nbytes = dst.shape[1]
     if programs is not None:
-        chunks = triton.cdiv(nbytes, FEW_CHUNK)
+        chunk = chunk or FEW_CHUNK
+        chunks = triton.cdiv(nbytes, chunk)
         _stage_few_kernel[(min(programs, chunks),)](src, dst, rows, pick, rank, flex_lo, pick.shape[0],
-                                                    NBYTES=nbytes, CHUNK=FEW_CHUNK, CHUNKS=chunks)
+                                                    NBYTES=nbytes, CHUNK=chunk, CHUNKS=chunks)
         return
     _stage_kernel[(pick.shape[0], triton.cdiv(nbytes, CHUNK * STEPS))](src, dst, rows, pick, rank, flex_lo,
                                                                        NBYTES=nbytes, CHUNK=CHUNK, STEPS=STEPS)
