@@ -195,14 +195,6 @@ def test_tune_moves_n_cpu_moe_on_while_every_value_fails():
         tune(lambda s: None, LlamaSettings(46), knob_values(46, 48, [16]), layers=48)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_server_refuses_a_port_something_answers_on(tmp_path):
     """A llama-server left on the port would answer this one's /health: LlamaServer says so and starts
     nothing (the server path does not exist, so starting it would fail otherwise)."""
@@ -228,13 +220,15 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path):
     import sys
     import time
 
+    from tests.test_server import free_port
+
     pid_file = tmp_path / "server.pid"
     server = tmp_path / "server.sh"
     server.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 120\n")
     server.chmod(0o755)
     parent = subprocess.Popen([sys.executable, "-c", (
         "from pathlib import Path; from ostinato.bench.llamacpp import LlamaServer, LlamaSettings; "
-        f"LlamaServer({str(server)!r}, LlamaSettings(0), 'm.gguf', context=64, port={_free_port()}, gpu='0', "
+        f"LlamaServer({str(server)!r}, LlamaSettings(0), 'm.gguf', context=64, port={free_port()}, gpu='0', "
         f"log=Path({str(tmp_path / 'log')!r}), start_timeout=120)")])
     try:
         deadline = time.monotonic() + 60

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
-import time
 import zlib
 from types import SimpleNamespace
 
@@ -342,25 +339,12 @@ def test_in_process_replay_of_the_tiny_model(tiny_engine):
 
 @contextlib.contextmanager
 def _serve(app):
-    """uvicorn on a free loopback port in a thread, until the model is loaded; yields the URL."""
-    import uvicorn
+    """The app served on loopback until its model is loaded; yields the URL."""
+    from tests.test_server import LiveServer
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while not server.started or httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not come up"
-            time.sleep(0.05)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with LiveServer(app) as server:
+        server.wait_ready(120)
+        yield server.url
 
 
 def test_replay_over_our_http_server(tiny_dir):
