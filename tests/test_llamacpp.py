@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -211,13 +212,12 @@ def test_a_server_refuses_a_port_something_answers_on(tmp_path):
                         log=tmp_path / "log")
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_server_dies_with_the_process_that_started_it(tmp_path):
     """The tuner killed outright (SIGKILL: no `finally` runs) still leaves no server behind."""
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     from tests.test_server import free_port
