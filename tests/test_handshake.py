@@ -1,6 +1,6 @@
 """The GPU half of the handshake's captured passes (kernels/triton/handshake.py post_rows,
 wait_add_rows) under TRITON_INTERPRET=1 on the CPU, against what the worker's protocol expects:
-the B rows' routing and activations in the shared buffers (with a staging pass's marks of the experts
+the B rows' routing and the n real rows' activations in the shared buffers (with a staging pass's marks of the experts
 it computes on the GPU), n and has_cold over the n real rows only, the flag last; then the worker's partial copied into the join's device rows and added to the n
 rows alone. (On CUDA they run inside
 tests/test_graph.py's captured passes.)
@@ -36,14 +36,15 @@ for case in ("cold", "cold only in padding", "hot"):
     seq = torch.tensor([7], dtype=torch.int32)
     count = torch.tensor([n], dtype=torch.int32)
     h_ids, h_w = torch.full((T, K), -5, dtype=torch.int32), torch.zeros(T, K)
-    h_x, h_out = torch.zeros(T, D), torch.randn(T, D, generator=g)
+    h_x, h_out = torch.full((T, D), -7.0), torch.randn(T, D, generator=g)
     flags = torch.zeros(4, 16, dtype=torch.int32)  # has_cold, post, tokens, done
     h_has, h_post, h_tok, h_done = (flags[i, :1] for i in range(4))
     pick = torch.rand(E, generator=g) < 0.5  # the experts a staging pass computes on the GPU
     h_staged = torch.full((E + 3,), 9, dtype=torch.uint8)
     marks = (pick.view(torch.uint8), h_staged) if case == "cold" else ()
     hs.post_rows(ids, w, x, table, seq, count, h_ids, h_w, h_x, h_has, h_post, h_tok, *marks)
-    assert torch.equal(h_ids[:B], ids.int()) and torch.equal(h_w[:B], w) and torch.equal(h_x[:B], x), case
+    assert torch.equal(h_ids[:B], ids.int()) and torch.equal(h_w[:B], w) and torch.equal(h_x[:n], x[:n]), case
+    assert (h_x[n:] == -7).all(), case  # the padding rows' activations stay on the device
     if marks:  # posted as they are; past E untouched
         assert torch.equal(h_staged[:E], pick.to(torch.uint8)) and (h_staged[E:] == 9).all(), h_staged
     else:

@@ -20,7 +20,7 @@ host changes between replays. Every post also writes the step's token count (1 f
 
 A short prefill pass captured as a graph (engine/graph.py PassGraphs) posts n of its B rows (n on
 the device: the pass is padded to B, the rows past n are never read by the worker):
-  post_rows  the activations [B, D] cross into the mapped buffer in a kernel of many programs,
+  post_rows  the activations of the n real rows cross into the mapped buffer in a kernel of many programs,
              then (stream-ordered after it) one program writes ids, weights, n and has_cold (over
              the n rows) and publishes post_flag as `post` does;
   wait_add_rows  as in a decode step, over B rows; the add keeps the GPU branch's sum alone in
@@ -86,8 +86,10 @@ def _post(ids_ptr, w_ptr, x_ptr, table_ptr, seq_ptr,
 
 
 @triton.jit
-def _copy_rows(x_ptr, h_x, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _copy_rows(x_ptr, h_x, count_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
+    if t >= tl.load(count_ptr):  # a padding row: the worker never reads it
+        return
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tl.store(h_x + t * D + d, tl.load(x_ptr + t * D + d, mask=d < D), mask=d < D)
 
@@ -167,15 +169,16 @@ def post_rows(ids, weights, x, table_row, seq, count, h_ids, h_w, h_x, h_has_col
     """A captured prefill pass's post: ids [B, K] int64, weights [B, K] fp32, x [B, D] (device, rows
     contiguous), count [1] int32 (device): the pass's real rows n <= B; the h_* this layer's HostPointer
     views of the shared buffers; pick [E] bool (device) with h_staged, the layer's row of the shared
-    marks: the experts the pass stages (layers/moe/staging.py), posted with the rest. The rows of x cross
-    in a kernel of their own (a program per row and block), which ends before the flag's kernel begins."""
+    marks: the experts the pass stages (layers/moe/staging.py), posted with the rest. The n real rows of x cross
+    in a kernel of their own (a program per row and block; the padding rows' return at once: the worker
+    never reads them), which ends before the flag's kernel begins."""
     B, K = ids.shape
     D = x.shape[1]
     assert x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous(), "rows must be contiguous"
     assert (pick is None) == (h_staged is None), "the staged marks need both pick and h_staged"
     BLOCK_D = 1024
     E = pick.shape[0] if pick is not None else 1
-    _copy_rows[(B, triton.cdiv(D, BLOCK_D))](x, h_x, D=D, BLOCK_D=BLOCK_D, num_warps=4)
+    _copy_rows[(B, triton.cdiv(D, BLOCK_D))](x, h_x, count, D=D, BLOCK_D=BLOCK_D, num_warps=4)
     _post_rows[(1,)](ids, weights, table_row, seq, count, h_ids, h_w, h_has_cold, h_tokens, h_post,
                      pick if pick is not None else table_row, h_staged if h_staged is not None else h_tokens,
                      K=K, BLOCK=triton.next_power_of_2(B * K), ROUTES=B * K, E=E,

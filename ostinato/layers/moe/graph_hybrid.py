@@ -10,7 +10,7 @@ the cold routes with the same CPU kernel as the synchronous path, so a graph ste
 same step run with HybridExperts.split_path bit for bit.
 
 A short prefill pass captured as a graph (engine/graph.py PassGraphs) is a step of B rows, n of
-them real (`StepRows`, on the device): `post_rows` sends the B rows' routing and activations and n,
+them real (`StepRows`, on the device): `post_rows` sends the B rows' routing, the n real rows' activations and n,
 the worker computes the cold routes of the n rows, and `wait_add_rows` joins them; the rows past n
 are padding that nothing reads. With a staging rule (OSTINATO_STAGE_ROUTES, layers/moe/staging.py; on
 by default, for Ostinato's placements) such a pass also copies its most-routed cold experts into flex
