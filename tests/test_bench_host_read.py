@@ -18,7 +18,7 @@ import torch
 
 from ostinato.bench import bench as bench_mod
 from ostinato.bench.demo import demo_settings, run_demo
-from ostinato.bench.report import finish_result, load_results
+from ostinato.bench.report import finish_result, host_counter_delta, load_results
 from ostinato.layers.moe.cpu_experts import CpuExperts
 from ostinato.planner.measure.transfers import host_read_gbps, read_buffer
 from tests.test_cpu_experts import make_layer, native_skip_reason
@@ -98,6 +98,10 @@ def test_each_replay_is_probed_just_before_and_after(run):
         read = first["policies"][name]["host_read_gbps"]
         assert read.keys() == {"before", "after", "probe"} and read["probe"] == "torch-sum"
         assert read["before"] > 0 and read["after"] > 0
+    for name in ("ostinato", "layers", "gpu"):  # what else the host did during each replay (Linux's /proc)
+        counters = first["policies"][name]["host_counters"]
+        assert {"busy", "iowait", "steal", "pgmajfault"} <= counters.keys(), counters
+        assert 0 <= counters["steal"] <= 1 and 0 < counters["busy"] <= 1, counters
     assert "host_read_gbps" not in first["policies"]["gpu"]
     # --merge keeps the earlier policies' probes beside the new one's, and compares them
     merged = json.loads((out / "results.json").read_text())
@@ -110,6 +114,14 @@ def test_each_replay_is_probed_just_before_and_after(run):
     assert comp["gpu"]["host_read_ratio"] is None
     report = (out / "report.md").read_text()
     assert "| expert-cache | torch-sum |" in report and "| gpu | torch-sum |" not in report
+
+
+def test_host_counter_delta_gives_cpu_states_as_shares_and_counts_as_differences():
+    before = {"total": 1000, "busy": 600, "iowait": 10, "steal": 0, "pgmajfault": 5, "compact_stall": 1}
+    after = {"total": 1400, "busy": 900, "iowait": 10, "steal": 40, "pgmajfault": 7, "compact_stall": 1}
+    assert host_counter_delta(before, after) == {"busy": 0.75, "iowait": 0.0, "steal": 0.1, "pgmajfault": 2,
+                                                 "compact_stall": 0}
+    assert host_counter_delta({}, after) == {} and host_counter_delta(before, {}) == {}
 
 
 def _report(src, dst, reads: dict) -> tuple[dict, str]:

@@ -40,7 +40,7 @@ import torch
 
 from ostinato.bench.metrics import TurnResult, summarize, sweep_summary
 from ostinato.bench.replay import InProcessTarget, TurnRequest, replay_sessions, session_requests
-from ostinato.bench.report import environment, finish_result
+from ostinato.bench.report import environment, finish_result, host_counter_delta, host_counters
 from ostinato.config import ConfigError
 from ostinato.engine.experts import keep_host_experts, release_host_experts
 from ostinato.engine.gpu_memory import memory_figures
@@ -568,9 +568,11 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
         read_before = host_read_gbps(cpu, cpus, buf=buf)
     loaded.engine.reset()
     before = loaded.runner.placement_stats()
+    counters = host_counters()
     t0 = time.perf_counter()
     results = _replay_with_progress(loaded, held, bs, name)
     t1 = time.perf_counter()
+    entry["host_counters"] = host_counter_delta(counters, host_counters())  # what else the host did meanwhile
     if cpu is not None:
         read_after = host_read_gbps(cpu, cpus, buf=buf)
         entry["host_read_gbps"] = {"before": read_before["gbps"], "after": read_after["gbps"],
@@ -596,7 +598,8 @@ def _run_policy(loaded, backend, name, bs: BenchSettings, held, tune_set, sweep_
 def combine_rounds(entries: list[dict], moe_layers: int, np_) -> tuple[dict, list[dict]]:
     """One policy's entry from its rounds' (_run_policy's, in order) -> (entry, its turns as JSON):
     the summary over every round's turns, the sweep of the round that ran it, wall times and build
-    parts summed, and the host read probe as the mean of the rounds' (each round's in `rounds`)."""
+    parts summed, and the host read probe as the mean of the rounds' (each round's in `rounds`); the host's
+    counters (host_counters) per round, in `by_round`."""
     results = [r for e in entries for r in e["_results"]]
     sweep = [r for e in entries for r in e["_sweep"]]
     out = {k: v for k, v in entries[-1].items() if k not in ("_results", "_sweep")}
@@ -615,7 +618,9 @@ def combine_rounds(entries: list[dict], moe_layers: int, np_) -> tuple[dict, lis
             r = summarize(e["_results"], moe_layers)
             out["by_round"].append({"sessions": r["sessions"], "ttft_tool_ms": r["ttft_ms"]["median"]["tool"],
                                     "tpot_ms": r["tpot_ms"]["median"], "total_s": r["request_s"]["total"],
-                                    "host_read_gbps": e.get("host_read_gbps")})
+                                    "host_read_gbps": e.get("host_read_gbps"),
+                                    "host_counters": e.get("host_counters")})
+        out.pop("host_counters", None)  # the last round's alone: each round's is in by_round
         if reads:
             mean = lambda k: round(sum(r[k] for r in reads) / len(reads), 2)  # noqa: E731
             out["host_read_gbps"] = {"before": mean("before"), "after": mean("after"), "probe": reads[-1]["probe"],

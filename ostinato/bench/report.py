@@ -57,6 +57,41 @@ def hardware() -> dict:
             "torch": torch.__version__}
 
 
+# /proc/vmstat's counters of the kernel reclaiming, compacting or faulting memory: what else a replay's host did
+VMSTAT_KEYS = ("pgmajfault", "pgscan_kswapd", "pgscan_direct", "compact_stall", "thp_collapse_alloc", "pswpin",
+               "pswpout")
+
+
+def host_counters() -> dict[str, int]:
+    """The host's CPU time by state (jiffies of /proc/stat's cpu line: busy, iowait, steal, total) and
+    VMSTAT_KEYS, now; {} where /proc is not Linux's. Two reads' difference (host_counter_delta) tells what
+    a replay's host spent besides the engine: the hypervisor's steal, reclaim, compaction (session 55's
+    disturbed runs had no such record)."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/vmstat") as f:
+            vm = dict(line.split() for line in f)
+    except (OSError, ValueError):
+        return {}
+    idle, iowait, steal = cpu[3], cpu[4], cpu[7] if len(cpu) > 7 else 0
+    total = sum(cpu[:8])
+    return {"total": total, "busy": total - idle - iowait - steal, "iowait": iowait, "steal": steal,
+            **{k: int(vm[k]) for k in VMSTAT_KEYS if k in vm}}
+
+
+def host_counter_delta(before: dict, after: dict) -> dict:
+    """after - before of host_counters, the CPU states as shares of the CPU time between them ({} without
+    both reads)."""
+    if not before or not after:
+        return {}
+    d = {k: after[k] - before[k] for k in before if k in after}
+    total = d.pop("total", 0)
+    for k in ("busy", "iowait", "steal"):
+        d[k] = round(d[k] / total, 4) if total > 0 else None
+    return d
+
+
 def environment(loaded, bs) -> dict:
     return {**source_state(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware(),
             "model": bs.model, "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).replace(

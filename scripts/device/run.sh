@@ -574,7 +574,7 @@ for v in sorted(os.listdir(sys.argv[1])):
         print(f"{v}: no result"); continue
     d = json.load(open(f)); r = d["policies"]["ostinato"]; s = r["summary"]
     print(f"{v} {d['commit']} (OSTINATO_AMX_QUANT {d.get('amx_quant_min_tokens', 0)}, OSTINATO_AMX_INT8 {d.get('amx_int8_min_tokens', 0)}, deferred combine {d.get('defer_combine', False)}, pass graphs {d.get('pass_graphs', 0)} (midpoints from {d.get('pass_midpoints', 0)}), staging {d.get('stage_routes')}, OSTINATO_STAGE_FROM {d.get('stage_from')}, prefetch {d.get('prefetch', 0)} from {d.get('prefetch_from')} on {d.get('prefetch_programs', 64)} programs, resident {r.get('resident_experts')}): TTFT after tool {s['ttft_ms']['median']['tool']} ms, first {s['ttft_ms']['median']['first']} ms, "
-          f"TPOT {s['tpot_ms']['median']} ms (p90 {s['tpot_ms']['p90']}), total {s['request_s']['total']} s, host read {r.get('host_read_gbps')}")
+          f"TPOT {s['tpot_ms']['median']} ms (p90 {s['tpot_ms']['p90']}), total {s['request_s']['total']} s, host read {r.get('host_read_gbps')}, host meanwhile {r.get('host_counters')}")
     if s['tpot_ms']['p90'] > 1.5 * s['tpot_ms']['median']:  # as in results/2026-12-07-h100-s55/
         print(f"  {v}: decode steps unsteady (TPOT p90 over 1.5x the median): unless the change is to decode, the "
               "machine was disturbed during this run, which then compares with no other")
