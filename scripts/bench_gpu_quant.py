@@ -9,7 +9,7 @@ in L2 from the one before.
 - decode, T=1, all K routes hot: a CUDA graph of L layer calls; time per layer from CUDA
   events (median of replays); effective bandwidth = quantized bytes of the K experts read
   (w13 + w2) / time, against a measured device copy bandwidth.
-- prefill, T=512, uniform routing, all routes hot: graph time, TFLOP/s = 2 T K 3 D F / time.
+- prefill, T=512 (--prefill-tokens), uniform routing, all routes hot: graph time, TFLOP/s = 2 T K 3 D F / time.
 - the same for the bf16 kernels (gpu_experts) on a bf16 pool, as the baseline.
 - prefill the other way, at T = 32, 64, 128, 192, 256, 512 and 2048 (--dequant-prefill): the engine's dequantized
   path (gpu_quant.slot_experts_dequant_triton: the pass's slots dequantized to bf16 in chunks,
@@ -152,18 +152,18 @@ def check(pool, qtypes, tuning=None, tokens=(DECODE_T, 3, 200)):
     return errs
 
 
-def run_config(qtypes, layers, copy_bw):
+def run_config(qtypes, layers, copy_bw, prefill_t=PREFILL_T):
     pool = make_pool(qtypes, layers)
     errs = check(pool, qtypes)
     forward = quant_forward(pool, qtypes)
     dec_us, dec_p90 = bench(forward, layers, DECODE_T)
-    pre_us, pre_p90 = bench(forward, layers, PREFILL_T)
+    pre_us, pre_p90 = bench(forward, layers, prefill_t)
     decode_bytes = K * expert_bytes(qtypes)
     gbps = decode_bytes / dec_us / 1e3
     return {"qtypes": list(qtypes), "expert_bytes": expert_bytes(qtypes), "rel_err": errs,
             "decode_us": dec_us, "decode_p90_us": dec_p90, "decode_GBps": gbps,
             "decode_bw_fraction": gbps / copy_bw, "prefill_us": pre_us, "prefill_p90_us": pre_p90,
-            "prefill_tflops": 2 * PREFILL_T * K * 3 * D * F / pre_us / 1e6}
+            "prefill_tflops": 2 * prefill_t * K * 3 * D * F / pre_us / 1e6}
 
 
 def eager_us(forward, layers, T, inputs, reps=10):
@@ -675,6 +675,9 @@ def main():
     parser.add_argument("--qtypes", nargs="*", default=None,
                         help="w13 qtypes to run (w2 the same); default: every config")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 baseline")
+    parser.add_argument("--prefill-tokens", type=int, default=PREFILL_T,
+                        help="T of the prefill timing (a captured tool turn's pass: 256; its tile config is the "
+                             "bucket's that holds T)")
     parser.add_argument("--dequant-prefill", action="store_true",
                         help="also time prefill as dequantize-then-bf16 against the quantized kernels")
     parser.add_argument("--tune", action="store_true",
@@ -700,7 +703,7 @@ def main():
         torch.manual_seed(0)  # and on the pools a plain run makes
     rows = []
     for qtypes in configs:  # each pool is freed before the next one is made
-        rows.append(run_config(qtypes, args.layers, copy_bw))
+        rows.append(run_config(qtypes, args.layers, copy_bw, args.prefill_tokens))
         torch.cuda.empty_cache()
     if not args.no_bf16:
         rows.append(run_bf16(args.layers, copy_bw))
@@ -737,7 +740,7 @@ def main():
     result = {"bench": "gpu_quant", **source_state(), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__,
               "shapes": {"D": D, "F": F, "K": K, "E": E, "layers": args.layers,
-                         "decode_T": DECODE_T, "prefill_T": PREFILL_T},
+                         "decode_T": DECODE_T, "prefill_T": args.prefill_tokens},
               "tuning": gq.load_quant_tuning(ge.device_tag(torch.device("cuda"))),
               "copy_GBps": copy_bw, "results": rows, "dequant_prefill": deq, "seconds": time.time() - t0}
     if tuned is not None:

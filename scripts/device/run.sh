@@ -20,6 +20,7 @@
 #   micro_handshake [Q] the handshake's join of the CPU worker's partial (wait, copy, add) per pass size, and its copy alone
 #   micro_synth [O] where a synthetic gpt-oss-120b's load goes, step by step over one layer (scripts/bench_synth_load.py)
 #   micro_zero_copy [Q] a kernel's own reads of page-locked host memory over PCIe against a memcpy (scripts/bench_zero_copy.py)
+#   micro_quant_ab [L] the quantized GPU kernels of this tree against AB_COMMIT's (.carry/ab.tgz), alternating, T = 256
 #   micro_stage_copy [L] the staging copies' pace by grid, alone and beside GPU work on another stream (scripts/bench_stage_copy.py)
 #   plans      residencies from the profiles: all, cold, 40% hot, and 40% over two GPUs
 #   check      [B][F] whole model: all-GPU reference, 40% hot under $CAP (+ decode ablation), all CPU
@@ -245,6 +246,18 @@ phase_micro_quant() {  # [K] the quantized kernels' bandwidths (after phase gguf
     run 240 "$R/k_bench_cpu_pf${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py --formats Q4_K,Q6_K,Q4_K/Q6_K \
       --prefill "" --rounds 3 --prefetch-kib "$QPF" $hp
   elif [[ ${QCPU:-1} == 1 ]]; then run 120 "$R/k_bench_cpu${hp:+_huge}.txt" python3 scripts/bench_cpu_quant.py $hp; fi
+}
+phase_micro_quant_ab() {  # [L] the quantized GPU kernels of this tree against AB_COMMIT's (.carry/ab.tgz), on one
+  # machine (QAB_RUNS, default "old new"): this tree's bench_gpu_quant.py on either tree's kernels, at T = 256
+  local tgz=${AB_TGZ:-.carry/ab.tgz} b=/tmp/ab_tree v args="--qtypes Q4_K Q6_K --no-bf16 --prefill-tokens 256"
+  [[ -f $tgz && -n ${AB_COMMIT:-} ]] || { say "micro_quant_ab: needs AB_COMMIT and $tgz"; return 1; }
+  rm -rf "$b" && mkdir -p "$b" && tar xzf "$tgz" -C "$b" && cp scripts/bench_gpu_quant.py "$b/scripts/"
+  for v in ${QAB_RUNS:-old new}; do
+    say "micro_quant_ab: the kernels of $([[ $v == old ]] && echo "$AB_COMMIT" || echo "this tree")" | tee -a "$R/k_quant_ab.txt"
+    if [[ $v == old ]]; then (cd "$b" && export OSTINATO_COMMIT=$AB_COMMIT && run 150 "$R/k_quant_ab.txt" \
+      python3 scripts/bench_gpu_quant.py $args)
+    else run 150 "$R/k_quant_ab.txt" python3 scripts/bench_gpu_quant.py $args; fi
+  done
 }
 phase_cpu_threads() {  # [H][K] one decode token's cold experts by pool size: does spreading an expert over more
   # workers cost bandwidth? (CPU_THREADS, default 1 4 8 14; CPU_SHAPE: bench_cpu_quant.py's shape flags, gpt-oss-120b's)
