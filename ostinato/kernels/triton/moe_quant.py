@@ -43,6 +43,12 @@ from ostinato.kernels.triton.expert_act import activate
 from ostinato.kernels.triton.moe_prefill import combine_forward
 
 LANES = tl.constexpr(16)  # lanes per group; its 32 values share their scales in every format
+# The quantized integers become fp32 by conversion instructions (I2F), which Hopper issues at 16 a clock per SM.
+# Session 56 replaced them by the exponent trick (OR into 2^23's bits, subtract 2^23: the same values, no
+# conversion left in the SASS) and timed both on one H200 (results/2026-12-07-h200-s56/k_quant_ab.txt, T = 256,
+# graph replays, two runs each): Q4_K prefill 1155 -> 1151 us, Q4_K decode 37.9 -> 41.2 us (slower), Q6_K
+# prefill 1401 -> 1325 us and decode 50.4 -> 48.3 us. The Q4_K kernels are not bound by the conversions, and
+# Q4_K_M's gate/up are Q4_K, so it was not kept.
 
 
 @triton.jit
@@ -55,23 +61,14 @@ def _fp16(ptr, mask):
 
 
 @triton.jit
-def _exact_f32(v, LO: tl.constexpr):
-    """int32 v in [LO, LO + 2^22) as fp32, exactly, without a conversion instruction: Hopper issues those (I2F)
-    at 16 a clock per SM against 128 FMAs, and a dequantized weight took one, the largest share of the prefill
-    kernels' arithmetic. v - LO sits in the mantissa of 2^23 + (v - LO), an OR with 2^23's bits; subtracting
-    2^23 - LO is exact (both near 2^23, their difference a small integer). Same values as v.to(tl.float32)."""
-    return ((v - LO) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 - LO)
-
-
-@triton.jit
 def _q8_0(row, gg, i, mask):
     # 34 bytes: fp16 d, int8 q[32]; lane i holds q[i] (lo) and q[i + 16] (hi).
     blk = row + gg * 34
     d = _fp16(blk, mask)
     e = gg * 32 + i
-    q_lo = tl.load(blk + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-    q_hi = tl.load(blk + 18 + i, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-    return d * _exact_f32(q_lo, -128), d * _exact_f32(q_hi, -128), e, e + 16
+    q_lo = tl.load(blk + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
+    q_hi = tl.load(blk + 18 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
+    return d * q_lo.to(tl.float32), d * q_hi.to(tl.float32), e, e + 16
 
 
 @triton.jit
@@ -83,7 +80,7 @@ def _k_scale_min(p, j, mask):
     c = tl.load(p + tl.where(low, j, j - 4), mask=mask, other=0).to(tl.int32)
     sc = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4))
     m = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return _exact_f32(sc, 0), _exact_f32(m, 0)
+    return sc.to(tl.float32), m.to(tl.float32)
 
 
 @triton.jit
@@ -109,8 +106,8 @@ def _q45_k(row, gg, i, mask, FIVE: tl.constexpr):
     dmin = _fp16(blk + 2, mask)
     sc_lo, m_lo = _k_scale_min(blk + 4, 2 * c, mask)
     sc_hi, m_hi = _k_scale_min(blk + 4, 2 * c + 1, mask)
-    lo = (d * sc_lo) * _exact_f32(q_lo, 0) - dmin * m_lo
-    hi = (d * sc_hi) * _exact_f32(q_hi, 0) - dmin * m_hi
+    lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * m_lo
+    hi = (d * sc_hi) * q_hi.to(tl.float32) - dmin * m_hi
     e = (gg // 8) * 256 + c * 64 + (gb % 2) * 16 + i
     return lo, hi, e, e + 32
 
@@ -131,10 +128,10 @@ def _q6_k(row, gg, i, mask):
     q_lo = ((ql & 15) | (((qh >> shift) & 3) << 4)) - 32
     q_hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
     d = _fp16(blk + 208, mask)
-    sc_lo = tl.load(blk + 192 + half * 8 + gq, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-    sc_hi = tl.load(blk + 196 + half * 8 + gq, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-    lo = (d * _exact_f32(sc_lo, -128)) * _exact_f32(q_lo, -32)
-    hi = (d * _exact_f32(sc_hi, -128)) * _exact_f32(q_hi, -32)
+    sc_lo = tl.load(blk + 192 + half * 8 + gq, mask=mask, other=0).to(tl.int8, bitcast=True)
+    sc_hi = tl.load(blk + 196 + half * 8 + gq, mask=mask, other=0).to(tl.int8, bitcast=True)
+    lo = (d * sc_lo.to(tl.float32)) * q_lo.to(tl.float32)
+    hi = (d * sc_hi.to(tl.float32)) * q_hi.to(tl.float32)
     e = (gg // 8) * 256 + half * 128 + gq * 16 + i
     return lo, hi, e, e + 64
 
@@ -144,7 +141,7 @@ def _e2m1x2(n):
     """Twice the e2m1 value of nibble n (bit 3 the sign): 0, 1, 2, 3, 4, 6, 8, 12."""
     m = n & 7
     v = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
-    return _exact_f32(tl.where(n >= 8, -v, v), -12)
+    return tl.where(n >= 8, -v, v).to(tl.float32)
 
 
 @triton.jit
