@@ -77,7 +77,10 @@ against the same call's P = 0, the turns of 64-255 new tokens took 0.80-0.85x as
 both calls that ran both (median ratio per band), those of 256-511 0.83-0.87x in one and 0.97-0.99x in the
 other. P = 24 left the GPU side the longer one (a 253-token turn: the worker's wait for the GPU 15 ms at P = 0,
 17 at P = 12, 47 at P = 24). As first built (one copy stream, the copies on the default grid) it was slower:
-147.3 ms at P = 12 and 200.0 at P = 24 against 111.5 (results/2026-12-07-h100-s53/).
+147.3 ms at P = 12 and 200.0 at P = 24 against 111.5 (results/2026-12-07-h100-s53/). P = 24 on 132 programs
+(session 56, one H200, 4 held-out sessions, both replays steady) took 156.9 ms against 124.2 at the default: it
+left about 450 more experts a pass to the GPU and cut the worker's compute by 14-20 ms, but the worker's wait
+for the GPU grew by about 50 ms a pass (results/2026-12-07-h200-s56/).
 
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
@@ -98,7 +101,7 @@ BALANCE = "balance"
 MEAN = "mean"
 DEFAULT_PREFETCH = 12  # OSTINATO_PREFETCH's default: experts a layer (the module docstring's figures)
 DEFAULT_PREFETCH_FROM = 64  # OSTINATO_PREFETCH_FROM's: the fewest rows of a captured pass that prefetches
-DEFAULT_PREFETCH_PROGRAMS = 64  # OSTINATO_PREFETCH_PROGRAMS': the prefetch copies' programs (not tuned)
+DEFAULT_PREFETCH_PROGRAMS = 64  # OSTINATO_PREFETCH_PROGRAMS': the prefetch copies' programs (P = 24 on 132: slower)
 PREFETCH_DECAY = 0.75  # a layer's route history, each pass: about the last four passes count (not tuned)
 
 
