@@ -79,8 +79,8 @@ other. P = 24 left the GPU side the longer one (a 253-token turn: the worker's w
 17 at P = 12, 47 at P = 24). As first built (one copy stream, the copies on the default grid) it was slower:
 147.3 ms at P = 12 and 200.0 at P = 24 against 111.5 (results/2026-12-07-h100-s53/). P = 24 on 132 programs
 (session 56, one H200, 4 held-out sessions, both replays steady) took 156.9 ms against 124.2 at the default: it
-left about 450 more experts a pass to the GPU and cut the worker's compute by 14-20 ms, but the worker's wait
-for the GPU grew by about 50 ms a pass (results/2026-12-07-h200-s56/).
+left 353-538 more experts a pass to the GPU and cut the worker's compute by 7-33 ms, but the worker's wait for
+the GPU grew by 42-64 ms a pass (results/2026-12-07-h200-s56/).
 
 Legend: B rows of a captured pass, n of them real, K top-k, E experts of a layer.
 """
