@@ -72,12 +72,30 @@ def _q8_0(row, gg, i, mask):
 
 
 @triton.jit
-def _k_scale_min(p, j, mask):
-    """6-bit scale and min of sub-block j (0..7) from the 12 packed bytes at p (Q4_K, Q5_K)."""
+def _words(blk, mask):
+    """The 16-byte head of a Q4_K / Q5_K block at blk as four little-endian int32 words (d and dmin, then the
+    12 packed scale bytes): four aligned loads, where bytes took ten (each load spans a tile's rows, so each
+    is one more pass through the L1 cache)."""
+    w = blk.to(tl.pointer_type(tl.int32), bitcast=True)
+    return (tl.load(w, mask=mask, other=0), tl.load(w + 1, mask=mask, other=0),
+            tl.load(w + 2, mask=mask, other=0), tl.load(w + 3, mask=mask, other=0))
+
+
+@triton.jit
+def _half(w, shift):
+    """The fp16 in bits shift..shift + 15 of the int32 w, as fp32."""
+    return ((w >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(w1, w2, w3, j):
+    """6-bit scale and min of sub-block j (0..7) from the 12 packed scale bytes, words w1..w3 (Q4_K, Q5_K):
+    bytes j, j + 4 and (j < 4 ? j : j - 4) of them, each the byte j % 4 of a word."""
     low = j < 4
-    a = tl.load(p + j, mask=mask, other=0).to(tl.int32)
-    b = tl.load(p + j + 4, mask=mask, other=0).to(tl.int32)
-    c = tl.load(p + tl.where(low, j, j - 4), mask=mask, other=0).to(tl.int32)
+    shift = 8 * (j % 4)
+    a = (tl.where(low, w1, w2) >> shift) & 255
+    b = (tl.where(low, w2, w3) >> shift) & 255
+    c = (w1 >> shift) & 255
     sc = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4))
     m = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
     return sc.to(tl.float32), m.to(tl.float32)
@@ -88,7 +106,7 @@ def _q45_k(row, gg, i, mask, FIVE: tl.constexpr):
     # Q4_K, 144 bytes: fp16 d, fp16 dmin, scales[12], qs[128]. Q5_K, 176 bytes: the same with
     # qh[32] before qs. Group gb covers qs bytes 16 gb..16 gb + 15 of 32-byte chunk c = gb // 2,
     # whose low nibbles are sub-block 2c and high nibbles 2c + 1; Q5_K's fifth bits of value
-    # e are bit e // 32 of qh[e % 32].
+    # e are bit e // 32 of qh[e % 32]. Blocks are 16-byte aligned (144, 176): the head loads as words.
     gb = gg % 8
     c = gb // 2
     if FIVE:
@@ -102,10 +120,11 @@ def _q45_k(row, gg, i, mask, FIVE: tl.constexpr):
         q = tl.load(blk + 16 + gb * 16 + i, mask=mask, other=0).to(tl.int32)
         q_lo = q & 15
         q_hi = q >> 4
-    d = _fp16(blk, mask)
-    dmin = _fp16(blk + 2, mask)
-    sc_lo, m_lo = _k_scale_min(blk + 4, 2 * c, mask)
-    sc_hi, m_hi = _k_scale_min(blk + 4, 2 * c + 1, mask)
+    w0, w1, w2, w3 = _words(blk, mask)
+    d = _half(w0, 0)
+    dmin = _half(w0, 16)
+    sc_lo, m_lo = _k_scale_min(w1, w2, w3, 2 * c)
+    sc_hi, m_hi = _k_scale_min(w1, w2, w3, 2 * c + 1)
     lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * m_lo
     hi = (d * sc_hi) * q_hi.to(tl.float32) - dmin * m_hi
     e = (gg // 8) * 256 + c * 64 + (gb % 2) * 16 + i
@@ -320,7 +339,11 @@ def _b_tiles(rows, gg, i, mask, QT: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N:
     lo, hi, e_lo, e_hi = _lanes(rows, gg, i, mask, QT)  # [G, 16, BLOCK_N], [G, 16, 1]
     b_lo = tl.reshape(lo, (GROUPS * LANES, BLOCK_N))
     b_hi = tl.reshape(hi, (GROUPS * LANES, BLOCK_N))
-    return b_lo, b_hi, tl.reshape(e_lo, (GROUPS * LANES,)), tl.reshape(e_hi, (GROUPS * LANES,))
+    # A group's 16 element indices are consecutive from a multiple of 16 in every format; said so, the
+    # activations' gathers become vector loads (the reshape hides it from the compiler)
+    e_lo = tl.max_contiguous(tl.multiple_of(tl.reshape(e_lo, (GROUPS * LANES,)), LANES), LANES)
+    e_hi = tl.max_contiguous(tl.multiple_of(tl.reshape(e_hi, (GROUPS * LANES,)), LANES), LANES)
+    return b_lo, b_hi, e_lo, e_hi
 
 
 @triton.jit(do_not_specialize=["R"])
