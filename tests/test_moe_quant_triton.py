@@ -228,6 +228,13 @@ DEQUANT_SCRIPT = """
         q = t.random_rows((3,), n, qtype, g)
         np.testing.assert_array_equal(dequantize_rows(q, qtype, n).numpy(),
                                       t.gguf_dense(q, qtype).numpy())
+    odd = torch.zeros(2, 146, dtype=torch.uint8)[:, 1:145]  # Q4_K rows a byte past a word: heads load as words
+    try:
+        dequantize_rows(odd, "Q4_K", 256)
+    except ValueError as e:
+        assert "4-byte boundaries" in str(e), e
+    else:
+        raise AssertionError("Q4_K rows off a 4-byte boundary were accepted")
     print("INTERPRETER_OK")
 """
 

@@ -197,6 +197,14 @@ def _lanes(row, gg, i, mask, QT: tl.constexpr):
     return lo, hi, e_lo, e_hi
 
 
+def check_words(q: torch.Tensor, qtype: str) -> None:
+    """Q4_K and Q5_K blocks' heads load as int32 words (_words): q's start and row strides must be multiples of
+    4 bytes. Every pool and weight the engine allocates is; a view at an odd byte offset is not."""
+    if qtype in ("Q4_K", "Q5_K") and (q.data_ptr() % 4 or any(s % 4 for s in q.stride()[:-1])):
+        raise ValueError(f"moe_quant: {qtype} rows must start on 4-byte boundaries (start {q.data_ptr()}, "
+                         f"strides {tuple(q.stride())})")
+
+
 @triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(q_ptr, out_ptr, M, n, stride_q, stride_o,
                     QT: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
@@ -214,6 +222,7 @@ def dequantize_rows(q: torch.Tensor, qtype: str, n: int, block_r: int = 16, grou
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 q[M, row_bytes(qtype, n)] (unit last stride) -> float32 [M, n] on q's device, or into
     `out` [M, n] (unit last stride; its dtype's rounding of the fp32 values)."""
+    check_words(q, qtype)
     M = q.shape[0]
     out = torch.empty(M, n, dtype=torch.float32, device=q.device) if out is None else out
     grid = (triton.cdiv(M, block_r), triton.cdiv(n // 32, groups))
@@ -316,6 +325,8 @@ def decode_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_h
     T, K = slots.shape
     D = x.shape[1]
     F = w13_pool.shape[1] // 2
+    check_words(w13_pool, qtypes[0])
+    check_words(w2_pool, qtypes[1])
     e = epi.kernel_args(x)
     h = torch.empty(T * K, F, dtype=x.dtype, device=x.device)  # [R, F]
     grid = (T * K, triton.cdiv(F, cfg_w13["BLOCK_F"]))
@@ -450,6 +461,8 @@ def prefill_forward(x, slots, weights, w13_pool, w2_pool, qtypes, zero_lo, zero_
     D = x.shape[1]
     F = w13_pool.shape[1] // 2
     sorted_routes, block_slots, num_padded = aligned
+    check_words(w13_pool, qtypes[0])
+    check_words(w2_pool, qtypes[1])
     num_blocks = block_slots.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 tests: no tf32 rounding
     tiles = {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "GROUPS": cfg["GROUPS"],

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.triton.moe_quant import LANES, _lanes
+from ostinato.kernels.triton.moe_quant import LANES, _lanes, check_words
 
 
 @triton.jit
@@ -53,6 +53,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | No
     cfg: BLOCK_N, GROUPS, num_warps, num_stages (gpu_quant's "dense_matvec" tuning)."""
     T, n = x.shape
     N = w.shape[0]
+    check_words(w, qtype)
     out = torch.empty(T, N, dtype=x.dtype, device=x.device) if out is None else out
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), T)
     _matvec_kernel[grid](x, w, bias if bias is not None else w, out, N, n, x.stride(0), w.stride(0), out.stride(0),
