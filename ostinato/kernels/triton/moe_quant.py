@@ -48,7 +48,10 @@ LANES = tl.constexpr(16)  # lanes per group; its 32 values share their scales in
 # conversion left in the SASS) and timed both on one H200 (results/2026-12-07-h200-s56/k_quant_ab.txt, T = 256,
 # graph replays, two runs each): Q4_K prefill 1155 -> 1151 us, Q4_K decode 37.9 -> 41.2 us (slower), Q6_K
 # prefill 1401 -> 1325 us and decode 50.4 -> 48.3 us. The Q4_K kernels are not bound by the conversions, and
-# Q4_K_M's gate/up are Q4_K, so it was not kept.
+# Q4_K_M's gate/up are Q4_K, so it was not kept. What bound them was the loads: ten byte loads of a Q4_K head per
+# (row, group) and the activations gathered two bytes at a time, each load spanning a tile's rows. As words
+# (_words) and vectors (_b_tiles' hints), Q4_K prefill at T = 256 took 589 us against 1066 on one H100, decode 32.0
+# against 37.6 (session 57, results/2026-12-08-h100-s57/k_quant_ab.txt).
 
 
 @triton.jit
