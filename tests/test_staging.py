@@ -158,25 +158,47 @@ def test_stage_from_is_the_rules_count_unless_set(monkeypatch):
 
 
 def test_the_prefetch_settings_refuse_what_is_not_a_count(monkeypatch):
-    """OSTINATO_PREFETCH (0: off), OSTINATO_PREFETCH_FROM (at least 2 rows) and OSTINATO_PREFETCH_PROGRAMS (at
-    least 1): their defaults where unset, and anything else refused by name."""
-    from ostinato.layers.moe.staging import (DEFAULT_PREFETCH, DEFAULT_PREFETCH_FROM, DEFAULT_PREFETCH_PROGRAMS,
-                                             env_prefetch, env_prefetch_from, env_prefetch_programs)
+    """OSTINATO_PREFETCH (0: off), OSTINATO_PREFETCH_FROM (at least 2 rows), OSTINATO_PREFETCH_FULL_FROM (0: P
+    always) and OSTINATO_PREFETCH_PROGRAMS (at least 1): their defaults where unset, and anything else refused
+    by name."""
+    from ostinato.layers.moe.staging import (DEFAULT_PREFETCH, DEFAULT_PREFETCH_FROM, DEFAULT_PREFETCH_FULL_FROM,
+                                             DEFAULT_PREFETCH_PROGRAMS, env_prefetch, env_prefetch_from,
+                                             env_prefetch_full_from, env_prefetch_programs)
 
-    for name in ("OSTINATO_PREFETCH", "OSTINATO_PREFETCH_FROM", "OSTINATO_PREFETCH_PROGRAMS"):
+    names = ("OSTINATO_PREFETCH", "OSTINATO_PREFETCH_FROM", "OSTINATO_PREFETCH_FULL_FROM", "OSTINATO_PREFETCH_PROGRAMS")
+    for name in names:
         monkeypatch.delenv(name, raising=False)
-    assert (env_prefetch(), env_prefetch_from(), env_prefetch_programs()) == (
-        DEFAULT_PREFETCH, DEFAULT_PREFETCH_FROM, DEFAULT_PREFETCH_PROGRAMS) == (12, 64, 64)
+    assert (env_prefetch(), env_prefetch_from(), env_prefetch_full_from(), env_prefetch_programs()) == (
+        DEFAULT_PREFETCH, DEFAULT_PREFETCH_FROM, DEFAULT_PREFETCH_FULL_FROM, DEFAULT_PREFETCH_PROGRAMS) == (
+        24, 64, 88, 64)
     monkeypatch.setenv("OSTINATO_PREFETCH", "0")
-    assert env_prefetch() == 0
+    monkeypatch.setenv("OSTINATO_PREFETCH_FULL_FROM", "0")
+    assert env_prefetch() == env_prefetch_full_from() == 0
     for name, fn, bad in (("OSTINATO_PREFETCH", env_prefetch, ("-1", "x", "1.5")),
                           ("OSTINATO_PREFETCH_FROM", env_prefetch_from, ("1", "0", "many")),
+                          ("OSTINATO_PREFETCH_FULL_FROM", env_prefetch_full_from, ("-8", "half")),
                           ("OSTINATO_PREFETCH_PROGRAMS", env_prefetch_programs, ("0", "-4", "all"))):
         for v in bad:
             monkeypatch.setenv(name, v)
             with pytest.raises(ConfigError, match=name):
                 fn()
         monkeypatch.delenv(name)
+
+
+def test_a_short_pass_prefetches_half():
+    """prefetch_limit: P in a pass of at least full_from real rows, P // 2 below (full_from 0: P); top_cold
+    picks that many of the best positive scores, never one of none, and ranks the P best in score order."""
+    from ostinato.layers.moe.staging import prefetch_limit, top_cold
+
+    n = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
+    assert [int(prefetch_limit(24, 88, n(v))) for v in (1, 87, 88, 511)] == [12, 12, 24, 24]
+    assert [int(prefetch_limit(5, 88, n(v))) for v in (87, 88)] == [2, 5]
+    assert int(prefetch_limit(24, 0, n(3))) == 24
+    score = torch.tensor([0.0, 5.0, 1.0, 0.0, 3.0, 4.0, 2.0, 0.0])
+    for limit, want in ((4, [1, 5, 4, 6]), (2, [1, 5]), (6, [1, 5, 4, 6, 2])):  # only 5 have a score
+        pick, rank = top_cold(score, 6, torch.tensor([limit]))
+        assert pick.nonzero().flatten().tolist() == sorted(want)
+        assert [int(rank[e]) for e in want] == list(range(len(want)))
 
 
 def test_report_says_which_passes_stage():
@@ -196,6 +218,10 @@ def test_report_says_which_passes_stage():
         "- passes of at least 64 rows also copy each next layer's 36 cold experts of most routes in the passes "
         "before, while the layer before it runs, on 64 programs (OSTINATO_PREFETCH, OSTINATO_PREFETCH_FROM, "
         "OSTINATO_PREFETCH_PROGRAMS)"]
+    assert [line for line in _cpu_note(pre | {"prefetch_full_from": 88}) if "OSTINATO_PREFETCH" in line] == [
+        "- passes of at least 64 rows also copy each next layer's 36 cold experts of most routes in the passes "
+        "before (18 in a pass of fewer than 88 real rows), while the layer before it runs, on 64 programs "
+        "(OSTINATO_PREFETCH, OSTINATO_PREFETCH_FROM, OSTINATO_PREFETCH_FULL_FROM, OSTINATO_PREFETCH_PROGRAMS)"]
     pre["policies"]["ostinato"]["prefetch_taken"] = [25, 36]
     assert any(line.endswith("(the pools took 25, 36: a third of their flex slots at most)")
                for line in _cpu_note(pre))
@@ -340,6 +366,8 @@ hyb = load_engine(CKPT, RunnerSettings(device="cpu", dtype="fp32", max_context=2
                   PlacementSettings(residency=RES, cpu_backend="native")).runner.experts
 # as apply_calibration sets them on a GPU: an upload 0.01 ms, the CPU 0.005 ms an expert and a route
 hyb.stage_passes, hyb.stage_costs = True, MixedPass(0.01, 0.0, 0.005, 0.005)
+# passes of 12 and 16 rows copy both prefetched experts a layer, that of 3 one
+os.environ["OSTINATO_PREFETCH_FULL_FROM"] = "12"
 for rule, prefetch in ((2, 0), ("balance", 0), (2, 2)):
     os.environ["OSTINATO_PREFETCH"], os.environ["OSTINATO_PREFETCH_FROM"] = str(prefetch), "8"
     g = GraphHybridExperts(hyb, max_rows=16, stage_routes=rule)

@@ -20,8 +20,8 @@ from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.engine.graph import env_pass_midpoints, pass_sizes
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
 from ostinato.layers.moe.hybrid import defer_combine
-from ostinato.layers.moe.staging import (describe, env_prefetch, env_prefetch_from, env_prefetch_programs,
-                                         env_stage_from, env_stage_routes)
+from ostinato.layers.moe.staging import (describe, env_prefetch, env_prefetch_from, env_prefetch_full_from,
+                                         env_prefetch_programs, env_stage_from, env_stage_routes)
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.calibrate import cpu_model
 from ostinato.planner.pipeline import fill_text
@@ -105,6 +105,7 @@ def environment(loaded, bs) -> dict:
             "stage_from": env_stage_from(),  # None: the rule's count (staging.stage_from)
             "prefetch": env_prefetch() if loaded.runner.device.type == "cuda" else 0,
             "prefetch_from": env_prefetch_from(),
+            "prefetch_full_from": env_prefetch_full_from(),
             "prefetch_programs": env_prefetch_programs(),
             "pass_midpoints": env_pass_midpoints(),
             **routing_knobs(loaded.source)}
@@ -643,10 +644,13 @@ def _cpu_note(result: dict) -> list[str]:
             taken = {n for p in result.get("policies", {}).values() for n in p.get("prefetch_taken", [])}
             less = f" (the pools took {', '.join(map(str, sorted(taken)))}: a third of their flex slots at most)" \
                 if taken - {result["prefetch"]} else ""
+            full = result.get("prefetch_full_from")
+            half = f" ({result['prefetch'] // 2} in a pass of fewer than {full} real rows)" if full else ""
             lines.append(f"- passes of at least {result['prefetch_from']} rows also copy each next layer's "
-                         f"{result['prefetch']} cold experts of most routes in the passes before, while the layer "
-                         f"before it runs, on {result.get('prefetch_programs', 64)} programs (OSTINATO_PREFETCH, "
-                         f"OSTINATO_PREFETCH_FROM, OSTINATO_PREFETCH_PROGRAMS){less}")
+                         f"{result['prefetch']} cold experts of most routes in the passes before{half}, while the "
+                         f"layer before it runs, on {result.get('prefetch_programs', 64)} programs (OSTINATO_PREFETCH, "
+                         f"OSTINATO_PREFETCH_FROM, {'OSTINATO_PREFETCH_FULL_FROM, ' if full else ''}"
+                         f"OSTINATO_PREFETCH_PROGRAMS){less}")
     elif result.get("pass_graphs"):
         lines.append(f"- prefill passes of up to {result['pass_graphs']} tokens that a policy runs split without "
                      f"uploads replayed as CUDA graphs, padded to {_padded_to(result)} (OSTINATO_PASS_GRAPHS)")

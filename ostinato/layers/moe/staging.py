@@ -70,7 +70,18 @@ on a stream of their own, by a few programs (OSTINATO_PREFETCH_PROGRAMS, default
 stage.py copy_experts' `programs`), and the next layer's staged branch waits for both its own copies
 and those (`landed`).
 
-The default P = 12 is measured on the Q4_K_M 30B shape under 12 GiB on one H100 machine, replaying the
+A pass of fewer than OSTINATO_PREFETCH_FULL_FROM real rows (default 88) copies P // 2: P copies take about
+P * 57 us a layer at the link's 50 GB/s, longer than a short pass's layer, so a short pass waits for them.
+
+The defaults, P = 24 and half of it below 88 rows, are session 57's (one H100 machine, the quantized GPU
+kernels of 7c5ca7c, which took a layer's Q4_K prefill at 256 tokens from 1066 to 589 us, and their tuning;
+8 held-out sessions, one replay each; results/2026-12-08-h100-s57/): the median TTFT after tool outputs was
+101.9 ms at P = 12 and 91.7 at P = 24. By new tokens, P = 24 took 0.92-0.93x as long from 64 to 511 tokens
+(median per-turn ratios, 36 turns), but every turn of 33-79 tokens took 70-75 ms at P = 24 (one 106) against
+47-71 at P = 12 (the copies' floor: 24 experts a layer over 48 layers is 66 ms at 50 GB/s), and from 95 tokens on
+every turn up to 138 was faster at P = 24. 88 lies between: the rule itself has not been replayed.
+
+Before it, P = 12 was measured on the Q4_K_M 30B shape under 12 GiB on one H100 machine, replaying the
 held-out sessions (results/2026-12-07-h100-s54/, three calls): the median TTFT after tool outputs was
 141.4, 142.5, 148.1 and 136.0 ms with P = 0, 129.6 and 119.0 with P = 12, 127.5, 127.1 and 120.1 with P = 24;
 against the same call's P = 0, the turns of 64-255 new tokens took 0.80-0.85x as long at P = 12 and 24 in
@@ -99,8 +110,9 @@ ROW_KERNELS_STAGE_ROUTES = 12  # default_stage_routes: the cold experts on the C
 TILED_STAGE_ROUTES = 16  # and with the int8 tiles taking their larger groups of routes
 BALANCE = "balance"
 MEAN = "mean"
-DEFAULT_PREFETCH = 12  # OSTINATO_PREFETCH's default: experts a layer (the module docstring's figures)
+DEFAULT_PREFETCH = 24  # OSTINATO_PREFETCH's default: experts a layer (the module docstring's figures)
 DEFAULT_PREFETCH_FROM = 64  # OSTINATO_PREFETCH_FROM's: the fewest rows of a captured pass that prefetches
+DEFAULT_PREFETCH_FULL_FROM = 88  # OSTINATO_PREFETCH_FULL_FROM's: fewer real rows copy half of P (docstring)
 DEFAULT_PREFETCH_PROGRAMS = 64  # OSTINATO_PREFETCH_PROGRAMS': the prefetch copies' programs (P = 24 on 132: slower)
 PREFETCH_DECAY = 0.75  # a layer's route history, each pass: about the last four passes count (not tuned)
 
@@ -183,6 +195,32 @@ def env_prefetch_from() -> int:
     if n < 2:
         raise ConfigError(f"OSTINATO_PREFETCH_FROM must be at least 2 rows (a decode step never prefetches), not {n}")
     return n
+
+
+def env_prefetch_full_from() -> int:
+    """OSTINATO_PREFETCH_FULL_FROM: the fewest real rows of a pass that copies all P experts a layer; fewer copy
+    P // 2 (0: every prefetching pass copies P)."""
+    return env_count("OSTINATO_PREFETCH_FULL_FROM", DEFAULT_PREFETCH_FULL_FROM, "rows")
+
+
+def prefetch_limit(count: int, full_from: int, n: torch.Tensor) -> torch.Tensor:
+    """The experts a pass of n real rows (n [1] int32, on the device) copies for each next layer: count, or
+    count // 2 in a pass of fewer than full_from rows (0: count always). No host sync: capturable."""
+    if not full_from:
+        return torch.full_like(n, count)
+    return torch.where(n >= full_from, count, count // 2).to(n.dtype)
+
+
+def top_cold(score: torch.Tensor, count: int, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts to prefetch by score [E] (0 where resident or never routed): the `limit` best (limit [1],
+    at most count) of positive score, as pick [E] bool and rank [E] int32 (a picked expert's place among the
+    count best, its slot in the region)."""
+    top = torch.topk(score, count)
+    keep = (top.values > 0) & (torch.arange(count, device=score.device) < limit)
+    pick = torch.zeros_like(score, dtype=torch.bool).scatter_(0, top.indices, keep)
+    rank = torch.zeros_like(score, dtype=torch.int32).scatter_(
+        0, top.indices, torch.arange(count, dtype=torch.int32, device=score.device))
+    return pick, rank
 
 
 def env_prefetch_programs() -> int:
@@ -355,6 +393,7 @@ class PassStaging:
         self.history = torch.zeros((len(self.layers), E), dtype=torch.float32, device=hybrid.device)
         self.pending: dict[int, tuple[Staged, object]] = {}  # layer -> its experts and their copies' event
         self.programs = env_prefetch_programs()
+        self.full_from = env_prefetch_full_from()
         # the prefetch's own stream: a layer's staging copies must not queue behind the next layer's prefetch
         self.stream = torch.cuda.Stream(hybrid.device) if hybrid.on_cuda and self.prefetches else None
 
@@ -429,11 +468,12 @@ class PassStaging:
         copies ((None, None): none; the event None off CUDA)."""
         return self.pending.pop(layer, (None, None))
 
-    def prefetch_next(self, layer: int) -> None:
-        """Copy the next layer's cold experts of most routes by its history (at most its pool's count; those
-        with some history) into the next layer's region, on the prefetch's own stream, by a few programs
-        (no host sync). Its region is the one the layer before this one read: the copies wait for all of
-        the current stream's work, which holds that layer's GPU branch."""
+    def prefetch_next(self, layer: int, rows: StepRows) -> None:
+        """Copy the next layer's cold experts of most routes by its history (at most its pool's count, half
+        of it in a pass of fewer than full_from real rows; those with some history) into the next layer's
+        region, on the prefetch's own stream, by a few programs (no host sync). Its region is the one the
+        layer before this one read: the copies wait for all of the current stream's work, which holds that
+        layer's GPU branch."""
         i = self.index[layer] + 1
         if i == len(self.layers):
             return
@@ -444,10 +484,7 @@ class PassStaging:
             return
         lo = pool.num_slots - (2 - i % 2) * count  # two regions, the layers taking them in turn
         score = torch.where(pool.table[nxt] < 0, self.history[i], 0.0)
-        top = torch.topk(score, count)
-        pick = torch.zeros_like(score, dtype=torch.bool).scatter_(0, top.indices, top.values > 0)
-        rank = torch.zeros_like(score, dtype=torch.int32).scatter_(
-            0, top.indices, torch.arange(count, dtype=torch.int32, device=score.device))
+        pick, rank = top_cold(score, count, prefetch_limit(count, self.full_from, rows.count))
         staged = Staged(torch.where(pick, rank + lo, -1).to(torch.int32), pick, rank)
         moved = pick.sum() * pool.expert_bytes
         self.staged_bytes += moved
