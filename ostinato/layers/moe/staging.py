@@ -208,7 +208,8 @@ def prefetch_limit(count: int, full_from: int, n: torch.Tensor) -> torch.Tensor:
     count // 2 in a pass of fewer than full_from rows (0: count always). No host sync: capturable."""
     if not full_from:
         return torch.full_like(n, count)
-    return torch.where(n >= full_from, count, count // 2).to(n.dtype)
+    half = count // 2  # arithmetic, not torch.where on Python numbers: plainly capturable
+    return half + (count - half) * (n >= full_from).to(n.dtype)
 
 
 def top_cold(score: torch.Tensor, count: int, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
