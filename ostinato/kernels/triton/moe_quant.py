@@ -55,12 +55,17 @@ LANES = tl.constexpr(16)  # lanes per group; its 32 values share their scales in
 
 
 @triton.jit
+def _half(w, shift):
+    """The fp16 in bits shift..shift + 15 of the int32 w, as fp32."""
+    return ((w >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _fp16(ptr, mask):
     """The little-endian fp16 at ptr, ptr + 1 as fp32 (byte loads: blocks are not aligned)."""
     lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
     hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-    bits = lo | (hi << 8)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _half(lo | (hi << 8), 0)
 
 
 @triton.jit
@@ -82,12 +87,6 @@ def _words(blk, mask):
     w = blk.to(tl.pointer_type(tl.int32), bitcast=True)
     return (tl.load(w, mask=mask, other=0), tl.load(w + 1, mask=mask, other=0),
             tl.load(w + 2, mask=mask, other=0), tl.load(w + 3, mask=mask, other=0))
-
-
-@triton.jit
-def _half(w, shift):
-    """The fp16 in bits shift..shift + 15 of the int32 w, as fp32."""
-    return ((w >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit

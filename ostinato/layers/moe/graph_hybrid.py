@@ -104,7 +104,7 @@ class GraphHybridExperts(HybridWrapper):
         self.hs.bump(self.seq)
         self.in_step = True
         if self.staging is not None:
-            self.staging.start_pass()
+            self.staging.start_pass(rows)
         self.hybrid.before_step(rows)  # the pass's real rows are the executor's step_rows
 
     def after_step(self) -> None:
@@ -181,7 +181,7 @@ class GraphHybridExperts(HybridWrapper):
         landed = [e for e in (self.staging.landed() if staged is not None else None, pre_landed) if e is not None]
         if rows is not None and self.staging is not None and self.staging.prefetches and T >= self.prefetch_from:
             self.staging.observe(layer, topk.ids, rows)
-            self.staging.prefetch_next(layer, rows)  # the next layer's copies, on their own stream while this one runs
+            self.staging.prefetch_next(layer)  # the next layer's copies, on their own stream while this one runs
         # a pass's padding rows (from count on) compute no expert
         gpu = pool.forward(x, pool.slots_in(pool.table[layer], topk.ids, count), topk.weights, out_dtype=torch.float32)
         if both is not None:

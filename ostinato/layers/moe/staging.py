@@ -395,6 +395,7 @@ class PassStaging:
         self.pending: dict[int, tuple[Staged, object]] = {}  # layer -> its experts and their copies' event
         self.programs = env_prefetch_programs()
         self.full_from = env_prefetch_full_from()
+        self.limits: dict[int, torch.Tensor] = {}  # each pool's prefetch count in this pass (start_pass)
         # the prefetch's own stream: a layer's staging copies must not queue behind the next layer's prefetch
         self.stream = torch.cuda.Stream(hybrid.device) if hybrid.on_cuda and self.prefetches else None
 
@@ -454,9 +455,13 @@ class PassStaging:
         event.record(stream)
         return event
 
-    def start_pass(self) -> None:
-        """A pass begins: nothing is prefetched for it yet."""
+    def start_pass(self, rows: StepRows | None = None) -> None:
+        """A pass begins: nothing is prefetched for it yet. A captured pass's rows set, once for all its layers,
+        how many experts each pool prefetches (prefetch_limit)."""
         self.pending.clear()
+        if rows is not None and self.prefetches:
+            self.limits = {pid: prefetch_limit(count, self.full_from, rows.count)
+                           for pid, count in self.prefetch.items() if count}
 
     def observe(self, layer: int, ids: torch.Tensor, rows: StepRows) -> None:
         """Fold this pass's routes of `layer` over its real rows into the layer's history (capturable)."""
@@ -469,7 +474,7 @@ class PassStaging:
         copies ((None, None): none; the event None off CUDA)."""
         return self.pending.pop(layer, (None, None))
 
-    def prefetch_next(self, layer: int, rows: StepRows) -> None:
+    def prefetch_next(self, layer: int) -> None:
         """Copy the next layer's cold experts of most routes by its history (at most its pool's count, half
         of it in a pass of fewer than full_from real rows; those with some history) into the next layer's
         region, on the prefetch's own stream, by a few programs (no host sync). Its region is the one the
@@ -485,7 +490,7 @@ class PassStaging:
             return
         lo = pool.num_slots - (2 - i % 2) * count  # two regions, the layers taking them in turn
         score = torch.where(pool.table[nxt] < 0, self.history[i], 0.0)
-        pick, rank = top_cold(score, count, prefetch_limit(count, self.full_from, rows.count))
+        pick, rank = top_cold(score, count, self.limits[id(pool)])
         staged = Staged(torch.where(pick, rank + lo, -1).to(torch.int32), pick, rank)
         moved = pick.sum() * pool.expert_bytes
         self.staged_bytes += moved
