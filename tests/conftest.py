@@ -23,6 +23,19 @@ def _seeded_global_generator():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def dequant_from_512(monkeypatch):
+    """The experts' dequantized path from 512 tokens, as a device's tuning may set it (gpu_quant's default sets
+    none since session 58): for the tests of that path's scratch and of the captured passes' cap below it."""
+    from ostinato.layers.moe import gpu_quant as gq
+
+    monkeypatch.setitem(gq.DEFAULT_QUANT_TUNING, "dequant_min_tokens", 512)
+    gq.clear_quant_tuning_cache()
+    yield 512
+    monkeypatch.undo()
+    gq.clear_quant_tuning_cache()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Keep the tokenizer cache inside the test run unless the caller chose one."""

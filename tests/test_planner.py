@@ -532,8 +532,9 @@ def test_bound_reads_at_the_best_measured_rate():
     assert cm.read_gbps({}) is None
 
 
-def test_quantized_experts_count_the_dequantized_paths_scratch():
-    """A pass the dequantized path serves (gpu_quant: T >= dequant_min_tokens) holds a chunk of bf16
+def test_quantized_experts_count_the_dequantized_paths_scratch(dequant_from_512):
+    """Where a tuning takes it (here from 512 tokens), a pass the dequantized path serves (gpu_quant: T >=
+    dequant_min_tokens) holds a chunk of bf16
     experts beside the pool: the capacity test counts it for quantized experts, not for bf16 ones nor
     for passes below the threshold, and the pool holds that much less."""
     from ostinato.engine.sizes import expert_sizes
@@ -544,7 +545,7 @@ def test_quantized_experts_count_the_dequantized_paths_scratch():
     counts = {l: torch.arange(cfg.num_experts, dtype=torch.float32) for l in cfg.moe_layers}
     q8 = {l: ("Q8_0", "Q8_0") for l in cfg.moe_layers}  # blocks of 32: the tiny rows hold them
     big, small = CapacitySettings(prefill_chunk=2048), CapacitySettings(prefill_chunk=256)
-    assert small.prefill_chunk < DEFAULT_QUANT_TUNING["dequant_min_tokens"] <= big.prefill_chunk
+    assert small.prefill_chunk < DEFAULT_QUANT_TUNING["dequant_min_tokens"] == dequant_from_512 <= big.prefill_chunk
     qb = expert_sizes(cfg, torch.bfloat16, q8)[cfg.moe_layers[0]][1]
     want = dequant_scratch_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, 2, qb)
     budget = 8 * 2**30

@@ -232,9 +232,10 @@ def test_single_format_file_is_one_group(tiny_q8, tmp_path):
     assert _rel(_logits(native), ref) < 1e-2
 
 
-def test_capacity_counts_quantized_bytes():
+def test_capacity_counts_quantized_bytes(dequant_from_512):
     """Qwen3-30B-A3B as Q4_K_M: 24 layers Q4_K/Q6_K, 24 Q4_K/Q4_K; the same budget holds
-    about 3.3x the experts of bf16 (9.44 MB against 2.65 / 3.06 MB per expert)."""
+    about 3.3x the experts of bf16 (9.44 MB against 2.65 / 3.06 MB per expert), beside the dequantized
+    path's scratch where a tuning takes that path from 512 tokens."""
     cfg = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"])
     L = cfg.num_hidden_layers
     fmts = {l: ("Q4_K", "Q6_K" if use_more_bits(l, L) else "Q4_K") for l in cfg.moe_layers}
@@ -263,9 +264,9 @@ def test_capacity_counts_quantized_bytes():
     assert more.pool_bytes > budget - q.fixed
 
 
-def test_captured_passes_below_the_dequantized_path_hold_no_scratch():
+def test_captured_passes_below_the_dequantized_path_hold_no_scratch(dequant_from_512):
     """The default's largest captured pass (engine/graph.py STAGED_PASS_ROWS, 511) stays below the smallest
-    threshold of the dequantized path (512), so the graphs' own memory pool holds no dequantized scratch;
+    threshold a tuning has set for the dequantized path (512, session 11's H200), so the graphs' own memory pool holds no dequantized scratch;
     a 512-row pass would hold one, on the Q4_K_M 30B shape about 200 MB."""
     from ostinato.engine.graph import STAGED_PASS_ROWS
     from ostinato.layers.moe.gpu_quant import fewest_dequant_tokens
@@ -280,7 +281,7 @@ def test_captured_passes_below_the_dequantized_path_hold_no_scratch():
     assert 190e6 < part[512] - part[STAGED_PASS_ROWS] < 240e6, part
 
 
-def test_captured_passes_stop_below_the_dequantized_path(tinyk_q4km, tmp_path):
+def test_captured_passes_stop_below_the_dequantized_path(tinyk_q4km, tmp_path, dequant_from_512):
     """Quantized experts in the compute dtype cap the rows of a captured pass below their device's
     dequant_min_tokens (that path finds a pass's distinct experts on the host: not capturable; session 46's
     OSTINATO_PASS_GRAPHS=1023 stopped with a capture error); float experts, or quantized ones computed in fp32
@@ -302,6 +303,17 @@ def test_captured_passes_stop_below_the_dequantized_path(tinyk_q4km, tmp_path):
     rows = {experts: load_engine(str(tinyk_q4km), settings, place(experts)).runner.pass_graph_rows()
             for experts in ("native", "bf16")}
     assert rows == {"native": limit - 1, "bf16": 1023}
+
+
+def test_no_dequantized_path_leaves_captured_passes_uncapped():
+    """Under the default tuning (no dequantized path: gpu_quant.DEFAULT_QUANT_TUNING) quantized experts in
+    the compute dtype cap no captured pass, as float experts do not."""
+    from ostinato.layers.moe.gpu_quant import quant_tuning
+
+    assert quant_tuning(torch.device("cpu"))["dequant_min_tokens"] is None
+    pools = ExpertPools.build({0: [0, 2], 1: [1]}, 2, 6, 2, None, (512, 256), (256, 256), "cpu", torch.bfloat16,
+                              {0: ("Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K")})
+    assert pools.graph_rows() == float("inf")
 
 
 @pytest.mark.gpu

@@ -174,7 +174,7 @@ def test_capacity_counts_the_blocks(tinyk_file):
     assert embed_f == embed_q and sum(layers_f) + head_f - sum(layers_q) - head_q == floats - blocks_bytes
     counts = {l: torch.ones(cfg.num_experts) for l in cfg.moe_layers}
     cap, s = 48 * 2**20, CapacitySettings(margin_bytes=0, margin_fraction=0.0)
-    # 256-token passes: the experts' dequantized path (from 512) holds no scratch, the dense weights' does
+    # 256-token passes: the experts' dequantized path (off by default) holds no scratch, the dense weights' does
     a = plan_capacity(cfg, counts, cap, 256, bf, s, formats=WeightFormats(weight_formats(src).experts))
     b = plan_capacity(cfg, counts, cap, 256, bf, s, formats=weight_formats(src))
     assert a.dense_weights - b.dense_weights == floats - blocks_bytes

@@ -374,15 +374,7 @@ def test_the_dequantized_path_starts_where_it_wins_at_every_larger_size():
 
 def test_a_tuned_dequant_threshold_reaches_the_capacity_test(tuned_dir):
     """A plan does not know its device's tuning: its capacity test counts the dequantized path's scratch
-    from the smallest threshold of any tuning, the default's (512) or a tuned file's."""
-    assert gq.fewest_dequant_tokens() == gq.DEFAULT_QUANT_TUNING["dequant_min_tokens"]
-    bq.write_quant_tuning({"dequant_min_tokens": 128}, "fake", {"by": "test"}, keys=("dequant_min_tokens",),
-                          meta_key="_meta_dequant")
-    assert gq.load_quant_tuning("fake")["dequant_min_tokens"] == 128
-    assert gq.fewest_dequant_tokens() == 128
-    bq.write_quant_tuning({"dequant_min_tokens": None}, "other", {"by": "test"}, keys=("dequant_min_tokens",),
-                          meta_key="_meta_dequant")  # a device where the path never pays: no bound from it
-    assert gq.fewest_dequant_tokens() == 128
+    from the smallest threshold of any tuning, the default's (none: the path is off) or a tuned file's."""
     from ostinato.config import ModelConfig
     from ostinato.engine.sizes import expert_sizes
     from ostinato.loader.build import WeightFormats
@@ -392,6 +384,16 @@ def test_a_tuned_dequant_threshold_reaches_the_capacity_test(tuned_dir):
     cfg = ModelConfig.from_dict(preset_config("tiny"))
     q8 = WeightFormats({l: ("Q8_0", "Q8_0") for l in cfg.moe_layers})  # blocks of 32: the tiny rows hold them
     sizes = expert_sizes(cfg, torch.bfloat16, q8.experts)
+    assert gq.DEFAULT_QUANT_TUNING["dequant_min_tokens"] is None
+    assert gq.fewest_dequant_tokens() == float("inf")  # no tuning takes the path: no scratch at any size
+    assert _dequant_scratch(cfg, 4096, torch.bfloat16, q8, sizes) == 0
+    bq.write_quant_tuning({"dequant_min_tokens": 128}, "fake", {"by": "test"}, keys=("dequant_min_tokens",),
+                          meta_key="_meta_dequant")
+    assert gq.load_quant_tuning("fake")["dequant_min_tokens"] == 128
+    assert gq.fewest_dequant_tokens() == 128
+    bq.write_quant_tuning({"dequant_min_tokens": None}, "other", {"by": "test"}, keys=("dequant_min_tokens",),
+                          meta_key="_meta_dequant")  # a device where the path never pays: no bound from it
+    assert gq.fewest_dequant_tokens() == 128
     assert _dequant_scratch(cfg, 256, torch.bfloat16, q8, sizes) > 0  # counted from 128 now
     assert _dequant_scratch(cfg, 64, torch.bfloat16, q8, sizes) == 0
 

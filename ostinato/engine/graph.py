@@ -286,14 +286,16 @@ def env_pass_rows() -> int:
     then replay too, each moving its own most-routed cold experts. In three held-out replays the median
     TTFT after tool outputs was 143-147 ms against 161 with 256 rows (and 170-181 unstaged); the larger
     graphs' memory left 2593 experts resident instead of 2669, and TPOT (8.17-8.53 ms) did not move.
-    511, not the 512 measured: a 512-row pass may take quantized experts' dequantized path (the default
-    tuning's threshold, layers/moe/gpu_quant.py fewest_dequant_tokens), whose scratch the capacity test
-    then counts once more for the graphs' own memory pool: about 200 MB of the 215 MB that the 512 rows
-    cost the 30B shape above, some 70 experts. A 512-token pass runs host-driven. A larger setting over
-    quantized experts captures no pass their dequantized path would serve: that path finds a pass's
-    distinct experts on the host, which a graph cannot hold (session 46's OSTINATO_PASS_GRAPHS=1023 stopped
-    the bench with a capture error); the runner caps it there (ModelRunner.pass_graph_rows), while the
-    capacity test, which does not know the device's tuning, counts the setting."""
+    511, not the 512 measured: a 512-row pass took quantized experts' dequantized path under the default
+    tuning of then (from 512 tokens), whose scratch the capacity test then counts once more for the graphs'
+    own memory pool: about 200 MB of the 215 MB that the 512 rows cost the 30B shape above, some 70 experts.
+    A 512-token pass runs host-driven. Where a device's tuning takes that path (layers/moe/gpu_quant.py
+    dequant_min_tokens; since session 58 no default does, and neither tuned file), a larger setting over
+    quantized experts captures no pass it would serve: that path finds a pass's distinct experts on the
+    host, which a graph cannot hold (session 46's OSTINATO_PASS_GRAPHS=1023 stopped the bench with a capture
+    error); the runner caps it there (ModelRunner.pass_graph_rows), while the capacity test, which does not
+    know the device's tuning, counts the setting. Captured passes of 512 rows and more without that path
+    have not been measured."""
     from ostinato.layers.moe.staging import stages
 
     default = STAGED_PASS_ROWS if stages() else DEFAULT_PASS_ROWS

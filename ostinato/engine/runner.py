@@ -185,8 +185,8 @@ class ModelRunner:
     def pass_graph_rows(self) -> int:
         """The most tokens of a prefill pass captured as a graph (0: none; graph.pass_rows), as many as the
         experts' kernels run inside a graph (MoEBackend.graph_rows: OSTINATO_PASS_GRAPHS=1023 over Q4_K_M
-        experts captures up to 511 rows, below their dequantized path; without experts yet, as a bench's engine
-        between policies, the setting's)."""
+        experts captures up to 511 rows where the device's tuning takes their dequantized path from 512; without
+        experts yet, as a bench's engine between policies, the setting's)."""
         rows = pass_rows(self.settings.pass_graphs, self.layer_devices is not None, self.max_context)
         return self.experts.graph_rows(rows) if rows > 1 and self.experts is not None else rows
 
