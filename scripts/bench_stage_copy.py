@@ -7,14 +7,20 @@ and a stream of its own (layers/moe/staging.py). Session 54 replayed P = 12 and 
 at 24 a 253-token turn's worker waited 31 ms longer for the GPU, as if 24 experts (67 MB) took longer than a
 layer's 2.2 ms, which they would at half the 51 GB/s a kernel reads host memory at on 132 programs and more
 (results/2026-12-06-h100-s39/). And session 53's prefetch on the default grid stalled the layer's own kernels;
-whether by the grid or by the shared copy stream is not measured. This times, per way of copying:
+whether by the grid or by the shared copy stream is not measured. Session 57 ran this on one H100
+(results/2026-12-08-h100-s57/l_bench_stage_copy.txt): every way copied at 48-55 GB/s, but beside bf16 GEMMs the
+grid slowed them 1.51-2.01x, 32 and 64 programs 1.23-1.46x, the memcpy 1.01x. A layer's own staging copies still
+run on the grid (OSTINATO_STAGE_PROGRAMS sets programs), beside the layer's hot experts. This times, per way of
+copying:
 - the copy alone: a CUDA graph holding one copy of K experts, its replays' median;
-- the work alone: a CUDA graph of bf16 GEMMs, a stand-in for a layer's GPU branch (--work-ms long);
+- the work alone: a CUDA graph of --work-ms of a stand-in for a layer's GPU branch: "quant", the engine's
+  quantized prefill kernels (Q4_K/Q6_K pools at the 30B shape, what runs beside the copies in a pass), or
+  "gemm", bf16 GEMMs (session 57's stand-in);
 - both: the two graphs launched together on two streams after one event, each timed from it to its end.
 The ways: the default grid ("grid"), copy_experts on N programs (N of --programs), and the copy engine's
 memcpy of K contiguous experts ("memcpy": no SMs), the reference. Each copy is checked byte for byte.
 
-Usage: python scripts/bench_stage_copy.py [--experts 12 24] [--programs 32 64 132 264] [--reps 30]
+Usage: python scripts/bench_stage_copy.py [--experts 12 24] [--programs 8 16 32 64 132] [--work quant gemm]
 Prints a table; the last line is one JSON document.
 """
 from __future__ import annotations
@@ -59,13 +65,47 @@ def together(copy: torch.cuda.CUDAGraph, work: torch.cuda.CUDAGraph, reps: int) 
     return statistics.median(copy_ms), statistics.median(work_ms)
 
 
+def gemm_work(rows: int):
+    """One unit of the "gemm" stand-in: [rows, 2048] x [2048, 1536] x [1536, 2048] in bf16 (cuBLAS)."""
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 1536, device="cuda", dtype=torch.bfloat16) / 64
+    w2 = torch.randn(1536, 2048, device="cuda", dtype=torch.bfloat16) / 64
+    out = torch.empty_like(x)
+
+    def unit(i: int):
+        out.copy_((x @ w) @ w2)
+    return unit
+
+
+def quant_work(rows: int, layers: int = 4):
+    """One unit of the "quant" stand-in: a layer call of the engine's quantized prefill kernels (Q4_K gate/up,
+    Q6_K down: Q4_K_M's heavier layers) at the 30B shape, `rows` tokens routed over its 128 experts, all hot;
+    unit i calls layer i % layers (other weights each call, as a pass does)."""
+    from scripts.bench_gpu_quant import bench_inputs, make_pool, quant_forward
+
+    qtypes = ("Q4_K", "Q6_K")
+    forward = quant_forward(make_pool(qtypes, layers), qtypes)
+    xs, routes, out = bench_inputs(layers, rows)
+
+    def unit(i: int):
+        slots, weights = routes[i % layers]
+        forward(xs[i % layers], slots, weights, out[i % layers])
+    return unit
+
+
+WORKS = {"quant": quant_work, "gemm": gemm_work}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, nargs="+", default=[12, 24], help="experts copied at once (K)")
-    ap.add_argument("--programs", type=int, nargs="+", default=[32, 64, 132, 264],
-                    help="copy_experts' programs (OSTINATO_PREFETCH_PROGRAMS: the prefetch's)")
-    ap.add_argument("--chunk", type=int, nargs="+", default=[8192, 16384, 32768],
+    ap.add_argument("--programs", type=int, nargs="+", default=[8, 16, 32, 64, 132],
+                    help="copy_experts' programs (OSTINATO_PREFETCH_PROGRAMS: the prefetch's; OSTINATO_STAGE_PROGRAMS: "
+                         "a layer's own staging copies')")
+    ap.add_argument("--chunk", type=int, nargs="+", default=[16384, 32768],
                     help="bytes a program copies a step on a few programs (FEW_CHUNK is the prefetch's)")
+    ap.add_argument("--work", nargs="+", choices=sorted(WORKS), default=["quant", "gemm"],
+                    help="the stand-in for a layer's GPU work: the quantized prefill kernels, or bf16 GEMMs")
     ap.add_argument("--expert-bytes", type=int, default=Q4_K_M_EXPERT)
     ap.add_argument("--rows", type=int, default=256, help="the stand-in work's rows (a pass's tokens)")
     ap.add_argument("--work-ms", type=float, default=2.0, help="the stand-in work's time alone, about")
@@ -87,28 +127,17 @@ def main() -> None:
     dst = torch.zeros(K_max, a.expert_bytes, dtype=torch.uint8, device=dev)
     rows = torch.randperm(E, generator=g).to(torch.int32).to(dev)  # expert e lies in host row rows[e]
 
-    # the stand-in work: a chain of [rows, 2048] x [2048, 1536] bf16 GEMMs, about --work-ms long alone
-    x = torch.randn(a.rows, 2048, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(2048, 1536, device=dev, dtype=torch.bfloat16) / 64
-    w2 = torch.randn(1536, 2048, device=dev, dtype=torch.bfloat16) / 64
-    out = torch.empty_like(x)
-
-    def work_of(n):
-        def fn():
-            y = x
-            for _ in range(n):
-                y = (y @ w) @ w2
-            out.copy_(y)
-        return fn
-
-    one = statistics.median(replay_times(work_of(1), a.reps)[0])
-    n_work = max(1, round(a.work_ms / one))
-    work_times, work = replay_times(work_of(n_work), a.reps)
-    work_alone = statistics.median(work_times)
-    print(f"staging copies beside GPU work, {torch.cuda.get_device_name()}; work: {n_work} GEMM pairs of "
-          f"{a.rows} rows, {work_alone:.3f} ms alone")
-    print(f"{'K':>3} {'way':>8} {'chunk':>6} {'copy ms':>8} {'GB/s':>7} {'beside ms':>9} {'GB/s':>7} {'work ms':>8} "
-          f"{'x alone':>7}  check")
+    works = {}  # name -> (graph, ms alone, units)
+    for name in a.work:
+        unit = WORKS[name](a.rows)
+        one = statistics.median(replay_times(lambda: unit(0), a.reps)[0])
+        n = max(1, round(a.work_ms / one))
+        times, graph = replay_times(lambda n=n, unit=unit: [unit(i) for i in range(n)], a.reps)
+        works[name] = graph, statistics.median(times), n
+        print(f"work {name}: {n} units of {a.rows} rows, {works[name][1]:.3f} ms alone")
+    print(f"staging copies beside GPU work, {torch.cuda.get_device_name()}")
+    print(f"{'work':>5} {'K':>3} {'way':>8} {'chunk':>6} {'copy ms':>8} {'GB/s':>7} {'beside ms':>9} {'GB/s':>7} "
+          f"{'work ms':>8} {'x alone':>7}  check")
     results = []
     for K in a.experts:
         pick = torch.zeros(E, dtype=torch.bool, device=dev)
@@ -126,19 +155,21 @@ def main() -> None:
             times, copy = replay_times(fn, a.reps)
             ok = bool(torch.equal(dst[:K].cpu(), expect))
             alone = statistics.median(times)
-            beside, work_beside = together(copy, work, a.reps)
             nbytes = K * a.expert_bytes
-            r = {"experts": K, "way": name, "programs": int(name) if name.isdigit() else None, "chunk": chunk,
-                 "copy_ms": alone, "gbps": nbytes / alone / 1e6, "copy_beside_ms": beside,
-                 "gbps_beside": nbytes / beside / 1e6, "work_beside_ms": work_beside,
-                 "work_slowdown": work_beside / work_alone, "ok": ok}
-            results.append(r)
-            print(f"{K:3d} {name:>8} {chunk or '-':>6} {alone:8.3f} {r['gbps']:7.2f} {beside:9.3f} "
-                  f"{r['gbps_beside']:7.2f} {work_beside:8.3f} {r['work_slowdown']:7.2f}  {'ok' if ok else 'WRONG'}")
+            for work_name, (work, work_alone, _) in works.items():
+                beside, work_beside = together(copy, work, a.reps)
+                r = {"work": work_name, "experts": K, "way": name, "programs": int(name) if name.isdigit() else None,
+                     "chunk": chunk, "copy_ms": alone, "gbps": nbytes / alone / 1e6, "copy_beside_ms": beside,
+                     "gbps_beside": nbytes / beside / 1e6, "work_beside_ms": work_beside,
+                     "work_slowdown": work_beside / work_alone, "ok": ok}
+                results.append(r)
+                print(f"{work_name:>5} {K:3d} {name:>8} {chunk or '-':>6} {alone:8.3f} {r['gbps']:7.2f} {beside:9.3f} "
+                      f"{r['gbps_beside']:7.2f} {work_beside:8.3f} {r['work_slowdown']:7.2f}  {'ok' if ok else 'WRONG'}")
     print(json.dumps({"bench": "stage_copy", **source_state(), "device": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "triton": triton.__version__, "expert_bytes": a.expert_bytes,
-                      "few_chunk": FEW_CHUNK, "work": {"gemm_pairs": n_work, "rows": a.rows, "ms": work_alone},
-                      "reps": a.reps, "rows": results}))
+                      "few_chunk": FEW_CHUNK, "rows": a.rows,
+                      "works": {n: {"units": u, "ms": ms} for n, (_, ms, u) in works.items()},
+                      "reps": a.reps, "results": results}))
 
 
 if __name__ == "__main__":

@@ -142,6 +142,22 @@ def test_rules_resolve_as_a_pass_takes_them(monkeypatch):
     assert "at least 7 routes" in describe(7) and "mean" in describe("mean") and "balance" in describe("balance")
 
 
+def test_stage_programs_are_the_default_grid_unless_set(monkeypatch):
+    """OSTINATO_STAGE_PROGRAMS: unset or 0, the default grid (None); a count of programs; anything else refused
+    with the variable's name."""
+    from ostinato.layers.moe.staging import env_stage_programs
+
+    monkeypatch.delenv("OSTINATO_STAGE_PROGRAMS", raising=False)
+    assert env_stage_programs() is None
+    for v, want in (("0", None), ("16", 16)):
+        monkeypatch.setenv("OSTINATO_STAGE_PROGRAMS", v)
+        assert env_stage_programs() == want
+    for bad in ("-4", "grid", "1.5"):
+        monkeypatch.setenv("OSTINATO_STAGE_PROGRAMS", bad)
+        with pytest.raises(ConfigError, match="OSTINATO_STAGE_PROGRAMS"):
+            env_stage_programs()
+
+
 def test_stage_from_is_the_rules_count_unless_set(monkeypatch):
     """Unset: a pass of fewer rows than the rule's count cannot stage (1 under "balance"); OSTINATO_STAGE_FROM
     a count of rows, at least 1, anything else refused with the variable's name."""
@@ -210,6 +226,9 @@ def test_report_says_which_passes_stage():
     assert any("at least 16 routes" in line for line in _cpu_note(run))
     assert not any("OSTINATO_STAGE_FROM" in line for line in _cpu_note(run))
     assert any("at least 256 rows stage" in line for line in _cpu_note(run | {"stage_from": "256"}))
+    assert not any("OSTINATO_STAGE_PROGRAMS" in line for line in _cpu_note(run | {"stage_programs": None}))
+    assert ("- a layer's own staging copies run on 64 programs, not the default grid (OSTINATO_STAGE_PROGRAMS)"
+            in _cpu_note(run | {"stage_programs": 64}))
     assert any("padded to 8, 16, 32, 64, 128, 256, 511 rows (" in line for line in _cpu_note(run))
     # the prefetch, as set, and what the pools took where that is less
     assert not any("OSTINATO_PREFETCH" in line for line in _cpu_note(run | {"prefetch": 0, "prefetch_from": 64}))
@@ -305,13 +324,15 @@ def test_copy_kernel_under_the_interpreter():
     run_interpreted(KERNEL, timeout=300)
 
 
-def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
+def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path, monkeypatch):
     """PassStaging on a CPU engine (the "GPU" branch through torch): a layer's pass of n real rows padded
     to B, the pool's experts over the layer's own row, the staged ones copied into the flex slots and
     computed from there, the CPU computing the other cold routes as the worker would, equals the
-    host-driven split path of the n rows; the padding rows compute no expert."""
+    host-driven split path of the n rows; the padding rows compute no expert. Its copies take
+    OSTINATO_STAGE_PROGRAMS' programs."""
     from ostinato.engine.placement import PlacementSettings
     from ostinato.engine.runner import RunnerSettings
+    from ostinato.layers.moe import staging as st
     from ostinato.layers.moe.backend import StepRows
     from ostinato.layers.moe.staging import PassStaging
     from ostinato.layers.moe.types import TopKOutput
@@ -322,6 +343,9 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
     probe = load_engine(str(tiny_dir), settings)
     _residency_for(probe.source, 0.5).save(tmp_path / "r.json")
     hyb = load_engine(str(tiny_dir), settings, PlacementSettings(residency=str(tmp_path / "r.json"))).runner.experts
+    monkeypatch.setenv("OSTINATO_STAGE_PROGRAMS", "32")
+    programs, copy = [], st.copy
+    monkeypatch.setattr(st, "copy", lambda *a, **k: programs.append(a[7]) or copy(*a, **k))
     staging = PassStaging(hyb, 2)
     cfg = probe.source.config
     g = torch.Generator().manual_seed(5)
@@ -347,6 +371,7 @@ def test_a_staged_layer_equals_the_split_path(tiny_dir, tmp_path):
         want = hyb.split_path(layer, x[:n], TopKOutput(ids[:n], w[:n])).float()
         assert torch.allclose(gpu[:n] + cpu, want, rtol=1e-4, atol=1e-5), (gpu[:n] + cpu - want).abs().max()
     assert int(staging.staged_bytes) > 0
+    assert programs and set(programs) == {32}
     hyb.close()
 
 

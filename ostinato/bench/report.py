@@ -21,7 +21,7 @@ from ostinato.engine.graph import env_pass_midpoints, pass_sizes
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
 from ostinato.layers.moe.hybrid import defer_combine
 from ostinato.layers.moe.staging import (describe, env_prefetch, env_prefetch_from, env_prefetch_full_from,
-                                         env_prefetch_programs, env_stage_from, env_stage_routes)
+                                         env_prefetch_programs, env_stage_from, env_stage_programs, env_stage_routes)
 from ostinato.policies.settings import ABLATION, OSTINATO_STEPS
 from ostinato.planner.calibrate import cpu_model
 from ostinato.planner.pipeline import fill_text
@@ -103,6 +103,7 @@ def environment(loaded, bs) -> dict:
             "pass_graphs": loaded.runner.pass_graph_rows() if loaded.runner.device.type == "cuda" else 0,
             "stage_routes": env_stage_routes() if loaded.runner.device.type == "cuda" else 0,
             "stage_from": env_stage_from(),  # None: the rule's count (staging.stage_from)
+            "stage_programs": env_stage_programs(),  # None: the default grid
             "prefetch": env_prefetch() if loaded.runner.device.type == "cuda" else 0,
             "prefetch_from": env_prefetch_from(),
             "prefetch_full_from": env_prefetch_full_from(),
@@ -640,6 +641,9 @@ def _cpu_note(result: dict) -> list[str]:
                      "them on the GPU (OSTINATO_STAGE_ROUTES)")
         if result.get("stage_from"):
             lines.append(f"- only the passes of at least {result['stage_from']} rows stage (OSTINATO_STAGE_FROM)")
+        if result.get("stage_programs"):
+            lines.append(f"- a layer's own staging copies run on {result['stage_programs']} programs, not the default "
+                         "grid (OSTINATO_STAGE_PROGRAMS)")
         if result.get("prefetch"):
             taken = {n for p in result.get("policies", {}).values() for n in p.get("prefetch_taken", [])}
             less = f" (the pools took {', '.join(map(str, sorted(taken)))}: a third of their flex slots at most)" \

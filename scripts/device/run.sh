@@ -21,7 +21,7 @@
 #   micro_synth [O] where a synthetic gpt-oss-120b's load goes, step by step over one layer (scripts/bench_synth_load.py)
 #   micro_zero_copy [Q] a kernel's own reads of page-locked host memory over PCIe against a memcpy (scripts/bench_zero_copy.py)
 #   micro_quant_ab [L] the quantized GPU kernels of this tree against AB_COMMIT's (.carry/ab.tgz), alternating, T = 256
-#   micro_stage_copy [L] the staging copies' pace by grid, alone and beside GPU work on another stream (scripts/bench_stage_copy.py)
+#   micro_stage_copy [L] the staging copies' pace by programs, alone and beside GPU work on another stream (scripts/bench_stage_copy.py)
 #   plans      residencies from the profiles: all, cold, 40% hot, and 40% over two GPUs
 #   check      [B][F] whole model: all-GPU reference, 40% hot under $CAP (+ decode ablation), all CPU
 #   calib      [C] plan under $CAP (capacity test), a half-size pool, calibrate in the engine
@@ -329,8 +329,9 @@ phase_micro_synth() {  # [O] the steps of a synthetic MXFP4 expert's load, and o
 phase_micro_zero_copy() {  # [Q] can a captured pass's kernels read cold experts in host memory? (scripts/bench_zero_copy.py)
   run 120 "$R/q_bench_zero_copy.txt" python3 scripts/bench_zero_copy.py
 }
-phase_micro_stage_copy() {  # [L] the prefetch's copies on a few programs: their pace, and what they cost the layer's work
-  run 120 "$R/l_bench_stage_copy.txt" python3 scripts/bench_stage_copy.py
+phase_micro_stage_copy() {  # [L] the staging and prefetch copies by programs: their pace, and what they cost the layer's
+  # work beside them (the quantized prefill kernels, and bf16 GEMMs as session 57 timed)
+  run 180 "$R/l_bench_stage_copy.txt" python3 scripts/bench_stage_copy.py
 }
 phase_micro_cpu() {
   run 120 "$R/b_bench_cpu.txt" python3 scripts/bench_cpu_experts.py --layers 24 ${THREADS:+--threads $THREADS}

@@ -18,7 +18,12 @@ layer of a captured pass of n real rows:
    at least the layer's mean expert's in that pass (MeanRoutes). A pass of fewer rows than `stage_from`
    (OSTINATO_STAGE_FROM, by default the rule's m) stages nothing and runs none of this.
 2. `copy`: on the executor's copy stream, a kernel copies each staged expert's blocks (and biases)
-   from its page-locked host stack (pool.py HostExperts, the upload path's source) into its flex slot.
+   from its page-locked host stack (pool.py HostExperts, the upload path's source) into its flex slot, on
+   the default grid (a program per 64 KiB of each expert) or on OSTINATO_STAGE_PROGRAMS programs. Both copy
+   at the link's pace, but the grid slowed GPU work on another stream 1.51x (12 experts of the 30B shape) and
+   2.01x (24), 64 programs 1.23x and 1.42x (scripts/bench_stage_copy.py, one H100, results/2026-12-08-h100-s57/
+   l_bench_stage_copy.txt), and that work is step 3's. In a replay neither has been measured against the other:
+   the grid stays the default until one is.
 3. Meanwhile the GPU branch runs over the layer's own index row: the hot routes. Then the stream
    waits for the copies and the GPU branch runs over the staged row, and the two sums add. That is
    the order of the host-driven split with uploads (HybridExperts.split_path): the pool's experts
@@ -114,6 +119,7 @@ DEFAULT_PREFETCH = 24  # OSTINATO_PREFETCH's default: experts a layer (the modul
 DEFAULT_PREFETCH_FROM = 64  # OSTINATO_PREFETCH_FROM's: the fewest rows of a captured pass that prefetches
 DEFAULT_PREFETCH_FULL_FROM = 88  # OSTINATO_PREFETCH_FULL_FROM's: fewer real rows copy half of P (docstring)
 DEFAULT_PREFETCH_PROGRAMS = 64  # OSTINATO_PREFETCH_PROGRAMS': the prefetch copies' programs (P = 24 on 132: slower)
+DEFAULT_STAGE_PROGRAMS = 0  # OSTINATO_STAGE_PROGRAMS': a layer's own staging copies on the default grid (docstring)
 PREFETCH_DECAY = 0.75  # a layer's route history, each pass: about the last four passes count (not tuned)
 
 
@@ -230,6 +236,15 @@ def env_prefetch_programs() -> int:
     if n < 1:
         raise ConfigError("OSTINATO_PREFETCH_PROGRAMS must be at least 1 program")
     return n
+
+
+def env_stage_programs() -> int | None:
+    """OSTINATO_STAGE_PROGRAMS: the programs a layer's own staging copies run on (kernels/triton/stage.py); None
+    (0, the default): the default grid."""
+    v = os.environ.get("OSTINATO_STAGE_PROGRAMS", str(DEFAULT_STAGE_PROGRAMS))
+    if not v.isdigit():
+        raise ConfigError(f"OSTINATO_STAGE_PROGRAMS must be a count of programs (0: the default grid), not {v!r}")
+    return int(v) or None
 
 
 def stages() -> bool:
@@ -394,6 +409,7 @@ class PassStaging:
         self.history = torch.zeros((len(self.layers), E), dtype=torch.float32, device=hybrid.device)
         self.pending: dict[int, tuple[Staged, object]] = {}  # layer -> its experts and their copies' event
         self.programs = env_prefetch_programs()
+        self.stage_programs = env_stage_programs()
         self.full_from = env_prefetch_full_from()
         self.limits: dict[int, torch.Tensor] = {}  # each pool's prefetch count in this pass (start_pass)
         # the prefetch's own stream: a layer's staging copies must not queue behind the next layer's prefetch
@@ -435,15 +451,16 @@ class PassStaging:
         self._copy(layer, staged, self.pools.of(layer).flex_lo)
 
     def _copy(self, layer: int, staged: Staged, flex_lo: int, prefetch: bool = False) -> None:
-        """`stage`'s copies from flex slot flex_lo; with prefetch, on the prefetch's own stream by a few programs
-        (OSTINATO_PREFETCH_PROGRAMS), since they run beside the work they do not feed."""
+        """`stage`'s copies from flex slot flex_lo, on OSTINATO_STAGE_PROGRAMS' programs (None: the default grid);
+        with prefetch, on the prefetch's own stream by a few programs (OSTINATO_PREFETCH_PROGRAMS), since they run
+        beside the work they do not feed."""
         with self.hybrid.on_copy_stream(stream=self.stream if prefetch else None):
             if staged.pick.is_cuda:  # read on the copy stream: the allocator must not hand them out before
                 for t in (staged.pick, staged.rank):
                     t.record_stream(torch.cuda.current_stream(self.device))
             for src, dst, host in self.pairs[layer]:
                 copy(src, dst, self.rows[layer], staged.pick, staged.rank, flex_lo, host,
-                     self.programs if prefetch else None)
+                     self.programs if prefetch else self.stage_programs)
 
     def landed(self, stream=None):
         """An event after the copies issued so far on the copy stream (or `stream`), for the current stream to
