@@ -67,3 +67,22 @@ def test_no_import_cycle_between_the_packages_parts():
 
     cycles = sorted((a, b) for a, bs in edges.items() for b in bs if a < b and reaches(b, a))
     assert not cycles, f"parts that import each other (directly or around a loop): {cycles}"
+
+
+def test_the_device_carry_names_committed_inputs(tmp_path):
+    """scripts/device/carry.sh builds .carry from committed results: each file it names is in the tree (a results
+    folder renamed or pruned fails here, not in a device call's first minutes); ../shared's parts are faked."""
+    import subprocess
+
+    (tmp_path / "workloads").mkdir()
+    (tmp_path / "llama").mkdir()
+    for name in ("kit.tar.xz", "unpack.sh"):
+        (tmp_path / "llama" / name).touch()
+    run = lambda shared: subprocess.run(["bash", str(ROOT / "scripts/device/carry.sh"), "--check"],  # noqa: E731
+                                        env={"PATH": "/usr/bin:/bin", "SHARED": str(shared)}, capture_output=True,
+                                        text=True)
+    ok = run(tmp_path)
+    assert ok.returncode == 0 and "every input is here" in ok.stdout, ok.stderr
+    (tmp_path / "llama" / "unpack.sh").unlink()
+    bad = run(tmp_path)
+    assert bad.returncode == 1 and "unpack.sh is missing" in bad.stderr
