@@ -228,13 +228,17 @@ DEQUANT_SCRIPT = """
         q = t.random_rows((3,), n, qtype, g)
         np.testing.assert_array_equal(dequantize_rows(q, qtype, n).numpy(),
                                       t.gguf_dense(q, qtype).numpy())
-    odd = torch.zeros(2, 146, dtype=torch.uint8)[:, 1:145]  # Q4_K rows a byte past a word: heads load as words
-    try:
-        dequantize_rows(odd, "Q4_K", 256)
-    except ValueError as e:
-        assert "4-byte boundaries" in str(e), e
-    else:
-        raise AssertionError("Q4_K rows off a 4-byte boundary were accepted")
+    # rows a byte past a word (Q4_K: heads load as words) or past a half (Q6_K: its scale d loads as one fp16)
+    for qtype, nbytes, align in (("Q4_K", 144, 4), ("Q6_K", 210, 2)):
+        odd = torch.zeros(2, nbytes + 2, dtype=torch.uint8)[:, 1:nbytes + 1]
+        try:
+            dequantize_rows(odd, qtype, 256)
+        except ValueError as e:
+            assert f"{align}-byte boundaries" in str(e), e
+        else:
+            raise AssertionError(f"{qtype} rows off a {align}-byte boundary were accepted")
+    half = torch.zeros(2, 212, dtype=torch.uint8)[:, 2:212]  # Q6_K on a 2-byte boundary, not a word's: taken
+    assert not dequantize_rows(half, "Q6_K", 256).any()
     print("INTERPRETER_OK")
 """
 

@@ -51,7 +51,12 @@ LANES = tl.constexpr(16)  # lanes per group; its 32 values share their scales in
 # Q4_K_M's gate/up are Q4_K, so it was not kept. What bound them was the loads: ten byte loads of a Q4_K head per
 # (row, group) and the activations gathered two bytes at a time, each load spanning a tile's rows. As words
 # (_words) and vectors (_b_tiles' hints), Q4_K prefill at T = 256 took 589 us against 1066 on one H100, decode 32.0
-# against 37.6 (session 57, results/2026-12-08-h100-s57/k_quant_ab.txt).
+# against 37.6 (session 57, results/2026-12-08-h100-s57/k_quant_ab.txt). Q8_0's and Q6_K's blocks (34, 210 bytes) are
+# only 2-byte aligned, and where a row's stride is not a multiple of 16 bytes (Q4_K_M's Q6_K down rows: 630 bytes at
+# the 30B shape, 1260 at the 235B's) the compiler knew nothing of it and loaded every lane's byte alone. _rows_at marks
+# their rows 2-byte aligned and _fp16 loads d whole: compiled for sm_90 (scripts/sass_loads.py, Triton 3.6), Q6_K's
+# prefill w2 kernel went from 53 global load instructions (36 of single bytes) to 36 (17 of two bytes, 2 of one), its
+# decode w2 from 86 to 51, Q8_0's from 51 and 80 to 34 and 46 (session 58; not yet timed on a GPU).
 
 
 @triton.jit
@@ -62,10 +67,9 @@ def _half(w, shift):
 
 @triton.jit
 def _fp16(ptr, mask):
-    """The little-endian fp16 at ptr, ptr + 1 as fp32 (byte loads: blocks are not aligned)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-    return _half(lo | (hi << 8), 0)
+    """The fp16 at ptr (a uint8 pointer, 2-byte aligned) as fp32: one load, where bytes took two. Q8_0's and Q6_K's
+    blocks (34, 210 bytes) are only 2-byte aligned, and their scale d lies at an even offset (0, 208)."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16), bitcast=True), mask=mask, other=0).to(tl.float32)
 
 
 @triton.jit
@@ -199,11 +203,27 @@ def _lanes(row, gg, i, mask, QT: tl.constexpr):
     return lo, hi, e_lo, e_hi
 
 
+WORD_BYTES = {"Q4_K": 4, "Q5_K": 4, "Q8_0": 2, "Q6_K": 2}  # the widest load of a block's head (_words, _fp16)
+
+
+@triton.jit
+def _rows_at(base, offs, stride, QT: tl.constexpr):
+    """base + offs * stride (offs [*, 1, 1] or [1, 1, *], int64 offsets): rows of QT blocks. Q8_0's and Q6_K's
+    are marked 2-byte aligned (check_words ensures it), so that their lanes load two bytes at a time where the
+    compiler cannot know it from the stride (Q4_K_M's Q6_K down rows of 3 or 6 blocks, 630 and 1260 bytes)."""
+    rows = base + offs.to(tl.int64) * stride
+    if QT == "Q8_0" or QT == "Q6_K":
+        rows = tl.multiple_of(rows, [2, 2, 2])
+    return rows
+
+
 def check_words(q: torch.Tensor, qtype: str) -> None:
-    """Q4_K and Q5_K blocks' heads load as int32 words (_words): q's start and row strides must be multiples of
-    4 bytes. Every pool and weight the engine allocates is; a view at an odd byte offset is not."""
-    if qtype in ("Q4_K", "Q5_K") and (q.data_ptr() % 4 or any(s % 4 for s in q.stride()[:-1])):
-        raise ValueError(f"moe_quant: {qtype} rows must start on 4-byte boundaries (start {q.data_ptr()}, "
+    """Q4_K and Q5_K blocks' heads load as int32 words (_words), Q8_0's and Q6_K's scale as one fp16 (_fp16): q's
+    start and row strides must be multiples of WORD_BYTES[qtype]. Every pool and weight the engine allocates is;
+    a view at an odd byte offset is not."""
+    align = WORD_BYTES.get(qtype, 1)
+    if q.data_ptr() % align or any(s % align for s in q.stride()[:-1]):
+        raise ValueError(f"moe_quant: {qtype} rows must start on {align}-byte boundaries (start {q.data_ptr()}, "
                          f"strides {tuple(q.stride())})")
 
 
@@ -214,7 +234,7 @@ def _dequant_kernel(q_ptr, out_ptr, M, n, stride_q, stride_o,
     gg = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[None, :, None]
     i = tl.arange(0, LANES)[None, None, :]
     mask = (rows < M) & (gg < n // 32)
-    lo, hi, e_lo, e_hi = _lanes(q_ptr + rows.to(tl.int64) * stride_q, gg, i, mask, QT)
+    lo, hi, e_lo, e_hi = _lanes(_rows_at(q_ptr, rows, stride_q, QT), gg, i, mask, QT)
     out_row = out_ptr + rows.to(tl.int64) * stride_o
     tl.store(out_row + e_lo, lo, mask=mask)
     tl.store(out_row + e_hi, hi, mask=mask)
@@ -246,9 +266,9 @@ def _decode_w13_kernel(x_ptr, slots_ptr, w13_ptr, h_ptr, b13_ptr, zero_lo, zero_
     t = route // K
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     mask_f = (offs_f < F)[:, None, None]
-    gate_rows = (w13_ptr + s.to(tl.int64) * stride_ws
-                 + offs_f.to(tl.int64)[:, None, None] * stride_wr)  # [BLOCK_F, 1, 1]
-    up_rows = gate_rows + F * stride_wr.to(tl.int64)
+    expert = w13_ptr + s.to(tl.int64) * stride_ws
+    gate_rows = _rows_at(expert, offs_f[:, None, None], stride_wr, QT)  # [BLOCK_F, 1, 1]
+    up_rows = _rows_at(expert, offs_f[:, None, None] + F, stride_wr, QT)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     groups = tl.arange(0, GROUPS)[None, :, None]
     i = tl.arange(0, LANES)[None, None, :]
@@ -295,7 +315,7 @@ def _decode_w2_kernel(h_ptr, slots_ptr, weights_ptr, w2_ptr, out_ptr, b2_ptr, ze
     if tl.sum(live.to(tl.int32), axis=0) == 0:
         tl.store(out_row, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=offs_d < D)
         return
-    rows = (w2_ptr + s.to(tl.int64) * stride_ws + d.to(tl.int64) * stride_wr)[:, None, None]
+    rows = _rows_at((w2_ptr + s.to(tl.int64) * stride_ws)[:, None, None], d[:, None, None], stride_wr, QT)
     h_rows = (h_ptr + route.to(tl.int64) * F)[:, None, None]
     live3 = live[:, None, None]
     groups = tl.arange(0, GROUPS)[None, :, None]
@@ -379,9 +399,9 @@ def _prefill_w13_kernel(x_ptr, w13_ptr, h_ptr, sorted_routes_ptr, block_slots_pt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (offs_n < F)[None, None, :]
     # weight tiles [G, 16, BLOCK_N]: lanes down, rows across (the orientation of B)
-    gate_rows = (w13_ptr + s.to(tl.int64) * stride_ws
-                 + offs_n.to(tl.int64)[None, None, :] * stride_wr)
-    up_rows = gate_rows + F * stride_wr.to(tl.int64)
+    expert = w13_ptr + s.to(tl.int64) * stride_ws
+    gate_rows = _rows_at(expert, offs_n[None, None, :], stride_wr, QT)
+    up_rows = _rows_at(expert, offs_n[None, None, :] + F, stride_wr, QT)
     groups = tl.arange(0, GROUPS)[:, None, None]
     i = tl.arange(0, LANES)[None, :, None]
     num_groups = D // 32
@@ -428,7 +448,7 @@ def _prefill_w2_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_routes_ptr, blo
     h_rows = h_ptr + routes.to(tl.int64)[:, None] * F  # [BLOCK_M, 1]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (offs_n < D)[None, None, :]
-    rows = w2_ptr + s.to(tl.int64) * stride_ws + offs_n.to(tl.int64)[None, None, :] * stride_wr
+    rows = _rows_at(w2_ptr + s.to(tl.int64) * stride_ws, offs_n[None, None, :], stride_wr, QT)
     groups = tl.arange(0, GROUPS)[:, None, None]
     i = tl.arange(0, LANES)[None, :, None]
     num_groups = F // 32

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.triton.moe_quant import LANES, _lanes, check_words
+from ostinato.kernels.triton.moe_quant import LANES, _lanes, _rows_at, check_words
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def _matvec_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, n, stride_xt, stride_wr, str
                    NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows on axis 0: a head's 151936 exceed axis 1's 65535
     t = tl.program_id(1)
-    rows = (w_ptr + offs_n.to(tl.int64) * stride_wr)[:, None, None]  # [BLOCK_N, 1, 1]
+    rows = _rows_at(w_ptr, offs_n[:, None, None], stride_wr, QT)  # [BLOCK_N, 1, 1]
     live = (offs_n < N)[:, None, None]
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     groups = tl.arange(0, GROUPS)[None, :, None]
