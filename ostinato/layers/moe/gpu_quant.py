@@ -44,11 +44,11 @@ DEFAULT_QUANT_TUNING: dict = {
     "decode_max_tokens": 8,
     # passes of at least this many tokens dequantize their experts to the activation dtype, DEQUANT_CHUNK at a
     # time, for the bf16 kernels (slot_experts_dequant_triton); None: no pass does. It was 512, from the H200 of
-    # session 11, where a layer call of Q4_K_M's pairs took 1.9x less time that way at T = 512 (results/2026-12-
-    # 02-h200-s11, --dequant-prefill). The quantized kernels of 48416b5 (loads as words and vectors) made their
-    # prefill 1.8-2.0x faster, and the one device measured with them, an H100, found that path never faster:
-    # 0.40x and 0.61x as fast at T = 2048 (results/2026-12-08-h100-s57/k_tune_gpu.txt). A device's own tuning
-    # (`scripts/bench_gpu_quant.py --tune`) sets it by measurement; without one there is no scratch to hold.
+    # session 11, where a layer call of Q4_K_M's pairs took 1.9x less time that way at T = 512
+    # (results/2026-12-02-h200-s11, --dequant-prefill). The quantized kernels of 48416b5 (loads as words and
+    # vectors) made their prefill 1.8-2.0x faster, and the one device measured with them, an H100, found that path
+    # never faster: 0.40x and 0.61x as fast at T = 2048 (results/2026-12-08-h100-s57/k_tune_gpu.txt). A device's
+    # own tuning (`scripts/bench_gpu_quant.py --tune`) sets it by measurement; without one there is no scratch.
     "dequant_min_tokens": None,
     # dense weights kept in blocks (layers/quant_linear.py): passes of at most this many tokens run the matvec,
     # larger ones dequantize the weight and run the GEMM. Not measured yet: the matvec reads the weight once per
