@@ -579,12 +579,13 @@ def format_before_after(rows):
 
 
 def write_quant_tuning(tuning, tag, meta, keys=TUNED_KEYS, meta_key="_meta"):
-    """gpu_quant.quant_tuned_path(tag) with meta (under meta_key) and tuning's `keys`, the file's other
-    entries kept (the dense matvec's, scripts/bench_quant_linear.py); clears the loaded tunings."""
+    """gpu_quant.quant_tuned_path(tag) with meta (under meta_key, with the commit of the kernels tuned: a report
+    names it, gpu_quant.quant_tuning_source) and tuning's `keys`, the file's other entries kept (the dense
+    matvec's, scripts/bench_quant_linear.py); clears the loaded tunings."""
     path = gq.quant_tuned_path(tag)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = json.loads(path.read_text()) if path.exists() else {}
-    doc |= {meta_key: meta, **{key: tuning[key] for key in keys}}
+    doc |= {meta_key: {**meta, **source_state()}, **{key: tuning[key] for key in keys}}
     path.write_text(json.dumps(doc, indent=2) + "\n")
     gq.clear_quant_tuning_cache()
     return path, doc

@@ -339,7 +339,7 @@ def test_each_writer_keeps_the_others_entries(tuned_dir):
                           meta_key="_meta_dense")
     tuning["decode_w2"] = {"BLOCK_D": 8, "GROUPS": 2, "num_warps": 2, "num_stages": 1}
     _, doc = bq.write_quant_tuning(tuning, "fake", {"by": "experts"})
-    assert doc["_meta_dense"] == {"by": "dense"} and doc["_meta"] == {"by": "experts"}
+    assert doc["_meta_dense"]["by"] == "dense" and doc["_meta"]["by"] == "experts"  # each with the commit (source_state)
     loaded = gq.load_quant_tuning("fake")
     assert loaded["dense_matvec"] == tuning["dense_matvec"] and loaded["dense_matvec_max_tokens"] == 2
     assert loaded["decode_w2"] == tuning["decode_w2"] and "_meta_dense" not in loaded
@@ -396,6 +396,29 @@ def test_a_tuned_dequant_threshold_reaches_the_capacity_test(tuned_dir):
     assert gq.fewest_dequant_tokens() == 128
     assert _dequant_scratch(cfg, 256, torch.bfloat16, q8, sizes) > 0  # counted from 128 now
     assert _dequant_scratch(cfg, 64, torch.bfloat16, q8, sizes) == 0
+
+
+def test_a_report_names_the_tuning_the_quantized_kernels_ran(tuned_dir, monkeypatch):
+    """A tuned file records the commit of the kernels it tuned; a bench report of quantized experts says which
+    file (or the defaults) the GPU kernels ran with, and when and at which commit it was tuned, so that a
+    tuning older than its kernels shows; a bf16 run says nothing of it."""
+    from ostinato.bench.report import _cpu_note
+
+    cpu = torch.device("cpu")
+    assert gq.quant_tuning_source(cpu) == {"file": None}
+    monkeypatch.setenv("OSTINATO_COMMIT", "0123456789abcdef")
+    monkeypatch.setenv("OSTINATO_DIRTY", "0")
+    bq.write_quant_tuning(BASE, "cpu", {"written": "2026-12-08T00:00:00", "by": "test"})
+    source = gq.quant_tuning_source(cpu)
+    assert source == {"file": "moe_quant_cpu.json", "written": "2026-12-08T00:00:00", "commit": "0123456789abcdef"}
+    run = {"device": "cuda", "budget": {"groups": {"Q4_K/Q6_K": {}, "Q4_K/Q4_K": {}}}, "quant_tuning": source}
+    assert ("- quantized GPU kernels: the tuning of moe_quant_cpu.json, written 2026-12-08T00:00:00 at `0123456`"
+            in _cpu_note(run))
+    assert ("- quantized GPU kernels: the default configs (no tuned file for this GPU)"
+            in _cpu_note(run | {"quant_tuning": {"file": None}}))
+    old = run | {"quant_tuning": {"file": "moe_quant_h200.json", "written": "2026-12-01T21:44:24", "commit": None}}
+    assert any(line.endswith("written 2026-12-01T21:44:24 (its commit not recorded)") for line in _cpu_note(old))
+    assert not any("quantized GPU kernels" in line for line in _cpu_note(run | {"budget": {"groups": {"bfloat16": {}}}}))
 
 
 # --- on CUDA ------------------------------------------------------------------------------

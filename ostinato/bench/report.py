@@ -19,6 +19,7 @@ import torch
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.engine.graph import env_pass_midpoints, pass_sizes
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
+from ostinato.layers.moe.gpu_quant import quant_tuning_source
 from ostinato.layers.moe.hybrid import defer_combine
 from ostinato.layers.moe.staging import (describe, env_prefetch, env_prefetch_from, env_prefetch_full_from,
                                          env_prefetch_programs, env_stage_from, env_stage_programs, env_stage_routes)
@@ -104,6 +105,7 @@ def environment(loaded, bs) -> dict:
             "stage_routes": env_stage_routes() if loaded.runner.device.type == "cuda" else 0,
             "stage_from": env_stage_from(),  # None: the rule's count (staging.stage_from)
             "stage_programs": env_stage_programs(),  # None: the default grid
+            "quant_tuning": quant_tuning_source(loaded.runner.device) if loaded.runner.device.type == "cuda" else None,
             "prefetch": env_prefetch() if loaded.runner.device.type == "cuda" else 0,
             "prefetch_from": env_prefetch_from(),
             "prefetch_full_from": env_prefetch_full_from(),
@@ -631,6 +633,13 @@ def _cpu_note(result: dict) -> list[str]:
         if result.get(key) and has(*which.split(" / ")):  # runs before session 48 put no MXFP4 on the tiles
             lines.append(f"- CPU experts: the {which} projections of quantized experts with at least {result[key]} "
                          "routes of a pass on the AMX int8 tiles (OSTINATO_AMX_INT8)")
+    tuning = result.get("quant_tuning")
+    if tuning and has("Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4"):
+        if tuning["file"]:
+            at = f" at `{tuning['commit'][:7]}`" if tuning.get("commit") else " (its commit not recorded)"
+            lines.append(f"- quantized GPU kernels: the tuning of {tuning['file']}, written {tuning.get('written')}{at}")
+        else:
+            lines.append("- quantized GPU kernels: the default configs (no tuned file for this GPU)")
     if result.get("defer_combine"):
         lines.append("- split passes that upload nothing join their CPU branch on the GPU stream, the host going on "
                      "(OSTINATO_DEFER_COMBINE, on unless 0)")

@@ -79,6 +79,17 @@ def quant_tuned_path(tag: str):
     return ge.TUNED_DIR / f"moe_quant_{tag}.json"
 
 
+def quant_tuning_source(device: torch.device) -> dict:
+    """Where `device`'s tuning of the quantized kernels comes from, as a report says it: its tuned file's name and
+    when and at which commit it was tuned (_meta; None where the file did not record it), or file None: the
+    defaults. A file tuned for older kernels still loads; this lets a reader see it."""
+    path = quant_tuned_path(ge.device_tag(device))
+    if not path.exists():
+        return {"file": None}
+    meta = json.loads(path.read_text()).get("_meta", {})
+    return {"file": path.name, "written": meta.get("written"), "commit": meta.get("commit")}
+
+
 def default_quant_tuning(tag: str) -> dict:
     """DEFAULT_QUANT_TUNING (a copy) plus gpu_experts' align and combine for the device."""
     base = ge.load_tuning(tag)
