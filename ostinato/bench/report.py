@@ -19,7 +19,7 @@ import torch
 from ostinato.bench.metrics import paired_intervals, slope, ttft_by_size, wins
 from ostinato.engine.graph import env_pass_midpoints, pass_sizes
 from ostinato.layers.moe.cpu_experts import default_amx_int8_min_tokens, default_amx_quant_min_tokens
-from ostinato.layers.moe.gpu_quant import quant_tuning_source
+from ostinato.layers.moe.gpu_quant import QUANT_QTYPES, quant_tuning_source
 from ostinato.layers.moe.hybrid import defer_combine
 from ostinato.layers.moe.staging import (describe, env_prefetch, env_prefetch_from, env_prefetch_full_from,
                                          env_prefetch_programs, env_stage_from, env_stage_programs, env_stage_routes)
@@ -634,7 +634,7 @@ def _cpu_note(result: dict) -> list[str]:
             lines.append(f"- CPU experts: the {which} projections of quantized experts with at least {result[key]} "
                          "routes of a pass on the AMX int8 tiles (OSTINATO_AMX_INT8)")
     tuning = result.get("quant_tuning")
-    if tuning and has("Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4"):
+    if tuning and has(*QUANT_QTYPES):
         if tuning["file"]:
             at = f" at `{tuning['commit'][:7]}`" if tuning.get("commit") else " (its commit not recorded)"
             lines.append(f"- quantized GPU kernels: the tuning of {tuning['file']}, written {tuning.get('written')}{at}")

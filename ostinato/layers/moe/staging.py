@@ -241,10 +241,7 @@ def env_prefetch_programs() -> int:
 def env_stage_programs() -> int | None:
     """OSTINATO_STAGE_PROGRAMS: the programs a layer's own staging copies run on (kernels/triton/stage.py); None
     (0, the default): the default grid."""
-    v = os.environ.get("OSTINATO_STAGE_PROGRAMS", str(DEFAULT_STAGE_PROGRAMS))
-    if not v.isdigit():
-        raise ConfigError(f"OSTINATO_STAGE_PROGRAMS must be a count of programs (0: the default grid), not {v!r}")
-    return int(v) or None
+    return env_count("OSTINATO_STAGE_PROGRAMS", DEFAULT_STAGE_PROGRAMS, "programs") or None
 
 
 def stages() -> bool:
